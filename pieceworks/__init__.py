@@ -1,0 +1,21 @@
+"""pieceworks: trace once, split at the dynamic ops, compile the pieces, replay static graphs.
+
+Importing pieceworks resolves no platform and writes no torch flags; the heavy entry points
+(``LLM``, ``SamplingParams``) are imported on first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {"LLM": "pieceworks.engine.llm", "SamplingParams": "pieceworks.engine.sampling_params"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pieceworks' has no attribute {name!r}")

@@ -1,0 +1,167 @@
+"""``EngineConfig`` and its parts: model, cache, scheduler, parallel and compilation.
+
+One object, passed explicitly to every constructor that needs configuration (no globals). An
+EngineConfig can be built without a model (tests of the compile pipeline do this). The engine fills
+``ModelConfig.hf_config`` from a preset or a checkpoint directory; this module reads no files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode, PassConfig
+from pieceworks.utils import hash_factors
+
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float": torch.float32,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any] | None) -> torch.dtype:
+    """vLLM's rule: "auto" takes the checkpoint's dtype, float32 checkpoints run in bfloat16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        name = (hf_config or {}).get("torch_dtype") or (hf_config or {}).get("dtype") or "bfloat16"
+        resolved = _DTYPES.get(str(name).removeprefix("torch."), torch.bfloat16)
+        return torch.bfloat16 if resolved == torch.float32 else resolved
+    if dtype not in _DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'"
+        )
+    return _DTYPES[dtype]
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Which model, in which dtype, with which shape (``hf_config`` is the config.json dict)."""
+
+    model: str = "llama-tiny"
+    hf_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    quantization: str | None = None  # None | "fp8"
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        self.dtype = resolve_dtype(self.dtype, self.hf_config)
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported; use None or 'fp8'"
+            )
+        limit = self.hf_config.get("max_position_embeddings")
+        if self.max_model_len is None:
+            self.max_model_len = min(limit or 2048, 8192)
+        elif limit is not None and self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}; lower --max-model-len"
+            )
+
+    @property
+    def architecture(self) -> str:
+        architectures = self.hf_config.get("architectures") or ["LlamaForCausalLM"]
+        return architectures[0]
+
+
+@dataclasses.dataclass
+class CacheConfig:
+    """Paged KV cache and Mamba state cache sizing."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    mamba_ssm_cache_dtype: str = "float32"  # "float32" | "auto" (model dtype)
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """Continuous-batching limits per step."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below "
+                f"max_num_seqs={self.max_num_seqs}: a full decode step would not "
+                "fit; raise max_num_batched_tokens"
+            )
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """Tensor parallelism: this process's rank among ``tensor_parallel_size``."""
+
+    tensor_parallel_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.tensor_parallel_size:
+            raise ValueError(
+                f"rank {self.rank} outside tensor_parallel_size {self.tensor_parallel_size}"
+            )
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Everything that configures one engine; passed explicitly, never read from globals."""
+
+    model_config: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    cache_config: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+
+    def __post_init__(self) -> None:
+        self.compilation_config.finalize_capture_sizes(self.scheduler_config.max_num_seqs)
+
+    def compute_hash(self) -> str:
+        """Hash of every field that changes compiled code."""
+        model = self.model_config
+        factors = {
+            "hf_config": model.hf_config,
+            "dtype": str(model.dtype),
+            "quantization": model.quantization,
+            "max_model_len": model.max_model_len,
+            "block_size": self.cache_config.block_size,
+            "kv_cache_dtype": self.cache_config.kv_cache_dtype,
+            "mamba_ssm_cache_dtype": self.cache_config.mamba_ssm_cache_dtype,
+            "tensor_parallel_size": self.parallel_config.tensor_parallel_size,
+            "compilation": self.compilation_config.compute_hash(),
+        }
+        return hash_factors(factors)
+
+
+__all__ = [
+    "CUDAGraphMode",
+    "CacheConfig",
+    "CompilationConfig",
+    "CompilationLevel",
+    "EngineConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "PassConfig",
+    "SchedulerConfig",
+    "resolve_dtype",
+]

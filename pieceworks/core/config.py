@@ -1,0 +1,222 @@
+"""Compilation configuration: levels, static-graph modes, capture sizes and their validation.
+
+``CompilationConfig`` is the compile half of ``EngineConfig``; it knows nothing about hardware. The
+platform adjusts it once, in ``Platform.check_and_update_config`` (e.g. CPU turns graphs off).
+Names follow vLLM's ``compilation/config.py`` so that a vLLM user maps them one to one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+from typing import Any
+
+from pieceworks.logger import init_logger
+from pieceworks.utils import hash_factors
+
+logger = init_logger(__name__)
+
+LIBRARY_NAMESPACE = "pieceworks"
+ATTENTION_OP = f"{LIBRARY_NAMESPACE}::unified_attention_with_output"
+MAMBA_MIXER2_OP = f"{LIBRARY_NAMESPACE}::mamba_mixer2"
+
+
+class CompilationLevel(enum.IntEnum):
+    NO_COMPILATION = 0  # plain eager PyTorch
+    DYNAMO_AS_IS = 1  # plain torch.compile: guards evaluated on every call, recompiles allowed
+    DYNAMO_ONCE = 2  # trace once; later calls run the captured bytecode without guards
+    PIECEWISE = 3  # trace once + split at the dynamic ops + compile each piece + static graphs
+
+
+class CUDAGraphMode(enum.Enum):
+    """Which static graphs to capture. Tuple members give (decode mode, mixed-batch mode)."""
+
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_PIECEWISE = (FULL, PIECEWISE)
+
+    def separate_routine(self) -> bool:
+        return isinstance(self.value, tuple)
+
+    def decode_mode(self) -> CUDAGraphMode:
+        """Mode for uniform decode batches (every sequence adds one token)."""
+        return CUDAGraphMode(self.value[0]) if self.separate_routine() else self
+
+    def mixed_mode(self) -> CUDAGraphMode:
+        """Mode for every other batch (prefills, mixed prefill and decode)."""
+        return CUDAGraphMode(self.value[1]) if self.separate_routine() else self
+
+    def has_full_cudagraphs(self) -> bool:
+        return CUDAGraphMode.FULL in (self.decode_mode(), self.mixed_mode())
+
+    def has_piecewise_cudagraphs(self) -> bool:
+        return CUDAGraphMode.PIECEWISE in (self.decode_mode(), self.mixed_mode())
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """The seed's grid: 1, 2, 4, then steps of 8 up to the first multiple of 8 >= max_num_seqs."""
+    sizes = [1, 2, 4]
+    sizes += list(range(8, ((max_num_seqs + 7) // 8) * 8 + 1, 8))
+    return sizes
+
+
+@dataclasses.dataclass
+class PassConfig:
+    """Which pieceworks Inductor passes run on every piece (see ``core/passes``)."""
+
+    enable_noop: bool = True  # remove reshapes/slices that do nothing
+    enable_fusion: bool = False  # RMSNorm (+ residual add) -> static FP8 quant fused into one op
+
+    def __post_init__(self) -> None:
+        if self.enable_fusion and not self.enable_noop:
+            logger.warning(
+                "PassConfig: enable_fusion without enable_noop matches fewer patterns "
+                "(reshapes between norm and quant hide them); set enable_noop=True"
+            )
+
+
+@dataclasses.dataclass
+class CompilationConfig:
+    """How the model is compiled and which static graphs are captured (vLLM's names)."""
+
+    level: CompilationLevel = CompilationLevel.PIECEWISE
+    backend: str | None = None  # "inductor" | "eager"; None: the platform's default
+    splitting_ops: list[str] | None = None  # None: attention + mamba_mixer2
+    cudagraph_mode: CUDAGraphMode | None = None  # None: FULL_AND_PIECEWISE at level 3, else NONE
+    cudagraph_capture_sizes: list[int] | None = None  # None: default_capture_sizes(max_num_seqs)
+    compile_sizes: list[int] = dataclasses.field(default_factory=list)
+    cudagraph_num_of_warmups: int = 1
+    cudagraph_copy_inputs: bool = False
+    custom_ops: list[str] = dataclasses.field(default_factory=list)
+    pass_config: PassConfig = dataclasses.field(default_factory=PassConfig)
+    cache_dir: str | None = None
+    debug_dump_path: str | None = None
+    inductor_compile_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # Layers that run outside the compiled graph (attention, Mamba mixers), by prefix; the custom
+    # ops find their layer here at run time. Filled at model construction; not hashed.
+    static_forward_context: dict[str, Any] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
+    # Filled by finalize_capture_sizes(); not user fields.
+    _pad_table: list[int] = dataclasses.field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.level = CompilationLevel(self.level)
+        if isinstance(self.cudagraph_mode, str):
+            self.cudagraph_mode = CUDAGraphMode[self.cudagraph_mode.upper()]
+        if isinstance(self.pass_config, dict):
+            self.pass_config = PassConfig(**self.pass_config)
+        if self.backend not in (None, "inductor", "eager"):
+            raise ValueError(
+                f"CompilationConfig.backend={self.backend!r} is not supported; "
+                "use 'inductor' or 'eager'"
+            )
+        if self.splitting_ops is None:
+            self.splitting_ops = [ATTENTION_OP, MAMBA_MIXER2_OP]
+        self._resolve_cudagraph_mode()
+        for entry in self.custom_ops:
+            if entry not in ("all", "none") and entry[:1] not in "+-":
+                raise ValueError(
+                    f"custom_ops entry {entry!r}: use 'all', 'none', '+name' or '-name'"
+                )
+        if self.cudagraph_capture_sizes is not None:
+            self._validate_capture_sizes(self.cudagraph_capture_sizes)
+
+    def _resolve_cudagraph_mode(self) -> None:
+        if self.cudagraph_mode is None:
+            piecewise = self.level == CompilationLevel.PIECEWISE
+            self.cudagraph_mode = (
+                CUDAGraphMode.FULL_AND_PIECEWISE if piecewise else CUDAGraphMode.NONE
+            )
+        mode = self.cudagraph_mode
+        if mode.has_piecewise_cudagraphs() and self.level != CompilationLevel.PIECEWISE:
+            raise ValueError(
+                f"cudagraph_mode={mode.name} captures pieces of a split graph, which "
+                f"needs level 3 (PIECEWISE); got level {int(self.level)}. "
+                "Use level=3, or cudagraph_mode FULL / NONE."
+            )
+        if mode.has_piecewise_cudagraphs() and not self.splitting_ops:
+            promoted = CUDAGraphMode.FULL
+            logger.info(
+                "cudagraph_mode %s with empty splitting_ops has nothing to split: "
+                "promoted to %s (one graph for the whole model)",
+                mode.name,
+                promoted.name,
+            )
+            self.cudagraph_mode = promoted
+
+    @staticmethod
+    def _validate_capture_sizes(sizes: list[int]) -> None:
+        if any(not isinstance(size, int) or size < 1 for size in sizes):
+            raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes}")
+        if len(set(sizes)) != len(sizes):
+            raise ValueError(
+                f"cudagraph_capture_sizes has duplicates: {sizes}; use {sorted(set(sizes))}"
+            )
+        if sizes != sorted(sizes):
+            raise ValueError(
+                f"cudagraph_capture_sizes must be sorted ascending, got {sizes}; "
+                f"use {sorted(sizes)}"
+            )
+
+    def finalize_capture_sizes(self, max_num_seqs: int) -> None:
+        """Fill the default capture sizes, check compile_sizes, build the padding table."""
+        if self.cudagraph_capture_sizes is None:
+            self.cudagraph_capture_sizes = default_capture_sizes(max_num_seqs)
+        sizes = self.cudagraph_capture_sizes
+        for size in self.compile_sizes:
+            if size not in sizes:
+                raise ValueError(
+                    f"compile_sizes entry {size} is not a capture size; "
+                    f"compile sizes must be among cudagraph_capture_sizes {sizes}"
+                )
+        self._pad_table = list(sizes)
+
+    @property
+    def max_capture_size(self) -> int:
+        return self._pad_table[-1] if self._pad_table else 0
+
+    def pad_for_cudagraph(self, num_tokens: int) -> int:
+        """The smallest capture size >= num_tokens (a table lookup; callers check the max)."""
+        index = bisect.bisect_left(self._pad_table, num_tokens)
+        if index == len(self._pad_table):
+            raise ValueError(
+                f"{num_tokens} tokens exceed the largest capture size {self.max_capture_size}"
+            )
+        return self._pad_table[index]
+
+    def register_layer(self, prefix: str, layer: Any) -> None:
+        """Bind a no-compile layer to its prefix; a duplicate prefix is a model-building bug."""
+        if prefix in self.static_forward_context:
+            raise ValueError(
+                f"duplicate layer name {prefix!r}: every attention / Mamba layer "
+                "needs a unique prefix"
+            )
+        self.static_forward_context[prefix] = layer
+
+    def custom_op_enabled(self, name: str, default: bool) -> bool:
+        """Whether the pieceworks kernel ``name`` replaces its plain-torch version."""
+        if f"+{name}" in self.custom_ops:
+            return True
+        if f"-{name}" in self.custom_ops:
+            return False
+        if "all" in self.custom_ops:
+            return True
+        return False if "none" in self.custom_ops else default
+
+    def compute_hash(self) -> str:
+        """Hash of the fields that change compiled code (capture sizes and graph modes do not)."""
+        factors = {
+            "level": int(self.level),
+            "backend": self.backend,
+            "splitting_ops": self.splitting_ops,
+            "compile_sizes": sorted(self.compile_sizes),
+            "custom_ops": self.custom_ops,
+            "pass_config": dataclasses.asdict(self.pass_config),
+            "inductor_compile_config": self.inductor_compile_config,
+        }
+        return hash_factors(factors)

@@ -1,0 +1,64 @@
+"""``CUDAGraphWrapper``: the default static-graph wrapper (CUDA Graphs; HIP Graphs on ROCm).
+
+It captures through the platform's graph primitives (``create_graph``, ``graph_capture``) into the
+platform's one shared pool, so this module names no device API. Dispatch by mode and descriptor is
+``StaticGraphWrapperBase``'s; this class only captures and replays. Inputs are never copied: the
+runner keeps them at fixed addresses, and with debug logging on, replay checks that they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from pieceworks.core.forward_context import BatchDescriptor
+from pieceworks.core.static_graph import StaticGraphWrapperBase
+from pieceworks.core.weak_ref import weak_ref_tensors
+from pieceworks.logger import init_logger
+from pieceworks.platforms import current_platform
+
+logger = init_logger(__name__)
+
+
+@dataclasses.dataclass
+class CUDAGraphEntry:
+    batch_descriptor: BatchDescriptor
+    graph: Any
+    output: Any  # weakly referenced: the pool owns the memory
+    input_addresses: list[int] | None = None  # recorded only with debug logging
+
+
+def _tensor_addresses(args: tuple) -> list[int]:
+    return [arg.data_ptr() for arg in args if isinstance(arg, torch.Tensor)]
+
+
+class CUDAGraphWrapper(StaticGraphWrapperBase):
+    """Captures one device graph per BatchDescriptor into the platform's shared pool."""
+
+    def capture(self, descriptor: BatchDescriptor, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        platform = current_platform()
+        graph = platform.create_graph()
+        with platform.graph_capture(graph, platform.graph_pool(), skip_gc=self.options.gc_disable):
+            output = self.runnable(*args, **kwargs)
+            if self.options.weak_ref_output:
+                # Release the last piece's output into the pool at once: nothing after it in this
+                # step reads it inside a graph, and the next (smaller) capture can reuse it.
+                output = weak_ref_tensors(output)
+        addresses = _tensor_addresses(args) if logger.isEnabledFor(logging.DEBUG) else None
+        entry = CUDAGraphEntry(descriptor, graph, weak_ref_tensors(output), addresses)
+        return entry, output
+
+    def replay(self, entry: CUDAGraphEntry, args: tuple, kwargs: dict) -> Any:
+        if entry.input_addresses is not None:
+            addresses = _tensor_addresses(args)
+            if addresses != entry.input_addresses:
+                raise AssertionError(
+                    f"input addresses changed since the capture of "
+                    f"{entry.batch_descriptor}: static inputs must be copied "
+                    "into the runner's persistent buffers"
+                )
+        entry.graph.replay()
+        return entry.output

@@ -1,0 +1,49 @@
+"""``direct_register_custom_op``: register an opaque op in pieceworks' ``torch.library`` namespace.
+
+Opaque ops (attention, the Mamba2 mixer, the all-reduce) are where the graph is split. Each gets a
+fake implementation so Dynamo can trace through it without running it. The default dispatch key is
+the current platform's, so the call resolves the platform: register ops lazily (on first model
+construction), never at import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.library import Library
+
+from pieceworks.core.config import LIBRARY_NAMESPACE
+
+# One fragment library for every pieceworks op; "FRAGMENT" lets several modules add ops to it.
+pieceworks_lib = Library(LIBRARY_NAMESPACE, "FRAGMENT")
+_registered: set[tuple[str, str]] = set()
+
+
+def direct_register_custom_op(
+    op_name: str,
+    op_func: Callable[..., Any],
+    mutates_args: Sequence[str],
+    fake_impl: Callable[..., Any] | None = None,
+    target_lib: Library | None = None,
+    dispatch_key: str | None = None,
+) -> Callable[..., Any]:
+    """Define ``<ns>::op_name`` from ``op_func``'s signature; idempotent per (namespace, name).
+
+    Returns the registered op (``torch.ops.<ns>.<op_name>``).
+    """
+    lib = target_lib or pieceworks_lib
+    key = (lib.ns, op_name)
+    if key not in _registered:
+        if dispatch_key is None:
+            from pieceworks.platforms import current_platform
+
+            dispatch_key = current_platform().dispatch_key
+        schema = torch.library.infer_schema(op_func, mutates_args=mutates_args)
+        lib.define(op_name + schema)
+        lib.impl(op_name, op_func, dispatch_key)
+        if fake_impl is not None:
+            lib._register_fake(op_name, fake_impl)
+        _registered.add(key)
+    return getattr(getattr(torch.ops, lib.ns), op_name)

@@ -1,0 +1,119 @@
+"""The static-graph contract every platform's wrapper follows, and the capture lock.
+
+A static-graph wrapper is built as ``Wrapper(runnable, config, runtime_mode, *, options=None)`` and
+called like ``runnable``. On each call it reads the forward context: if the step's runtime mode is
+not its own it just calls through (this is how a FULL wrapper around the model and PIECEWISE
+wrappers around the pieces nest); otherwise it captures once per ``BatchDescriptor`` and replays
+after. ``StaticGraphWrapperBase`` implements that dispatch once; a platform's wrapper implements
+only ``capture`` and ``replay``. Wrappers never copy inputs: the runner owns the static buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pieceworks.core.config import CUDAGraphMode
+from pieceworks.core.forward_context import BatchDescriptor, get_forward_context
+from pieceworks.logger import init_logger
+
+if TYPE_CHECKING:
+    from pieceworks.config import EngineConfig
+
+logger = init_logger(__name__)
+
+_capturing_enabled = True
+
+
+def close_capturing() -> None:
+    """After the runner's capture phase: any further capture is a bug and raises."""
+    global _capturing_enabled
+    _capturing_enabled = False
+
+
+def open_capturing() -> None:
+    """Allow captures (the runner calls this before ``capture_model``)."""
+    global _capturing_enabled
+    _capturing_enabled = True
+
+
+def validate_capturing_enabled(descriptor: BatchDescriptor) -> None:
+    if not _capturing_enabled:
+        raise RuntimeError(
+            f"static-graph capture of {descriptor} attempted after capturing was "
+            "closed: this batch shape was not captured in capture_model(); the "
+            "runner must dispatch it to a captured size or to mode NONE"
+        )
+
+
+@dataclasses.dataclass
+class CUDAGraphOptions:
+    """Per-wrapper options (vLLM's names). Pieces set them by position in the model."""
+
+    debug_log_enable: bool = True  # only the first piece logs each capture
+    gc_disable: bool = False  # pieces after the first skip gc during capture (it is slow)
+    weak_ref_output: bool = False  # only the last piece: nothing after it reads its output
+
+
+@runtime_checkable
+class StaticGraphWrapper(Protocol):
+    """What the pipeline and the runner expect of a platform's static-graph wrapper class."""
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        config: EngineConfig,
+        runtime_mode: CUDAGraphMode,
+        *,
+        options: CUDAGraphOptions | None = None,
+    ) -> None: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class StaticGraphWrapperBase:
+    """Mode/descriptor dispatch shared by all wrappers; subclasses capture and replay."""
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        config: EngineConfig,
+        runtime_mode: CUDAGraphMode,
+        *,
+        options: CUDAGraphOptions | None = None,
+    ) -> None:
+        if runtime_mode not in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
+            raise ValueError(
+                f"a static-graph wrapper captures FULL or PIECEWISE, not {runtime_mode.name}"
+            )
+        self.runnable = runnable
+        self.config = config
+        self.runtime_mode = runtime_mode
+        self.options = options or CUDAGraphOptions()
+        self.entries: dict[BatchDescriptor, Any] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        context = get_forward_context()
+        descriptor = context.batch_descriptor
+        if context.cudagraph_runtime_mode != self.runtime_mode or descriptor is None:
+            return self.runnable(*args, **kwargs)
+        entry = self.entries.get(descriptor)
+        if entry is None:
+            validate_capturing_enabled(descriptor)
+            from pieceworks.core.counters import compilation_counter
+
+            if self.options.debug_log_enable:
+                logger.debug("capturing %s graph for %s", self.runtime_mode.name, descriptor)
+            entry, output = self.capture(descriptor, args, kwargs)
+            self.entries[descriptor] = entry
+            compilation_counter.num_cudagraph_captured += 1
+            return output
+        return self.replay(entry, args, kwargs)
+
+    def capture(self, descriptor: BatchDescriptor, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """Capture one graph; return (entry kept for replay, the output of this call)."""
+        raise NotImplementedError
+
+    def replay(self, entry: Any, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError

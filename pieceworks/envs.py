@@ -1,0 +1,80 @@
+"""Every ``PIECEWORKS_*`` environment variable, typed and documented, read in one place.
+
+Variables are read lazily, each time they are asked for (``envs.PIECEWORKS_PLATFORM``), so tests can
+change them with ``monkeypatch.setenv``. Nothing here writes ``os.environ``.
+``compile_factors()`` names the variables that change compiled code: only they enter the cache hash.
+See ``docs/envs.md`` for the user-facing table.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    PIECEWORKS_PLATFORM: str | None
+    PIECEWORKS_PLUGINS: list[str] | None
+    PIECEWORKS_CACHE_ROOT: str
+    PIECEWORKS_DISABLE_COMPILE_CACHE: bool
+    PIECEWORKS_LOGGING_LEVEL: str
+    PIECEWORKS_DEBUG_DUMP_PATH: str | None
+    PIECEWORKS_DEFAULT_MODEL: str
+
+
+def _optional_str(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name) or None
+
+
+def _flag(name: str) -> Callable[[], bool]:
+    return lambda: os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _plugins() -> list[str] | None:
+    """Unset: every plugin is allowed (None). Set but empty: none. ``a,b``: only those."""
+    value = os.environ.get("PIECEWORKS_PLUGINS")
+    if value is None:
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def _cache_root() -> str:
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "pieceworks")
+    return os.path.expanduser(os.environ.get("PIECEWORKS_CACHE_ROOT", default))
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Force a platform by name (cuda, rocm, cpu, or an out-of-tree plugin's name).
+    "PIECEWORKS_PLATFORM": _optional_str("PIECEWORKS_PLATFORM"),
+    # Allow-list of out-of-tree platform entry-point names, comma separated.
+    "PIECEWORKS_PLUGINS": _plugins,
+    # Root of pieceworks' on-disk caches (compile cache under <root>/torch_compile_cache).
+    "PIECEWORKS_CACHE_ROOT": _cache_root,
+    # 1: never read or write the compile cache.
+    "PIECEWORKS_DISABLE_COMPILE_CACHE": _flag("PIECEWORKS_DISABLE_COMPILE_CACHE"),
+    # Level of the ``pieceworks`` logger (DEBUG, INFO, WARNING, ERROR).
+    "PIECEWORKS_LOGGING_LEVEL": lambda: os.environ.get("PIECEWORKS_LOGGING_LEVEL", "INFO").upper(),
+    # Default for CompilationConfig.debug_dump_path when the config leaves it unset.
+    "PIECEWORKS_DEBUG_DUMP_PATH": _optional_str("PIECEWORKS_DEBUG_DUMP_PATH"),
+    # The model `pieceworks run` builds when given none.
+    "PIECEWORKS_DEFAULT_MODEL": lambda: os.environ.get("PIECEWORKS_DEFAULT_MODEL", "llama-tiny"),
+}
+
+# Variables whose value changes the code pieceworks compiles; they enter the compile-cache hash.
+# The platform decides dispatch keys, kernels and graph wrappers, so it is one; logging is not.
+_COMPILE_FACTORS = ("PIECEWORKS_PLATFORM",)
+
+
+def compile_factors() -> dict[str, Any]:
+    """The env variables (name -> value) that change compiled code."""
+    return {name: environment_variables[name]() for name in _COMPILE_FACTORS}
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

@@ -1,0 +1,85 @@
+"""The CUDA platform (NVIDIA): CUDA Graphs via ``torch.cuda.CUDAGraph``, Triton kernels, NCCL."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ClassVar
+from unittest import mock
+
+import torch
+
+from pieceworks.platforms.interface import Platform
+
+
+class CudaPlatform(Platform):
+    """NVIDIA GPUs. ROCm reuses all of this through the same ``torch.cuda`` API (see rocm.py)."""
+
+    name: ClassVar[str] = "cuda"
+    device_type: ClassVar[str] = "cuda"
+    dispatch_key: ClassVar[str] = "CUDA"
+    dist_backend: ClassVar[str] = "nccl"
+    default_compile_backend: ClassVar[str] = "inductor"
+    static_graph_wrapper: ClassVar[str | None] = "pieceworks.core.cuda_graph.CUDAGraphWrapper"
+    attention_backend_qualname: ClassVar[str] = (
+        "pieceworks.models.attention.backends.TritonAttentionBackend"
+    )
+    mamba_backend_qualname: ClassVar[str] = "pieceworks.models.mamba.backends.TritonMambaBackend"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        # torch.cuda.is_available() asks the driver for a device count; it creates no context.
+        return (
+            torch.version.hip is None
+            and torch.version.cuda is not None
+            and torch.cuda.is_available()
+        )
+
+    def unavailable_reason(self) -> str:
+        if torch.version.hip is not None:
+            return "this torch is a ROCm (HIP) build"
+        if torch.version.cuda is None:
+            return "this torch build has no CUDA support (CPU-only build)"
+        return "torch.cuda.is_available() is False (no visible NVIDIA device or driver)"
+
+    def _create_graph_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def create_graph(self) -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
+
+    @contextlib.contextmanager
+    def graph_capture(self, graph: Any, pool: Any, *, skip_gc: bool = False) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if skip_gc:
+                # torch.cuda.graph() runs gc.collect() and empty_cache() on entry; for every piece
+                # after the first that only costs time (the first piece already did it).
+                stack.enter_context(mock.patch("gc.collect", lambda: None))
+                stack.enter_context(mock.patch("torch.cuda.empty_cache", lambda: None))
+            stack.enter_context(torch.cuda.graph(graph, pool=pool))
+            yield
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def set_device(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)
+
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name()
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated()

@@ -1,0 +1,148 @@
+"""The ``Platform`` base class: everything pieceworks asks of a hardware backend.
+
+A platform names its static-graph wrapper and attention backend by qualname strings, imported only
+when asked for, so this layer depends on nothing above it. The compile pipeline, the models and the
+runner never branch on hardware: they call these members on ``current_platform()``.
+A new backend subclasses ``Platform`` (or a built-in) and overrides what differs; see
+``docs/platforms.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from pieceworks.logger import init_logger
+from pieceworks.utils import resolve_obj_by_qualname
+
+if TYPE_CHECKING:
+    from pieceworks.config import EngineConfig
+
+logger = init_logger(__name__)
+
+
+class Platform:
+    """Hardware backend interface. Subclasses set the class attributes and override the hooks."""
+
+    name: ClassVar[str] = "base"
+    device_type: ClassVar[str] = "cpu"  # torch device string
+    dispatch_key: ClassVar[str] = "CPU"  # torch.library dispatch key for pieceworks' custom ops
+    dist_backend: ClassVar[str] = "gloo"  # torch.distributed backend
+    default_compile_backend: ClassVar[str] = "inductor"
+    # Qualname of the static-graph wrapper class (StaticGraphWrapper protocol); None: no graphs.
+    static_graph_wrapper: ClassVar[str | None] = None
+    # Qualnames of the attention and Mamba2 kernel backends the models use on this platform.
+    attention_backend_qualname: ClassVar[str] = (
+        "pieceworks.models.attention.backends.TorchAttentionBackend"
+    )
+    mamba_backend_qualname: ClassVar[str] = "pieceworks.models.mamba.backends.TorchMambaBackend"
+
+    def __init__(self) -> None:
+        self._graph_pool: Any = None
+        self._graph_pool_created = False
+
+    # --- discovery -----------------------------------------------------------------------------
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether this platform can run here. Must not create a device context."""
+        raise NotImplementedError(f"platform {cls.name!r} does not implement is_available()")
+
+    def unavailable_reason(self) -> str:
+        """Why ``is_available()`` is false, in words, for `pieceworks platforms`."""
+        return "is_available() returned False"
+
+    # --- static graphs -------------------------------------------------------------------------
+    def supports_static_graphs(self) -> bool:
+        return self.static_graph_wrapper is not None
+
+    def static_graph_wrapper_cls(self) -> type:
+        """The class named by ``static_graph_wrapper``, imported on first use."""
+        if self.static_graph_wrapper is None:
+            raise RuntimeError(
+                f"platform {self.name!r} has no static graphs; "
+                "set cudagraph_mode=NONE (check_and_update_config does this)"
+            )
+        return resolve_obj_by_qualname(self.static_graph_wrapper)
+
+    def graph_pool(self) -> Any:
+        """One process-wide memory pool shared by every captured graph (None if no graphs)."""
+        if not self._graph_pool_created:
+            self._graph_pool = self._create_graph_pool() if self.supports_static_graphs() else None
+            self._graph_pool_created = True
+        return self._graph_pool
+
+    def _create_graph_pool(self) -> Any:
+        return None
+
+    def create_graph(self) -> Any:
+        """A new, empty device graph object (used by ``CUDAGraphWrapper``)."""
+        raise NotImplementedError(f"platform {self.name!r} has no device graphs")
+
+    def graph_capture(self, graph: Any, pool: Any, *, skip_gc: bool = False) -> Any:
+        """Context manager recording device work into ``graph`` using memory from ``pool``."""
+        raise NotImplementedError(f"platform {self.name!r} has no device graphs")
+
+    # --- kernels and compile -------------------------------------------------------------------
+    def attention_backend(self) -> type:
+        """The attention implementation class the models use on this platform."""
+        return resolve_obj_by_qualname(self.attention_backend_qualname)
+
+    def mamba_backend(self) -> type:
+        """The Mamba2 kernel implementation class the models use on this platform."""
+        return resolve_obj_by_qualname(self.mamba_backend_qualname)
+
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        """The one place a platform adjusts an EngineConfig. Every change is logged."""
+        from pieceworks.core.config import CUDAGraphMode
+
+        compilation = config.compilation_config
+        assert compilation.cudagraph_mode is not None  # resolved in __post_init__
+        if compilation.backend is None:
+            compilation.backend = self.default_compile_backend
+        if compilation.cudagraph_mode != CUDAGraphMode.NONE and not self.supports_static_graphs():
+            logger.info(
+                "platform %s has no static graphs: cudagraph_mode %s turned off (NONE)",
+                self.name,
+                compilation.cudagraph_mode.name,
+            )
+            compilation.cudagraph_mode = CUDAGraphMode.NONE
+
+    # --- device helpers ------------------------------------------------------------------------
+    def device(self, index: int = 0) -> torch.device:
+        return (
+            torch.device(self.device_type, index)
+            if self.device_type != "cpu"
+            else torch.device("cpu")
+        )
+
+    def set_device(self, device: torch.device) -> None:
+        """Bind this process to ``device`` (a no-op where there is one device)."""
+
+    def device_count(self) -> int:
+        return 1
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work."""
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of device memory."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the driver."""
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def device_name(self) -> str:
+        return self.name
+
+    def memory_allocated(self) -> int:
+        """Bytes currently held by tensors on the device (0 where unknown)."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, device_type={self.device_type!r})"

@@ -1,0 +1,33 @@
+"""The ROCm platform (AMD): HIP Graphs and RCCL through the same ``torch.cuda`` API as CUDA.
+
+A ROCm build of torch reports ``torch.version.hip`` and exposes HIP devices as ``cuda``; graphs,
+pools, the dispatch key and the distributed backend name are shared with ``CudaPlatform``. Only
+detection and naming differ, so that is all this class overrides.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from pieceworks.platforms.cuda import CudaPlatform
+
+
+class RocmPlatform(CudaPlatform):
+    """AMD GPUs through torch's HIP build. ``dist_backend`` "nccl" is RCCL there."""
+
+    name: ClassVar[str] = "rocm"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.version.hip is not None and torch.cuda.is_available()
+
+    def unavailable_reason(self) -> str:
+        if torch.version.hip is None:
+            return "this torch build is not a ROCm (HIP) build"
+        return "torch.cuda.is_available() is False (no visible AMD device or driver)"
+
+    def device_name(self) -> str:
+        properties = torch.cuda.get_device_properties()
+        return f"{properties.name} ({getattr(properties, 'gcnArchName', 'unknown arch')})"

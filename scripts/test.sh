@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (.venv) and run the CPU side of the CI matrix:
+# lint (ruff), type (mypy), cpu (the suite on the CPU platform), plugin (the platform-agnostic
+# tests through the example out-of-tree platform, simgraph). GPU tests are skipped on CPU.
+# Usage: bash scripts/test.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+# The CPU build of torch; a bare torch requirement would pull a multi-GB CUDA build.
+"$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q "torch==${TORCH_VERSION:-2.13.0}"
+"$VENV/bin/pip" install -q -e ".[test,dev]" -e examples/pieceworks-simgraph
+
+echo "== lint (ruff)"
+"$VENV/bin/ruff" check pieceworks tests examples benchmarks
+echo "== type (mypy)"
+"$VENV/bin/mypy" pieceworks
+echo "== cpu (pytest on the CPU platform)"
+PIECEWORKS_PLATFORM=cpu "$VENV/bin/python" -m pytest tests -m "not gpu" -q "$@"
+echo "== plugin (platform-agnostic tests through the simgraph platform)"
+PIECEWORKS_PLATFORM=simgraph "$VENV/bin/python" -m pytest tests -m "platform_agnostic and not gpu" -q "$@"

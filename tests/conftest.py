@@ -1,0 +1,42 @@
+"""Shared fixtures: platform isolation, the static-graph test platform, the GPU marker.
+
+Run everything on CPU: ``pytest tests``. GPU tests (``@pytest.mark.gpu``) are skipped unless a
+CUDA/ROCm device is visible; on a GPU machine run ``pytest -m gpu tests``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks import platforms
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (CUDA or ROCm); none is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_platform():
+    """Forget the resolved platform before and after the test (for env-var driven tests)."""
+    platforms.reset_platform()
+    yield
+    platforms.reset_platform()
+
+
+@pytest.fixture
+def graph_platform(monkeypatch: pytest.MonkeyPatch) -> platforms.Platform:
+    """A platform with static graphs: the resolved one if it has them, else simgraph on CPU."""
+    platform = platforms.current_platform()
+    if not platform.supports_static_graphs():
+        simgraph = pytest.importorskip(
+            "pieceworks_simgraph.platform", reason="pip install -e examples/pieceworks-simgraph"
+        )
+        platform = simgraph.SimGraphPlatform()
+        monkeypatch.setattr(platforms, "_current", platform)
+    return platform

@@ -1,0 +1,206 @@
+"""Platform resolution: forced by env, plugins and the allow-list, probes, conflicts, laziness.
+
+Run: pytest tests/platforms/test_registry.py
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pieceworks import platforms
+from pieceworks.platforms import registry
+from pieceworks.platforms.cpu import CpuPlatform
+
+
+class _PluginPlatform(CpuPlatform):
+    name = "fakevendor"
+
+
+class _OtherPluginPlatform(CpuPlatform):
+    name = "othervendor"
+
+
+class _UnavailablePlatform(CpuPlatform):
+    name = "ghost"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return False
+
+
+@pytest.fixture
+def plugins(fresh_platform, monkeypatch):
+    """Programmatic plugins, removed after the test; no installed entry points interfere."""
+    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+    added: list[str] = []
+
+    def add(name: str, plugin) -> None:
+        platforms.register_platform_plugin(name, plugin)
+        added.append(name)
+
+    yield add
+    for name in added:
+        platforms.unregister_platform_plugin(name)
+
+
+def _qualname(cls: type) -> str:
+    return f"{__name__}.{cls.__qualname__}"
+
+
+def test_probe_resolves_cpu_on_a_cpu_only_build(plugins, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert platforms.current_platform().name == "cpu"
+    resolution = platforms.platform_resolution()
+    assert resolution.rule == "probe"
+    assert [p.name for p in resolution.probes] == ["cuda", "rocm", "cpu"]
+
+
+def test_forced_by_env(plugins, monkeypatch):
+    monkeypatch.setenv("PIECEWORKS_PLATFORM", "cpu")
+    assert platforms.current_platform().name == "cpu"
+    assert platforms.platform_resolution().rule == "env"
+    assert "forced by PIECEWORKS_PLATFORM" in platforms.describe_platform_resolution()
+
+
+def test_unknown_forced_name_lists_known_platforms(plugins, monkeypatch):
+    monkeypatch.setenv("PIECEWORKS_PLATFORM", "tpu9000")
+    with pytest.raises(RuntimeError) as error:
+        platforms.current_platform()
+    message = str(error.value)
+    assert "'tpu9000' is not a known platform" in message
+    for name in ("cuda", "rocm", "cpu"):
+        assert name in message
+
+
+def test_unavailable_forced_platform_says_why(plugins, monkeypatch):
+    plugins("ghost", lambda: _qualname(_UnavailablePlatform))
+    monkeypatch.setenv("PIECEWORKS_PLATFORM", "ghost")
+    with pytest.raises(RuntimeError, match="'ghost' is not available here") as error:
+        platforms.current_platform()
+    assert "is_available() returned False" in str(error.value)
+    if not torch.cuda.is_available():
+        assert "no CUDA support" in str(error.value)
+
+
+def test_active_plugin_wins_over_builtins(plugins, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
+    plugins("fakevendor", lambda: _qualname(_PluginPlatform))
+    assert platforms.current_platform().name == "fakevendor"
+    assert platforms.platform_resolution().rule == "plugin"
+
+
+def test_declining_plugin_falls_back_to_builtins(plugins, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
+    plugins("shy", lambda: None)
+    assert platforms.current_platform().name in ("cuda", "rocm", "cpu")
+    shy = next(p for p in platforms.platform_resolution().probes if p.name == "shy")
+    assert shy.reason == "plugin declined (returned None)"
+
+
+def test_allow_list_filters_plugins(plugins, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
+    plugins("fakevendor", lambda: _qualname(_PluginPlatform))
+    monkeypatch.setenv("PIECEWORKS_PLUGINS", "")  # empty: no plugin at all
+    assert platforms.current_platform().name != "fakevendor"
+    platforms.reset_platform()
+    monkeypatch.setenv("PIECEWORKS_PLUGINS", "fakevendor")
+    assert platforms.current_platform().name == "fakevendor"
+
+
+def test_raising_probe_is_logged_and_reported(plugins, monkeypatch, caplog):
+    monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
+
+    def broken() -> str:
+        raise OSError("driver exploded")
+
+    plugins("broken", broken)
+    logging.getLogger("pieceworks").propagate = True
+    try:
+        with caplog.at_level(logging.WARNING, logger="pieceworks"):
+            platform = platforms.current_platform()
+    finally:
+        logging.getLogger("pieceworks").propagate = False
+    assert platform.name in ("cuda", "rocm", "cpu")
+    assert "driver exploded" in caplog.text
+    assert "probe raised OSError('driver exploded')" in platforms.describe_platform_resolution()
+
+
+def test_two_active_plugins_conflict(plugins, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
+    plugins("fakevendor", lambda: _qualname(_PluginPlatform))
+    plugins("othervendor", lambda: _qualname(_OtherPluginPlatform))
+    with pytest.raises(RuntimeError, match="more than one") as error:
+        platforms.current_platform()
+    assert "fakevendor" in str(error.value) and "othervendor" in str(error.value)
+
+
+def test_forcing_one_of_two_plugins_resolves_the_conflict(plugins, monkeypatch):
+    plugins("fakevendor", lambda: _qualname(_PluginPlatform))
+    plugins("othervendor", lambda: _qualname(_OtherPluginPlatform))
+    monkeypatch.setenv("PIECEWORKS_PLATFORM", "othervendor")
+    assert platforms.current_platform().name == "othervendor"
+
+
+def test_rocm_detected_on_a_simulated_hip_build(monkeypatch):
+    from pieceworks.platforms.cuda import CudaPlatform
+    from pieceworks.platforms.rocm import RocmPlatform
+
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert RocmPlatform.is_available()
+    assert not CudaPlatform.is_available()
+    assert registry._probe_builtin("rocm").available
+    assert RocmPlatform.static_graph_wrapper == CudaPlatform.static_graph_wrapper
+    assert RocmPlatform.dispatch_key == "CUDA"
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert not RocmPlatform.is_available()
+
+
+def test_graph_pool_is_a_process_wide_singleton(graph_platform):
+    pool = graph_platform.graph_pool()
+    assert pool is not None
+    assert graph_platform.graph_pool() is pool
+
+
+def test_cpu_platform_has_no_static_graphs():
+    cpu = CpuPlatform()
+    assert not cpu.supports_static_graphs()
+    assert cpu.graph_pool() is None
+    with pytest.raises(RuntimeError, match="no static graphs"):
+        cpu.static_graph_wrapper_cls()
+
+
+def test_static_graph_wrapper_resolves_from_qualname():
+    from pieceworks.core.cuda_graph import CUDAGraphWrapper
+    from pieceworks.platforms.cuda import CudaPlatform
+
+    assert CudaPlatform().static_graph_wrapper_cls() is CUDAGraphWrapper
+
+
+def test_importing_pieceworks_does_not_resolve_the_platform():
+    modules = [
+        "pieceworks",
+        "pieceworks.config",
+        "pieceworks.envs",
+        "pieceworks.platforms",
+        "pieceworks.core.config",
+        "pieceworks.core.custom_op",
+        "pieceworks.core.cuda_graph",
+        "pieceworks.core.forward_context",
+        "pieceworks.engine.cli",
+    ]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "import pieceworks.platforms as p\n"
+        "sys.exit(1 if p.is_platform_resolved() else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
