@@ -134,7 +134,10 @@ class EngineConfig:
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
     def __post_init__(self) -> None:
+        from pieceworks.platforms import current_platform
+
         self.compilation_config.finalize_capture_sizes(self.scheduler_config.max_num_seqs)
+        current_platform().check_and_update_config(self)
 
     def compute_hash(self) -> str:
         """Hash of every field that changes compiled code."""

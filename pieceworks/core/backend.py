@@ -1,0 +1,144 @@
+"""``PiecewiseCompileBackend``: the Dynamo backend of level 3 (split, compile each piece, wrap).
+
+Dynamo hands it the whole traced graph once. It splits the graph at the splitting ops, runs the
+stitched module once on fake tensors to learn each piece's example inputs, compiles every capturable
+piece into a ``PiecewiseBackend``, and wraps each in the platform's static-graph wrapper when the
+graph mode captures pieces. The stitched module is what later calls run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from pieceworks.core.compiler_interface import CompilerInterface, make_compiler
+from pieceworks.core.config import CUDAGraphMode
+from pieceworks.core.counters import compilation_counter
+from pieceworks.core.piecewise_backend import PiecewiseBackend
+from pieceworks.core.split import split_graph
+from pieceworks.core.static_graph import CUDAGraphOptions
+from pieceworks.core.static_inputs import StaticInputCopier
+from pieceworks.logger import init_logger
+from pieceworks.platforms import current_platform
+
+if TYPE_CHECKING:
+    from pieceworks.config import EngineConfig
+
+logger = init_logger(__name__)
+
+
+class PiecewiseCompileInterpreter(torch.fx.Interpreter):
+    """Runs the split module on fake inputs and replaces each capturable piece as it is reached."""
+
+    def __init__(
+        self,
+        module: torch.fx.GraphModule,
+        compile_submod_names: list[str],
+        config: EngineConfig,
+        compiler: CompilerInterface,
+        fake_mode: FakeTensorMode,
+    ) -> None:
+        super().__init__(module)
+        self.compile_submod_names = compile_submod_names
+        self.config = config
+        self.compiler = compiler
+        self.fake_mode = fake_mode
+
+    def run(self, *args: Any) -> Any:  # type: ignore[override]
+        fake_args = [
+            self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args
+        ]
+        with self.fake_mode, enable_python_dispatcher():
+            return super().run(*fake_args)
+
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        output = super().call_module(target, args, kwargs)
+        if target in self.compile_submod_names:
+            index = self.compile_submod_names.index(target)
+            submod = self.fetch_attr(target)
+            sym_shape_indices = [i for i, a in enumerate(args) if isinstance(a, torch.SymInt)]
+            backend = PiecewiseBackend(
+                submod,
+                self.config,
+                index,
+                len(self.compile_submod_names),
+                sym_shape_indices,
+                self.compiler,
+                list(args),
+            )
+            # Replace the submodule on the instance: the stitched forward calls self.<target>.
+            self.module.__dict__[target] = self._wrap(backend, index)
+        return output
+
+    def _wrap(self, backend: PiecewiseBackend, index: int) -> Callable[..., Any]:
+        mode = self.config.compilation_config.cudagraph_mode
+        assert mode is not None
+        if not mode.has_piecewise_cudagraphs():
+            return backend
+        num_pieces = len(self.compile_submod_names)
+        options = CUDAGraphOptions(
+            debug_log_enable=index == 0,
+            gc_disable=index != 0,  # gc once per step's capture, in the first piece only
+            weak_ref_output=index == num_pieces - 1,  # nothing reads the last piece's output
+        )
+        wrapper_cls = current_platform().static_graph_wrapper_cls()
+        return wrapper_cls(backend, self.config, CUDAGraphMode.PIECEWISE, options=options)
+
+
+class PiecewiseCompileBackend:
+    """The callable handed to ``torch.compile(backend=...)`` at level 3."""
+
+    def __init__(self, config: EngineConfig, prefix: str = "") -> None:
+        self.config = config
+        self.prefix = prefix
+        compilation = config.compilation_config
+        assert compilation.backend is not None, "platform.check_and_update_config sets backend"
+        self.compiler = make_compiler(compilation.backend)
+        self.split_gm: torch.fx.GraphModule | None = None
+
+    def __call__(
+        self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]
+    ) -> Callable[..., Any]:
+        compilation = self.config.compilation_config
+        compilation_counter.num_graphs_seen += 1
+        split_gm, items = split_graph(graph, compilation.splitting_ops or [])
+        compile_names = [item.submod_name for item in items if not item.is_splitting_graph]
+        compilation_counter.num_piecewise_graphs_seen += len(items)
+        compilation_counter.num_piecewise_capturable_graphs_seen += len(compile_names)
+        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+        PiecewiseCompileInterpreter(
+            split_gm, compile_names, self.config, self.compiler, fake_mode
+        ).run(*example_inputs)
+        self.split_gm = split_gm
+        self._dump(split_gm)
+        if compilation.cudagraph_copy_inputs:
+            placeholders = graph.graph.find_nodes(op="placeholder")
+            return StaticInputCopier(split_gm, [p.meta.get("example_value") for p in placeholders])
+        return split_gm
+
+    def _dump(self, split_gm: torch.fx.GraphModule) -> None:
+        path = dump_dir(self.config)
+        if path is None:
+            return
+        with open(os.path.join(path, "computation_graph.py"), "w") as file:
+            file.write(split_gm.print_readable(print_output=False))
+        logger.info("split graph written to %s", path)
+
+
+def dump_dir(config: EngineConfig) -> str | None:
+    """``<debug_dump_path>/rank_<r>``, created; None when dumping is off."""
+    from pieceworks import envs
+
+    root = config.compilation_config.debug_dump_path or envs.PIECEWORKS_DEBUG_DUMP_PATH
+    if not root:
+        return None
+    path = os.path.join(root, f"rank_{config.parallel_config.rank}")
+    os.makedirs(path, exist_ok=True)
+    return path

@@ -1,0 +1,56 @@
+"""``CudagraphDispatcher``: which captured graph (if any) serves a batch.
+
+Keys are ``BatchDescriptor``s registered per runtime mode from the capture sizes and the graph
+mode. ``dispatch`` tries, in the seed's order: FULL for the exact descriptor, FULL for the same
+token count as a general batch, PIECEWISE for the general batch, else NONE (run without graphs).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pieceworks.core.config import CUDAGraphMode
+from pieceworks.core.forward_context import BatchDescriptor
+
+if TYPE_CHECKING:
+    from pieceworks.config import EngineConfig
+
+
+class CudagraphDispatcher:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.cudagraph_keys: dict[CUDAGraphMode, set[BatchDescriptor]] = {
+            CUDAGraphMode.FULL: set(),
+            CUDAGraphMode.PIECEWISE: set(),
+        }
+        self.initialize_cudagraph_keys()
+
+    def initialize_cudagraph_keys(self) -> None:
+        compilation = self.config.compilation_config
+        mode = compilation.cudagraph_mode
+        assert mode is not None
+        sizes = compilation.cudagraph_capture_sizes or []
+        mixed = mode.mixed_mode()
+        if mixed != CUDAGraphMode.NONE:
+            self.cudagraph_keys[mixed] |= {BatchDescriptor(size) for size in sizes}
+        if mode.separate_routine() and mode.decode_mode() == CUDAGraphMode.FULL:
+            max_num_seqs = self.config.scheduler_config.max_num_seqs
+            self.cudagraph_keys[CUDAGraphMode.FULL] |= {
+                BatchDescriptor(size, uniform_decode=True) for size in sizes if size <= max_num_seqs
+            }
+
+    def dispatch(self, descriptor: BatchDescriptor) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
+        """(runtime mode, the descriptor to capture/replay under) for a padded batch."""
+        non_uniform = descriptor.non_uniform
+        if descriptor in self.cudagraph_keys[CUDAGraphMode.FULL]:
+            return CUDAGraphMode.FULL, descriptor
+        if non_uniform in self.cudagraph_keys[CUDAGraphMode.FULL]:
+            return CUDAGraphMode.FULL, non_uniform
+        if non_uniform in self.cudagraph_keys[CUDAGraphMode.PIECEWISE]:
+            return CUDAGraphMode.PIECEWISE, non_uniform
+        return CUDAGraphMode.NONE, None
+
+    def capture_descriptors(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """Every (mode, descriptor) to capture, largest token count first."""
+        keys = [(mode, key) for mode, keys in self.cudagraph_keys.items() for key in keys]
+        return sorted(keys, key=lambda item: (-item[1].num_tokens, item[0].name))

@@ -1,0 +1,136 @@
+"""Trace once, then run the captured bytecode with no guard evaluation (levels 2 and 3).
+
+The first call goes through ``torch.compile``; a bytecode hook records the code Dynamo produced for
+the module's ``forward``. Every later call swaps that code into ``forward`` for the duration of the
+call and runs it directly: Dynamo's frame evaluation and guards never run again, so nothing is
+re-checked and nothing recompiles. That is safe because the runner keeps shapes inside the traced
+dynamic dims and never changes which arguments are None. Level 1 is plain ``torch.compile``
+(guards and recompiles allowed) and level 0 plain eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import os
+from collections.abc import Callable, Iterator
+from types import CodeType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pieceworks.core.backend import PiecewiseCompileBackend, dump_dir
+from pieceworks.core.config import CompilationLevel, CUDAGraphMode
+from pieceworks.core.counters import compilation_counter
+from pieceworks.logger import init_logger
+
+if TYPE_CHECKING:
+    from pieceworks.config import EngineConfig
+
+logger = init_logger(__name__)
+
+
+def _decompile(code: CodeType) -> str:
+    try:
+        import depyf  # type: ignore[import-not-found]
+
+        return depyf.decompile(code)
+    except Exception:  # depyf is optional; bytecode is the fallback
+        return dis.Bytecode(code).dis()
+
+
+class TraceOnceCompiler:
+    """The compiled entry point of one ``support_torch_compile`` module instance."""
+
+    def __init__(self, module: torch.nn.Module, config: EngineConfig, prefix: str) -> None:
+        self.module = module
+        self.config = config
+        self.level = config.compilation_config.level
+        self.original_code: CodeType = type(module).forward.__code__
+        self.compiled_code: CodeType | None = None
+        self.compiled_callable = self._build_compiled_callable(prefix)
+
+    def _build_compiled_callable(self, prefix: str) -> Callable[..., Any]:
+        compilation = self.config.compilation_config
+        if self.level == CompilationLevel.PIECEWISE:
+            backend: Any = PiecewiseCompileBackend(self.config, prefix)
+        else:
+            backend = compilation.backend
+        options = compilation.inductor_compile_config or None if backend == "inductor" else None
+        if self.level == CompilationLevel.DYNAMO_AS_IS:
+            compilation_counter.dynamo_as_is_count += 1
+            return torch.compile(self.module.forward, backend=backend, options=options)
+        return torch.compile(self.module.forward, fullgraph=True, backend=backend, options=options)
+
+    @property
+    def uses_bytecode_dispatch(self) -> bool:
+        return self.level >= CompilationLevel.DYNAMO_ONCE
+
+    def compile_first_call(self, *args: Any, **kwargs: Any) -> Any:
+        """Trace and compile on the first call, recording the bytecode Dynamo produces."""
+        recorded: list[CodeType] = []
+
+        def hook(code: CodeType, new_code: CodeType) -> CodeType | None:
+            if code is self.original_code:
+                recorded.append(new_code)
+            return None  # keep Dynamo's code unchanged
+
+        handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
+        try:
+            output = self.compiled_callable(*args, **kwargs)
+        finally:
+            handle.remove()
+        if self.uses_bytecode_dispatch:
+            if not recorded:
+                raise RuntimeError(
+                    f"Dynamo produced no code for {type(self.module).__name__}."
+                    "forward; is it already being compiled by an outer "
+                    "torch.compile?"
+                )
+            self.compiled_code = recorded[-1]
+            # Later calls never consult Dynamo's cache; dropping this instance's entry keeps the
+            # per-code cache from filling up (and pinning old models) as more instances compile.
+            torch._dynamo.eval_frame.remove_from_cache(self.original_code)
+            self._check_no_buffer_mutation(self.compiled_code)
+            self._dump_transformed_code(self.compiled_code)
+        return output
+
+    def _check_no_buffer_mutation(self, code: CodeType) -> None:
+        mode = self.config.compilation_config.cudagraph_mode
+        if (
+            self.level == CompilationLevel.PIECEWISE
+            and mode != CUDAGraphMode.NONE
+            and "update" in code.co_names
+        ):
+            raise RuntimeError(
+                f"{type(self.module).__name__}.forward assigns module attributes or buffers "
+                "during the forward pass; with static graphs the assignment would be frozen into "
+                "the graph and silently go stale. Keep state in tensors updated in place, or "
+                "set cudagraph_mode=NONE. Transformed code (look for `update`):\n"
+                + _decompile(code)
+            )
+
+    def _dump_transformed_code(self, code: CodeType) -> None:
+        path = dump_dir(self.config)
+        if path is not None:
+            with open(os.path.join(path, "transformed_code.py"), "w") as file:
+                file.write(_decompile(code))
+
+    @contextlib.contextmanager
+    def dispatch_to_compiled_code(self) -> Iterator[None]:
+        """Run ``forward`` as the recorded compiled bytecode for the duration of the block."""
+        forward = type(self.module).forward
+        assert self.compiled_code is not None
+        forward.__code__ = self.compiled_code
+        try:
+            yield
+        finally:
+            forward.__code__ = self.original_code
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled_code is None and self.level != CompilationLevel.DYNAMO_AS_IS:
+            return self.compile_first_call(*args, **kwargs)
+        if not self.uses_bytecode_dispatch:
+            return self.compiled_callable(*args, **kwargs)
+        with self.dispatch_to_compiled_code():
+            return self.module.forward(*args, **kwargs)

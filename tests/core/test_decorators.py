@@ -1,0 +1,122 @@
+"""``support_torch_compile`` at each level: guards really dropped at 2/3, recompiles at 1, opt-out.
+
+A model whose output depends on a Python branch on the token count shows it: at levels 2 and 3 the
+branch taken at trace time stays frozen (no guard is evaluated), at level 1 Dynamo re-traces.
+Run: pytest tests/core/test_decorators.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pieceworks.config import EngineConfig
+from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
+from pieceworks.core.counters import compilation_counter
+from pieceworks.core.decorators import ignore_torch_compile, support_torch_compile
+from pieceworks.core.forward_context import set_forward_context
+from tests.core.toy_model import SILLY_OP, ShapeBranchModel, ToyModel
+
+pytestmark = pytest.mark.platform_agnostic
+
+
+def config_at(level: CompilationLevel, mode: CUDAGraphMode = CUDAGraphMode.NONE) -> EngineConfig:
+    return EngineConfig(
+        compilation_config=CompilationConfig(
+            level=level, backend="eager", splitting_ops=[SILLY_OP], cudagraph_mode=mode
+        )
+    )
+
+
+def call(model, config, x):
+    with set_forward_context(None, config):
+        return model(x)
+
+
+@pytest.mark.parametrize("level", [CompilationLevel.DYNAMO_ONCE, CompilationLevel.PIECEWISE])
+def test_guards_are_dropped_after_the_first_trace(level):
+    config = config_at(level)
+    model = ShapeBranchModel(config=config)
+    assert torch.equal(call(model, config, torch.zeros(8, 2)), torch.full((8, 2), 100.0))
+    with compilation_counter.expect(num_graphs_seen=0):
+        frozen = call(model, config, torch.zeros(2, 2))
+    assert torch.equal(frozen, torch.full((2, 2), 100.0))  # the traced branch, not the eager one
+
+
+def test_level_1_evaluates_guards_and_recompiles():
+    config = config_at(CompilationLevel.DYNAMO_AS_IS)
+    model = ShapeBranchModel(config=config)
+    assert torch.equal(call(model, config, torch.zeros(8, 2)), torch.full((8, 2), 100.0))
+    assert torch.equal(call(model, config, torch.zeros(2, 2)), torch.full((2, 2), -100.0))
+
+
+def test_level_0_is_eager():
+    config = config_at(CompilationLevel.NO_COMPILATION)
+    with compilation_counter.expect(num_models_seen=0, num_graphs_seen=0):
+        model = ShapeBranchModel(config=config)
+        assert torch.equal(call(model, config, torch.zeros(2, 2)), torch.full((2, 2), -100.0))
+
+
+@ignore_torch_compile
+class EagerToyModel(ToyModel):
+    """Opted out: the subclass of a decorated class runs eagerly."""
+
+
+def test_opted_out_subclass_is_not_compiled():
+    config = config_at(CompilationLevel.PIECEWISE)
+    with compilation_counter.expect(num_models_seen=0, num_graphs_seen=0):
+        model = EagerToyModel(config=config, num_layers=2)
+        call(model, config, torch.randn(3, 8))
+    with compilation_counter.expect(num_models_seen=1, num_graphs_seen=1):
+        compiled = ToyModel(config=config, num_layers=2)
+        call(compiled, config, torch.randn(3, 8))
+
+
+def test_explicit_dynamic_arg_dims_and_validation():
+    @support_torch_compile(dynamic_arg_dims={"x": 0})
+    class Explicit(nn.Module):
+        def __init__(self, *, config, prefix=""):
+            super().__init__()
+
+        def forward(self, x, scale: float = 2.0):
+            return x * scale
+
+    config = config_at(CompilationLevel.DYNAMO_ONCE)
+    model = Explicit(config=config)
+    assert torch.equal(call(model, config, torch.ones(3)), torch.full((3,), 2.0))
+    assert call(model, config, torch.ones(5)).shape == (5,)  # dim 0 is dynamic: no re-trace
+
+    with pytest.raises(ValueError, match="not an argument"):
+        support_torch_compile(dynamic_arg_dims={"y": 0})(Explicit)
+
+
+def test_none_argument_stays_none():
+    @support_torch_compile
+    class MaybeResidual(nn.Module):
+        def __init__(self, *, config, prefix=""):
+            super().__init__()
+
+        def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+            return x if residual is None else x + residual
+
+    config = config_at(CompilationLevel.DYNAMO_ONCE)
+    model = MaybeResidual(config=config)
+    assert torch.equal(call(model, config, torch.ones(4)), torch.ones(4))
+    assert torch.equal(call(model, config, torch.ones(2)), torch.ones(2))
+
+
+def test_attribute_assignment_in_forward_raises_with_static_graphs(graph_platform):
+    @support_torch_compile
+    class Mutating(nn.Module):
+        def __init__(self, *, config, prefix=""):
+            super().__init__()
+            self.register_buffer("last", torch.zeros(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.last = x.sum().reshape(1)
+            return x * 2
+
+    config = config_at(CompilationLevel.PIECEWISE, CUDAGraphMode.PIECEWISE)
+    with pytest.raises(RuntimeError, match="assigns module attributes or buffers"):
+        call(Mutating(config=config), config, torch.ones(3))
