@@ -83,3 +83,12 @@ class CudaPlatform(Platform):
 
     def memory_allocated(self) -> int:
         return torch.cuda.memory_allocated()
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def pin_memory(self) -> bool:
+        return True

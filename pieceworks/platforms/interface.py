@@ -144,5 +144,16 @@ class Platform:
         """Bytes currently held by tensors on the device (0 where unknown)."""
         return 0
 
+    def max_memory_allocated(self) -> int:
+        """Peak bytes held by tensors since the last reset (0 where unknown)."""
+        return 0
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new peak for ``max_memory_allocated``."""
+
+    def pin_memory(self) -> bool:
+        """Whether host staging buffers should be pinned for asynchronous copies."""
+        return False
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, device_type={self.device_type!r})"

@@ -1,0 +1,333 @@
+"""Paged attention in Triton: the GPU backend (CUDA and ROCm; also runs under TRITON_INTERPRET=1).
+
+Owns `paged_attention_triton`, which computes exactly what `reference.py` defines (ragged
+sequences, causal positions `seq_lens[s] - q_s + i`, GQA, padded sequences skipped) with two paths:
+
+- decode (`max_query_len == 1`): split-KV ("flash-decoding"). The grid is (seq, kv_head, split);
+  each program attends all the q heads of one kv head (GQA packing, one tile row per q head) over
+  one slice of the context, and writes a normalised partial output and its log-sum-exp to a
+  workspace; `_decode_reduce_kernel` then merges the splits per (seq, q head). The number of
+  splits comes from shapes only; each sequence cuts its own length into that many slices
+  (rounded up to whole tiles), so short sequences leave trailing splits empty (lse = -inf).
+- prefill / mixed (`max_query_len > 1`): flash attention over (seq, query block, kv head); a tile
+  row is one (query token, q head) pair of the kv head's group, so decode rows in a mixed batch
+  waste little of the tile.
+
+Both read all metadata from device tensors: no `.item()`, no host sync, grids and workspace sized
+from shapes and the host int `max_query_len`, so a decode step can be captured into a graph and
+replayed with new values in the same buffers. Not owned here: writing the cache (`kv_cache.py`),
+choosing this backend over the reference (the platform), building the metadata (the runner).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# Decode split heuristic: aim for this many programs in flight (a few per SM on a large GPU) ...
+TARGET_DECODE_PROGRAMS = 512
+# ... but never more splits than this (the reduce reads them all) ...
+MAX_KV_SPLITS = 64
+# ... and tokens per decode tile (one tl.dot), which also bounds the split size from below.
+DECODE_BLOCK_N = 64
+# Pipelining. An H200 sweep (bf16, 32/8 heads, dim 128) put decode within ~2% over warps 2-8 and
+# stages 2-4 at BLOCK_N 64, and prefill ~10% below its best (BLOCK_N 128, 3 stages); these
+# smaller settings also fit the shared memory of smaller GPUs.
+DECODE_NUM_WARPS, DECODE_NUM_STAGES = 4, 2
+PREFILL_BLOCK_N = 64
+PREFILL_NUM_STAGES = 2
+LOG2_E = 1.4426950408889634
+# Finite stand-in for -inf as the running max: exp2(-inf - NEG_LARGE) is 0, never NaN.
+NEG_LARGE = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _decode_split_kv_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, partial_out_ptr, partial_lse_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale,  # softmax scale * log2(e): scores live in base 2
+    stride_q_t, stride_q_h,
+    stride_cache_block, stride_cache_offset, stride_cache_h,
+    stride_block_tables,
+    NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == query_start:  # padded sequence
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = split * tokens_per_split
+    kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)  # one tile row per q head of the group
+    heads = kv_head * NUM_QUERIES_PER_KV + rows
+    row_mask = rows < NUM_QUERIES_PER_KV
+    dims = tl.arange(0, HEAD_SIZE)
+    q_offsets = query_start.to(tl.int64) * stride_q_t + heads[:, None] * stride_q_h + dims[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=row_mask[:, None], other=0.0)  # (BLOCK_H, D)
+
+    m_i = tl.full([BLOCK_H], NEG_LARGE, tl.float32)  # running max (base-2 scores)
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_H, HEAD_SIZE], tl.float32)  # running sum of p @ V
+    block_table = block_tables_ptr + seq * stride_block_tables
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
+        kv_pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        kv_mask = kv_pos < kv_end
+        kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
+                                    stride_cache_offset, stride_cache_h, BLOCK_SIZE)  # fmt: skip
+        k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+        scores = tl.where(kv_mask[None, :], scores, float("-inf"))  # (BLOCK_H, BLOCK_N)
+        v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
+        m_i, l_i, acc = _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
+
+    # Partial result of this split, normalised; an empty split reports lse = -inf.
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+    partial_out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (BLOCK_H, D)
+    workspace_row = (seq * NUM_QUERIES_PER_KV * tl.num_programs(1) + heads) * NUM_KV_SPLITS + split
+    tl.store(partial_lse_ptr + workspace_row, lse, mask=row_mask)
+    tl.store(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :], partial_out,
+             mask=row_mask[:, None])  # fmt: skip
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_out_ptr, partial_lse_ptr, output_ptr, query_start_loc_ptr,
+    stride_o_t, stride_o_h,
+    HEAD_SIZE: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+):  # fmt: skip
+    # One program: merge the splits of sequence `seq`, q head `head` into its output row.
+    seq, head = tl.program_id(0), tl.program_id(1)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == query_start:  # padded sequence
+        return
+    splits = tl.arange(0, BLOCK_SPLITS)
+    dims = tl.arange(0, HEAD_SIZE)
+    workspace_row = (seq * tl.num_programs(1) + head) * NUM_KV_SPLITS + splits  # (BLOCK_SPLITS,)
+    lse = tl.load(partial_lse_ptr + workspace_row, mask=splits < NUM_KV_SPLITS,
+                  other=float("-inf"))  # fmt: skip
+    is_used = lse > float("-inf")  # empty splits never wrote their partial output: never read it
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # all splits empty: avoid -inf - -inf
+    weights = tl.where(is_used, tl.exp2(lse - lse_max), 0.0)  # (BLOCK_SPLITS,)
+    partial_out = tl.load(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
+                          mask=is_used[:, None], other=0.0)  # fmt: skip
+    out = tl.sum(weights[:, None] * partial_out, axis=0)  # (D,)
+    out = out / tl.maximum(tl.sum(weights, axis=0), 1e-30)  # no key at all: zeros, not NaN
+    out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
+    tl.store(output_ptr + out_offsets, out.to(output_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale,  # softmax scale * log2(e): scores live in base 2
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_cache_block, stride_cache_offset, stride_cache_h,
+    stride_block_tables,
+    NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # One program: sequence `seq`, its query tokens [q_block * BLOCK_Q, +BLOCK_Q), all the q heads
+    # of kv head `kv_head`. Tile row r is query token r // NUM_QUERIES_PER_KV of the block and
+    # q head r % NUM_QUERIES_PER_KV of the group.
+    seq, q_block, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    if q_block * BLOCK_Q >= query_len:  # past this sequence's queries (or a padded sequence)
+        return
+    context_len = tl.load(seq_lens_ptr + seq) - query_len  # tokens before the first query
+
+    rows = tl.arange(0, BLOCK_M)
+    query_idx = q_block * BLOCK_Q + rows // NUM_QUERIES_PER_KV  # (BLOCK_M,) within the sequence
+    heads = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV  # (BLOCK_M,)
+    row_mask = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (query_idx < query_len)
+    tokens = (query_start + query_idx).to(tl.int64)  # (BLOCK_M,)
+    dims = tl.arange(0, HEAD_SIZE)
+    q_offsets = tokens[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=row_mask[:, None], other=0.0)  # (BLOCK_M, D)
+    query_pos = context_len + query_idx  # (BLOCK_M,) absolute positions
+
+    m_i = tl.full([BLOCK_M], NEG_LARGE, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE], tl.float32)
+    # Causal: the last query of this block sees keys up to its own position, no further.
+    kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, query_len)
+    block_table = block_tables_ptr + seq * stride_block_tables
+    for tile_start in range(0, kv_end, BLOCK_N):
+        kv_pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        kv_mask = kv_pos < kv_end
+        kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
+                                    stride_cache_offset, stride_cache_h, BLOCK_SIZE)  # fmt: skip
+        k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+        visible = (kv_pos[None, :] <= query_pos[:, None]) & kv_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))  # (BLOCK_M, BLOCK_N)
+        v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
+        m_i, l_i, acc = _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that sees no key gets zeros
+    out_offsets = tokens[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
+    tl.store(output_ptr + out_offsets, out.to(output_ptr.dtype.element_ty),
+             mask=row_mask[:, None])  # fmt: skip
+
+
+@triton.jit
+def _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
+                   stride_cache_offset, stride_cache_h, BLOCK_SIZE: tl.constexpr):  # fmt: skip
+    """Element offset of (token kv_pos, kv_head, dim 0) in the cache, via the block table."""
+    block_ids = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+    return (
+        block_ids * stride_cache_block
+        + (kv_pos % BLOCK_SIZE) * stride_cache_offset
+        + kv_head * stride_cache_h
+    )  # (BLOCK_N,)
+
+
+@triton.jit
+def _load_tile(cache_ptr, kv_offsets, dims, kv_mask):
+    """Load a (BLOCK_N, D) K or V tile; masked rows read 0 so that 0 * garbage never makes NaN."""
+    return tl.load(
+        cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask[:, None], other=0.0
+    )
+
+
+@triton.jit
+def _online_softmax_step(scores, v, m_i, l_i, acc):
+    """Fold one tile of base-2 scores (M, N) and values (N, D) into the running (max, sum, acc)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # (M,)
+    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    p = tl.exp2(scores - m_new[:, None])  # (M, N); masked scores give exactly 0
+    l_new = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_new, acc
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
+    """Decode splits from shapes only: enough programs to fill the GPU, at most one per tile."""
+    wanted = triton.cdiv(TARGET_DECODE_PROGRAMS, max(num_seqs * num_kv_heads, 1))
+    useful = triton.cdiv(max(max_context_len, 1), DECODE_BLOCK_N)
+    return max(1, min(wanted, useful, MAX_KV_SPLITS))
+
+
+def allocate_decode_workspace(
+    num_seqs: int, num_heads: int, head_size: int, num_kv_splits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV scratch, sized from shapes only: partial outputs and their log-sum-exps."""
+    partial_out = torch.empty(
+        (num_seqs, num_heads, num_kv_splits, head_size), dtype=torch.float32, device=device
+    )
+    partial_lse = torch.empty(
+        (num_seqs, num_heads, num_kv_splits), dtype=torch.float32, device=device
+    )
+    return partial_out, partial_lse
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # (T, Hq, D)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    output: torch.Tensor,  # (T, Hq, D), written in place
+    *,
+    query_start_loc: torch.Tensor,  # (S + 1,) int32
+    seq_lens: torch.Tensor,  # (S,) int32, context length including the new query tokens
+    block_tables: torch.Tensor,  # (S, max_blocks) int32
+    scale: float,
+    max_query_len: int,
+    num_kv_splits: int | None = None,
+) -> None:
+    """Causal paged attention; `max_query_len` (host int, >= every query length) picks the path."""
+    _check_attention_inputs(query, key_cache, value_cache, output, block_tables)
+    if block_tables.shape[0] == 0 or query.shape[0] == 0:
+        return
+    if max_query_len <= 1:
+        _decode(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables,
+                scale, num_kv_splits)  # fmt: skip
+    else:
+        _prefill(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables,
+                 scale, max_query_len)  # fmt: skip
+
+
+def _decode(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables,
+            scale, num_kv_splits):  # fmt: skip
+    """Split-KV decode: partials per (seq, kv head, split), then one reduce per (seq, q head)."""
+    num_seqs, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    num_heads = query.shape[1]
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_blocks * block_size)
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    partial_out, partial_lse = allocate_decode_workspace(
+        num_seqs, num_heads, head_size, num_kv_splits, query.device
+    )
+    num_queries_per_kv = num_heads // num_kv_heads
+    _decode_split_kv_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
+        query, key_cache, value_cache, partial_out, partial_lse,
+        query_start_loc, seq_lens, block_tables,
+        scale * LOG2_E,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+        NUM_KV_SPLITS=num_kv_splits, BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)),
+        BLOCK_N=DECODE_BLOCK_N, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+    )  # fmt: skip
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        partial_out, partial_lse, output, query_start_loc,
+        output.stride(0), output.stride(1),
+        HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
+        BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4,
+    )  # fmt: skip
+
+
+def _prefill(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables,
+             scale, max_query_len):  # fmt: skip
+    """Flash attention over (seq, query block, kv head); decode rows of a mixed batch too."""
+    num_seqs = block_tables.shape[0]
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    num_queries_per_kv = query.shape[1] // num_kv_heads
+    block_m = _prefill_block_m(max_query_len * num_queries_per_kv, num_queries_per_kv)
+    block_q = block_m // num_queries_per_kv
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, output,
+        query_start_loc, seq_lens, block_tables,
+        scale * LOG2_E,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
+        num_warps=8 if block_m >= 128 else 4, num_stages=PREFILL_NUM_STAGES,
+    )  # fmt: skip
+
+
+def _prefill_block_m(max_rows: int, num_queries_per_kv: int) -> int:
+    """Tile rows (query tokens x group heads): big tiles for long queries, >= 16 for tl.dot."""
+    block_m = 128 if max_rows >= 128 else 64 if max_rows >= 64 else 16
+    return max(block_m, triton.next_power_of_2(num_queries_per_kv))
+
+
+def _check_attention_inputs(query, key_cache, value_cache, output, block_tables) -> None:
+    """Reject layouts the kernels cannot address (they assume unit stride along D)."""
+    num_heads, head_size = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    if head_size < 16 or head_size & (head_size - 1) or key_cache.shape[3] != head_size:
+        raise ValueError(
+            f"head size {head_size} (cache {key_cache.shape[3]}) must be a power of two >= 16"
+        )
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must share one shape and memory layout")
+    if output.shape != query.shape:
+        raise ValueError(f"output {tuple(output.shape)} must match query {tuple(query.shape)}")
+    for name, tensor in (("query", query), ("output", output), ("key_cache", key_cache)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along the head dimension")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
