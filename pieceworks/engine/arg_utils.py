@@ -1,0 +1,105 @@
+"""Engine arguments (vLLM's names) -> ``EngineConfig``: presets, checkpoint dirs, validation.
+
+``build_engine_config(model, compilation_config=None, **engine_args)`` is what ``LLM`` and the CLI
+call; unknown arguments are an error that lists the known ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from pieceworks.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
+from pieceworks.models.loader import load_hf_config
+from pieceworks.models.presets import get_preset, is_preset, preset_names
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Everything a user may pass to ``LLM(...)`` besides the model and compilation config."""
+
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+    seed: int = 0
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    tokenizer: str | None = None
+
+
+def resolve_hf_config(model: str) -> dict[str, Any]:
+    """The config.json dict of a preset name or an HF-format directory."""
+    if is_preset(model):
+        return get_preset(model)
+    if os.path.isdir(model):
+        return load_hf_config(model)
+    raise ValueError(
+        f"model {model!r} is neither a preset ({', '.join(preset_names())}) nor a "
+        "directory with config.json and *.safetensors"
+    )
+
+
+def _compilation(compilation_config: Any, enforce_eager: bool) -> CompilationConfig:
+    if isinstance(compilation_config, CompilationConfig):
+        config = compilation_config
+    elif isinstance(compilation_config, int):
+        config = CompilationConfig(level=CompilationLevel(compilation_config))
+    else:
+        config = CompilationConfig(**(compilation_config or {}))
+    if enforce_eager:  # vLLM's meaning: no compilation, no graphs
+        config.level, config.cudagraph_mode = CompilationLevel.NO_COMPILATION, CUDAGraphMode.NONE
+    return config
+
+
+def build_engine_config(
+    model: str, compilation_config: Any = None, **engine_args: Any
+) -> EngineConfig:
+    known = {field.name for field in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(engine_args) - known)
+    if unknown:
+        raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+    args = EngineArgs(**engine_args)
+    if args.tensor_parallel_size != 1:
+        raise ValueError(
+            "tensor_parallel_size > 1 is not available in this version of "
+            "pieceworks; run with tensor_parallel_size=1"
+        )
+    hf_config = resolve_hf_config(model)
+    model_config = ModelConfig(
+        model=model,
+        hf_config=hf_config,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        quantization=args.quantization,
+        tokenizer=args.tokenizer,
+    )
+    max_model_len = model_config.max_model_len or 0
+    max_batched = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=min(max_batched, max(max_model_len, 1) * args.max_num_seqs),
+        ),
+        parallel_config=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        compilation_config=_compilation(compilation_config, args.enforce_eager),
+    )

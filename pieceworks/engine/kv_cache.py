@@ -1,0 +1,91 @@
+"""KV-cache sizing and allocation: how many paged blocks fit, and binding them to the layers.
+
+The runner profiles one forward at the largest token count, then gives the KV cache what is left
+of ``gpu_memory_utilization`` after the weights, that peak, and a budget for captured graphs. The
+cache is capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from pieceworks.config import CUDAGraphMode, EngineConfig
+from pieceworks.engine.block_manager import cdiv
+from pieceworks.models.attention.layer import Attention
+
+GRAPH_MEMORY_BUDGET_BYTES = 512 * 1024**2  # held back for captured graphs (SPEC §6: <= 0.5 GiB)
+GIB = 1024**3
+
+
+@dataclasses.dataclass
+class KVCacheSpec:
+    """Bytes per block over all attention layers, and the layers that need a cache."""
+
+    layers: list[Attention]
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = [
+            2 * self.block_size * layer.num_kv_heads * layer.head_size * element_size
+            for layer in self.layers
+        ]
+        return sum(per_layer)
+
+
+def attention_layers(config: EngineConfig) -> list[Attention]:
+    layers = config.compilation_config.static_forward_context.values()
+    return [layer for layer in layers if isinstance(layer, Attention)]
+
+
+def max_useful_blocks(config: EngineConfig) -> int:
+    """Blocks that max_num_seqs sequences of max_model_len tokens could use at once."""
+    max_model_len = config.model_config.max_model_len
+    assert max_model_len is not None
+    per_seq = cdiv(max_model_len, config.cache_config.block_size)
+    return config.scheduler_config.max_num_seqs * per_seq
+
+
+def num_blocks_that_fit(
+    config: EngineConfig, spec: KVCacheSpec, free_bytes: int, total_bytes: int, used_bytes: int
+) -> int:
+    """Blocks the memory budget allows, after weights, activations and the graph budget."""
+    cache_config = config.cache_config
+    if cache_config.num_gpu_blocks_override is not None:
+        return cache_config.num_gpu_blocks_override
+    if not spec.layers:
+        return 0
+    budget = min(free_bytes, int(total_bytes * cache_config.gpu_memory_utilization) - used_bytes)
+    if config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+        budget -= GRAPH_MEMORY_BUDGET_BYTES
+    num_blocks = min(max(budget, 0) // spec.bytes_per_block, max_useful_blocks(config))
+    max_model_len = config.model_config.max_model_len or 0
+    needed = cdiv(max_model_len, cache_config.block_size)
+    if num_blocks < needed:
+        raise RuntimeError(
+            f"the KV cache does not fit: {budget / GIB:.2f} GiB left after the model and its "
+            f"activations ({used_bytes / GIB:.2f} GiB) holds {num_blocks} blocks of "
+            f"{cache_config.block_size} tokens, but one sequence of max_model_len="
+            f"{max_model_len} needs {needed}. Lower --max-model-len or --max-num-batched-tokens, "
+            "raise gpu_memory_utilization, or use a larger device."
+        )
+    return num_blocks
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+    """One (2, num_blocks, block_size, Hkv, D) tensor per layer, zeroed, bound to the layer."""
+    for layer in spec.layers:
+        cache = torch.zeros(
+            2,
+            num_blocks,
+            spec.block_size,
+            layer.num_kv_heads,
+            layer.head_size,
+            dtype=spec.dtype,
+            device=device,
+        )
+        layer.kv_cache = (cache[0], cache[1])

@@ -1,0 +1,219 @@
+"""``ModelRunner``: loads the model, sizes the KV cache, captures graphs, executes steps.
+
+Per step: lay the scheduled requests into the persistent buffers (padded to a capture size),
+ask the ``CudagraphDispatcher`` which graph serves the batch, run the forward under
+``set_forward_context``, then compute logits and sample outside the graph. The only host sync of a
+step is the one that returns the sampled ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from pieceworks.config import EngineConfig
+from pieceworks.core.config import CUDAGraphMode
+from pieceworks.core.counters import compilation_counter
+from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
+from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
+from pieceworks.core.static_graph import close_capturing, open_capturing
+from pieceworks.engine.block_manager import cdiv
+from pieceworks.engine.input_buffers import InputBuffers, StepShape
+from pieceworks.engine.kv_cache import (
+    GIB,
+    KVCacheSpec,
+    allocate_kv_cache,
+    attention_layers,
+    num_blocks_that_fit,
+)
+from pieceworks.engine.sampler import Sampler, make_generator
+from pieceworks.engine.scheduler import SchedulerOutput
+from pieceworks.logger import init_logger
+from pieceworks.models.loader import get_model
+from pieceworks.platforms import current_platform
+
+logger = init_logger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.platform = current_platform()
+        self.device = self.platform.device()
+        start = time.perf_counter()
+        self.model = get_model(config, self.device).requires_grad_(False)
+        self.load_seconds = time.perf_counter() - start
+        self.compilation = config.compilation_config
+        self.dispatcher = CudagraphDispatcher(config)
+        self.forward_model = self.model
+        if self.compilation.cudagraph_mode.has_full_cudagraphs():  # type: ignore[union-attr]
+            wrapper_cls = self.platform.static_graph_wrapper_cls()
+            self.forward_model = wrapper_cls(self.model, config, CUDAGraphMode.FULL)
+        scheduler_config = config.scheduler_config
+        self.max_num_tokens = max(
+            scheduler_config.max_num_batched_tokens, self.compilation.max_capture_size
+        )
+        max_model_len = config.model_config.max_model_len or 0
+        self.block_size = config.cache_config.block_size
+        self.buffers = InputBuffers(
+            self.max_num_tokens,
+            scheduler_config.max_num_seqs,
+            cdiv(max_model_len, self.block_size),
+            self.device,
+            self.platform.pin_memory(),
+        )
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator | None] = {}
+        self.num_blocks = 0
+        self.compile_seconds = 0.0
+        self.capture_seconds = 0.0
+        self.graph_memory_bytes = 0
+
+    # --- set-up ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def initialize_kv_cache(self) -> int:
+        """Compile (first forward, largest size), measure its peak, allocate the KV cache."""
+        spec = KVCacheSpec(
+            attention_layers(self.config), self.block_size, self.config.model_config.dtype
+        )  # type: ignore[arg-type]
+        allocate_kv_cache(spec, 1, self.device)  # a placeholder for the profiling forward
+        self.platform.synchronize()
+        self.platform.reset_peak_memory_stats()
+        start = time.perf_counter()
+        self._dummy_forward(self.max_num_tokens)
+        self.platform.synchronize()
+        self.compile_seconds = time.perf_counter() - start
+        free, total = self.platform.mem_get_info()
+        peak = self.platform.max_memory_allocated()
+        self.num_blocks = num_blocks_that_fit(self.config, spec, free, total, peak)
+        allocate_kv_cache(spec, self.num_blocks, self.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB); first forward (compile) %.1f s",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * spec.bytes_per_block / GIB,
+            self.compile_seconds,
+        )
+        return self.num_blocks
+
+    def _dummy_forward(
+        self,
+        num_tokens: int,
+        mode: CUDAGraphMode = CUDAGraphMode.NONE,
+        descriptor: BatchDescriptor | None = None,
+    ) -> None:
+        shape = (
+            self._capture_shape(descriptor)
+            if descriptor is not None
+            else StepShape(num_tokens, num_tokens, 1, 1, num_tokens)
+        )
+        metadata = self.buffers.prepare_dummy(shape)
+        with set_forward_context(
+            metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
+        ):
+            self.forward_model(
+                self.buffers["input_ids"][: shape.num_tokens_padded],
+                self.buffers["positions"][: shape.num_tokens_padded],
+            )
+
+    def _capture_shape(self, descriptor: BatchDescriptor) -> StepShape:
+        num_tokens = descriptor.num_tokens
+        if descriptor.uniform_decode:
+            return StepShape(num_tokens, num_tokens, num_tokens, num_tokens, 1)
+        num_seqs = min(num_tokens, self.config.scheduler_config.max_num_seqs)
+        return StepShape(num_tokens, num_tokens, num_seqs, num_seqs, num_tokens)
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Capture every (mode, descriptor), largest first, then close capturing."""
+        descriptors = self.dispatcher.capture_descriptors()
+        if not descriptors:
+            return
+        open_capturing()
+        free_before, _ = self.platform.mem_get_info()
+        start = time.perf_counter()
+        gc.collect()
+        gc.freeze()  # objects alive now are never collected during capture: faster gc passes
+        try:
+            for mode, descriptor in tqdm(descriptors, desc="capturing graphs", leave=False):
+                for _ in range(self.compilation.cudagraph_num_of_warmups):
+                    self._dummy_forward(descriptor.num_tokens, CUDAGraphMode.NONE, descriptor)
+                self._dummy_forward(descriptor.num_tokens, mode, descriptor)
+                compilation_counter.num_gpu_runner_capture_triggers += 1
+        finally:
+            gc.unfreeze()
+        self.platform.synchronize()
+        close_capturing()
+        self.capture_seconds = time.perf_counter() - start
+        self.graph_memory_bytes = max(free_before - self.platform.mem_get_info()[0], 0)
+        logger.info(
+            "captured %d graphs in %.1f s, %.3f GiB",
+            len(descriptors),
+            self.capture_seconds,
+            self.graph_memory_bytes / GIB,
+        )
+
+    # --- execution ---------------------------------------------------------------------------
+    def plan(
+        self, output: SchedulerOutput
+    ) -> tuple[StepShape, CUDAGraphMode, BatchDescriptor | None]:
+        """Pad the step to a capture size and pick its graph mode."""
+        num_tokens, num_seqs = output.num_scheduled_tokens, output.num_requests
+        max_query_len = max(s.num_new_tokens for s in output.scheduled_requests)
+        uniform = output.is_uniform_decode
+        if num_tokens <= self.compilation.max_capture_size:
+            padded = self.compilation.pad_for_cudagraph(num_tokens)
+            mode, descriptor = self.dispatcher.dispatch(BatchDescriptor(padded, uniform))
+        else:
+            padded, mode, descriptor = num_tokens, CUDAGraphMode.NONE, None
+        if mode == CUDAGraphMode.FULL:  # the captured layout, holding the real batch
+            assert descriptor is not None
+            shape = dataclasses.replace(
+                self._capture_shape(descriptor), num_tokens=num_tokens, num_seqs=num_seqs
+            )
+            return shape, mode, descriptor
+        if mode == CUDAGraphMode.NONE:
+            padded = num_tokens
+        return StepShape(num_tokens, padded, num_seqs, num_seqs, max_query_len), mode, descriptor
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> list[int]:
+        """Run one scheduled step; return one sampled token per request that produces one."""
+        shape, mode, descriptor = self.plan(output)
+        metadata = self.buffers.prepare(output.scheduled_requests, shape, self.block_size)
+        with set_forward_context(
+            metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
+        ):
+            hidden_states = self.forward_model(
+                self.buffers["input_ids"][: shape.num_tokens_padded],
+                self.buffers["positions"][: shape.num_tokens_padded],
+            )
+        return self._sample(output, hidden_states)
+
+    def _sample(self, output: SchedulerOutput, hidden_states: torch.Tensor) -> list[int]:
+        producing = [i for i, s in enumerate(output.scheduled_requests) if s.produces_token]
+        if not producing:
+            return []
+        ends = self.buffers.host["query_start_loc"][1:][producing].astype(np.int64) - 1
+        indices = torch.from_numpy(ends).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden_states[indices])  # (S, V) float32
+        requests = [output.scheduled_requests[i].request for i in producing]
+        generators = [self._generator(request) for request in requests]
+        token_ids = self.sampler.sample(logits, [r.sampling_params for r in requests], generators)
+        return token_ids.tolist()  # the step's one host sync
+
+    def _generator(self, request) -> torch.Generator | None:
+        if request.request_id not in self.generators:
+            self.generators[request.request_id] = make_generator(
+                request.sampling_params, self.device
+            )
+        return self.generators[request.request_id]
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's generator."""
+        self.generators.pop(request_id, None)

@@ -1,0 +1,92 @@
+"""``Request``: one prompt's state as it moves through the scheduler, and its ``RequestStatus``.
+
+Owns the token bookkeeping the scheduler and the model runner share: the prompt, the generated
+tokens, how many of them already have their KV (and Mamba state) computed, and which KV blocks and
+state slot hold that cache. It does not allocate anything itself: ``BlockManager`` and
+``StateSlotManager`` fill ``block_ids`` and ``state_slot``; the scheduler moves ``status``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from pieceworks.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is: queued, running, preempted (back in the queue), or finished."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS or a stop token
+    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens generated
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+}
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A prompt and its generated tokens, with the cache state the scheduler tracks for it.
+
+    Invariant: the first ``num_computed_tokens`` of ``all_token_ids`` have their KV written in
+    ``block_ids`` (and, for hybrid models, their recurrent state folded into ``state_slot``). A
+    decoding request has exactly one uncomputed token: the one sampled last step. Preemption resets
+    ``num_computed_tokens`` to 0 but keeps ``output_token_ids``, so on resume the prompt and the
+    generated tokens are recomputed together as one prefill.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    state_slot: int | None = None  # Mamba state slot; only for models with Mamba layers
+    finish_reason: str | None = None  # "stop" | "length" once finished
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: everything known so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens whose KV is not computed yet (1 for a decode, more for a prefill)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def finish(self, status: RequestStatus) -> None:
+        """Mark the request finished with ``status`` and set its ``finish_reason``."""
+        self.status = status
+        self.finish_reason = _FINISH_REASONS[status]

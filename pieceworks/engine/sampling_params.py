@@ -1,0 +1,76 @@
+"""``SamplingParams``: how one request's tokens are chosen and when its generation stops.
+
+Owns validation of the user-facing sampling knobs (vLLM's names and meanings). It does not sample:
+``pieceworks.engine.sampler`` turns a batch of these into per-row tensors once per step, and the
+scheduler reads ``max_tokens``, ``stop_token_ids`` and ``ignore_eos`` to finish requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+# Temperatures below this are treated as greedy: dividing logits by them overflows (vLLM's rule).
+SAMPLING_EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping parameters for one request; one instance may be shared by many.
+
+    ``temperature`` 0 is greedy (argmax). ``top_k`` 0 or -1 disables top-k; ``top_p`` 1.0 disables
+    top-p. ``seed`` gives the request its own random generator, so the same seed yields the same
+    tokens whatever batch the request runs in. Generation stops at the model's EOS token (unless
+    ``ignore_eos``), at any of ``stop_token_ids`` (both kept in the output), or after
+    ``max_tokens`` generated tokens.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Frozen: normalise through object.__setattr__ so a list argument becomes a hashable tuple.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._verify_sampling()
+        self._verify_stopping()
+
+    def _verify_sampling(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(
+                f"temperature={self.temperature} must be a finite number >= 0 "
+                "(0 means greedy decoding)"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1.0 to disable top-p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(
+                f"top_k={self.top_k!r} must be an integer >= 1, or 0 / -1 to disable top-k"
+            )
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an integer or None")
+
+    def _verify_stopping(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        bad = [token for token in self.stop_token_ids if not isinstance(token, int) or token < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be non-negative integers; got {bad}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request decodes by argmax (temperature 0 or below ``SAMPLING_EPS``)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0

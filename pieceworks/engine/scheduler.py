@@ -1,0 +1,303 @@
+"""``Scheduler``: continuous batching of prefills and decodes under a per-step token budget.
+
+vLLM v1's shape: there are no separate prefill and decode phases. Each step every request asks to
+compute its uncomputed tokens (``Request.num_uncomputed_tokens``: the whole prompt for a new
+request, one token for a decoding one); running requests are served first in admission order, then
+waiting ones first-come first-served, until ``max_num_batched_tokens`` or ``max_num_seqs`` is
+reached. A prompt longer than the budget left is cut into chunks over several steps (chunked
+prefill). When KV blocks run out, the most recently admitted running request is preempted by
+recompute. The scheduler owns the request queues, the ``BlockManager`` and the
+``StateSlotManager``; it never touches tensors (the model runner turns a ``SchedulerOutput`` into
+input buffers) and never samples (the ``Sampler`` does; ``update_from_output`` takes its tokens).
+
+One step is ``output = schedule()``, run the model, ``update_from_output(output, sampled)``; a
+second ``schedule()`` before the update is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Sequence
+
+from pieceworks.config import CacheConfig, SchedulerConfig
+from pieceworks.engine.block_manager import BlockManager, StateSlotManager
+from pieceworks.engine.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    """One request's work this step: compute ``num_new_tokens`` tokens from ``num_computed_tokens``.
+
+    ``num_computed_tokens`` is snapshotted when scheduled (the request's own counter advances only
+    in ``update_from_output``). ``produces_token`` is True when the step reaches the end of the
+    request's known tokens (``num_computed_tokens + num_new_tokens == request.num_tokens``): the
+    logits of its last scheduled position are sampled and the token is appended. A chunk of a
+    prompt that stops short of its end produces no token.
+    """
+
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int = dataclasses.field(init=False)
+    produces_token: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_computed_tokens = self.request.num_computed_tokens
+        end = self.num_computed_tokens + self.num_new_tokens
+        self.produces_token = end == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One token on top of a computed context, sampled: the shape a decode graph serves."""
+        return self.num_new_tokens == 1 and self.produces_token and self.num_computed_tokens > 0
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        """The token ids this step computes (positions ``num_computed_tokens`` onwards)."""
+        start, end = self.num_computed_tokens, self.num_computed_tokens + self.num_new_tokens
+        prompt, output = self.request.prompt_token_ids, self.request.output_token_ids
+        # Slice the two lists separately: a decode must not copy the whole sequence each step.
+        output_start = max(start - len(prompt), 0)
+        output_end = max(end - len(prompt), 0)
+        return prompt[start:end] + output[output_start:output_end]
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's batch: decodes first, then prefills (new, resumed or continuing chunks).
+
+    ``preempted_requests`` were evicted this step (their blocks and state slots are already free);
+    a runner that keeps per-request state drops it for them.
+    """
+
+    scheduled_requests: list[ScheduledRequest]
+    preempted_requests: list[Request] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.scheduled_requests)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(scheduled.num_new_tokens for scheduled in self.scheduled_requests)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(scheduled.is_decode for scheduled in self.scheduled_requests)
+
+    @property
+    def is_uniform_decode(self) -> bool:
+        """Every scheduled request is a decode (one token each): a full decode graph can run it."""
+        return bool(self.scheduled_requests) and self.num_decodes == self.num_requests
+
+    @property
+    def producing_requests(self) -> list[ScheduledRequest]:
+        """The scheduled requests that get a sampled token, in scheduled order."""
+        return [scheduled for scheduled in self.scheduled_requests if scheduled.produces_token]
+
+
+class Scheduler:
+    """Token-budget scheduler with chunked prefill and recompute preemption.
+
+    Invariants: every accepted request eventually finishes (the oldest running request is never
+    preempted, and ``add_request`` rejects any request that could not run alone); blocks and state
+    slots are held only by running requests and return on finish or preemption; preemption keeps
+    generated tokens, so a resumed request recomputes prompt + generated tokens and continues.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_blocks: int,
+        num_state_slots: int = 0,
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size)
+        # Only hybrid models (with Mamba layers) are given state slots.
+        self.state_slot_manager = StateSlotManager(num_state_slots) if num_state_slots else None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.requests: dict[str, Request] = {}
+        self._pending_output: SchedulerOutput | None = None
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; raise ``ValueError`` if it could never run to completion."""
+        self._verify_request(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts; allocate their blocks and state slots."""
+        if self._pending_output is not None:
+            raise RuntimeError("schedule() called twice; call update_from_output() after each step")
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        token_budget = self._schedule_running(scheduled, preempted, self.max_num_batched_tokens)
+        if not preempted:  # after a preemption memory is short: admit nobody new (as vLLM)
+            self._schedule_waiting(scheduled, token_budget)
+        # Admission order already lists decodes first (a prompt is cut only when the budget runs
+        # out, so only the last request served can be mid-prefill); the stable sort guarantees it.
+        scheduled.sort(key=lambda item: not item.is_decode)
+        self._pending_output = SchedulerOutput(scheduled, preempted)
+        return self._pending_output
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
+    ) -> list[Request]:
+        """Advance the scheduled requests by the step's result; return those that finished.
+
+        ``sampled_token_ids`` holds one token per request with ``produces_token``, in scheduled
+        order. A list with one entry per scheduled request is accepted too (entries of requests
+        that produce no token are ignored).
+        """
+        if scheduler_output is not self._pending_output:
+            raise RuntimeError("update_from_output() must get the output of the last schedule()")
+        tokens = _tokens_per_request(scheduler_output, sampled_token_ids)  # validate first
+        self._pending_output = None
+        finished = []
+        for scheduled, token_id in zip(scheduler_output.scheduled_requests, tokens):
+            request = scheduled.request
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            status = _check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _schedule_running(
+        self, scheduled: list[ScheduledRequest], preempted: list[Request], token_budget: int
+    ) -> int:
+        """Serve running requests oldest first, preempting from the newest end when short."""
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
+            if not self._allocate_or_preempt(request, num_new_tokens, preempted):
+                break  # the request preempted itself: it was the newest left
+            scheduled.append(ScheduledRequest(request, num_new_tokens))
+            token_budget -= num_new_tokens
+            index += 1
+        return token_budget
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, preempted: list[Request]
+    ) -> bool:
+        # Victims come from the end of ``running``: always behind ``request``, so never a request
+        # already scheduled this step, and never the oldest one (which therefore always progresses).
+        while not self.block_manager.allocate(request, num_new_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], token_budget: int) -> None:
+        """Admit waiting requests first-come first-served while budget, seats and memory last."""
+        while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
+            if not self._allocate_for_admission(request, num_new_tokens):
+                break  # no skipping ahead: the head of the queue waits for memory
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(ScheduledRequest(request, num_new_tokens))
+            token_budget -= num_new_tokens
+
+    def _allocate_for_admission(self, request: Request, num_new_tokens: int) -> bool:
+        slots = self.state_slot_manager
+        if slots is not None and slots.num_free_slots == 0:
+            return False
+        if not self.block_manager.allocate(request, num_new_tokens):
+            return False
+        if slots is not None:
+            slots.allocate(request)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the cache, keep the tokens, go to the front of the queue."""
+        self._free_cache(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.finish(status)
+        self.running.remove(request)
+        self._free_cache(request)
+        del self.requests[request.request_id]
+
+    def _free_cache(self, request: Request) -> None:
+        self.block_manager.free(request)
+        if self.state_slot_manager is not None:
+            self.state_slot_manager.free(request)
+
+    def _verify_request(self, request: Request) -> None:
+        name = f"request {request.request_id!r}"
+        if request.request_id in self.requests:
+            raise ValueError(f"{name} is already scheduled; give each request a unique id")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"{name} has an empty prompt; pass at least one token")
+        num_prompt_tokens = request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"{name}: prompt of {num_prompt_tokens} tokens + max_tokens={max_tokens} "
+                f"= {num_prompt_tokens + max_tokens} exceeds max_model_len={self.max_model_len}; "
+                "shorten the prompt, lower max_tokens, or raise max_model_len"
+            )
+        # The last generated token is never fed back, so its KV is never stored.
+        num_kv_tokens = num_prompt_tokens + max_tokens - 1
+        capacity = self.block_manager.num_tokens_capacity
+        if num_kv_tokens > capacity:
+            raise ValueError(
+                f"{name}: prompt of {num_prompt_tokens} tokens + max_tokens={max_tokens} needs "
+                f"KV cache for {num_kv_tokens} tokens, but the whole KV cache holds {capacity} "
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size}); "
+                "shorten the prompt or lower max_tokens, or give the KV cache more memory "
+                "(gpu_memory_utilization, num_gpu_blocks_override)"
+            )
+
+
+def _tokens_per_request(
+    scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
+) -> list[int | None]:
+    """Align sampled tokens with scheduled requests: the token, or None if it produces none."""
+    produces = [scheduled.produces_token for scheduled in scheduler_output.scheduled_requests]
+    if len(sampled_token_ids) == len(produces):
+        return [int(token) if flag else None for token, flag in zip(sampled_token_ids, produces)]
+    if len(sampled_token_ids) == sum(produces):
+        tokens = iter(sampled_token_ids)
+        return [int(next(tokens)) if flag else None for flag in produces]
+    raise ValueError(
+        f"got {len(sampled_token_ids)} sampled tokens for a step of {len(produces)} requests of "
+        f"which {sum(produces)} produce a token; pass one token per producing request"
+    )
+
+
+def _check_stop(request: Request, token_id: int) -> RequestStatus | None:
+    """Stop on EOS (unless ignore_eos) or a stop token, else on max_tokens (stops win)."""
+    params = request.sampling_params
+    if not params.ignore_eos and token_id == request.eos_token_id:
+        return RequestStatus.FINISHED_STOPPED
+    if token_id in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None

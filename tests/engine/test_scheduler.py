@@ -1,0 +1,375 @@
+"""The scheduler keeps its invariants on random workloads driven by a deterministic fake model.
+
+Proves: many more requests than ``max_num_seqs`` all finish; every step respects the token budget
+and the sequence limit and lists decodes first; chunked prefills stay within the budget and resume
+where they stopped; with a tiny block pool requests are preempted, resume by recomputing prompt +
+generated tokens, and produce exactly the tokens of an unpreempted run; no KV block or Mamba state
+slot is shared while held or leaked after the last request finishes; impossible requests are
+rejected with a message; EOS, stop ids, ``ignore_eos`` and ``max_tokens`` stop generation.
+
+The fake model runner writes each step's tokens into a simulated paged KV cache through
+``block_ids`` and reads the whole context back through them, so a block handed to two requests at
+once, or a wrong ``num_computed_tokens``, changes the tokens and fails the test.
+
+Run: pytest tests/engine/test_scheduler.py
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from pieceworks.config import CacheConfig, SchedulerConfig
+from pieceworks.engine.block_manager import BlockManager, StateSlotManager, cdiv
+from pieceworks.engine.request import Request, RequestStatus
+from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.engine.scheduler import Scheduler, SchedulerOutput
+
+VOCAB_SIZE = 48
+EOS_TOKEN_ID = 0
+_MODULUS = (1 << 61) - 1
+
+
+def rolling_hash(token_ids: Sequence[int], state: int = 0) -> int:
+    for token_id in token_ids:
+        state = (state * 1_000_003 + token_id + 1) % _MODULUS
+    return state
+
+
+def next_token(context: Sequence[int]) -> int:
+    """The fake model: a deterministic function of the whole context, as a real LM is."""
+    return rolling_hash(context) % VOCAB_SIZE
+
+
+def reference_output(request: Request) -> tuple[list[int], str]:
+    """What generation must produce, computed without any scheduler."""
+    params, token_ids, output = request.sampling_params, list(request.prompt_token_ids), []
+    while True:
+        token_id = next_token(token_ids)
+        token_ids.append(token_id)
+        output.append(token_id)
+        stopped = token_id == request.eos_token_id and not params.ignore_eos
+        if stopped or token_id in params.stop_token_ids:
+            return output, "stop"
+        if len(output) >= params.max_tokens:
+            return output, "length"
+
+
+class FakeModelRunner:
+    """Stores tokens as 'KV' in paged slots and a rolling hash as 'Mamba state' per slot."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.block_size = scheduler.block_manager.block_size
+        self.kv_cache = [-1] * scheduler.block_manager.num_tokens_capacity
+        slots = scheduler.state_slot_manager
+        self.state_cache: list[int | None] = [None] * (slots.num_slots if slots else 0)
+
+    def slot(self, request: Request, position: int) -> int:
+        return request.block_ids[position // self.block_size] * self.block_size + (
+            position % self.block_size
+        )
+
+    def execute(self, output: SchedulerOutput) -> list[int]:
+        # Write every request's KV before reading any: a block shared by two requests shows up.
+        for scheduled in output.scheduled_requests:
+            start = scheduled.num_computed_tokens
+            for offset, token_id in enumerate(scheduled.new_token_ids):
+                self.kv_cache[self.slot(scheduled.request, start + offset)] = token_id
+        sampled = []
+        for scheduled in output.scheduled_requests:
+            request, end = (
+                scheduled.request,
+                scheduled.num_computed_tokens + scheduled.num_new_tokens,
+            )
+            context = [self.kv_cache[self.slot(request, position)] for position in range(end)]
+            assert context == request.all_token_ids[:end], f"{request.request_id}: KV corrupted"
+            if self.state_cache:
+                self.update_state(scheduled, context)
+            if scheduled.produces_token:
+                sampled.append(next_token(context))
+        return sampled
+
+    def update_state(self, scheduled, context: list[int]) -> None:
+        slot = scheduled.request.state_slot
+        assert slot is not None and slot != StateSlotManager.NULL_SLOT
+        # A prefill from position 0 starts from a zero state; anything else continues the slot's.
+        state = 0 if scheduled.num_computed_tokens == 0 else self.state_cache[slot]
+        state = rolling_hash(scheduled.new_token_ids, state)
+        assert state == rolling_hash(context), "Mamba state slot shared or stale"
+        self.state_cache[slot] = state
+
+
+def make_scheduler(
+    max_num_seqs=4, max_num_batched_tokens=64, num_blocks=256, block_size=4, num_state_slots=0
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        CacheConfig(block_size=block_size),
+        max_model_len=256,
+        num_blocks=num_blocks,
+        num_state_slots=num_state_slots,
+    )
+
+
+def random_requests(seed: int, num_requests: int, max_prompt_len=40, max_tokens=30) -> list:
+    rng = random.Random(seed)
+    requests = []
+    for index in range(num_requests):
+        prompt = [rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randint(1, max_prompt_len))]
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=rng.randint(1, max_tokens),
+            ignore_eos=rng.random() < 0.3,
+            stop_token_ids=[rng.randrange(1, VOCAB_SIZE)] if rng.random() < 0.3 else [],
+        )
+        requests.append(Request(f"req-{index}", prompt, params, eos_token_id=EOS_TOKEN_ID))
+    return requests
+
+
+def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    """Per-step invariants: limits, decode-first order, progress, exclusive blocks and slots."""
+    assert output.num_requests > 0, "unfinished requests but nothing scheduled"
+    assert output.num_scheduled_tokens <= scheduler.max_num_batched_tokens
+    assert output.num_requests <= scheduler.max_num_seqs
+    decode_flags = [scheduled.is_decode for scheduled in output.scheduled_requests]
+    assert decode_flags == sorted(decode_flags, reverse=True), "decodes must come first"
+    held = [block for request in scheduler.running for block in request.block_ids]
+    assert len(held) == len(set(held)), "a block is held by two requests"
+    assert len(held) + scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    for scheduled in output.scheduled_requests:
+        needed = scheduled.num_computed_tokens + scheduled.num_new_tokens
+        assert len(scheduled.request.block_ids) == cdiv(needed, scheduler.block_manager.block_size)
+    for request in output.preempted_requests:
+        assert request.status == RequestStatus.PREEMPTED and not request.block_ids
+        assert request.num_computed_tokens == 0 and request.state_slot is None
+    if scheduler.state_slot_manager is not None:
+        slots = [request.state_slot for request in scheduler.running]
+        assert None not in slots and 0 not in slots and len(slots) == len(set(slots))
+
+
+def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps=20_000) -> list:
+    """Drive schedule → fake model → update until every request finishes; return the outputs."""
+    runner = FakeModelRunner(scheduler)
+    for request in requests:
+        scheduler.add_request(request)
+    outputs, num_finished = [], 0
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        output = scheduler.schedule()
+        check_step(scheduler, output)
+        num_finished += len(scheduler.update_from_output(output, runner.execute(output)))
+        outputs.append(output)
+    assert not scheduler.has_unfinished_requests(), "requests left unfinished"
+    assert num_finished == len(requests)
+    check_no_leaks(scheduler)
+    return outputs
+
+
+def check_no_leaks(scheduler: Scheduler) -> None:
+    manager = scheduler.block_manager
+    assert sorted(manager.free_block_ids) == list(range(manager.num_blocks))
+    if scheduler.state_slot_manager is not None:
+        slots = scheduler.state_slot_manager
+        assert sorted(slots.free_slots) == list(range(1, slots.num_slots))
+    assert not scheduler.requests and not scheduler.running and not scheduler.waiting
+
+
+def check_matches_reference(requests: list[Request]) -> None:
+    for request in requests:
+        assert request.is_finished
+        assert (request.output_token_ids, request.finish_reason) == reference_output(request)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_many_more_requests_than_max_num_seqs_all_finish(seed):
+    requests = random_requests(seed, num_requests=40)
+    outputs = run_to_completion(make_scheduler(max_num_seqs=3, max_num_batched_tokens=24), requests)
+    check_matches_reference(requests)
+    assert max(output.num_requests for output in outputs) == 3
+    assert any(output.is_uniform_decode for output in outputs)
+
+
+def test_chunked_prefill_respects_budget_and_resumes_where_it_stopped():
+    requests = random_requests(7, num_requests=12, max_prompt_len=60)
+    outputs = run_to_completion(make_scheduler(max_num_seqs=4, max_num_batched_tokens=8), requests)
+    check_matches_reference(requests)
+    chunks: dict[str, list[tuple[int, int]]] = {}
+    for output in outputs:
+        for scheduled in output.scheduled_requests:
+            if scheduled.num_computed_tokens < scheduled.request.num_prompt_tokens:
+                chunks.setdefault(scheduled.request.request_id, []).append(
+                    (scheduled.num_computed_tokens, scheduled.num_new_tokens)
+                )
+    assert max(len(request_chunks) for request_chunks in chunks.values()) > 1
+    for request in requests:
+        starts = [start for start, _ in chunks[request.request_id]]
+        ends = [start + length for start, length in chunks[request.request_id]]
+        assert starts == [0] + ends[:-1], "a chunk must start where the previous one ended"
+        assert ends[-1] >= request.num_prompt_tokens
+
+
+@pytest.mark.parametrize("num_state_slots", [0, 5, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_preemption_resumes_with_the_same_tokens(seed, num_state_slots):
+    """6 blocks of 4 = 24 KV tokens: enough for any one request (<= 15 + 10 - 1), not for four."""
+    requests = random_requests(seed, num_requests=16, max_prompt_len=15, max_tokens=10)
+    ample = [
+        Request(r.request_id, r.prompt_token_ids, r.sampling_params, EOS_TOKEN_ID) for r in requests
+    ]
+    run_to_completion(make_scheduler(num_state_slots=num_state_slots), ample)
+    tiny = make_scheduler(max_num_seqs=4, num_blocks=6, num_state_slots=num_state_slots)
+    outputs = run_to_completion(tiny, requests)
+    assert sum(len(output.preempted_requests) for output in outputs) > 0
+    for with_preemption, without in zip(requests, ample):
+        assert with_preemption.output_token_ids == without.output_token_ids
+        assert with_preemption.finish_reason == without.finish_reason
+    check_matches_reference(requests)
+    if num_state_slots:  # slot 0 is the null slot: num_state_slots - 1 requests run at once
+        assert max(output.num_requests for output in outputs) <= min(4, num_state_slots - 1)
+
+
+def test_resumed_request_recomputes_prompt_and_generated_tokens():
+    """4 blocks of 4: two 4-token prompts decode side by side until each needs a third block."""
+    scheduler = make_scheduler(max_num_seqs=2, num_blocks=4)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first, second, third = (
+        Request(name, prompt, params)
+        for name, prompt in [("first", [1, 2, 3, 4]), ("second", [5, 6, 7, 8]), ("third", [9])]
+    )
+    runner = FakeModelRunner(scheduler)
+    for request in (first, second, third):
+        scheduler.add_request(request)
+    resumed = None
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        if output.preempted_requests:
+            assert output.preempted_requests == [second]  # the newest running one
+            assert list(scheduler.waiting) == [second, third]  # back at the front of the queue
+            generated_before = list(second.output_token_ids)
+            assert generated_before
+        for scheduled in output.scheduled_requests:
+            if scheduled.request is second and second.num_preemptions and resumed is None:
+                resumed = scheduled
+                assert scheduled.num_computed_tokens == 0 and not scheduled.is_decode
+                assert scheduled.new_token_ids == [5, 6, 7, 8] + generated_before
+        scheduler.update_from_output(output, runner.execute(output))
+    assert resumed is not None and second.num_preemptions == 1 and first.num_preemptions == 0
+    check_matches_reference([first, second, third])
+    check_no_leaks(scheduler)
+
+
+def test_impossible_requests_are_rejected_with_a_message():
+    scheduler = Scheduler(SchedulerConfig(4, 64), CacheConfig(block_size=4), 32, num_blocks=4)
+    with pytest.raises(
+        ValueError, match=r"request 'long'.*30 tokens.*max_tokens=16.*max_model_len=32"
+    ):
+        scheduler.add_request(Request("long", [1] * 30, SamplingParams(max_tokens=16)))
+    with pytest.raises(ValueError, match=r"request 'kv'.*KV cache for 19 tokens.*holds 16"):
+        scheduler.add_request(Request("kv", [1] * 10, SamplingParams(max_tokens=10)))
+    with pytest.raises(ValueError, match="request 'empty' has an empty prompt"):
+        scheduler.add_request(Request("empty", [], SamplingParams()))
+    scheduler.add_request(Request("fits", [1] * 8, SamplingParams(max_tokens=9)))  # 16 KV tokens
+    with pytest.raises(ValueError, match="request 'fits' is already scheduled"):
+        scheduler.add_request(Request("fits", [1], SamplingParams()))
+    assert scheduler.get_num_unfinished_requests() == 1
+
+
+def generate_scripted(params: SamplingParams, script: list[int]) -> Request:
+    """Run one request whose 'model' emits ``script`` in order."""
+    scheduler = make_scheduler()
+    request = Request("scripted", [3, 4, 5], params, eos_token_id=EOS_TOKEN_ID)
+    scheduler.add_request(request)
+    tokens = iter(script)
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, [next(tokens) for _ in output.producing_requests])
+    check_no_leaks(scheduler)
+    return request
+
+
+@pytest.mark.parametrize(
+    "params, expected_output, expected_reason",
+    [
+        (SamplingParams(max_tokens=10), [7, 8, EOS_TOKEN_ID], "stop"),
+        (SamplingParams(max_tokens=5, ignore_eos=True), [7, 8, EOS_TOKEN_ID, 9, 10], "length"),
+        (SamplingParams(max_tokens=10, stop_token_ids=[8]), [7, 8], "stop"),
+        (SamplingParams(max_tokens=2), [7, 8], "length"),
+        (SamplingParams(max_tokens=3), [7, 8, EOS_TOKEN_ID], "stop"),  # stop wins over length
+    ],
+)
+def test_stop_conditions(params, expected_output, expected_reason):
+    request = generate_scripted(params, [7, 8, EOS_TOKEN_ID, 9, 10, 11, 12])
+    assert request.output_token_ids == expected_output
+    assert request.finish_reason == expected_reason
+    expected_status = {
+        "stop": RequestStatus.FINISHED_STOPPED,
+        "length": RequestStatus.FINISHED_LENGTH_CAPPED,
+    }
+    assert request.status == expected_status[expected_reason]
+
+
+def test_produces_token_and_the_two_accepted_token_layouts():
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=6)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    short, long = Request("short", [1, 2], params), Request("long", [1] * 10, params)
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    output = scheduler.schedule()  # short: whole prompt (2); long: first chunk (4 of 10)
+    assert [(s.num_new_tokens, s.produces_token) for s in output.scheduled_requests] == [
+        (2, True),
+        (4, False),
+    ]
+    assert output.num_scheduled_tokens == 6 and not output.is_uniform_decode
+    with pytest.raises(RuntimeError, match="schedule\\(\\) called twice"):
+        scheduler.schedule()
+    with pytest.raises(ValueError, match="3 sampled tokens for a step of 2 requests"):
+        scheduler.update_from_output(output, [1, 2, 3])
+    scheduler.update_from_output(output, [9, 99])  # one per scheduled request: 99 is ignored
+    assert short.output_token_ids == [9] and long.output_token_ids == []
+    assert long.num_computed_tokens == 4
+    output = scheduler.schedule()  # short decodes first, long continues with 5 of its 6
+    assert [(s.request, s.num_new_tokens) for s in output.scheduled_requests] == [
+        (short, 1),
+        (long, 5),
+    ]
+    assert output.scheduled_requests[0].is_decode
+    scheduler.update_from_output(output, [10])  # one per producing request
+    assert short.output_token_ids == [9, 10] and long.num_computed_tokens == 9
+
+
+def test_uniform_decode_after_prefill():
+    scheduler = make_scheduler()
+    for index in range(3):
+        scheduler.add_request(Request(f"r{index}", [1, 2, 3], SamplingParams(max_tokens=4)))
+    prefill = scheduler.schedule()
+    assert not prefill.is_uniform_decode and prefill.num_scheduled_tokens == 9
+    scheduler.update_from_output(prefill, [5, 6, 7])
+    decode = scheduler.schedule()
+    assert decode.is_uniform_decode and decode.num_scheduled_tokens == decode.num_decodes == 3
+
+
+def test_block_manager_allocates_on_demand_and_all_or_nothing():
+    manager = BlockManager(num_blocks=3, block_size=4)
+    request = Request("r", [1] * 5)
+    assert manager.blocks_needed(request, 5) == 2
+    assert manager.allocate(request, 5) and len(request.block_ids) == 2
+    request.num_computed_tokens = 5
+    assert manager.blocks_needed(request, 3) == 0  # positions 5..7 fit in block 2
+    assert not manager.allocate(request, 8)  # needs 2 more, 1 free: nothing changes
+    assert len(request.block_ids) == 2 and manager.num_free_blocks == 1
+    manager.free(request)
+    assert manager.num_free_blocks == 3 and request.block_ids == []
+
+
+def test_state_slot_manager_never_hands_out_the_null_slot():
+    slots = StateSlotManager(num_slots=3)
+    requests = [Request(f"r{index}", [1]) for index in range(3)]
+    assert [slots.allocate(request) for request in requests] == [True, True, False]
+    assert sorted(request.state_slot for request in requests[:2]) == [1, 2]
+    slots.free(requests[0])
+    assert slots.num_free_slots == 1 and requests[0].state_slot is None
+    with pytest.raises(ValueError, match="slot 0 is the null slot"):
+        StateSlotManager(num_slots=1)
