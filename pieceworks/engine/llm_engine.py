@@ -8,6 +8,7 @@ happens in the constructor and is timed for the report.
 from __future__ import annotations
 
 import itertools
+import time
 
 from pieceworks.config import EngineConfig
 from pieceworks.engine.model_runner import ModelRunner
@@ -34,7 +35,7 @@ class LLMEngine:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
         self._request_ids = itertools.count()
-        self.num_steps = 0
+        self.step_seconds: list[tuple[bool, float]] = []  # (uniform decode?, wall seconds)
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -57,13 +58,14 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Run one scheduled batch; return the requests that finished in it."""
+        start = time.perf_counter()
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
             self.scheduler.update_from_output(output, [])
             return []
-        sampled = self.runner.execute(output)
+        sampled = self.runner.execute(output)  # returns after the step's one host sync
         finished = self.scheduler.update_from_output(output, sampled)
         for request in finished:
             self.runner.release(request.request_id)
-        self.num_steps += 1
+        self.step_seconds.append((output.is_uniform_decode, time.perf_counter() - start))
         return finished

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ class ModelRunner:
         self.platform = current_platform()
         self.device = self.platform.device()
         start = time.perf_counter()
-        self.model = get_model(config, self.device).requires_grad_(False)
+        self.model: Any = get_model(config, self.device).requires_grad_(False)
         self.load_seconds = time.perf_counter() - start
         self.compilation = config.compilation_config
         self.dispatcher = CudagraphDispatcher(config)
@@ -78,9 +79,9 @@ class ModelRunner:
     @torch.inference_mode()
     def initialize_kv_cache(self) -> int:
         """Compile (first forward, largest size), measure its peak, allocate the KV cache."""
-        spec = KVCacheSpec(
-            attention_layers(self.config), self.block_size, self.config.model_config.dtype
-        )  # type: ignore[arg-type]
+        dtype = self.config.model_config.dtype
+        assert isinstance(dtype, torch.dtype)  # resolved in ModelConfig.__post_init__
+        spec = KVCacheSpec(attention_layers(self.config), self.block_size, dtype)
         allocate_kv_cache(spec, 1, self.device)  # a placeholder for the profiling forward
         self.platform.synchronize()
         self.platform.reset_peak_memory_stats()
@@ -184,6 +185,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[int]:
         """Run one scheduled step; return one sampled token per request that produces one."""
+        logits = self.compute_logits(output)
+        if logits is None:
+            return []
+        requests = [s.request for s in output.scheduled_requests if s.produces_token]
+        generators = [self._generator(request) for request in requests]
+        token_ids = self.sampler.sample(logits, [r.sampling_params for r in requests], generators)
+        return token_ids.tolist()  # the step's one host sync
+
+    @torch.inference_mode()
+    def compute_logits(self, output: SchedulerOutput) -> torch.Tensor | None:
+        """Forward one step; float32 logits (S, V) of the requests that produce a token."""
         shape, mode, descriptor = self.plan(output)
         metadata = self.buffers.prepare(output.scheduled_requests, shape, self.block_size)
         with set_forward_context(
@@ -193,19 +205,12 @@ class ModelRunner:
                 self.buffers["input_ids"][: shape.num_tokens_padded],
                 self.buffers["positions"][: shape.num_tokens_padded],
             )
-        return self._sample(output, hidden_states)
-
-    def _sample(self, output: SchedulerOutput, hidden_states: torch.Tensor) -> list[int]:
         producing = [i for i, s in enumerate(output.scheduled_requests) if s.produces_token]
         if not producing:
-            return []
+            return None
         ends = self.buffers.host["query_start_loc"][1:][producing].astype(np.int64) - 1
         indices = torch.from_numpy(ends).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden_states[indices])  # (S, V) float32
-        requests = [output.scheduled_requests[i].request for i in producing]
-        generators = [self._generator(request) for request in requests]
-        token_ids = self.sampler.sample(logits, [r.sampling_params for r in requests], generators)
-        return token_ids.tolist()  # the step's one host sync
+        return self.model.compute_logits(hidden_states[indices])  # (S, V) float32
 
     def _generator(self, request) -> torch.Generator | None:
         if request.request_id not in self.generators:

@@ -16,6 +16,7 @@ from torch import nn
 
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.forward_context import get_forward_context
+from pieceworks.models.attention.backends import AttentionBackend
 from pieceworks.platforms import current_platform
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class Attention(nn.Module):
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = scale
         self.layer_name = prefix
-        self.backend = current_platform().attention_backend()
+        self.backend: type[AttentionBackend] = current_platform().attention_backend()
         # (key_cache, value_cache), each (num_blocks, block_size, Hkv, D); bound by the runner.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.op = attention_op()

@@ -1,0 +1,198 @@
+"""Rotary position embedding (RoPE) with a precomputed cos/sin cache, and ``get_rope``.
+
+Owns the inverse-frequency schedules that HF transformers implements in ``modeling_rope_utils``
+(``default``, ``linear`` and ``llama3``), computed with the same float32 arithmetic so that logits
+match HF bit for bit in float32. The cache is built once (on the CPU, then moved) and never written
+in ``forward``: the compiled graph only gathers rows by position. After a model is built on the
+``meta`` device and materialised with ``to_empty``, the loader calls ``init_buffers()`` to rebuild
+it. Tokens are flattened: queries are ``(num_tokens, num_heads * head_size)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _default_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
+    """``1 / base ** (2i / rotary_dim)``, exactly as HF computes it."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling (HF ``_compute_llama3_parameters``), step for step."""
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by factor, short ones kept, the band between interpolated.
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed, inv_freq_llama)
+
+
+def compute_inv_freq(
+    base: float, rotary_dim: int, rope_scaling: dict[str, Any] | None
+) -> torch.Tensor:
+    """Inverse frequencies ``(rotary_dim // 2,)`` in float32 for the given scaling, on the CPU."""
+    rope_type = _rope_type(rope_scaling)
+    scaling = rope_scaling or {}
+    with torch.device("cpu"):
+        inv_freq = _default_inv_freq(base, rotary_dim)
+        if rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _rope_type(rope_scaling: dict[str, Any] | None) -> str:
+    if not rope_scaling:
+        return "default"
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported; supported types: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return rope_type
+
+
+def apply_rotary_emb(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool
+) -> torch.Tensor:
+    """Rotate ``x (T, H, R)`` by ``cos``/``sin (T, 1, R // 2)``.
+
+    Neox style pairs dim ``i`` with ``i + R/2`` (HF ``rotate_half``); GPT-J style pairs adjacent
+    dims ``2i, 2i + 1``.
+    """
+    if is_neox_style:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+    else:
+        x1, x2 = x[..., ::2], x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        return torch.cat((o1, o2), dim=-1)
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE on the first ``rotary_dim`` dims of every head; the rest pass through unchanged.
+
+    ``cos_sin_cache`` is ``(max_position, rotary_dim)``: cos in the first half of each row, sin in
+    the second (vLLM's layout), stored in the model dtype.
+    """
+
+    cos_sin_cache: torch.Tensor  # (max_position, rotary_dim)
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        is_neox_style: bool,
+        rope_scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        if rotary_dim > head_size or rotary_dim % 2:
+            raise ValueError(
+                f"rotary_dim={rotary_dim} must be even and at most head_size={head_size}"
+            )
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.base = base
+        self.is_neox_style = is_neox_style
+        self.rope_scaling = dict(rope_scaling) if rope_scaling else None
+        _rope_type(self.rope_scaling)  # reject an unsupported type at construction
+        cache = self._compute_cos_sin_cache(dtype).to(torch.get_default_device())
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _compute_cos_sin_cache(self, dtype: torch.dtype) -> torch.Tensor:
+        """Build the cache on the CPU in float32 (HF's arithmetic), then cast to ``dtype``."""
+        inv_freq = compute_inv_freq(self.base, self.rotary_dim, self.rope_scaling)
+        positions = torch.arange(self.max_position, dtype=torch.float, device="cpu")
+        freqs = positions[:, None] * inv_freq[None, :]  # (P, R // 2)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)  # (P, R)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Refill ``cos_sin_cache`` in place (after ``to_empty`` left it uninitialised)."""
+        cache = self._compute_cos_sin_cache(self.cos_sin_cache.dtype)
+        self.cos_sin_cache.copy_(cache)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions (T,)``, ``query (T, Hq * D)``, ``key (T, Hkv * D)`` -> rotated q, k."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions)  # (T, R)
+        cos, sin = cos_sin.to(query.dtype).unsqueeze(1).chunk(2, dim=-1)  # (T, 1, R // 2)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        x = x.view(num_tokens, -1, self.head_size)  # (T, H, D)
+        x_rot = apply_rotary_emb(x[..., : self.rotary_dim], cos, sin, self.is_neox_style)
+        if self.rotary_dim < self.head_size:
+            x_rot = torch.cat((x_rot, x[..., self.rotary_dim :]), dim=-1)
+        return x_rot.reshape(num_tokens, -1)  # (T, H * D)
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, "
+            f"max_position={self.max_position}, base={self.base}, "
+            f"is_neox_style={self.is_neox_style}, rope_scaling={self.rope_scaling}"
+        )
+
+
+def get_rope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None = None,
+    is_neox_style: bool = True,
+    dtype: torch.dtype | None = None,
+) -> RotaryEmbedding:
+    """vLLM's factory: a ``RotaryEmbedding`` for the given schedule (no process-wide cache).
+
+    Build one per model and share it between layers: the cache is ``max_position * rotary_dim``.
+    """
+    return RotaryEmbedding(
+        head_size,
+        rotary_dim,
+        max_position,
+        base,
+        is_neox_style,
+        rope_scaling,
+        dtype or torch.get_default_dtype(),
+    )
+
+
+def get_rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """``(rope_theta, rope_scaling or None, partial_rotary_factor)`` from a config.json dict.
+
+    Reads both the classic keys (``rope_theta``, ``rope_scaling``, ``partial_rotary_factor``) and
+    transformers 5's ``rope_parameters``, which nests all three.
+    """
+    params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
+    base = params.pop("rope_theta", hf_config.get("rope_theta", 10000.0))
+    partial = params.pop("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return float(base), (params if rope_type != "default" else None), float(partial)

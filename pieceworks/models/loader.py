@@ -1,0 +1,302 @@
+"""Loading HF-format model directories: config.json, safetensors, the weight-loading contract.
+
+Owns reading (``load_hf_config``, ``hf_weights_iterator`` over ``model.safetensors`` or a sharded
+``model.safetensors.index.json``), writing (``save_hf_directory``), building a model on the
+``meta`` device and materialising it (``initialize_model``), and checking a load
+(``load_weights``): every checkpoint tensor must land in a parameter with the right shape and every
+parameter must be loaded, or a ``WeightLoadingError`` names the tensors. Each model maps HF names
+to its own parameters in its ``load_weights`` (vLLM style); this module never knows a model's
+names. It does not know hardware either: the device comes from the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pieceworks.config import resolve_dtype
+from pieceworks.models.presets import is_preset, random_hf_weights
+from pieceworks.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from pieceworks.config import EngineConfig
+
+CONFIG_NAME = "config.json"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# Buffers some HF checkpoints carry that pieceworks recomputes (vLLM skips the same names).
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class WeightLoadingError(ValueError):
+    """A checkpoint does not fit the model: a missing, unexpected or mis-shaped tensor."""
+
+    def __init__(self, message: str, tensor_name: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor_name = tensor_name
+
+
+def copy_weight(destination: torch.Tensor, loaded_weight: torch.Tensor, name: str) -> None:
+    """Copy ``loaded_weight`` into ``destination`` (casting dtype and device), checking shape."""
+    if destination.shape != loaded_weight.shape:
+        raise WeightLoadingError(
+            f"{name}: expected shape {tuple(destination.shape)}, got {tuple(loaded_weight.shape)}"
+        )
+    with torch.no_grad():
+        destination.copy_(loaded_weight)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """Whole-tensor copy for parameters whose module has no ``weight_loader`` of its own."""
+    copy_weight(param, loaded_weight, "parameter")
+
+
+def get_weight_loader(model: nn.Module, param_name: str) -> Callable[..., None]:
+    """The owning module's ``weight_loader``, else ``default_weight_loader``.
+
+    vLLM hangs loaders on the parameters; ``to_empty`` replaces parameters (dropping their
+    attributes), so here the loader is looked up on the module instead.
+    """
+    module_name = param_name.rpartition(".")[0]
+    module = model.get_submodule(module_name) if module_name else model
+    return getattr(module, "weight_loader", default_weight_loader)
+
+
+def is_ignored_tensor(name: str) -> bool:
+    """Checkpoint tensors that are derived buffers, not weights (e.g. ``rotary_emb.inv_freq``)."""
+    return name.endswith(IGNORED_TENSOR_SUFFIXES)
+
+
+def unexpected_tensor_error(model: nn.Module, name: str) -> WeightLoadingError:
+    """The error a model's ``load_weights`` raises for a checkpoint tensor it has no place for."""
+    return WeightLoadingError(
+        f"unexpected checkpoint tensor {name!r}: {type(model).__name__} has no parameter for it "
+        "(does config.json's 'architectures' match the checkpoint?)",
+        tensor_name=name,
+    )
+
+
+def _preview(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... and {len(names) - limit} more"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and writing HF directories
+
+
+def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """The ``config.json`` dict of an HF-format directory."""
+    path = Path(model_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: pass a preset name or a directory in HF format "
+            "(config.json + *.safetensors)"
+        )
+    return json.loads(path.read_text())
+
+
+def hf_weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a directory: the index's shards, or ``model.safetensors``."""
+    model_dir = Path(model_dir)
+    index_path = model_dir / SAFE_WEIGHTS_INDEX_NAME
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [str(path) for path in files if not path.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index_path} lists shards that do not exist: {absent}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{model_dir} has no *.safetensors weights; pieceworks reads safetensors only "
+            "(re-save the model with save_pretrained(..., safe_serialization=True))"
+        )
+    return files
+
+
+def hf_weights_iterator(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of every shard, on the CPU, one at a time."""
+    from safetensors import safe_open
+
+    for path in hf_weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as shard:
+            for name in shard.keys():
+                yield name, shard.get_tensor(name)
+
+
+def _split_into_shards(
+    tensors: dict[str, torch.Tensor], max_shard_bytes: int | None
+) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        num_bytes = tensor.numel() * tensor.element_size()
+        if max_shard_bytes and shards[-1] and shard_bytes + num_bytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += num_bytes
+    return shards
+
+
+def save_hf_directory(
+    state_dict: dict[str, torch.Tensor],
+    hf_config: dict[str, Any],
+    path: str | Path,
+    *,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write ``config.json`` and the weights (HF names) as an HF-format directory.
+
+    With ``max_shard_bytes`` the weights are split into ``model-0000i-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json``, as ``save_pretrained`` does. Old weight files are removed.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in [*path.glob("*.safetensors"), path / SAFE_WEIGHTS_INDEX_NAME]:
+        stale.unlink(missing_ok=True)
+    (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in state_dict.items()}
+    shards = _split_into_shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+        return path
+    weight_map: dict[str, str] = {}
+    for index, shard in enumerate(shards, start=1):
+        filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, filename))
+    total_size = sum(t.numel() * t.element_size() for t in tensors.values())
+    index_json = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (path / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index_json, indent=2) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and loading models
+
+
+@contextlib.contextmanager
+def set_default_torch_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside get ``dtype``."""
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) that hold one parameter (tied embeddings)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def materialize_model(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a ``meta``-device model on ``device`` (uninitialised), keeping ties and buffers.
+
+    ``to_empty`` gives every parameter its own new tensor, which unties tied weights: the ties are
+    restored afterwards. Modules with derived buffers (rotary cos/sin) rebuild them in
+    ``init_buffers()``.
+    """
+    shared = _shared_parameters(model)
+    model.to_empty(device=device)
+    for (first_module, first_name), *others in shared:
+        for module, name in others:
+            setattr(module, name, getattr(first_module, first_name))
+    for module in model.modules():
+        init_buffers = getattr(module, "init_buffers", None)
+        if callable(init_buffers):
+            init_buffers()
+    return model
+
+
+def initialize_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
+    """Build the model class named by config.json on ``meta``, then allocate it on ``device``."""
+    model_config = config.model_config
+    model_cls = get_model_class(model_config.hf_config)
+    dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
+    with set_default_torch_dtype(dtype), torch.device("meta"):
+        model = model_cls(config=config)
+    return materialize_model(model, device)
+
+
+def _unpack_param_name(param_name: str, packed: dict[str, list[str]]) -> list[str]:
+    """``...qkv_proj.weight`` -> the checkpoint names it is stacked from (``q_proj``, ...)."""
+    module_path, _, leaf = param_name.rpartition(".")
+    parent, _, module_name = module_path.rpartition(".")
+    if module_name not in packed:
+        return [param_name]
+    parent = f"{parent}." if parent else ""
+    return [f"{parent}{sub_module}.{leaf}" for sub_module in packed[module_name]]
+
+
+def expected_checkpoint_names(model: nn.Module) -> set[str]:
+    """Every checkpoint tensor the model needs, from its parameters and ``packed_modules_mapping``.
+
+    Tied parameters appear once (``named_parameters`` drops duplicates), so a tied LM head needs
+    no ``lm_head.weight``.
+    """
+    packed = getattr(model, "packed_modules_mapping", {})
+    names: set[str] = set()
+    for param_name, _ in model.named_parameters():
+        names.update(_unpack_param_name(param_name, packed))
+    return names
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Feed ``weights`` to ``model.load_weights`` and check that nothing is missing.
+
+    Returns the checkpoint names consumed. Raises ``WeightLoadingError`` naming the tensor for an
+    unexpected or mis-shaped tensor, and listing every missing one.
+    """
+    seen: list[str] = []
+
+    def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            seen.append(name)
+            yield name, tensor
+
+    try:
+        model.load_weights(tracked())  # type: ignore[operator]
+    except WeightLoadingError as error:
+        if error.tensor_name is not None or not seen:
+            raise
+        raise WeightLoadingError(f"checkpoint tensor {seen[-1]!r}: {error}", seen[-1]) from None
+    missing = sorted(expected_checkpoint_names(model) - set(seen))
+    if missing:
+        raise WeightLoadingError(
+            f"the checkpoint lacks {len(missing)} tensor(s) that {type(model).__name__} needs: "
+            f"{_preview(missing)}"
+        )
+    return set(seen)
+
+
+def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
+    """The model of ``config`` on ``device``: random weights for a preset, else the checkpoint's."""
+    model_config = config.model_config
+    model = initialize_model(config, device)
+    if is_preset(model_config.model):
+        dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
+        weights = random_hf_weights(
+            model_config.hf_config, seed=model_config.seed, dtype=dtype, device=device
+        )
+    else:
+        weights = hf_weights_iterator(model_config.model)
+    load_weights(model, weights)
+    return model.eval()

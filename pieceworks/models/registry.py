@@ -1,0 +1,33 @@
+"""Architecture name (config.json's ``architectures``) -> model class, imported lazily.
+
+Importing this module imports no model: each entry is a qualname string, resolved on first use, so
+listing what is supported costs nothing and a model's heavy imports happen only when it is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pieceworks.utils import resolve_obj_by_qualname
+
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "pieceworks.models.llama.LlamaForCausalLM",
+    "BambaForCausalLM": "pieceworks.models.bamba.BambaForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    """Architecture names pieceworks can build, sorted."""
+    return sorted(_MODELS)
+
+
+def get_model_class(hf_config: dict[str, Any]) -> type:
+    """The class for the first supported name in ``hf_config["architectures"]``."""
+    architectures = hf_config.get("architectures") or []
+    for architecture in architectures:
+        if architecture in _MODELS:
+            return resolve_obj_by_qualname(_MODELS[architecture])
+    raise ValueError(
+        f"config.json architectures {architectures} are not supported; pieceworks supports "
+        f"{', '.join(supported_architectures())}"
+    )
