@@ -128,16 +128,18 @@ class InputBuffers:
         host["slot_mapping"][num_tokens:padded] = -1  # padded tokens are never stored
 
     def prepare_dummy(self, shape: StepShape) -> AttentionMetadata:
-        """A batch of ``num_seqs`` sequences sharing the tokens, writing nothing to the caches."""
-        host, num_seqs = self.host, shape.num_seqs
+        """``num_seqs`` fresh sequences sharing the tokens, writing nothing to the caches."""
+        host, num_seqs, padded_seqs = self.host, shape.num_seqs, shape.num_seqs_padded
         query_lens = np.full(num_seqs, shape.num_tokens // num_seqs, dtype=np.int64)
-        query_lens[-1] += shape.num_tokens - query_lens.sum()
-        self._fill_sequences(
-            [], query_lens, np.zeros(num_seqs, np.int64), dataclasses.replace(shape, num_seqs=0)
-        )
+        query_lens[: shape.num_tokens % num_seqs] += 1  # spread the remainder: none too long
         host["query_start_loc"][0] = 0
         np.cumsum(query_lens, out=host["query_start_loc"][1 : num_seqs + 1])
+        host["query_start_loc"][num_seqs + 1 : padded_seqs + 1] = shape.num_tokens
         host["seq_lens"][:num_seqs] = query_lens
+        host["seq_lens"][num_seqs:padded_seqs] = 0
+        host["block_tables"][:padded_seqs] = 0
+        host["state_indices"][:padded_seqs] = 0  # dummy runs only touch the null state slot
+        host["has_initial_state"][:padded_seqs] = False
         host["input_ids"][: shape.num_tokens_padded] = 0
         host["positions"][: shape.num_tokens_padded] = 0
         host["slot_mapping"][: shape.num_tokens_padded] = -1

@@ -108,11 +108,7 @@ class ModelRunner:
         mode: CUDAGraphMode = CUDAGraphMode.NONE,
         descriptor: BatchDescriptor | None = None,
     ) -> None:
-        shape = (
-            self._capture_shape(descriptor)
-            if descriptor is not None
-            else StepShape(num_tokens, num_tokens, 1, 1, num_tokens)
-        )
+        shape = self._capture_shape(descriptor) if descriptor else self._profile_shape(num_tokens)
         metadata = self.buffers.prepare_dummy(shape)
         with set_forward_context(
             metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
@@ -121,6 +117,13 @@ class ModelRunner:
                 self.buffers["input_ids"][: shape.num_tokens_padded],
                 self.buffers["positions"][: shape.num_tokens_padded],
             )
+
+    def _profile_shape(self, num_tokens: int) -> StepShape:
+        """The largest step as prefills no longer than max_model_len each."""
+        max_model_len = self.config.model_config.max_model_len or num_tokens
+        num_seqs = min(cdiv(num_tokens, max_model_len), self.config.scheduler_config.max_num_seqs)
+        max_query_len = cdiv(num_tokens, num_seqs)
+        return StepShape(num_tokens, num_tokens, num_seqs, num_seqs, max_query_len)
 
     def _capture_shape(self, descriptor: BatchDescriptor) -> StepShape:
         num_tokens = descriptor.num_tokens
