@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU evidence run (an H200 here): install offline, resolve the platform, run the GPU and
+# platform-agnostic tests with real CUDA graphs, then the benchmarks. Logs and JSON go to $OUT
+# (default ./gpu_out), one file per section, written as each section finishes.
+# Usage: OUT=dir bash benchmarks/gpu_suite.sh [sections...]   (default: all but 8b)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
+sections=${*:-"install platforms tests toy attention run bench125m"}
+
+run() {  # name, command...
+  local name=$1; shift
+  echo "=== $name: $*" | tee "$OUT/$name.log"
+  local start=$SECONDS
+  "$@" >>"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+  tail -n 25 "$OUT/$name.log" | grep -v "^===" || true
+}
+
+for section in $sections; do
+  case $section in
+    install) run install python3 -m pip install -q --no-deps --no-build-isolation -e . -e examples/pieceworks-simgraph ;;
+    platforms) run platforms pieceworks platforms ;;
+    versions) run versions python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" ;;
+    tests) run tests python3 -m pytest -m "gpu or platform_agnostic" tests -q -x -p no:cacheprovider ;;
+    toy) run toy python3 benchmarks/toy_overhead.py --layers 32 --out "$OUT/toy_overhead.json" ;;
+    attention) run attention python3 benchmarks/attention_decode.py --out "$OUT/attention_decode.json" ;;
+    run) run pieceworks_run pieceworks run ;;
+    bench125m) run bench125m pieceworks bench latency --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --modes eager,piecewise,full_and_piecewise --output-json "$OUT/bench_llama125m.json" --plot "$OUT/bench_llama125m.png" ;;
+    check8b) run check8b python3 benchmarks/compare_levels.py --model llama-3.1-8b --out "$OUT/check_llama8b.json" ;;
+    bench8b) run bench8b pieceworks bench latency --model llama-3.1-8b --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes piecewise,full_and_piecewise --max-num-seqs 64 --output-json "$OUT/bench_llama8b.json" --plot "$OUT/bench_llama8b.png" ;;
+    *) echo "unknown section $section" ;;
+  esac
+done
