@@ -1,10 +1,13 @@
 """Logits of the same model at level 0 (eager) and level 3 with graphs, on one device.
 
-Builds the model twice from the same preset or directory (same seed), runs one prefill step of a
-few prompts through each engine's runner, and prints the largest logit difference relative to the
-logit scale, plus whether the greedy tokens of a short generation agree.
+Builds the model once per mode from the same preset or directory (same seed), runs one prefill
+step of a few prompts through each engine's runner, and prints the largest logit difference
+relative to the logit scale against the first mode, plus whether greedy tokens agree. A mode may
+name a dtype (``eager@float32``): a float32 eager reference shows how much of a bf16 difference is
+bf16 rounding that every mode has.
 
-    python benchmarks/compare_levels.py --model llama-3.1-8b --out check.json
+    python benchmarks/compare_levels.py --model llama-3.1-8b \
+        --modes eager@float32,eager,compiled,full_and_piecewise --out check.json
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from pieceworks.platforms import current_platform  # noqa: E402
 
 def prefill_logits_and_tokens(model: str, mode: str, prompts: list[list[int]],
                               max_tokens: int) -> tuple[torch.Tensor, list[list[int]]]:
-    llm = LLM(model, compilation_config=compilation_for_mode(mode), max_num_seqs=8)
+    mode, _, dtype = mode.partition("@")
+    llm = LLM(model, compilation_config=compilation_for_mode(mode), max_num_seqs=8,
+              dtype=dtype or "auto")
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for prompt in prompts:
@@ -46,7 +51,7 @@ def prefill_logits_and_tokens(model: str, mode: str, prompts: list[list[int]],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--modes", default="eager,full_and_piecewise")
+    parser.add_argument("--modes", default="eager@float32,eager,compiled,full_and_piecewise")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

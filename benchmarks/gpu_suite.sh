@@ -25,13 +25,16 @@ for section in $sections; do
     install) run install python3 -m pip install -q --no-deps --no-build-isolation -e . -e examples/pieceworks-simgraph ;;
     platforms) run platforms pieceworks platforms ;;
     versions) run versions python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" ;;
-    tests) run tests python3 -m pytest -m "gpu or platform_agnostic" tests -q -x -p no:cacheprovider ;;
+    tests) run tests python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
     toy) run toy python3 benchmarks/toy_overhead.py --layers 32 --out "$OUT/toy_overhead.json" ;;
     attention) run attention python3 benchmarks/attention_decode.py --out "$OUT/attention_decode.json" ;;
     run) run pieceworks_run pieceworks run ;;
     bench125m) run bench125m pieceworks bench latency --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --modes eager,piecewise,full_and_piecewise --output-json "$OUT/bench_llama125m.json" --plot "$OUT/bench_llama125m.png" ;;
     check8b) run check8b python3 benchmarks/compare_levels.py --model llama-3.1-8b --out "$OUT/check_llama8b.json" ;;
+    check125m) run check125m python3 benchmarks/compare_levels.py --model llama-125m --out "$OUT/check_llama125m.json" ;;
     bench8b) run bench8b pieceworks bench latency --model llama-3.1-8b --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes piecewise,full_and_piecewise --max-num-seqs 64 --output-json "$OUT/bench_llama8b.json" --plot "$OUT/bench_llama8b.png" ;;
     *) echo "unknown section $section" ;;
   esac
 done
+# The device tool returns a handful of files: pack the logs into one archive.
+tar -czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) 2>/dev/null && rm -f "$OUT"/*.log

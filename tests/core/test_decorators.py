@@ -16,6 +16,7 @@ from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGrap
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import ignore_torch_compile, support_torch_compile
 from pieceworks.core.forward_context import set_forward_context
+from pieceworks.platforms import current_platform
 from tests.core.toy_model import SILLY_OP, ShapeBranchModel, ToyModel
 
 pytestmark = pytest.mark.platform_agnostic
@@ -65,12 +66,13 @@ class EagerToyModel(ToyModel):
 
 def test_opted_out_subclass_is_not_compiled():
     config = config_at(CompilationLevel.PIECEWISE)
+    device = current_platform().device()
     with compilation_counter.expect(num_models_seen=0, num_graphs_seen=0):
-        model = EagerToyModel(config=config, num_layers=2)
-        call(model, config, torch.randn(3, 8))
+        model = EagerToyModel(config=config, num_layers=2).to(device)
+        call(model, config, torch.randn(3, 8, device=device))
     with compilation_counter.expect(num_models_seen=1, num_graphs_seen=1):
-        compiled = ToyModel(config=config, num_layers=2)
-        call(compiled, config, torch.randn(3, 8))
+        compiled = ToyModel(config=config, num_layers=2).to(device)
+        call(compiled, config, torch.randn(3, 8, device=device))
 
 
 def test_explicit_dynamic_arg_dims_and_validation():

@@ -24,7 +24,7 @@ def _double(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
-def test_replay_reads_the_captured_buffer_not_the_argument(graph_platform):
+def test_replay_reads_the_captured_buffer_not_the_argument(simgraph_platform):
     config = EngineConfig()
     wrapper = simgraph.SimGraphWrapper(_double, config, CUDAGraphMode.PIECEWISE)
     static_input = torch.arange(4.0)
@@ -45,7 +45,7 @@ def test_replay_reads_the_captured_buffer_not_the_argument(graph_platform):
         assert torch.equal(stale, torch.full((4,), 10.0))  # the captured input, not 7 * 2
 
 
-def test_other_runtime_mode_calls_through(graph_platform):
+def test_other_runtime_mode_calls_through(simgraph_platform):
     config = EngineConfig()
     wrapper = simgraph.SimGraphWrapper(_double, config, CUDAGraphMode.FULL)
     with set_forward_context(
