@@ -37,6 +37,7 @@ class EngineArgs:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    mamba_ssm_cache_dtype: str = "float32"
     tokenizer: str | None = None
 
 
@@ -95,6 +96,7 @@ def build_engine_config(
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
+            mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

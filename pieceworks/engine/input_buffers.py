@@ -127,8 +127,13 @@ class InputBuffers:
         host["positions"][num_tokens:padded] = 0
         host["slot_mapping"][num_tokens:padded] = -1  # padded tokens are never stored
 
-    def prepare_dummy(self, shape: StepShape) -> AttentionMetadata:
-        """``num_seqs`` fresh sequences sharing the tokens, writing nothing to the caches."""
+    def prepare_dummy(self, shape: StepShape, uniform_decode: bool = False) -> AttentionMetadata:
+        """``num_seqs`` fresh sequences sharing the tokens, writing nothing to the caches.
+
+        ``uniform_decode`` (one token per sequence) marks every sequence a decode, so a captured
+        decode graph records the Mamba decode kernels; like every dummy run they read and write
+        only the null state slot 0.
+        """
         host, num_seqs, padded_seqs = self.host, shape.num_seqs, shape.num_seqs_padded
         query_lens = np.full(num_seqs, shape.num_tokens // num_seqs, dtype=np.int64)
         query_lens[: shape.num_tokens % num_seqs] += 1  # spread the remainder: none too long
@@ -144,7 +149,7 @@ class InputBuffers:
         host["positions"][: shape.num_tokens_padded] = 0
         host["slot_mapping"][: shape.num_tokens_padded] = -1
         self._copy_to_device(shape)
-        return self.metadata(shape, num_decodes=0)
+        return self.metadata(shape, num_decodes=padded_seqs if uniform_decode else 0)
 
     def _copy_to_device(self, shape: StepShape) -> None:
         rows = {

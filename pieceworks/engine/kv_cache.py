@@ -57,8 +57,8 @@ def num_blocks_that_fit(
     cache_config = config.cache_config
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
-    if not spec.layers:
-        return 0
+    if not spec.layers:  # a pure Mamba model: blocks are bookkeeping only and cost no memory
+        return max_useful_blocks(config)
     budget = min(free_bytes, int(total_bytes * cache_config.gpu_memory_utilization) - used_bytes)
     if config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
         budget -= GRAPH_MEMORY_BUDGET_BYTES

@@ -29,7 +29,11 @@ class LLMEngine:
         max_model_len = config.model_config.max_model_len
         assert max_model_len is not None
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, max_model_len, num_blocks
+            config.scheduler_config,
+            config.cache_config,
+            max_model_len,
+            num_blocks,
+            num_state_slots=self.runner.num_state_slots,  # Mamba state slots (hybrid models)
         )
         self.eos_token_id = config.model_config.hf_config.get("eos_token_id")
         if isinstance(self.eos_token_id, list):

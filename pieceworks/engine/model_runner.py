@@ -32,6 +32,7 @@ from pieceworks.engine.kv_cache import (
     attention_layers,
     num_blocks_that_fit,
 )
+from pieceworks.engine.mamba_cache import allocate_mamba_cache, mamba_cache_spec
 from pieceworks.engine.sampler import Sampler, make_generator
 from pieceworks.engine.scheduler import SchedulerOutput
 from pieceworks.logger import init_logger
@@ -68,6 +69,9 @@ class ModelRunner:
             self.device,
             self.platform.pin_memory(),
         )
+        self.mamba_spec = mamba_cache_spec(config)
+        # State slots the scheduler hands out (0: no Mamba layers, no slots).
+        self.num_state_slots = self.mamba_spec.num_slots if self.mamba_spec else 0
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator | None] = {}
         self.num_blocks = 0
@@ -83,6 +87,16 @@ class ModelRunner:
         assert isinstance(dtype, torch.dtype)  # resolved in ModelConfig.__post_init__
         spec = KVCacheSpec(attention_layers(self.config), self.block_size, dtype)
         allocate_kv_cache(spec, 1, self.device)  # a placeholder for the profiling forward
+        if self.mamba_spec is not None:
+            # Full size before profiling: the peak measured below then excludes it from the KV
+            # budget. Its size is fixed by max_num_seqs, not by the memory left.
+            allocate_mamba_cache(self.mamba_spec, self.device, self.platform.mem_get_info()[0])
+            logger.info(
+                "Mamba state cache: %d slots x %d layers (%.3f GiB)",
+                self.mamba_spec.num_slots,
+                len(self.mamba_spec.layers),
+                self.mamba_spec.num_bytes / GIB,
+            )
         self.platform.synchronize()
         self.platform.reset_peak_memory_stats()
         start = time.perf_counter()
@@ -109,7 +123,8 @@ class ModelRunner:
         descriptor: BatchDescriptor | None = None,
     ) -> None:
         shape = self._capture_shape(descriptor) if descriptor else self._profile_shape(num_tokens)
-        metadata = self.buffers.prepare_dummy(shape)
+        uniform_decode = descriptor is not None and descriptor.uniform_decode
+        metadata = self.buffers.prepare_dummy(shape, uniform_decode)
         with set_forward_context(
             metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):

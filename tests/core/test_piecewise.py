@@ -16,7 +16,7 @@ from pieceworks.config import EngineConfig, SchedulerConfig
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
-from pieceworks.core.static_graph import close_capturing, open_capturing
+from pieceworks.core.static_graph import close_capturing
 from tests.core.toy_model import SILLY_OP, ToyModel, silly_calls
 
 pytestmark = pytest.mark.platform_agnostic
@@ -64,13 +64,6 @@ def capture_all(runnable, config, static_x, sizes, mode) -> None:
     for size in sorted(sizes, reverse=True):
         run(runnable, config, static_x[:size])  # warm-up, mode NONE
         run(runnable, config, static_x[:size], mode, BatchDescriptor(size))
-
-
-@pytest.fixture(autouse=True)
-def _capturing_open():
-    open_capturing()
-    yield
-    open_capturing()
 
 
 @pytest.mark.parametrize("num_layers,sizes", [(1, [1, 2]), (2, [1, 2, 4]), (3, [4, 8])])

@@ -1,0 +1,186 @@
+"""``MambaMixer2`` and its opaque op ``mamba_mixer2``: the Mamba2 split point, like attention.
+
+The layer keeps ``in_proj``, the gated RMSNorm and ``out_proj`` in the compiled pieces (plain
+ATen); between them the op ``pieceworks::mamba_mixer2(projected_states, output, layer_name)``
+runs the stateful core (causal conv1d, then the selective scan) on the layer's state cache and
+writes y into ``output``. The layer registers itself by prefix at construction, so the op finds it
+and the step's metadata in the forward context; the op's fake implementation does nothing, so
+tracing runs no kernel. Semantics are HF transformers' ``BambaMixer``: ``in_proj`` output splits
+into (gate z, conv input xBC, dt), xBC splits after the conv into (x, B, C), ``D`` skips x into y,
+and the norm gates y with ``silu(z)`` before normalising within each of ``mamba_n_groups`` groups.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pieceworks.core.custom_op import direct_register_custom_op
+from pieceworks.core.forward_context import get_forward_context
+from pieceworks.models.attention.metadata import AttentionMetadata
+from pieceworks.models.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pieceworks.models.loader import copy_weight
+from pieceworks.models.mamba.backends import Mamba2Params, MambaBackend
+from pieceworks.models.mamba.ops import gated_rms_norm_ref
+from pieceworks.platforms import current_platform
+
+if TYPE_CHECKING:
+    from pieceworks.config import EngineConfig
+
+
+def mamba_mixer2(projected_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    context = get_forward_context()
+    layer = context.no_compile_layers[layer_name]
+    layer.mix(projected_states, output, context.attn_metadata)
+
+
+def mamba_mixer2_fake(
+    projected_states: torch.Tensor, output: torch.Tensor, layer_name: str
+) -> None:
+    return None
+
+
+def mamba_mixer2_op():
+    """``torch.ops.pieceworks.mamba_mixer2``, registered on first use."""
+    return direct_register_custom_op(
+        "mamba_mixer2", mamba_mixer2, mutates_args=["output"], fake_impl=mamba_mixer2_fake
+    )
+
+
+class MambaConv1d(nn.Module):
+    """The depthwise conv's weights, HF layout ``(conv_dim, 1, d_conv)``; the op applies them."""
+
+    def __init__(self, conv_dim: int, kernel_size: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(conv_dim, 1, kernel_size), requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(conv_dim), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+
+class MixerRMSNormGated(nn.Module):
+    """``weight * rmsnorm(y * silu(gate))``, statistics per group (HF ``BambaRMSNormGated``)."""
+
+    def __init__(self, hidden_size: int, num_groups: int, eps: float) -> None:
+        super().__init__()
+        self.num_groups, self.variance_epsilon = num_groups, eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm_ref(y, gate, self.weight, self.variance_epsilon, self.num_groups)
+
+
+def mamba_head_dim(hf_config: dict[str, Any]) -> int:
+    """``mamba_d_head``, where HF's ``"auto"`` means ``mamba_expand * hidden / mamba_n_heads``."""
+    head_dim = hf_config.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        intermediate = int(hf_config.get("mamba_expand", 2) * hf_config["hidden_size"])
+        return intermediate // hf_config["mamba_n_heads"]
+    return int(head_dim)
+
+
+class MambaMixer2(nn.Module):
+    """Mamba2 mixer over flattened tokens; the state cache is bound later by the runner.
+
+    ``mamba_cache`` is ``(conv_state (num_slots, conv_dim, d_conv - 1), ssm_state (num_slots,
+    nheads, headdim, dstate))``, indexed by ``metadata.state_indices``; slot 0 is the null slot.
+    """
+
+    A: torch.Tensor  # (nheads,) float32 buffer
+
+    def __init__(self, hf_config: dict[str, Any], *, config: EngineConfig, prefix: str) -> None:
+        super().__init__()
+        hidden_size = hf_config["hidden_size"]
+        self.num_heads = hf_config["mamba_n_heads"]
+        self.head_dim = mamba_head_dim(hf_config)
+        self.intermediate_size = int(hf_config.get("mamba_expand", 2) * hidden_size)
+        if self.num_heads * self.head_dim != self.intermediate_size:
+            raise ValueError(
+                f"{prefix}: mamba_n_heads {self.num_heads} * mamba_d_head {self.head_dim} must "
+                f"equal mamba_expand * hidden_size = {self.intermediate_size}; fix config.json"
+            )
+        self.num_groups = hf_config.get("mamba_n_groups", 1)
+        self.state_size = hf_config["mamba_d_state"]
+        self.conv_kernel_size = hf_config.get("mamba_d_conv", 4)
+        self.conv_dim = self.intermediate_size + 2 * self.num_groups * self.state_size
+        proj_bias = hf_config.get("mamba_proj_bias", False)
+        self.in_proj = ColumnParallelLinear(
+            hidden_size,
+            self.intermediate_size + self.conv_dim + self.num_heads,
+            proj_bias,
+            prefix=f"{prefix}.in_proj",
+        )
+        self.conv1d = MambaConv1d(
+            self.conv_dim, self.conv_kernel_size, hf_config.get("mamba_conv_bias", True)
+        )
+        self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        # -exp(A_log) in float32, filled when A_log is loaded (HF recomputes it every call).
+        self.register_buffer(
+            "A", torch.empty(self.num_heads, dtype=torch.float32), persistent=False
+        )
+        self.norm = MixerRMSNormGated(
+            self.intermediate_size, self.num_groups, hf_config.get("rms_norm_eps", 1e-6)
+        )
+        self.out_proj = RowParallelLinear(
+            self.intermediate_size, hidden_size, proj_bias, prefix=f"{prefix}.out_proj"
+        )
+        time_step_limit = hf_config.get("time_step_limit") or (0.0, float("inf"))
+        self.dt_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
+        self.layer_name = prefix
+        self.backend: type[MambaBackend] = current_platform().mamba_backend()
+        self.mamba_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.op = mamba_mixer2_op()
+        config.compilation_config.register_layer(prefix, self)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        projected_states = self.in_proj(hidden_states)  # (T, I + conv_dim + H): z, xBC, dt
+        output = hidden_states.new_empty((hidden_states.shape[0], self.intermediate_size))
+        self.op(projected_states, output, self.layer_name)  # (T, I)
+        gate = projected_states[:, : self.intermediate_size]
+        return self.out_proj(self.norm(output, gate))  # (T, hidden)
+
+    def mix(
+        self, projected_states: torch.Tensor, output: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        """The op's body: conv + SSM over the state cache, y written into ``output``."""
+        if self.mamba_cache is None:
+            raise RuntimeError(
+                f"{self.layer_name}: no Mamba state cache bound; the model runner binds "
+                "caches before the first forward"
+            )
+        xBC_end = self.intermediate_size + self.conv_dim
+        xBC = projected_states[:, self.intermediate_size : xBC_end]  # (T, conv_dim)
+        dt = projected_states[:, xBC_end:]  # (T, H)
+        self.backend.forward(xBC, dt, output, self.mamba_cache, self.params(), metadata)
+
+    def params(self) -> Mamba2Params:
+        return Mamba2Params(
+            conv_weight=self.conv1d.weight[:, 0],  # (conv_dim, d_conv)
+            conv_bias=self.conv1d.bias,
+            A=self.A,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            num_groups=self.num_groups,
+            state_size=self.state_size,
+            dt_limit=self.dt_limit,
+        )
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-slot shapes of the conv state and the SSM state."""
+        conv_shape = (self.conv_dim, self.conv_kernel_size - 1)
+        return conv_shape, (self.num_heads, self.head_dim, self.state_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Loader of ``A_log``, ``D`` and ``dt_bias``; loading ``A_log`` also fills ``A``."""
+        name = next(key for key, value in self._parameters.items() if value is param)
+        copy_weight(param, loaded_weight, f"{self.layer_name}.{name}")
+        if param is self.A_log:
+            with torch.no_grad():
+                self.A.copy_(-torch.exp(param.float()))

@@ -1,0 +1,130 @@
+"""Bamba logits equal HF transformers' ``BambaForCausalLM`` on the same saved checkpoint (float32).
+
+A small hybrid (Mamba2 layers around one attention layer, two SSM groups) with randomised
+``A_log``, ``D``, ``dt_bias`` and gated-norm weights (their usual init of ones would hide bugs).
+Driven step by step through the engine: prefills, prefill + decode steps, a chunked prefill whose
+chunks (22, 22, 2 tokens) are aligned with neither the scan chunk nor ``d_conv``, and mixed steps
+(that prefill alongside two decodes); compile levels 0 and 3, and the Triton Mamba backend under
+the Triton interpreter. Tolerance (SPEC §4): max |diff| <= 1e-4 * max |HF logit|.
+Run: pytest tests/models/test_bamba_hf.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks.engine.llm import LLM
+from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.models.loader import save_hf_directory
+from pieceworks.models.presets import get_preset, random_hf_weights
+from pieceworks.platforms import current_platform
+from tests.models.test_llama_hf import assert_close_to_hf, hf_last_logits
+
+transformers = pytest.importorskip("transformers")
+
+HF_CONFIG = {**get_preset("bamba-tiny"), "mamba_n_groups": 2, "torch_dtype": "float32"}
+
+
+def randomised_weights(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """The preset's random weights, with the SSM parameters and gated norms drawn at random too."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    state_dict = dict(random_hf_weights(hf_config, seed=seed))
+    for name, tensor in state_dict.items():
+        noise = torch.randn(tensor.shape, generator=generator)
+        if name.endswith(".A_log"):  # A = -exp(A_log) in [-8, -0.5)
+            state_dict[name] = torch.empty(tensor.shape).uniform_(-0.7, 2.0, generator=generator)
+        elif name.endswith((".D", ".dt_bias")):
+            state_dict[name] = noise
+        elif name.endswith(".mamba.norm.weight"):
+            state_dict[name] = 1.0 + 0.5 * noise
+    return state_dict
+
+
+def make_hf_model(path) -> tuple[str, object]:
+    """Save the randomised checkpoint under ``path``; return it and HF's model of it (CPU)."""
+    save_hf_directory(randomised_weights(HF_CONFIG, seed=1), HF_CONFIG, path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return str(path), hf_model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("bamba"))
+
+
+def run_and_compare(llm: LLM, hf_model, prompts, steps: int, late_prompts=()) -> int:
+    """Drive the engine step by step; compare every produced logit row with HF's."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    compared, pending, chunks = 0, list(late_prompts), []
+    while engine.has_unfinished_requests():
+        output = engine.scheduler.schedule()
+        chunks += [s.num_new_tokens for s in output.scheduled_requests if not s.produces_token]
+        logits = engine.runner.compute_logits(output)
+        producing = [s.request for s in output.scheduled_requests if s.produces_token]
+        for row, request in enumerate(producing):
+            assert_close_to_hf(logits[row].cpu(), hf_last_logits(hf_model, request.all_token_ids))
+            compared += 1
+        sampled = logits.argmax(dim=-1).tolist() if logits is not None else []
+        engine.scheduler.update_from_output(output, sampled)
+        if pending:  # a new prompt arrives while the others decode: the next steps are mixed
+            engine.add_request(pending.pop(), params)
+    assert chunks == [22, 22]  # the late prompt was cut, unaligned, before its last 2 tokens
+    return compared
+
+
+def make_llm(path: str, level: int) -> LLM:
+    return LLM(
+        path,
+        compilation_config={"level": level, "backend": "eager"},
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+    )
+
+
+def prompt_maker(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return lambda n: torch.randint(0, 256, (n,), generator=generator).tolist()
+
+
+@pytest.mark.parametrize("level", [0, 3])
+def test_prefill_decode_chunked_and_mixed_batches_match_hf(saved, level):
+    path, hf_model = saved
+    prompt = prompt_maker(level)
+    # Prompts of 5 and 11 tokens prefill together, then decode; a 46-token prompt arrives after
+    # the first step and is chunked 22 + 22 + 2 by the 24-token budget beside two decodes.
+    compared = run_and_compare(
+        make_llm(path, level), hf_model, [prompt(5), prompt(11)], steps=4, late_prompts=[prompt(46)]
+    )
+    assert compared == 3 * 4  # every produced token of every request was checked
+
+
+def test_triton_backend_matches_hf(saved, monkeypatch):
+    """The Triton kernels (interpreted on CPU) behind the same decode / prefill split."""
+    if not current_platform().supports_static_graphs():  # a CPU run: interpret the kernels
+        monkeypatch.setattr(
+            type(current_platform()),
+            "mamba_backend_qualname",
+            "pieceworks.models.mamba.backends.TritonMambaBackend",
+        )
+    path, hf_model = saved
+    llm = make_llm(path, 0)
+    assert llm.engine.runner.model.model.layers[0].mamba.backend.name == "triton"
+    prompt = prompt_maker(7)
+    compared = run_and_compare(llm, hf_model, [prompt(5), prompt(11)], 4, [prompt(46)])
+    assert compared == 3 * 4
+
+
+def test_hf_really_rotates_half_of_each_head(saved):
+    path, hf_model = saved
+    head_dim = HF_CONFIG["hidden_size"] // HF_CONFIG["num_attention_heads"]
+    assert 2 * hf_model.model.rotary_emb.inv_freq.numel() == head_dim // 2
+    llm = make_llm(path, 0)
+    attention = llm.engine.runner.model.model.layers[HF_CONFIG["attn_layer_indices"][0]]
+    assert attention.self_attn.rotary_emb.rotary_dim == head_dim // 2
