@@ -89,6 +89,11 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
             )
+        if self.mamba_ssm_cache_dtype not in ("float32", "auto"):
+            raise ValueError(
+                f"mamba_ssm_cache_dtype={self.mamba_ssm_cache_dtype!r} is not supported; use "
+                "'float32' or 'auto' (the model dtype)"
+            )
 
 
 @dataclasses.dataclass
@@ -141,8 +146,12 @@ class EngineConfig:
 
     def compute_hash(self) -> str:
         """Hash of every field that changes compiled code."""
+        return hash_factors(self.compute_factors())
+
+    def compute_factors(self) -> dict[str, Any]:
+        """Every field that changes compiled code, by name (what ``compute_hash`` hashes)."""
         model = self.model_config
-        factors = {
+        return {
             "hf_config": model.hf_config,
             "dtype": str(model.dtype),
             "quantization": model.quantization,
@@ -151,9 +160,8 @@ class EngineConfig:
             "kv_cache_dtype": self.cache_config.kv_cache_dtype,
             "mamba_ssm_cache_dtype": self.cache_config.mamba_ssm_cache_dtype,
             "tensor_parallel_size": self.parallel_config.tensor_parallel_size,
-            "compilation": self.compilation_config.compute_hash(),
+            "compilation": self.compilation_config.compute_factors(),
         }
-        return hash_factors(factors)
 
 
 __all__ = [

@@ -1,6 +1,7 @@
 """``PiecewiseCompileBackend``: the Dynamo backend of level 3 (split, compile each piece, wrap).
 
-Dynamo hands it the whole traced graph once. It splits the graph at the splitting ops, runs the
+Dynamo hands it the whole traced graph once. It opens the compile cache (its directory hashes the
+files Dynamo just traced, so it is decided here), splits the graph at the splitting ops, runs the
 stitched module once on fake tensors to learn each piece's example inputs, compiles every capturable
 piece into a ``PiecewiseBackend``, and wraps each in the platform's static-graph wrapper when the
 graph mode captures pieces. The stitched module is what later calls run.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,7 +20,10 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pieceworks.core.compiler_interface import CompilerInterface, make_compiler
+from pieceworks.core.cache_key import cache_directory, cache_key_factors, traced_source_files
+from pieceworks.core.compile_cache import CompileCache
+from pieceworks.core.compiler_interface import make_compiler
+from pieceworks.core.compiler_manager import CompilerManager
 from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.piecewise_backend import PiecewiseBackend
@@ -42,7 +47,7 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
         module: torch.fx.GraphModule,
         compile_submod_names: list[str],
         config: EngineConfig,
-        compiler: CompilerInterface,
+        compiler: CompilerManager,
         fake_mode: FakeTensorMode,
     ) -> None:
         super().__init__(module)
@@ -93,35 +98,85 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
 
 
 class PiecewiseCompileBackend:
-    """The callable handed to ``torch.compile(backend=...)`` at level 3."""
+    """The callable handed to ``torch.compile(backend=...)`` at level 3.
 
-    def __init__(self, config: EngineConfig, prefix: str = "") -> None:
+    After the call, ``cache_dir`` is this model's compile-cache directory and ``cache_key_factors``
+    what its hash covers (both None when the key could not be computed), and ``compile_cache`` the
+    open cache: None when disabled, unwritable, or for the eager compiler, which has nothing to
+    save (``cache_off_reason`` says which).
+    """
+
+    def __init__(
+        self, config: EngineConfig, prefix: str = "", forward_code: CodeType | None = None
+    ) -> None:
         self.config = config
         self.prefix = prefix
+        self.forward_code = forward_code
         compilation = config.compilation_config
         assert compilation.backend is not None, "platform.check_and_update_config sets backend"
         self.compiler = make_compiler(compilation.backend)
         self.split_gm: torch.fx.GraphModule | None = None
+        self.cache_dir: str | None = None
+        self.cache_key_factors: dict[str, Any] | None = None
+        self.compile_cache: CompileCache | None = None
+        self.cache_off_reason: str | None = None  # why compile_cache is None: "disabled (...)"
 
     def __call__(
         self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]
     ) -> Callable[..., Any]:
         compilation = self.config.compilation_config
         compilation_counter.num_graphs_seen += 1
+        self.compile_cache = self._open_cache()
         split_gm, items = split_graph(graph, compilation.splitting_ops or [])
         compile_names = [item.submod_name for item in items if not item.is_splitting_graph]
         compilation_counter.num_piecewise_graphs_seen += len(items)
         compilation_counter.num_piecewise_capturable_graphs_seen += len(compile_names)
         fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
-        PiecewiseCompileInterpreter(
-            split_gm, compile_names, self.config, self.compiler, fake_mode
-        ).run(*example_inputs)
+        manager = CompilerManager(self.compiler, self.compile_cache)
+        PiecewiseCompileInterpreter(split_gm, compile_names, self.config, manager, fake_mode).run(
+            *example_inputs
+        )
         self.split_gm = split_gm
         self._dump(split_gm)
         if compilation.cudagraph_copy_inputs:
             placeholders = graph.graph.find_nodes(op="placeholder")
             return StaticInputCopier(split_gm, [p.meta.get("example_value") for p in placeholders])
         return split_gm
+
+    def _open_cache(self) -> CompileCache | None:
+        """Hash the key (the traced files are known now); open the directory if caching is on."""
+        self.cache_off_reason = self._compute_key()
+        if self.cache_off_reason is None:
+            assert self.cache_dir is not None and self.cache_key_factors is not None
+            try:
+                cache = CompileCache(self.cache_dir, self.cache_key_factors)
+                logger.info("compile cache: %s", self.cache_dir)
+                return cache
+            except OSError as error:
+                logger.warning(
+                    "compile cache off: cannot write %s (%s); set PIECEWORKS_CACHE_ROOT or "
+                    "CompilationConfig.cache_dir to a writable directory",
+                    self.cache_dir,
+                    error,
+                )
+                self.cache_off_reason = f"not used (cannot write {self.cache_dir})"
+        logger.debug("compile cache %s", self.cache_off_reason)
+        return None
+
+    def _compute_key(self) -> str | None:
+        """Fill ``cache_key_factors`` and ``cache_dir``; why the cache stays off, or None."""
+        from pieceworks import envs
+
+        traced_files = traced_source_files(self.forward_code)
+        if traced_files is None:
+            return "not used (Dynamo did not report the files it traced)"
+        self.cache_key_factors = cache_key_factors(self.config, self.compiler, traced_files)
+        self.cache_dir = cache_directory(self.config, self.cache_key_factors, self.prefix)
+        if not self.compiler.saves_artifacts:
+            return f"not used (the {self.compiler.name} backend has nothing to save)"
+        if envs.PIECEWORKS_DISABLE_COMPILE_CACHE:
+            return "disabled (PIECEWORKS_DISABLE_COMPILE_CACHE=1)"
+        return None
 
     def _dump(self, split_gm: torch.fx.GraphModule) -> None:
         path = dump_dir(self.config)

@@ -1,12 +1,14 @@
 """Compiler adaptors behind one interface: ``eager`` (the FX graph as is) and ``inductor``.
 
 Inductor goes through ``torch._inductor.standalone_compile``: a compile whose artifact can be saved
-and loaded (the compile cache builds on that). Autotuning is turned on only for static sizes,
-where its cost is paid once for a shape that is reused on every step.
+and loaded, which is what the compile cache (``compile_cache.py``) stores. Autotuning is turned on
+only for static sizes, where its cost is paid once for a shape that is reused on every step. Each
+adaptor names the factors of its own that change compiled code; they enter the cache key.
 """
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -14,15 +16,24 @@ import torch
 import torch.fx
 
 from pieceworks.core.counters import compilation_counter
+from pieceworks.utils import hash_factors
 
 # Inductor options for a piece compiled for one static token count.
 STATIC_SIZE_OPTIONS = {"max_autotune": True, "coordinate_descent_tuning": True}
 
+# The uuid of pieceworks' Inductor pass manager (core/passes, a later issue); None until it lands.
+PASS_MANAGER_UUID: str | None = None
+
 
 class CompilerInterface:
-    """Compile one piece for the dynamic shape (``runtime_shape=None``) or a static size."""
+    """Compile one piece for the dynamic shape (``runtime_shape=None``) or a static size.
+
+    A compiler whose ``saves_artifacts`` is True can also save a compiled piece to a file and load
+    it back; the compile cache uses that. Others are rebuilt every run.
+    """
 
     name = "base"
+    saves_artifacts = False
 
     def compile(
         self,
@@ -33,9 +44,20 @@ class CompilerInterface:
     ) -> Callable[..., Any]:
         raise NotImplementedError
 
+    def compute_hash_factors(self) -> dict[str, Any]:
+        """What of this compiler changes the code it produces (enters the cache key)."""
+        return {"name": self.name}
+
+    def save_artifact(self, compiled: Callable[..., Any], path: str) -> None:
+        raise NotImplementedError(f"the {self.name} compiler saves no artifacts")
+
+    def load_artifact(self, path: str, graph: torch.fx.GraphModule) -> Callable[..., Any]:
+        """The artifact at ``path``, callable like the compiled ``graph`` it was saved from."""
+        raise NotImplementedError(f"the {self.name} compiler loads no artifacts")
+
 
 class EagerAdaptor(CompilerInterface):
-    """Runs the FX graph as is: fast to build, used by most tests."""
+    """Runs the FX graph as is: fast to build, used by most tests. Nothing to save."""
 
     name = "eager"
 
@@ -51,9 +73,10 @@ class EagerAdaptor(CompilerInterface):
 
 
 class InductorAdaptor(CompilerInterface):
-    """Inductor through ``standalone_compile`` (artifacts can be saved and loaded)."""
+    """Inductor through ``standalone_compile``; artifacts saved and loaded in binary form."""
 
     name = "inductor"
+    saves_artifacts = True
 
     def compile(
         self,
@@ -77,6 +100,42 @@ class InductorAdaptor(CompilerInterface):
             dynamic_shapes=dynamic_shapes,
             options={"config_patches": config_patches},
         )
+
+    def compute_hash_factors(self) -> dict[str, Any]:
+        """torch and Python versions, the target device, Inductor's config, our passes."""
+        from pieceworks.platforms import current_platform
+
+        return {
+            "name": self.name,
+            "torch": torch.__version__,
+            "torch_git": torch.version.git_version,
+            "python": platform.python_version(),
+            "device": current_platform().device_name(),
+            "inductor_config": _inductor_config_hash(),
+            "static_size_options": STATIC_SIZE_OPTIONS,
+            "pass_manager_uuid": PASS_MANAGER_UUID,
+        }
+
+    def save_artifact(self, compiled: Callable[..., Any], path: str) -> None:
+        compiled.save(path=path, format="binary")  # type: ignore[attr-defined]
+
+    def load_artifact(self, path: str, graph: torch.fx.GraphModule) -> Callable[..., Any]:
+        from torch._inductor import CompiledArtifact
+        from torch._inductor.compile_fx import graph_returns_tuple
+
+        loaded = CompiledArtifact.load(path=path, format="binary")
+        if graph_returns_tuple(graph):
+            return lambda *args: tuple(loaded(*args))
+        # A loaded artifact returns its outputs as a list even where the graph returns one value
+        # (split_module's pieces do); the freshly compiled one unwraps it.
+        return lambda *args: loaded(*args)[0]
+
+
+def _inductor_config_hash() -> str:
+    """Hash of Inductor's portable config: private, path and cache-control fields left out."""
+    from torch._inductor import config
+
+    return hash_factors(config.save_config_portable())
 
 
 def make_compiler(backend: str) -> CompilerInterface:

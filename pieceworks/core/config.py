@@ -92,7 +92,7 @@ class CompilationConfig:
     cudagraph_copy_inputs: bool = False
     custom_ops: list[str] = dataclasses.field(default_factory=list)
     pass_config: PassConfig = dataclasses.field(default_factory=PassConfig)
-    cache_dir: str | None = None
+    cache_dir: str | None = None  # compile-cache root; None: PIECEWORKS_CACHE_ROOT
     debug_dump_path: str | None = None
     inductor_compile_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -210,7 +210,11 @@ class CompilationConfig:
 
     def compute_hash(self) -> str:
         """Hash of the fields that change compiled code (capture sizes and graph modes do not)."""
-        factors = {
+        return hash_factors(self.compute_factors())
+
+    def compute_factors(self) -> dict[str, Any]:
+        """The fields that change compiled code, by name (what ``compute_hash`` hashes)."""
+        return {
             "level": int(self.level),
             "backend": self.backend,
             "splitting_ops": self.splitting_ops,
@@ -219,4 +223,3 @@ class CompilationConfig:
             "pass_config": dataclasses.asdict(self.pass_config),
             "inductor_compile_config": self.inductor_compile_config,
         }
-        return hash_factors(factors)

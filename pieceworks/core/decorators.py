@@ -12,12 +12,15 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from pieceworks.core.config import CompilationLevel
 from pieceworks.core.counters import compilation_counter
+
+if TYPE_CHECKING:
+    from pieceworks.core.backend import PiecewiseCompileBackend
 
 _T = TypeVar("_T", bound=type)
 _COMPILE_ATTR = "_pieceworks_compile_enabled"
@@ -99,3 +102,10 @@ def _wrap_call(cls: type) -> None:
         return compiler(*args, **kwargs)
 
     cls.__call__ = __call__  # type: ignore[method-assign]
+
+
+def piecewise_backends(model: torch.nn.Module) -> list[PiecewiseCompileBackend]:
+    """The level-3 ``PiecewiseCompileBackend`` of every compiled module in ``model``."""
+    compilers = [getattr(module, "_pieceworks_compiler", None) for module in model.modules()]
+    backends = [compiler.piecewise_backend for compiler in compilers if compiler is not None]
+    return [backend for backend in backends if backend is not None]

@@ -2,7 +2,9 @@
 
 It holds the dynamic-shape compile, built when the graph is split, and one static compile per
 ``compile_sizes`` entry, built the first time that token count is seen (with real inputs, so
-autotuning measures real kernels). It compiles; it never captures: that is the wrapper's job.
+autotuning measures real kernels). Compiles go through the model's ``CompilerManager``, which may
+share them with identical pieces or load them from the compile cache. It compiles; it never
+captures: that is the wrapper's job.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
-from pieceworks.core.compiler_interface import CompilerInterface
+from pieceworks.core.compiler_manager import CompilerManager
 from pieceworks.core.counters import compilation_counter
 from pieceworks.logger import init_logger
 
@@ -32,7 +34,7 @@ class PiecewiseBackend:
         piece_index: int,
         num_pieces: int,
         sym_shape_indices: list[int],
-        compiler: CompilerInterface,
+        compiler: CompilerManager,
         example_inputs: list[Any],
     ) -> None:
         self.graph = graph
@@ -42,7 +44,9 @@ class PiecewiseBackend:
         self.compiler = compiler
         self.options = config.compilation_config.inductor_compile_config
         self.compile_sizes = set(config.compilation_config.compile_sizes)
-        self.compiled_general = compiler.compile(graph, example_inputs, self.options, None)
+        self.compiled_general = compiler.compile(
+            graph, example_inputs, self.options, piece_index, None
+        )
         self.static_runnables: dict[int, Callable[..., Any]] = {}
         compilation_counter.num_backend_compilations += 1
 
@@ -64,6 +68,8 @@ class PiecewiseBackend:
                 self.num_pieces,
                 runtime_shape,
             )
-            runnable = self.compiler.compile(self.graph, list(args), self.options, runtime_shape)
+            runnable = self.compiler.compile(
+                self.graph, list(args), self.options, self.piece_index, runtime_shape
+            )
             self.static_runnables[runtime_shape] = runnable
         return runnable(*args)

@@ -48,14 +48,17 @@ class TraceOnceCompiler:
         self.level = config.compilation_config.level
         self.original_code: CodeType = type(module).forward.__code__
         self.compiled_code: CodeType | None = None
+        self.piecewise_backend: PiecewiseCompileBackend | None = None  # level 3 only
         self.compiled_callable = self._build_compiled_callable(prefix)
 
     def _build_compiled_callable(self, prefix: str) -> Callable[..., Any]:
         compilation = self.config.compilation_config
+        backend: Any = compilation.backend
         if self.level == CompilationLevel.PIECEWISE:
-            backend: Any = PiecewiseCompileBackend(self.config, prefix)
-        else:
-            backend = compilation.backend
+            self.piecewise_backend = PiecewiseCompileBackend(
+                self.config, prefix, self.original_code
+            )
+            backend = self.piecewise_backend
         options = compilation.inductor_compile_config or None if backend == "inductor" else None
         if self.level == CompilationLevel.DYNAMO_AS_IS:
             compilation_counter.dynamo_as_is_count += 1

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pieceworks.core.counters import compilation_counter
+from pieceworks.core.decorators import piecewise_backends
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.engine.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ _COUNTERS = (
     "num_eager_compiles",
     "num_cudagraph_captured",
     "num_compiled_artifacts_loaded",
+    "num_compiled_artifacts_saved",
 )
 
 
@@ -132,6 +134,7 @@ def measure_mode(case: LatencyCase, mode: str, bandwidth: float | None = None) -
         "compile_s": runner.compile_seconds,
         "capture_s": runner.capture_seconds,
         "graph_memory_gib": runner.graph_memory_bytes / 1024**3,
+        "compile_cache": compile_cache_state(runner.model),
         "counters": {
             name: getattr(compilation_counter, name) - getattr(before, name) for name in _COUNTERS
         },
@@ -145,6 +148,16 @@ def measure_mode(case: LatencyCase, mode: str, bandwidth: float | None = None) -
     gc.collect()
     current_platform().empty_cache()
     return result
+
+
+def compile_cache_state(model: torch.nn.Module) -> dict[str, Any]:
+    """Where the model's compile cache is, or why it was not used."""
+    backends = piecewise_backends(model)
+    dirs = sorted({b.compile_cache.directory for b in backends if b.compile_cache is not None})
+    reasons = sorted({b.cache_off_reason for b in backends if b.cache_off_reason})
+    if not backends:
+        reasons = ["not used (no piecewise compile below level 3)"]
+    return {"dirs": dirs, "off_reason": "; ".join(reasons) if not dirs else None}
 
 
 def _stats(values: list[float]) -> dict[str, float]:

@@ -81,7 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """The default job: every available mode on a small model, and a report."""
     from pieceworks.engine.benchmark import LatencyCase, measure_copy_bandwidth, measure_mode
     from pieceworks.engine.modes import default_modes, parse_modes
-    from pieceworks.engine.report import format_mode_table
+    from pieceworks.engine.report import format_compile_cache, format_mode_table
     from pieceworks.platforms import current_platform, describe_platform_resolution
 
     platform = current_platform()
@@ -107,6 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"output {args.output_len} tokens, greedy"
     )
     print(format_mode_table(results))
+    print(f"\n{format_compile_cache(results)}")
     tokens = {r["mode"]: r["first_output_token_ids"] for r in results}
     same = len({tuple(t) for t in tokens.values()}) == 1
     print(

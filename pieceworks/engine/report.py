@@ -34,6 +34,32 @@ def format_mode_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def compile_cache_status(result: dict[str, Any]) -> str:
+    """``hit (N artifacts loaded)``, ``miss (N compiled, N saved)``, ``partial hit``, or why off."""
+    cache, counters = result["compile_cache"], result["counters"]
+    if not cache["dirs"]:
+        return cache["off_reason"]
+    loaded = counters["num_compiled_artifacts_loaded"]
+    compiled = counters["num_inductor_compiles"]
+    saved = counters["num_compiled_artifacts_saved"]
+    if loaded and not compiled:
+        return f"hit ({loaded} artifacts loaded)"
+    if loaded:
+        return f"partial hit ({loaded} artifacts loaded, {compiled} compiled, {saved} saved)"
+    return f"miss ({compiled} compiled, {saved} artifacts saved)"
+
+
+def format_compile_cache(results: list[dict[str, Any]]) -> str:
+    """One line per mode: was the compile cache hit, how long compiling took, where it is."""
+    lines = []
+    for r in results:
+        line = (
+            f"{r['mode']}: compile cache: {compile_cache_status(r)}; compile {r['compile_s']:.1f} s"
+        )
+        lines.append(line + "".join(f"\n    {path}" for path in r["compile_cache"]["dirs"]))
+    return "\n".join(lines)
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))

@@ -1,0 +1,81 @@
+"""The compile-cache key: what it hashes, and the cache directory it names.
+
+The key covers everything that changes the code compiled for a model: pieceworks' env factors
+(``envs.compile_factors()``), the config fields ``EngineConfig.compute_hash()`` covers, the
+contents of every source file Dynamo traced (the forward and every function it inlined) and the
+compiler's own factors (torch and Inductor config, ...). Dynamo itself records the code objects it
+traces in the active ``TracingContext``, so no patch is needed; the record is complete only once
+tracing ended, so the cache directory is decided inside the backend call, when the graph arrives.
+The factors are written beside the artifacts as ``cache_key_factors.json``. Storage is
+``compile_cache.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from types import CodeType
+from typing import TYPE_CHECKING, Any
+
+from pieceworks.utils import hash_factors
+
+if TYPE_CHECKING:
+    from pieceworks.config import EngineConfig
+    from pieceworks.core.compiler_interface import CompilerInterface
+
+
+def traced_source_files(forward_code: CodeType | None = None) -> list[str] | None:
+    """Source files of the code Dynamo traced for the graph being compiled; None if unknown.
+
+    Dynamo's ``TracingContext.traced_code`` holds the traced frame and every function it inlined
+    (helpers included); ``forward_code`` is added in case a torch version leaves the frame out.
+    """
+    from torch._guards import TracingContext
+
+    get_traced_code = getattr(TracingContext, "get_traced_code", None)  # absent in old torch
+    codes = get_traced_code() if get_traced_code is not None else None
+    if codes is None:
+        return None
+    files = {code.co_filename for code in codes}
+    if forward_code is not None:
+        files.add(forward_code.co_filename)
+    return sorted(path for path in files if os.path.isfile(path))  # drops "<string>", "<eval...>"
+
+
+def hash_source_files(paths: list[str]) -> dict[str, str]:
+    """Path -> SHA-256 of its contents."""
+    digests = {}
+    for path in paths:
+        with open(path, "rb") as file:
+            digests[path] = hashlib.sha256(file.read()).hexdigest()
+    return digests
+
+
+def cache_key_factors(
+    config: EngineConfig, compiler: CompilerInterface, traced_files: list[str]
+) -> dict[str, Any]:
+    """Every factor of the cache key, JSON-ready (the hash of this dict names the directory)."""
+    from pieceworks import envs
+
+    return {
+        "env": envs.compile_factors(),
+        "config": config.compute_factors(),  # what EngineConfig.compute_hash() hashes
+        "traced_files": hash_source_files(traced_files),
+        "compiler": compiler.compute_hash_factors(),
+    }
+
+
+def cache_directory(config: EngineConfig, factors: dict[str, Any], prefix: str) -> str:
+    """``<cache_root>/torch_compile_cache/<hash>/rank_<r>/<prefix>``."""
+    from pieceworks import envs
+
+    root = config.compilation_config.cache_dir or envs.PIECEWORKS_CACHE_ROOT
+    rank = config.parallel_config.rank
+    model_tag = (prefix or "model").replace(os.sep, "_")
+    return os.path.join(
+        os.path.expanduser(root),
+        "torch_compile_cache",
+        hash_factors(factors),
+        f"rank_{rank}",
+        model_tag,
+    )

@@ -1,0 +1,72 @@
+"""A fresh process for the compile-cache tests: build the toy, run it, save outputs and counters.
+
+Builds ``ToyModel`` with Inductor and the compile cache at ``--cache-root``, runs it on fixed
+inputs (token counts 4, 3, 1: the dynamic-shape artifact serves them all) and writes a
+``torch.save`` file with the outputs, the compilation-counter deltas and the cache directory.
+Run (from the repository root): python -m tests.core.compile_cache_worker --cache-root DIR --out F
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from pieceworks.config import EngineConfig, SchedulerConfig
+from pieceworks.core.config import CompilationConfig, CUDAGraphMode
+from pieceworks.core.counters import compilation_counter
+from pieceworks.core.forward_context import set_forward_context
+from tests.core.toy_model import SILLY_OP, ToyModel
+
+TOKEN_COUNTS = (4, 3, 1)
+
+
+def toy_config(cache_root: str) -> EngineConfig:
+    """The one config every compile-cache test uses (so processes agree on the cache key)."""
+    compilation = CompilationConfig(
+        backend="inductor",
+        splitting_ops=[SILLY_OP],
+        cudagraph_mode=CUDAGraphMode.NONE,
+        cudagraph_capture_sizes=[1, 2, 4],
+        cache_dir=cache_root,
+    )
+    return EngineConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=4), compilation_config=compilation
+    )
+
+
+def toy_inputs() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(n, 8, generator=generator) for n in TOKEN_COUNTS]
+
+
+@torch.inference_mode()
+def run_toy(cache_root: str, num_layers: int) -> dict[str, Any]:
+    """Build, run every input, return outputs, counter deltas and the cache directory."""
+    config = toy_config(cache_root)
+    before = compilation_counter.clone()
+    torch.manual_seed(0)
+    model = ToyModel(config=config, num_layers=num_layers).requires_grad_(False)
+    outputs = []
+    for x in toy_inputs():
+        with set_forward_context(None, config):
+            outputs.append(model(x).clone())
+    counters = {
+        name: value - getattr(before, name) for name, value in vars(compilation_counter).items()
+    }
+    backend = model._pieceworks_compiler.piecewise_backend
+    return {"outputs": outputs, "counters": counters, "cache_dir": backend.cache_dir}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache-root", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-layers", type=int, default=12)
+    args = parser.parse_args()
+    torch.save(run_toy(args.cache_root, args.num_layers), args.out)
+
+
+if __name__ == "__main__":
+    main()
