@@ -138,9 +138,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measurements(modes: list[str], compare: bool) -> list[tuple[str, Any]]:
+    """(mode, measuring function) pairs: pieceworks' modes, then the baselines with --compare."""
+    from pieceworks.engine.benchmark import measure_mode
+
+    pairs: list[tuple[str, Any]] = [(mode, measure_mode) for mode in modes]
+    if compare:  # after the engines: the static baseline resets torch.compile's global state
+        from pieceworks.engine.baselines import measure_hf_eager, measure_static_cache_compiled
+
+        pairs.append(("static_compiled", lambda c, _, b: measure_static_cache_compiled(c, b)))
+        pairs.append(("hf_eager", lambda c, _, b: measure_hf_eager(c, b)))
+    return pairs
+
+
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     """Latency per mode and batch size, side by side in one run; JSON and a PNG plot."""
-    from pieceworks.engine.benchmark import LatencyCase, measure_copy_bandwidth, measure_mode
+    from pieceworks.engine.benchmark import LatencyCase, measure_copy_bandwidth
     from pieceworks.engine.modes import default_modes, parse_modes
     from pieceworks.engine.report import format_mode_table, plot_latency, write_json
     from pieceworks.platforms import current_platform
@@ -166,8 +179,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
             {"max_num_seqs": max(batch_size, 8), **engine_args(args)},
             compilation_fields(args),
         )
-        for mode in modes:
-            result = {**measure_mode(case, mode, bandwidth), "batch_size": batch_size}
+        for mode, measure in _measurements(modes, args.compare):
+            result = {**measure(case, mode, bandwidth), "batch_size": batch_size}
             results.append(result)
             print(
                 f"batch {batch_size} {mode}: median {result['latency_s']['median']:.4f} s, "
@@ -231,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     latency.add_argument("--num-iters-warmup", type=int, default=2)
     latency.add_argument("--num-iters", type=int, default=5)
     latency.add_argument("--modes", default=None, help="comma list, e.g. eager,piecewise,full")
+    latency.add_argument(
+        "--compare",
+        action="store_true",
+        help="also time torch.compile(reduce-overhead) on a static cache and HF "
+        "transformers eager generation of the same model",
+    )
     latency.add_argument("--output-json", default=None)
     latency.add_argument("--plot", default=None, help="PNG path")
     latency.set_defaults(func=cmd_bench_latency)

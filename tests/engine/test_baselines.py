@@ -1,0 +1,133 @@
+"""The --compare baselines run the same model as pieceworks: same weights, tokens and floor bytes.
+
+HF eager ``generate`` and the hand-written static-cache loop must choose the same greedy tokens as
+the pieceworks engine for the bench's prompts (float32, CPU; the first 4 tokens, as random tiny
+models can have near-ties later), count the same decode bytes as ``benchmark.decode_bytes``, and
+return results shaped like ``measure_mode``'s. The static loop compiles with the "eager" backend
+here, except in the one Inductor test (reduce-overhead, ~25 s on a small CPU).
+Run: pytest tests/engine/test_baselines.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks.engine.benchmark import _COUNTERS, LatencyCase, _prompts, decode_bytes
+from pieceworks.engine.llm import LLM
+from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.models.presets import get_preset, random_hf_checkpoint
+
+pytest.importorskip("transformers")
+
+from pieceworks.engine.baselines import (  # noqa: E402
+    StaticCacheDecoder,
+    StepClock,
+    hf_decode_bytes,
+    hf_generate,
+    load_hf_baseline,
+    measure_hf_eager,
+    measure_static_cache_compiled,
+)
+
+NUM_COMPARED = 4  # greedy tokens compared per prompt (near-ties of random weights come later)
+BANDWIDTH = 1e9  # bytes/s: any number; floors are compared, not judged
+MEASURE_MODE_KEYS = {
+    "mode",
+    "graph_mode",
+    "latency_s",
+    "decode_step_ms",
+    "startup_s",
+    "load_s",
+    "compile_s",
+    "capture_s",
+    "graph_memory_gib",
+    "counters",
+    "first_output_token_ids",
+    "floor_ms",
+    "ratio_to_floor",
+}
+
+
+def tiny_case(model: str = "llama-tiny", output_len: int = 6) -> LatencyCase:
+    return LatencyCase(model, 3, 8, output_len, 1, 2, {"dtype": "float32", "max_num_seqs": 4})
+
+
+def engine(case: LatencyCase) -> LLM:
+    return LLM(case.model, compilation_config={"level": 0}, **case.engine_args)
+
+
+def engine_greedy(llm: LLM, case: LatencyCase) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=case.output_len, ignore_eos=True)
+    prompts = _prompts(case, llm.config.model_config.hf_config["vocab_size"])
+    return [out.outputs[0].token_ids[:NUM_COMPARED] for out in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def llama_tiny() -> tuple[LatencyCase, list[list[int]], int]:
+    """The case, the engine's greedy tokens for its prompts, and the engine's decode bytes."""
+    case = tiny_case()
+    llm = engine(case)
+    return case, engine_greedy(llm, case), decode_bytes(llm, case)
+
+
+def test_hf_generate_and_static_loop_choose_the_engine_tokens(llama_tiny):
+    case, expected, _ = llama_tiny
+    _, model, input_ids = load_hf_baseline(case)
+    clock = StepClock()
+    hf_tokens = hf_generate(model, input_ids, case.output_len, clock)
+    decoder = StaticCacheDecoder(model, case.input_len + case.output_len, compile_backend="eager")
+    decoder.reset()  # a no-op on a fresh cache
+    static_tokens = decoder.generate(input_ids, case.output_len)
+    assert hf_tokens[:, :NUM_COMPARED].tolist() == expected
+    assert static_tokens[:, :NUM_COMPARED].tolist() == expected
+    assert tuple(static_tokens.shape) == (case.batch_size, case.output_len)
+    assert len(clock.step_seconds()) == case.output_len - 1  # one stamp per token chosen
+    # A second generation reuses the cache in place (reset, no reallocation) and agrees.
+    keys = decoder.cache.layers[0].keys
+    decoder.reset()
+    assert torch.equal(decoder.generate(input_ids, case.output_len), static_tokens)
+    assert decoder.cache.layers[0].keys is keys
+
+
+@pytest.mark.parametrize("measure", [measure_hf_eager, measure_static_cache_compiled])
+def test_results_have_the_measure_mode_shape_and_the_engine_floor(llama_tiny, measure):
+    case, expected, engine_bytes = llama_tiny
+    kwargs = {"compile_backend": "eager"} if measure is measure_static_cache_compiled else {}
+    result = measure(case, BANDWIDTH, **kwargs)
+    assert set(result) == MEASURE_MODE_KEYS
+    assert result["graph_mode"] == "baseline"
+    assert result["counters"] == dict.fromkeys(_COUNTERS, 0)
+    assert result["first_output_token_ids"][:NUM_COMPARED] == expected[0]
+    assert result["floor_ms"] == pytest.approx(engine_bytes / BANDWIDTH * 1e3)
+    assert result["decode_step_ms"]["min"] <= result["decode_step_ms"]["median"]
+    assert result["ratio_to_floor"] == pytest.approx(
+        result["decode_step_ms"]["median"] / result["floor_ms"]
+    )
+
+
+def test_untied_checkpoint_directory_loads_the_same_weights(tmp_path):
+    hf_config = {**get_preset("llama-tiny"), "tie_word_embeddings": False}
+    random_hf_checkpoint(hf_config, tmp_path, seed=5, dtype=torch.float32)
+    case = LatencyCase(str(tmp_path), 3, 8, 6, engine_args={"dtype": "float32", "max_num_seqs": 4})
+    llm = engine(case)
+    model_config, model, input_ids = load_hf_baseline(case)
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    # Untied: the LM head is read every step, the input embedding is not.
+    assert hf_decode_bytes(model, model_config.hf_config, case) == decode_bytes(llm, case)
+    tokens = hf_generate(model, input_ids, case.output_len)[:, :NUM_COMPARED]
+    assert tokens.tolist() == engine_greedy(llm, case)
+
+
+def test_static_loop_refuses_a_hybrid_model_with_a_clear_error():
+    with pytest.raises(ValueError, match="attention-only model"):
+        measure_static_cache_compiled(tiny_case("bamba-tiny"), compile_backend="eager")
+
+
+@pytest.mark.inductor
+def test_static_loop_under_reduce_overhead_inductor(llama_tiny):
+    case, expected, _ = llama_tiny
+    case = LatencyCase(case.model, case.batch_size, case.input_len, 4, 0, 1, case.engine_args)
+    result = measure_static_cache_compiled(case, BANDWIDTH)
+    assert result["first_output_token_ids"] == expected[0]
+    assert result["compile_s"] > 0.0
