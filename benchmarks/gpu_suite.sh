@@ -30,10 +30,16 @@ for section in $sections; do
     attention) run attention python3 benchmarks/attention_decode.py --out "$OUT/attention_decode.json" ;;
     run) run pieceworks_run pieceworks run ;;
     bench125m) run bench125m pieceworks bench latency --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --modes eager,piecewise,full_and_piecewise --output-json "$OUT/bench_llama125m.json" --plot "$OUT/bench_llama125m.png" ;;
-    check8b) run check8b python3 benchmarks/compare_levels.py --model llama-3.1-8b --out "$OUT/check_llama8b.json" ;;
+    check8b) run check8b python3 benchmarks/compare_levels.py --model llama-3.1-8b --modes eager@float32,eager,full_and_piecewise --out "$OUT/check_llama8b.json" ;;
     check125m) run check125m python3 benchmarks/compare_levels.py --model llama-125m --out "$OUT/check_llama125m.json" ;;
     hostoverhead) run hostoverhead python3 benchmarks/attention_host_overhead.py ;;
-    bench8b) run bench8b pieceworks bench latency --model llama-3.1-8b --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes piecewise,full_and_piecewise --max-num-seqs 64 --output-json "$OUT/bench_llama8b.json" --plot "$OUT/bench_llama8b.png" ;;
+    bench8b) run bench8b pieceworks bench latency --model llama-3.1-8b --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes piecewise,full_and_piecewise --output-json "$OUT/bench_llama8b.json" --plot "$OUT/bench_llama8b.png" ;;
+    compare8b) run compare8b pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compare --output-json "$OUT/compare_llama8b.json" ;;
+    coldwarm8b) export PIECEWORKS_CACHE_ROOT=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+                run cold8b pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 16 --output-len 4 --num-iters-warmup 0 --num-iters 1 --modes full_and_piecewise --output-json "$OUT/cold8b.json"
+                export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)  # only pieceworks' cache is warm
+                run warm8b pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 16 --output-len 4 --num-iters-warmup 0 --num-iters 1 --modes full_and_piecewise --output-json "$OUT/warm8b.json" ;;
+    benchbamba) run benchbamba pieceworks bench latency --model bamba-9b --batch-size 1,8 --input-len 128 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes eager,piecewise,full_and_piecewise --max-num-seqs 8 --output-json "$OUT/bench_bamba9b.json" --plot "$OUT/bench_bamba9b.png" ;;
     *) echo "unknown section $section" ;;
   esac
 done
