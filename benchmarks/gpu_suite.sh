@@ -17,7 +17,8 @@ run() {  # name, command...
   "$@" >>"$OUT/$name.log" 2>&1
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
-  tail -n 25 "$OUT/$name.log" | grep -v "^===" || true
+  grep -v "^DEBUG\|^INFO\|capturing graphs" "$OUT/$name.log" | tail -n 14 | grep -v "^===" || true
+  tar -czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log)  # partial results survive a kill
 }
 
 for section in $sections; do
@@ -39,9 +40,9 @@ for section in $sections; do
                 run cold8b pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 16 --output-len 4 --num-iters-warmup 0 --num-iters 1 --modes full_and_piecewise --output-json "$OUT/cold8b.json"
                 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)  # only pieceworks' cache is warm
                 run warm8b pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 16 --output-len 4 --num-iters-warmup 0 --num-iters 1 --modes full_and_piecewise --output-json "$OUT/warm8b.json" ;;
-    benchbamba) run benchbamba pieceworks bench latency --model bamba-9b --batch-size 1,8 --input-len 128 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes eager,piecewise,full_and_piecewise --max-num-seqs 8 --output-json "$OUT/bench_bamba9b.json" --plot "$OUT/bench_bamba9b.png" ;;
+    benchbamba) run benchbamba pieceworks bench latency --model bamba-9b --batch-size 1,8 --input-len 128 --output-len 32 --num-iters-warmup 1 --num-iters 1 --modes eager,piecewise,full_and_piecewise --max-num-seqs 8 --output-json "$OUT/bench_bamba9b.json" --plot "$OUT/bench_bamba9b.png" ;;
     *) echo "unknown section $section" ;;
   esac
 done
 # The device tool returns a handful of files: pack the logs into one archive.
-tar -czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) 2>/dev/null && rm -f "$OUT"/*.log
+rm -f "$OUT"/*.log
