@@ -7,18 +7,19 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)  # logs live outside $OUT; $OUT/logs.tgz is refreshed after each section
 export PYTHONUNBUFFERED=1 PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
 sections=${*:-"install platforms tests toy attention run bench125m"}
 
 run() {  # name, command...
   local name=$1; shift
-  echo "=== $name: $*" | tee "$OUT/$name.log"
+  echo "=== $name: $*" | tee "$LOGS/$name.log"
   local start=$SECONDS
-  "$@" >>"$OUT/$name.log" 2>&1
+  "$@" >>"$LOGS/$name.log" 2>&1
   local rc=$?
-  echo "=== $name rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
-  grep -v "^DEBUG\|^INFO\|capturing graphs" "$OUT/$name.log" | tail -n 14 | grep -v "^===" || true
-  tar -czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log)  # partial results survive a kill
+  echo "=== $name rc=$rc in $((SECONDS - start)) s" | tee -a "$LOGS/$name.log"
+  grep -v "^DEBUG\|^INFO\|capturing graphs" "$LOGS/$name.log" | tail -n 14 | grep -v "^===" || true
+  tar -czf "$OUT/logs.tgz" -C "$LOGS" .  # partial results survive a kill
 }
 
 for section in $sections; do
@@ -44,5 +45,3 @@ for section in $sections; do
     *) echo "unknown section $section" ;;
   esac
 done
-# The device tool returns a handful of files: pack the logs into one archive.
-rm -f "$OUT"/*.log
