@@ -3,8 +3,8 @@
 For each mode: build an engine (timing load, compile and capture, and counting what the pipeline
 did), generate ``output_len`` tokens for ``batch_size`` random prompts of ``input_len`` tokens with
 greedy sampling and ``ignore_eos``, warm-ups first, then ``num_iters`` timed runs. Each engine step
-ends in its one host sync, so step wall times are device-accurate; decode steps are the steps of a
-uniform decode batch. The floor is the bytes a decode step must read over the device copy bandwidth
+ends in its one host sync, so step wall times are device-accurate; decode steps are the
+uniform-decode steps of the whole batch. The floor is the bytes a decode step must read over the device copy bandwidth
 measured at the start of the run.
 """
 
@@ -122,7 +122,13 @@ def measure_mode(case: LatencyCase, mode: str, bandwidth: float | None = None) -
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         latencies.append(time.perf_counter() - start)
-        decode_steps += [s for uniform, s in llm.engine.step_seconds if uniform]
+        # Decode steps of the whole batch: with chunked prefill, early and late steps decode
+        # only part of it, and would make the median look faster than the batch really is.
+        decode_steps += [
+            seconds
+            for uniform, num_requests, seconds in llm.engine.step_seconds
+            if uniform and num_requests == case.batch_size
+        ]
     decode_ms = _stats([s * 1e3 for s in decode_steps])
     result: dict[str, Any] = {
         "mode": mode,

@@ -39,7 +39,8 @@ class LLMEngine:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
         self._request_ids = itertools.count()
-        self.step_seconds: list[tuple[bool, float]] = []  # (uniform decode?, wall seconds)
+        # (uniform decode?, number of requests, wall seconds) of each step
+        self.step_seconds: list[tuple[bool, int, float]] = []
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -71,5 +72,7 @@ class LLMEngine:
         finished = self.scheduler.update_from_output(output, sampled)
         for request in finished:
             self.runner.release(request.request_id)
-        self.step_seconds.append((output.is_uniform_decode, time.perf_counter() - start))
+        self.step_seconds.append(
+            (output.is_uniform_decode, output.num_requests, time.perf_counter() - start)
+        )
         return finished
