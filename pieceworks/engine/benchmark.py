@@ -4,8 +4,8 @@ For each mode: build an engine (timing load, compile and capture, and counting w
 did), generate ``output_len`` tokens for ``batch_size`` random prompts of ``input_len`` tokens with
 greedy sampling and ``ignore_eos``, warm-ups first, then ``num_iters`` timed runs. Each engine step
 ends in its one host sync, so step wall times are device-accurate; decode steps are the
-uniform-decode steps of the whole batch. The floor is the bytes a decode step must read over the device copy bandwidth
-measured at the start of the run.
+uniform-decode steps of the whole batch. The floor is the bytes a decode step must read over the
+device copy bandwidth measured at the start of the run.
 """
 
 from __future__ import annotations
