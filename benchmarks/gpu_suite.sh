@@ -34,6 +34,8 @@ for section in $sections; do
     bench125m) run bench125m pieceworks bench latency --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --modes eager,piecewise,full_and_piecewise --output-json "$OUT/bench_llama125m.json" --plot "$OUT/bench_llama125m.png" ;;
     check8b) run check8b python3 benchmarks/compare_levels.py --model llama-3.1-8b --modes eager@float32,eager,full_and_piecewise --out "$OUT/check_llama8b.json" ;;
     check125m) run check125m python3 benchmarks/compare_levels.py --model llama-125m --out "$OUT/check_llama125m.json" ;;
+    modegpu) run modegpu python3 -m pytest -m gpu tests/engine/test_engine_gpu.py tests/models/test_bamba_gpu.py -q -p no:cacheprovider ;;
+    bench8b64) run bench8b64 pieceworks bench latency --model llama-3.1-8b --batch-size 64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_b64.json" ;;
     hostoverhead) run hostoverhead python3 benchmarks/attention_host_overhead.py ;;
     bench8b) run bench8b pieceworks bench latency --model llama-3.1-8b --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes piecewise,full_and_piecewise --output-json "$OUT/bench_llama8b.json" --plot "$OUT/bench_llama8b.png" ;;
     compare8b) run compare8b pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compare --output-json "$OUT/compare_llama8b.json" ;;
