@@ -12,7 +12,6 @@ outside the graph) and ``load_weights`` from HF names (``layers.N.mamba.*``,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,11 +19,11 @@ from torch import nn
 
 from pieceworks.config import EngineConfig, resolve_dtype
 from pieceworks.core.decorators import support_torch_compile
+from pieceworks.models.causal_lm import CausalLM, maybe_prefix
 from pieceworks.models.layers.layernorm import RMSNorm
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
-from pieceworks.models.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pieceworks.models.llama import LlamaAttention, LlamaMLP, maybe_prefix
-from pieceworks.models.loader import get_weight_loader, is_ignored_tensor, unexpected_tensor_error
+from pieceworks.models.layers.vocab_embedding import VocabParallelEmbedding
+from pieceworks.models.llama import LlamaAttention, LlamaMLP
 from pieceworks.models.mamba.mixer import MambaMixer2
 
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5  # HF's BambaConfig hard-codes this value
@@ -140,65 +139,7 @@ class BambaModel(nn.Module):
         return hidden_states  # (T, hidden)
 
 
-class BambaForCausalLM(nn.Module):
-    """``BambaModel`` plus the LM head and HF-checkpoint loading."""
+class BambaForCausalLM(CausalLM):
+    """``BambaModel`` plus the LM head and HF-checkpoint loading (``CausalLM``)."""
 
-    # Merged parameter -> the HF modules stacked into it, in shard order.
-    packed_modules_mapping = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
-    # (param name, checkpoint name, shard id) for the merged weights.
-    stacked_params_mapping: list[tuple[str, str, str | int]] = [
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-    ]
-
-    def __init__(self, *, config: EngineConfig, prefix: str = "") -> None:
-        super().__init__()
-        hf_config = config.model_config.hf_config
-        self.config = config
-        self.tie_word_embeddings = hf_config.get("tie_word_embeddings", False)
-        self.model = BambaModel(config=config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(
-            hf_config["vocab_size"],
-            hf_config["hidden_size"],
-            prefix=maybe_prefix(prefix, "lm_head"),
-        )
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``input_ids (T,)``, ``positions (T,)`` -> hidden states ``(T, hidden)``."""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``(N, hidden)`` -> float32 logits ``(N, vocab)`` (outside the graph)."""
-        return self.lm_head(hidden_states).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the parameters; returns the parameter names loaded."""
-        params_dict = dict(self.named_parameters())
-        loaded_params: set[str] = set()
-        for checkpoint_name, loaded_weight in weights:
-            if is_ignored_tensor(checkpoint_name):
-                continue
-            if self.tie_word_embeddings and checkpoint_name == "lm_head.weight":
-                continue  # the embedding is the weight
-            name, shard_id = self._param_name_and_shard(checkpoint_name)
-            if name not in params_dict:
-                raise unexpected_tensor_error(self, checkpoint_name)
-            shard_args = () if shard_id is None else (shard_id,)
-            get_weight_loader(self, name)(params_dict[name], loaded_weight, *shard_args)
-            loaded_params.add(name)
-        return loaded_params
-
-    def _param_name_and_shard(self, checkpoint_name: str) -> tuple[str, str | int | None]:
-        """``...feed_forward.up_proj.weight`` -> (``...feed_forward.gate_up_proj.weight``, 1)."""
-        for param_name, weight_name, shard_id in self.stacked_params_mapping:
-            if weight_name in checkpoint_name:
-                return checkpoint_name.replace(weight_name, param_name), shard_id
-        return checkpoint_name, None
+    model_cls = BambaModel
