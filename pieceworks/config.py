@@ -15,6 +15,9 @@ import torch
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode, PassConfig
 from pieceworks.utils import hash_factors
 
+# Architectures whose linear layers take quantization="fp8".
+FP8_ARCHITECTURES = ("LlamaForCausalLM",)
+
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -56,6 +59,11 @@ class ModelConfig:
         if self.quantization not in (None, "fp8"):
             raise ValueError(
                 f"quantization={self.quantization!r} is not supported; use None or 'fp8'"
+            )
+        if self.quantization == "fp8" and self.architecture not in FP8_ARCHITECTURES:
+            raise ValueError(
+                f"quantization='fp8' is implemented for {', '.join(FP8_ARCHITECTURES)}, not "
+                f"{self.architecture}; run it unquantized (quantization=None)"
             )
         limit = self.hf_config.get("max_position_embeddings")
         if self.max_model_len is None:

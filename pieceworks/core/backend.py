@@ -114,7 +114,7 @@ class PiecewiseCompileBackend:
         self.forward_code = forward_code
         compilation = config.compilation_config
         assert compilation.backend is not None, "platform.check_and_update_config sets backend"
-        self.compiler = make_compiler(compilation.backend)
+        self.compiler = make_compiler(compilation.backend, compilation.pass_config)
         self.split_gm: torch.fx.GraphModule | None = None
         self.cache_dir: str | None = None
         self.cache_key_factors: dict[str, Any] | None = None

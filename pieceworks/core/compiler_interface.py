@@ -2,27 +2,30 @@
 
 Inductor goes through ``torch._inductor.standalone_compile``: a compile whose artifact can be saved
 and loaded, which is what the compile cache (``compile_cache.py``) stores. Autotuning is turned on
-only for static sizes, where its cost is paid once for a shape that is reused on every step. Each
-adaptor names the factors of its own that change compiled code; they enter the cache key.
+only for static sizes, where its cost is paid once for a shape that is reused on every step. Every
+piece compiles with pieceworks' post-grad pass manager installed (``core/passes``). Each adaptor
+names the factors of its own that change compiled code (for Inductor: the pass manager's uuid
+among them); they enter the cache key.
 """
 
 from __future__ import annotations
 
 import platform
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.fx
 
+from pieceworks.core.config import PassConfig
 from pieceworks.core.counters import compilation_counter
 from pieceworks.utils import hash_factors
 
+if TYPE_CHECKING:
+    from pieceworks.core.passes.pass_manager import PostGradPassManager
+
 # Inductor options for a piece compiled for one static token count.
 STATIC_SIZE_OPTIONS = {"max_autotune": True, "coordinate_descent_tuning": True}
-
-# The uuid of pieceworks' Inductor pass manager (core/passes, a later issue); None until it lands.
-PASS_MANAGER_UUID: str | None = None
 
 
 class CompilerInterface:
@@ -73,10 +76,15 @@ class EagerAdaptor(CompilerInterface):
 
 
 class InductorAdaptor(CompilerInterface):
-    """Inductor through ``standalone_compile``; artifacts saved and loaded in binary form."""
+    """Inductor through ``standalone_compile`` with pieceworks' passes; binary artifacts."""
 
     name = "inductor"
     saves_artifacts = True
+
+    def __init__(self, pass_config: PassConfig | None = None) -> None:
+        from pieceworks.core.passes.pass_manager import PostGradPassManager
+
+        self.pass_manager: PostGradPassManager = PostGradPassManager(pass_config or PassConfig())
 
     def compile(
         self,
@@ -87,7 +95,7 @@ class InductorAdaptor(CompilerInterface):
     ) -> Callable[..., Any]:
         from torch._inductor import standalone_compile
 
-        config_patches = dict(options)
+        config_patches = {**options, **self.pass_manager.config_patches()}
         if runtime_shape is not None:
             config_patches.update(STATIC_SIZE_OPTIONS)
         dynamic_shapes: Literal["from_tracing_context", "from_example_inputs"] = (
@@ -113,7 +121,8 @@ class InductorAdaptor(CompilerInterface):
             "device": current_platform().device_name(),
             "inductor_config": _inductor_config_hash(),
             "static_size_options": STATIC_SIZE_OPTIONS,
-            "pass_manager_uuid": PASS_MANAGER_UUID,
+            "pass_manager_uuid": self.pass_manager.uuid(),
+            "auto_functionalized_v2": False,  # turned off for every piece (config_patches)
         }
 
     def save_artifact(self, compiled: Callable[..., Any], path: str) -> None:
@@ -138,8 +147,10 @@ def _inductor_config_hash() -> str:
     return hash_factors(config.save_config_portable())
 
 
-def make_compiler(backend: str) -> CompilerInterface:
-    adaptors = {"eager": EagerAdaptor, "inductor": InductorAdaptor}
-    if backend not in adaptors:
-        raise ValueError(f"compile backend {backend!r} unknown; use one of {sorted(adaptors)}")
-    return adaptors[backend]()
+def make_compiler(backend: str, pass_config: PassConfig | None = None) -> CompilerInterface:
+    """The adaptor for ``backend``; Inductor runs the passes ``pass_config`` enables."""
+    if backend == "inductor":
+        return InductorAdaptor(pass_config)
+    if backend == "eager":
+        return EagerAdaptor()
+    raise ValueError(f"compile backend {backend!r} unknown; use one of ['eager', 'inductor']")

@@ -47,3 +47,8 @@ def direct_register_custom_op(
             lib._register_fake(op_name, fake_impl)
         _registered.add(key)
     return getattr(getattr(torch.ops, lib.ns), op_name)
+
+
+def is_registered_custom_op(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op`` was registered through ``direct_register_custom_op`` (in any namespace)."""
+    return (op.namespace, op._schema.name.split("::")[-1]) in _registered

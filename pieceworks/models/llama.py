@@ -4,7 +4,9 @@
 ``positions (T,)`` in, hidden states ``(T, hidden)`` out, with no batch dimension; the only opaque
 op inside is attention, where the graph is split. ``LlamaForCausalLM`` adds the LM head, applied in
 ``compute_logits`` outside the graph, and ``load_weights``, which maps HF checkpoint names onto the
-merged ``qkv_proj`` / ``gate_up_proj`` weights. Per-step attention metadata (slot mapping, block
+merged ``qkv_proj`` / ``gate_up_proj`` weights. With ``quantization="fp8"`` the four linear layers
+of each decoder layer are FP8 (``layers/quantization/fp8.py``); embeddings, norms and the LM head
+stay in the model dtype. Per-step attention metadata (slot mapping, block
 tables) comes from the forward context, never from arguments.
 """
 
@@ -26,6 +28,7 @@ from pieceworks.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from pieceworks.models.layers.quantization import Fp8Config, get_quant_config
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pieceworks.models.layers.vocab_embedding import VocabParallelEmbedding
 
@@ -53,14 +56,28 @@ class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up in one GEMM."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, bias: bool = False, *, prefix: str = ""
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        *,
+        prefix: str = "",
+        quant_config: Fp8Config | None = None,
     ) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias, prefix=f"{prefix}.gate_up_proj"
+            hidden_size,
+            [intermediate_size] * 2,
+            bias,
+            prefix=f"{prefix}.gate_up_proj",
+            quant_config=quant_config,
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias, prefix=f"{prefix}.down_proj"
+            intermediate_size,
+            hidden_size,
+            bias,
+            prefix=f"{prefix}.down_proj",
+            quant_config=quant_config,
         )
         self.act_fn = SiluAndMul()
 
@@ -86,6 +103,7 @@ class LlamaAttention(nn.Module):
         total_num_heads = hf_config["num_attention_heads"]
         total_num_kv_heads = hf_config.get("num_key_value_heads", total_num_heads)
         bias = hf_config.get("attention_bias", False)
+        quant_config = get_quant_config(config.model_config)
         self.qkv_proj = QKVParallelLinear(
             hidden_size,
             self.head_dim,
@@ -93,13 +111,18 @@ class LlamaAttention(nn.Module):
             total_num_kv_heads,
             bias,
             prefix=f"{prefix}.qkv_proj",
+            quant_config=quant_config,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
-            total_num_heads * self.head_dim, hidden_size, bias, prefix=f"{prefix}.o_proj"
+            total_num_heads * self.head_dim,
+            hidden_size,
+            bias,
+            prefix=f"{prefix}.o_proj",
+            quant_config=quant_config,
         )
         self.rotary_emb = rotary_emb
         self.attn = Attention(
@@ -140,6 +163,7 @@ class LlamaDecoderLayer(nn.Module):
             hf_config["intermediate_size"],
             hf_config.get("mlp_bias", False),
             prefix=f"{prefix}.mlp",
+            quant_config=get_quant_config(config.model_config),
         )
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)

@@ -4,9 +4,11 @@ Owns reading (``load_hf_config``, ``hf_weights_iterator`` over ``model.safetenso
 ``model.safetensors.index.json``), writing (``save_hf_directory``), building a model on the
 ``meta`` device and materialising it (``initialize_model``), and checking a load
 (``load_weights``): every checkpoint tensor must land in a parameter with the right shape and every
-parameter must be loaded, or a ``WeightLoadingError`` names the tensors. Each model maps HF names
-to its own parameters in its ``load_weights`` (vLLM style); this module never knows a model's
-names. It does not know hardware either: the device comes from the caller.
+parameter must be loaded, or a ``WeightLoadingError`` names the tensors. After loading, each
+layer's quantization method rewrites its weights (``process_weights_after_loading``; FP8
+quantizes them). Each model maps HF names to its own parameters in its ``load_weights`` (vLLM
+style); this module never knows a model's names. It does not know hardware either: the device
+comes from the caller.
 """
 
 from __future__ import annotations
@@ -299,4 +301,13 @@ def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
     else:
         weights = hf_weights_iterator(model_config.model)
     load_weights(model, weights)
+    process_weights_after_loading(model)
     return model.eval()
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every layer's ``quant_method`` rewrite its loaded weights (FP8: quantize them)."""
+    for module in model.modules():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(module)

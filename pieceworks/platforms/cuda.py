@@ -59,6 +59,10 @@ class CudaPlatform(Platform):
             stack.enter_context(torch.cuda.graph(graph, pool=pool))
             yield
 
+    def supports_fp8(self) -> bool:
+        """e4m3fn ``torch._scaled_mm`` needs compute capability 8.9 (Ada) or newer."""
+        return torch.cuda.get_device_capability() >= (8, 9)
+
     def device_count(self) -> int:
         return torch.cuda.device_count()
 

@@ -93,6 +93,13 @@ class Platform:
         """The Mamba2 kernel implementation class the models use on this platform."""
         return resolve_obj_by_qualname(self.mamba_backend_qualname)
 
+    def supports_fp8(self) -> bool:
+        """Whether FP8 (e4m3fn) GEMMs run natively here (``torch._scaled_mm``).
+
+        False: FP8 layers dequantize and multiply in float32 (the torch reference path).
+        """
+        return False
+
     def check_and_update_config(self, config: EngineConfig) -> None:
         """The one place a platform adjusts an EngineConfig. Every change is logged."""
         from pieceworks.core.config import CUDAGraphMode

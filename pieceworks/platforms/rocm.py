@@ -2,7 +2,7 @@
 
 A ROCm build of torch reports ``torch.version.hip`` and exposes HIP devices as ``cuda``; graphs,
 pools, the dispatch key and the distributed backend name are shared with ``CudaPlatform``. Only
-detection and naming differ, so that is all this class overrides.
+detection, naming and FP8 support differ, so that is all this class overrides.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ class RocmPlatform(CudaPlatform):
         if torch.version.hip is None:
             return "this torch build is not a ROCm (HIP) build"
         return "torch.cuda.is_available() is False (no visible AMD device or driver)"
+
+    def supports_fp8(self) -> bool:
+        # MI300 GEMMs take float8_e4m3fnuz, not the OCP e4m3fn pieceworks stores: reference path.
+        return False
 
     def device_name(self) -> str:
         properties = torch.cuda.get_device_properties()

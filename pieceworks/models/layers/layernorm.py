@@ -1,14 +1,17 @@
 """``RMSNorm``: root-mean-square normalisation, with vLLM's fused residual-add form.
 
-Plain ATen, so Inductor fuses the add, the reduction and the scale into one kernel; the FP8 fusion
-pass in ``core/passes`` pattern-matches this exact sequence. Activations are flattened tokens:
-``(num_tokens, hidden_size)``.
+Plain ATen, so Inductor fuses the add, the reduction and the scale into one kernel. The arithmetic
+is ``core.norm_quant.rms_norm`` / ``add_rms_norm``: the FP8 fusion pass in ``core/passes``
+pattern-matches exactly what those functions trace to, so the layer calls them rather than
+repeating them. Activations are flattened tokens: ``(num_tokens, hidden_size)``.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pieceworks.core.norm_quant import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -28,15 +31,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        orig_dtype = x.dtype
-        x = x.to(torch.float32)  # (T, hidden)
-        if residual is not None:
-            x = x + residual.to(torch.float32)
-            residual = x.to(orig_dtype)
-        variance = x.pow(2).mean(dim=-1, keepdim=True)  # (T, 1)
-        x = x * torch.rsqrt(variance + self.variance_epsilon)
-        x = x.to(orig_dtype) * self.weight
-        return x if residual is None else (x, residual)
+        if residual is None:
+            return rms_norm(x, self.weight, self.variance_epsilon)  # (T, hidden)
+        return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"

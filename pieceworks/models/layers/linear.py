@@ -9,15 +9,16 @@ places one checkpoint tensor into its slice of the merged weight.
 Tensor parallelism is not implemented yet: ``tensor_parallel_rank_and_size()`` is the one place
 that says ``(0, 1)``. Sizes and loaders are already written per partition, so sharding only needs
 that function and the all-reduce after ``RowParallelLinear``. ``forward`` returns the output tensor
-alone (vLLM returns ``(output, output_bias)``).
+alone (vLLM returns ``(output, output_bias)``). The GEMM and the post-load weight rewrite belong to
+the layer's ``quant_method`` (``layers/quantization``): plain, or FP8 with ``quant_config``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pieceworks.models.layers.quantization import Fp8Config, LinearMethod, UnquantizedLinearMethod
 from pieceworks.models.loader import copy_weight
 
 
@@ -43,9 +44,13 @@ class LinearBase(nn.Module):
         bias: bool = False,
         *,
         prefix: str = "",
+        quant_config: Fp8Config | None = None,
     ) -> None:
         super().__init__()
         self.prefix = prefix
+        self.quant_method: LinearMethod = (
+            quant_config.get_linear_method() if quant_config else UnquantizedLinearMethod()
+        )
         self.tp_rank, self.tp_size = tensor_parallel_rank_and_size()
         self.weight = nn.Parameter(
             torch.empty(output_size_per_partition, input_size_per_partition), requires_grad=False
@@ -56,7 +61,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # (T, out)
+        return self.quant_method.apply(self, x, self.bias)  # (T, out)
 
     def _param_name(self, param: nn.Parameter) -> str:
         suffix = "bias" if param is self.bias else "weight"
@@ -67,9 +72,15 @@ class ReplicatedLinear(LinearBase):
     """A linear layer every rank holds whole."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, *, prefix: str = ""
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        prefix: str = "",
+        quant_config: Fp8Config | None = None,
     ) -> None:
-        super().__init__(input_size, output_size, bias, prefix=prefix)
+        super().__init__(input_size, output_size, bias, prefix=prefix, quant_config=quant_config)
         self.input_size, self.output_size = input_size, output_size
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -80,11 +91,19 @@ class ColumnParallelLinear(LinearBase):
     """Output dim split across ranks: rank ``r`` holds output rows ``[r, r + 1) * out / tp``."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, *, prefix: str = ""
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        prefix: str = "",
+        quant_config: Fp8Config | None = None,
     ) -> None:
         tp_size = tensor_parallel_rank_and_size()[1]
         output_per_partition = divide(output_size, tp_size, f"{prefix} output_size")
-        super().__init__(input_size, output_per_partition, bias, prefix=prefix)
+        super().__init__(
+            input_size, output_per_partition, bias, prefix=prefix, quant_config=quant_config
+        )
         self.input_size, self.output_size = input_size, output_size
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -103,9 +122,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one weight (gate_proj and up_proj: shard ids 0 and 1)."""
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool = False, *, prefix: str = ""
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        *,
+        prefix: str = "",
+        quant_config: Fp8Config | None = None,
     ) -> None:
-        super().__init__(input_size, sum(output_sizes), bias, prefix=prefix)
+        super().__init__(
+            input_size, sum(output_sizes), bias, prefix=prefix, quant_config=quant_config
+        )
         self.output_sizes = list(output_sizes)
 
     def weight_loader(
@@ -143,10 +170,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         *,
         prefix: str = "",
+        quant_config: Fp8Config | None = None,
     ) -> None:
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
-        super().__init__(hidden_size, output_size, bias, prefix=prefix)
+        super().__init__(hidden_size, output_size, bias, prefix=prefix, quant_config=quant_config)
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
@@ -180,11 +208,19 @@ class RowParallelLinear(LinearBase):
     """Input dim split across ranks; with tensor parallelism the outputs are all-reduced."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, *, prefix: str = ""
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        prefix: str = "",
+        quant_config: Fp8Config | None = None,
     ) -> None:
         tp_size = tensor_parallel_rank_and_size()[1]
         input_per_partition = divide(input_size, tp_size, f"{prefix} input_size")
-        super().__init__(input_per_partition, output_size, bias, prefix=prefix)
+        super().__init__(
+            input_per_partition, output_size, bias, prefix=prefix, quant_config=quant_config
+        )
         self.input_size, self.output_size = input_size, output_size
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -195,4 +231,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # With tensor parallelism: all-reduce the partial sums here, adding the bias once.
-        return F.linear(x, self.weight, self.bias)  # (T, out)
+        return self.quant_method.apply(self, x, self.bias)  # (T, out)

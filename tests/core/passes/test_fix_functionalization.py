@@ -1,0 +1,135 @@
+"""Fix-functionalization: pieceworks' mutating ops run in place again, with no extra copies.
+
+A toy op registered through ``direct_register_custom_op`` writes ``2 * x`` into ``out``. Traced
+inside a graph (``graph_backend``: auto-functionalization v1, as pieces compile), it arrives
+wrapped in ``auto_functionalized``; after the pass the wrapper is gone, the raw op is called on
+the original buffer, and neither a clone nor a write-back copy is left. Where a later node still
+reads the buffer's old value the wrapper must stay; ops pieceworks did not register stay too.
+Run: pytest tests/core/passes/test_fix_functionalization.py
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._higher_order_ops.auto_functionalize import auto_functionalized
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.library import Library
+
+from pieceworks.core.custom_op import direct_register_custom_op
+from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass
+from tests.core.passes.graph_backend import op_counts, run_with_passes
+
+WRAPPER, RAW_OP = "auto_functionalized", "passes_toy.scale_into.default"
+COPIES = ("aten.clone.default", "aten.copy_.default", "aten.copy.default")
+passes_toy_lib = Library("passes_toy", "FRAGMENT")
+
+
+def _scale_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x * 2)
+
+
+def _scale_into_fake(x: torch.Tensor, out: torch.Tensor) -> None:
+    return None
+
+
+def scale_into_op():
+    return direct_register_custom_op(
+        "scale_into",
+        _scale_into,
+        mutates_args=["out"],
+        fake_impl=_scale_into_fake,
+        target_lib=passes_toy_lib,
+    )
+
+
+def num_copies(counts) -> int:
+    return sum(counts[name] for name in COPIES)
+
+
+def test_op_writing_a_fresh_buffer_runs_in_place():
+    op = scale_into_op()
+
+    def piece(x):
+        out = torch.empty_like(x)
+        op(x, out)
+        return out + 1
+
+    x = torch.randn(5, 8)
+    out, run = run_with_passes(piece, [x], [FixFunctionalizationPass()])
+    assert (run.before[WRAPPER], run.before[RAW_OP]) == (1, 0)
+    assert (run.after[WRAPPER], run.after[RAW_OP]) == (0, 1)
+    assert num_copies(run.after) == 0
+    torch.testing.assert_close(out, x * 2 + 1)
+
+
+def test_mutated_graph_input_is_written_in_place_without_write_back():
+    op = scale_into_op()
+
+    def piece(x, buffer):
+        op(x, buffer)
+        return buffer * 3
+
+    x, buffer = torch.randn(5, 8), torch.zeros(5, 8)
+    out, run = run_with_passes(piece, [x, buffer], [FixFunctionalizationPass()])
+    assert run.before[WRAPPER] == 1 and run.before["aten.copy_.default"] == 1  # the write-back
+    assert (run.after[WRAPPER], run.after[RAW_OP]) == (0, 1)
+    assert num_copies(run.after) == 0
+    torch.testing.assert_close(buffer, x * 2)  # mutated, as eager mutates it
+    torch.testing.assert_close(out, x * 6)
+
+
+def test_two_ops_on_one_buffer_both_run_in_place():
+    op = scale_into_op()
+
+    def piece(x):
+        out = torch.empty_like(x)
+        op(x, out)
+        op(out + 1, out)
+        return out
+
+    x = torch.randn(5, 8)
+    out, run = run_with_passes(piece, [x], [FixFunctionalizationPass()])
+    assert (run.before[WRAPPER], run.after[WRAPPER], run.after[RAW_OP]) == (2, 0, 2)
+    torch.testing.assert_close(out, (x * 2 + 1) * 2)
+
+
+def _traced(read_old_value_after: bool) -> torch.fx.GraphModule:
+    """A functional graph in which ``buffer + 1`` (the old value) is read before or after."""
+    op = scale_into_op().default
+
+    def graph(x, buffer):
+        old_plus_one = None if read_old_value_after else buffer + 1
+        result = auto_functionalized(op, x=x, out=buffer)
+        if read_old_value_after:
+            old_plus_one = buffer + 1
+        return result[1], old_plus_one
+
+    return make_fx(graph, tracing_mode="symbolic")(torch.randn(5, 8), torch.zeros(5, 8))
+
+
+def test_old_value_read_after_the_op_keeps_the_wrapper():
+    for read_after, expected_wrappers in [(True, 1), (False, 0)]:
+        gm = _traced(read_after)
+        FixFunctionalizationPass()(gm.graph)
+        gm.recompile()
+        assert op_counts(gm.graph)[WRAPPER] == expected_wrappers
+        x, buffer = torch.randn(5, 8), torch.zeros(5, 8)
+        new_value, old_plus_one = gm(x, buffer)
+        torch.testing.assert_close(new_value, x * 2)
+        torch.testing.assert_close(old_plus_one, torch.ones(5, 8))  # read before the write
+
+
+def test_ops_not_registered_by_pieceworks_are_left_alone():
+    @torch.library.custom_op("passes_toy::foreign_scale_into", mutates_args=["out"])
+    def foreign(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x * 2)
+
+    def piece(x):
+        out = torch.empty_like(x)
+        foreign(x, out)
+        return out
+
+    x = torch.randn(5, 8)
+    out, run = run_with_passes(piece, [x], [FixFunctionalizationPass()])
+    assert run.after[WRAPPER] == run.before[WRAPPER] == 1  # Inductor will clone as usual
+    torch.testing.assert_close(out, x * 2)

@@ -1,0 +1,129 @@
+"""The pass manager: which passes ``PassConfig`` runs, how Inductor gets them, and the uuid.
+
+The uuid identifies the code a compile ran: it must change when a pass's source changes or the
+``PassConfig`` changes, stay equal otherwise, and reach pieceworks' compile-cache key through
+the Inductor adaptor's hash factors.
+Run: pytest tests/core/passes/test_pass_manager.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pieceworks.config import EngineConfig
+from pieceworks.core.cache_key import cache_key_factors
+from pieceworks.core.compiler_interface import EagerAdaptor, InductorAdaptor, make_compiler
+from pieceworks.core.config import CompilationConfig, PassConfig
+from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass
+from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
+from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
+from pieceworks.core.passes.pass_manager import PostGradPassManager
+from pieceworks.utils import hash_factors
+
+
+def pass_types(config: PassConfig) -> list[type]:
+    return [type(graph_pass) for graph_pass in PostGradPassManager(config).passes]
+
+
+def test_pass_config_selects_passes_and_fix_functionalization_runs_last():
+    assert pass_types(PassConfig(enable_noop=False)) == [FixFunctionalizationPass]
+    assert pass_types(PassConfig()) == [NoOpEliminationPass, FixFunctionalizationPass]
+    assert pass_types(PassConfig(enable_fusion=True)) == [
+        NoOpEliminationPass,
+        RMSNormQuantFusionPass,
+        FixFunctionalizationPass,
+    ]
+
+
+def test_fusion_without_noop_warns(caplog):
+    with caplog.at_level("WARNING"):
+        PassConfig(enable_noop=False, enable_fusion=True)
+    assert "enable_noop" in caplog.text
+
+
+def test_inductor_gets_the_manager_and_functionalization_v1():
+    manager = PostGradPassManager(PassConfig())
+    patches = manager.config_patches()
+    assert patches["post_grad_custom_post_pass"] is manager
+    assert patches["enable_auto_functionalized_v2"] is False
+    assert hasattr(torch._inductor.config, "enable_auto_functionalized_v2")  # torch has the flag
+    with torch._inductor.config.patch(patches):  # Inductor accepts both entries
+        assert torch._inductor.config.post_grad_custom_post_pass is manager
+
+
+def test_uuid_is_stable_and_follows_the_pass_config():
+    uuids = {
+        (noop, fusion): PostGradPassManager(PassConfig(noop, fusion)).uuid()
+        for noop in (False, True)
+        for fusion in (False, True)
+    }
+    assert len(set(uuids.values())) == 4
+    assert PostGradPassManager(PassConfig()).uuid() == uuids[(True, False)]
+
+
+PASS_SOURCE = """
+from pieceworks.core.passes.inductor_pass import InductorPass
+
+class ScalePass(InductorPass):
+    def __call__(self, graph):
+        self.num_rewrites = {value}
+"""
+
+
+@pytest.fixture
+def load_pass(tmp_path, monkeypatch):
+    """``load_pass(value)``: (re)write a pass's source file, import it, return an instance."""
+    path = tmp_path / "scale_pass.py"
+
+    def load(value: int):
+        path.write_text(textwrap.dedent(PASS_SOURCE.format(value=value)))
+        spec = importlib.util.spec_from_file_location("scale_pass", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        # inspect finds a class's file through its module
+        monkeypatch.setitem(sys.modules, "scale_pass", module)
+        spec.loader.exec_module(module)
+        return module.ScalePass()
+
+    return load
+
+
+def test_uuid_changes_with_a_pass_source(load_pass):
+    first_uuid = load_pass(1).uuid()
+    assert load_pass(1).uuid() == first_uuid
+    assert load_pass(2).uuid() != first_uuid
+    manager = PostGradPassManager(PassConfig())
+    without_pass = manager.uuid()
+    manager.passes.insert(0, load_pass(1))
+    with_pass = manager.uuid()
+    load_pass(2)  # the same pass's file edited
+    assert len({without_pass, with_pass, manager.uuid()}) == 3
+
+
+def test_pass_manager_uuid_enters_the_compile_cache_key(load_pass):
+    def key(pass_config: PassConfig, compiler=None) -> str:
+        config = EngineConfig(compilation_config=CompilationConfig(pass_config=pass_config))
+        compiler = compiler or make_compiler("inductor", pass_config)
+        return hash_factors(cache_key_factors(config, compiler, []))
+
+    compiler = make_compiler("inductor", PassConfig())
+    assert isinstance(compiler, InductorAdaptor)
+    factors = compiler.compute_hash_factors()
+    assert factors["pass_manager_uuid"] == compiler.pass_manager.uuid()
+    assert key(PassConfig()) == key(PassConfig())
+    assert key(PassConfig()) != key(PassConfig(enable_fusion=True))
+    # Same config, a pass's source edited: only the compiler factors differ, and the key does.
+    compiler.pass_manager.passes.insert(0, load_pass(3))
+    before_edit = key(PassConfig(), compiler)
+    load_pass(4)
+    assert key(PassConfig(), compiler) != before_edit
+
+
+@pytest.mark.parametrize("backend,cls", [("eager", EagerAdaptor), ("inductor", InductorAdaptor)])
+def test_make_compiler(backend, cls):
+    assert isinstance(make_compiler(backend, PassConfig()), cls)
