@@ -1,7 +1,8 @@
 """``InputBuffers``: the runner's persistent input tensors, allocated once at their maximum size.
 
-Each step is built on the host with numpy (vectorised over tokens; loops only over requests) and
-copied into the prefix of each device buffer, so every captured graph reads the new step from the
+Each step is built on the host with numpy (vectorised over tokens; loops only over requests) in a
+pinned staging buffer and copied into the prefix of each device field (all fields share one packed
+buffer, so that is usually one copy per step); every captured graph reads the new step from the
 addresses it was captured with. Padded rows are inert: padded tokens have slot -1 (the KV store
 skips them) and padded sequences have query length 0, context length 0 and the null state slot 0.
 """
@@ -9,7 +10,9 @@ skips them) and padded sequences have query length 0, context length 0 and the n
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,8 +32,36 @@ class StepShape:
     max_query_len: int
 
 
+# Used ranges of the staging buffer less than this many bytes apart go to the device as one copy:
+# a separate copy costs several microseconds of host time, more than these bytes take over PCIe.
+MAX_COPY_GAP_BYTES = 64 * 1024
+FIELD_ALIGNMENT = 256  # bytes: each field starts where a fresh allocation would
+MAX_CACHED_VIEWS = 1024  # per-shape prefix views kept before the cache starts over
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """One named tensor inside the packed buffers; its rows are counted per step."""
+
+    name: str
+    rows: str  # what counts its rows each step: "tokens", "seqs", "seqs+1" or "logits"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes from the start of the packed buffers
+    row_bytes: int
+
+
 class InputBuffers:
-    """Device buffers plus pinned host mirrors; ``prepare`` fills both for a step."""
+    """Device buffers plus pinned host mirrors; ``prepare`` fills both for a step.
+
+    All fields live in one packed device buffer, each at a fixed offset, with a pinned host
+    staging buffer of the same layout. The host fills the staging buffer with numpy; the step's
+    used rows then reach the device in as few copies as the layout allows (usually one; see
+    ``MAX_COPY_GAP_BYTES``) instead of one copy per field. The layout puts the fields that grow
+    with the batch's sequences first and the block tables, the largest, last, so the used ranges
+    sit close together. Every tensor handed out is a prefix view of a fixed field, so a captured
+    graph reads the next step from the addresses it was captured with.
+    """
 
     def __init__(
         self,
@@ -43,25 +74,14 @@ class InputBuffers:
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
-        specs = {  # name: (shape, dtype)
-            "input_ids": ((max_num_tokens,), torch.int64),
-            "positions": ((max_num_tokens,), torch.int64),
-            "slot_mapping": ((max_num_tokens,), torch.int64),
-            "query_start_loc": ((max_num_seqs + 1,), torch.int32),
-            "seq_lens": ((max_num_seqs,), torch.int32),
-            "block_tables": ((max_num_seqs, max_blocks_per_seq), torch.int32),
-            "state_indices": ((max_num_seqs,), torch.int32),
-            "has_initial_state": ((max_num_seqs,), torch.bool),
-        }
-        self.device_buffers = {
-            name: torch.zeros(shape, dtype=dtype, device=device)
-            for name, (shape, dtype) in specs.items()
-        }
-        self.host_buffers = {
-            name: torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
-            for name, (shape, dtype) in specs.items()
-        }
+        self.fields = _layout(max_num_tokens, max_num_seqs, max_blocks_per_seq)
+        num_bytes = self.fields[-1].offset + self.fields[-1].row_bytes * self.fields[-1].shape[0]
+        self.packed_device = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        self.packed_host = torch.zeros(num_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self.device_buffers = {f.name: _field_view(self.packed_device, f) for f in self.fields}
+        self.host_buffers = {f.name: _field_view(self.packed_host, f) for f in self.fields}
         self.host = {name: tensor.numpy() for name, tensor in self.host_buffers.items()}
+        self._views: dict[tuple[int, int], _StepViews] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.device_buffers[name]
@@ -74,7 +94,8 @@ class InputBuffers:
         computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
         self._fill_sequences(scheduled, query_lens, computed, shape)
         self._fill_tokens(scheduled, query_lens, computed, shape, block_size)
-        self._copy_to_device(shape)
+        num_logits = self._fill_logits_indices(scheduled)
+        self._copy_to_device(shape, num_logits)
         num_decodes = sum(1 for s in scheduled if s.is_decode)
         return self.metadata(shape, num_decodes)
 
@@ -127,6 +148,17 @@ class InputBuffers:
         host["positions"][num_tokens:padded] = 0
         host["slot_mapping"][num_tokens:padded] = -1  # padded tokens are never stored
 
+    def _fill_logits_indices(self, scheduled: Sequence[ScheduledRequest]) -> int:
+        """The last token row of each request that samples a token; returns how many."""
+        ends = self.host["query_start_loc"][1 : len(scheduled) + 1]
+        producing = [row for row, item in enumerate(scheduled) if item.produces_token]
+        self.host["logits_indices"][: len(producing)] = ends[producing] - 1
+        return len(producing)
+
+    def logits_indices(self, num_logits: int) -> torch.Tensor:
+        """(num_logits,) int64 on the device: the rows of the hidden states to sample from."""
+        return self.device_buffers["logits_indices"][:num_logits]
+
     def prepare_dummy(self, shape: StepShape, uniform_decode: bool = False) -> AttentionMetadata:
         """``num_seqs`` fresh sequences sharing the tokens, writing nothing to the caches.
 
@@ -151,27 +183,108 @@ class InputBuffers:
         self._copy_to_device(shape)
         return self.metadata(shape, num_decodes=padded_seqs if uniform_decode else 0)
 
-    def _copy_to_device(self, shape: StepShape) -> None:
-        rows = {
-            "input_ids": shape.num_tokens_padded,
-            "positions": shape.num_tokens_padded,
-            "slot_mapping": shape.num_tokens_padded,
-            "query_start_loc": shape.num_seqs_padded + 1,
+    def _copy_to_device(self, shape: StepShape, num_logits: int = 0) -> None:
+        for start, end in self.copy_ranges(shape, num_logits):
+            self.packed_device[start:end].copy_(self.packed_host[start:end], non_blocking=True)
+
+    def copy_ranges(self, shape: StepShape, num_logits: int = 0) -> list[tuple[int, int]]:
+        """Byte ranges a step copies: each field's used rows, merged across gaps below the limit.
+
+        The bytes in a merged gap are rows no view of this step reads, so copying them is
+        harmless; they only cost transfer time, which the gap limit bounds.
+        """
+        counts = {
+            "tokens": shape.num_tokens_padded,
+            "seqs": shape.num_seqs_padded,
+            "seqs+1": shape.num_seqs_padded + 1,
+            "logits": num_logits,
         }
-        for name, device_buffer in self.device_buffers.items():
-            count = rows.get(name, shape.num_seqs_padded)
-            device_buffer[:count].copy_(self.host_buffers[name][:count], non_blocking=True)
+        ranges: list[tuple[int, int]] = []
+        for field in self.fields:  # in offset order
+            used = counts[field.rows] * field.row_bytes
+            if used == 0:
+                continue
+            if ranges and field.offset - ranges[-1][1] < MAX_COPY_GAP_BYTES:
+                ranges[-1] = (ranges[-1][0], field.offset + used)
+            else:
+                ranges.append((field.offset, field.offset + used))
+        return ranges
 
     def metadata(self, shape: StepShape, num_decodes: int) -> AttentionMetadata:
-        seqs, tokens = shape.num_seqs_padded, shape.num_tokens_padded
+        views = self._step_views(shape)
         return AttentionMetadata(
             num_actual_tokens=shape.num_tokens,
             max_query_len=shape.max_query_len,
-            query_start_loc=self["query_start_loc"][: seqs + 1],
-            seq_lens=self["seq_lens"][:seqs],
-            block_tables=self["block_tables"][:seqs],
-            slot_mapping=self["slot_mapping"][:tokens],
-            state_indices=self["state_indices"][:seqs],
-            has_initial_state=self["has_initial_state"][:seqs],
+            query_start_loc=views.query_start_loc,
+            seq_lens=views.seq_lens,
+            block_tables=views.block_tables,
+            slot_mapping=views.slot_mapping,
+            state_indices=views.state_indices,
+            has_initial_state=views.has_initial_state,
             num_decodes=num_decodes,
         )
+
+    def model_inputs(self, shape: StepShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, positions)`` of the step, each (num_tokens_padded,) on the device."""
+        views = self._step_views(shape)
+        return views.input_ids, views.positions
+
+    def _step_views(self, shape: StepShape) -> _StepViews:
+        """The step's prefix views of the device fields, made once per padded shape."""
+        key = (shape.num_seqs_padded, shape.num_tokens_padded)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= MAX_CACHED_VIEWS:
+                self._views.clear()
+            seqs, tokens = key
+            views = self._views[key] = _StepViews(
+                input_ids=self["input_ids"][:tokens],
+                positions=self["positions"][:tokens],
+                query_start_loc=self["query_start_loc"][: seqs + 1],
+                seq_lens=self["seq_lens"][:seqs],
+                block_tables=self["block_tables"][:seqs],
+                slot_mapping=self["slot_mapping"][:tokens],
+                state_indices=self["state_indices"][:seqs],
+                has_initial_state=self["has_initial_state"][:seqs],
+            )
+        return views
+
+
+class _StepViews(NamedTuple):
+    """Prefix views of the device fields for one padded (num_seqs, num_tokens)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    state_indices: torch.Tensor
+    has_initial_state: torch.Tensor
+
+
+def _layout(max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> list[_Field]:
+    """Fields in packed order: small per-sequence ones, per-token ones, block tables last."""
+    specs = [  # name, rows, shape, dtype
+        ("query_start_loc", "seqs+1", (max_num_seqs + 1,), torch.int32),
+        ("seq_lens", "seqs", (max_num_seqs,), torch.int32),
+        ("state_indices", "seqs", (max_num_seqs,), torch.int32),
+        ("has_initial_state", "seqs", (max_num_seqs,), torch.bool),
+        ("logits_indices", "logits", (max_num_seqs,), torch.int64),
+        ("input_ids", "tokens", (max_num_tokens,), torch.int64),
+        ("positions", "tokens", (max_num_tokens,), torch.int64),
+        ("slot_mapping", "tokens", (max_num_tokens,), torch.int64),
+        ("block_tables", "seqs", (max_num_seqs, max_blocks_per_seq), torch.int32),
+    ]
+    fields, offset = [], 0
+    for name, rows, shape, dtype in specs:
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        fields.append(_Field(name, rows, shape, dtype, offset, row_bytes))
+        offset += -(-row_bytes * shape[0] // FIELD_ALIGNMENT) * FIELD_ALIGNMENT
+    return fields
+
+
+def _field_view(packed: torch.Tensor, field: _Field) -> torch.Tensor:
+    """``field`` as a typed tensor viewing its bytes of the packed uint8 buffer."""
+    num_bytes = field.row_bytes * field.shape[0]
+    return packed[field.offset : field.offset + num_bytes].view(field.dtype).view(field.shape)

@@ -14,6 +14,7 @@ import torch
 from pieceworks.config import CUDAGraphMode, EngineConfig
 from pieceworks.engine.block_manager import cdiv
 from pieceworks.models.attention.layer import Attention
+from pieceworks.models.attention.ops import DecodeWorkspace
 
 GRAPH_MEMORY_BUDGET_BYTES = 512 * 1024**2  # held back for captured graphs (SPEC §6: <= 0.5 GiB)
 GIB = 1024**3
@@ -77,7 +78,12 @@ def num_blocks_that_fit(
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
-    """One (2, num_blocks, block_size, Hkv, D) tensor per layer, zeroed, bound to the layer."""
+    """One (2, num_blocks, block_size, Hkv, D) tensor per layer, zeroed, bound to the layer.
+
+    Every layer also gets the same split-KV decode workspace: the layers run one after another
+    on one stream, so one scratch serves them all (a few MiB instead of a few per layer).
+    """
+    workspace = DecodeWorkspace()
     for layer in spec.layers:
         cache = torch.zeros(
             2,
@@ -88,4 +94,4 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
             dtype=spec.dtype,
             device=device,
         )
-        layer.kv_cache = (cache[0], cache[1])
+        layer.bind_kv_cache((cache[0], cache[1]), workspace)

@@ -13,7 +13,6 @@ import gc
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -128,10 +127,8 @@ class ModelRunner:
         with set_forward_context(
             metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):
-            self.forward_model(
-                self.buffers["input_ids"][: shape.num_tokens_padded],
-                self.buffers["positions"][: shape.num_tokens_padded],
-            )
+            self.forward_model(*self.buffers.model_inputs(shape))
+        self.platform.synchronize()  # the next dummy step reuses the pinned staging buffer
 
     def _profile_shape(self, num_tokens: int) -> StepShape:
         """The largest step as prefills no longer than max_model_len each."""
@@ -219,15 +216,14 @@ class ModelRunner:
         with set_forward_context(
             metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):
-            hidden_states = self.forward_model(
-                self.buffers["input_ids"][: shape.num_tokens_padded],
-                self.buffers["positions"][: shape.num_tokens_padded],
-            )
-        producing = [i for i, s in enumerate(output.scheduled_requests) if s.produces_token]
-        if not producing:
+            hidden_states = self.forward_model(*self.buffers.model_inputs(shape))
+        num_logits = sum(1 for s in output.scheduled_requests if s.produces_token)
+        if num_logits == 0:
+            # No sampled ids means no host sync this step; sync anyway, or the next step would
+            # refill the pinned staging buffer while this step's copy from it may be pending.
+            self.platform.synchronize()
             return None
-        ends = self.buffers.host["query_start_loc"][1:][producing].astype(np.int64) - 1
-        indices = torch.from_numpy(ends).to(self.device, non_blocking=True)
+        indices = self.buffers.logits_indices(num_logits)  # copied with the step's inputs
         return self.model.compute_logits(hidden_states[indices])  # (S, V) float32
 
     def _generator(self, request) -> torch.Generator | None:

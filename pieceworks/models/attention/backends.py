@@ -1,21 +1,34 @@
 """Attention backends: the kernels a platform picks for the attention layer.
 
 ``current_platform().attention_backend()`` returns one of these classes (by qualname); the layer
-calls ``store_kv`` then ``forward`` and never branches on hardware. Both take the step's
-``AttentionMetadata`` and write into tensors they are given; neither allocates per call.
+never branches on hardware. Per call it runs ``run(plan, ...)``, where ``plan`` is what the
+backend's ``plan`` returned the first time the layer saw this shape signature (the layer caches
+it). A backend with nothing to precompute keeps the defaults: no plan, and ``run`` calls
+``store_kv`` then ``forward`` on (T, H, D) views. Both take the step's ``AttentionMetadata`` and
+write into tensors they are given.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.attention.ops import (
+    KernelLaunch,
+    PagedAttentionLaunch,
     paged_attention_reference,
     paged_attention_triton,
+    plan_paged_attention,
+    plan_store_kv_cache,
     store_kv_cache_torch,
     store_kv_cache_triton,
 )
+
+if TYPE_CHECKING:
+    from pieceworks.models.attention.layer import Attention
 
 
 class AttentionBackend:
@@ -44,6 +57,32 @@ class AttentionBackend:
     ) -> None:
         raise NotImplementedError
 
+    @classmethod
+    def plan(cls, layer: Attention, query, key, value, output, metadata: AttentionMetadata) -> Any:
+        """Host work that follows from this call's shapes alone; the layer reuses it per shape."""
+        return None
+
+    @classmethod
+    def run(
+        cls, plan: Any, layer: Attention, query, key, value, output, metadata: AttentionMetadata
+    ) -> None:
+        """One call on the layer's flat (T, H * D) tensors: store K/V, then attend."""
+        key_cache, value_cache = layer.bound_kv_cache()
+        query, key, value, output = head_views(layer, query, key, value, output)
+        cls.store_kv(key, value, key_cache, value_cache, metadata)
+        cls.forward(query, key_cache, value_cache, output, metadata, layer.scale)
+
+
+def head_views(layer: Attention, query, key, value, output) -> tuple[torch.Tensor, ...]:
+    """The layer's flat (T, H * D) tensors as (T, H, D) views, in the order given."""
+    num_tokens, head_size = query.shape[0], layer.head_size
+    return (
+        query.view(num_tokens, layer.num_heads, head_size),
+        key.view(num_tokens, layer.num_kv_heads, head_size),
+        value.view(num_tokens, layer.num_kv_heads, head_size),
+        output.view(num_tokens, layer.num_heads, head_size),
+    )
+
 
 class TorchAttentionBackend(AttentionBackend):
     """The float32 torch reference: CPU, and the oracle in tests."""
@@ -68,8 +107,22 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class TritonAttentionPlan:
+    """The three launches of one shape signature (None: nothing to launch) and the caches."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    store: KernelLaunch | None
+    attend: PagedAttentionLaunch | None
+
+
 class TritonAttentionBackend(AttentionBackend):
-    """Triton kernels (CUDA and ROCm): prefill, decode and mixed batches, FULL-graph capturable."""
+    """Triton kernels (CUDA and ROCm): prefill, decode and mixed batches, FULL-graph capturable.
+
+    The first call of a shape signature checks the layouts, picks the split count and takes the
+    split-KV scratch from the layer's (shared) workspace; later calls only launch.
+    """
 
     name = "triton"
 
@@ -90,3 +143,38 @@ class TritonAttentionBackend(AttentionBackend):
             scale=scale,
             max_query_len=metadata.max_query_len,
         )
+
+    @classmethod
+    def plan(cls, layer, query, key, value, output, metadata) -> TritonAttentionPlan:
+        key_cache, value_cache = layer.bound_kv_cache()
+        query, key, value, output = head_views(layer, query, key, value, output)
+        store = plan_store_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        attend = plan_paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            output,
+            block_tables=metadata.block_tables,
+            scale=layer.scale,
+            max_query_len=metadata.max_query_len,
+            workspace=layer.workspace,
+        )
+        return TritonAttentionPlan(key_cache, value_cache, store, attend)
+
+    @classmethod
+    def run(cls, plan, layer, query, key, value, output, metadata) -> None:
+        # The launches were bound from the (T, H, D) views of tensors with exactly these shapes
+        # and strides, and a kernel reads only a tensor's base pointer: the flat tensors go in
+        # as they are, without building the views again.
+        if plan.store is not None:
+            plan.store(key, value, plan.key_cache, plan.value_cache, metadata.slot_mapping)
+        if plan.attend is not None:
+            plan.attend(
+                query,
+                plan.key_cache,
+                plan.value_cache,
+                output,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                metadata.block_tables,
+            )

@@ -4,12 +4,13 @@ The layer registers itself by prefix at construction, so the op (which Dynamo se
 ``pieceworks::unified_attention_with_output(query, key, value, output, layer_name)``) can find it
 and the step's metadata in the forward context at run time. The op stores K/V into the layer's
 paged cache and writes attention into ``output`` in place; its fake implementation does nothing,
-so tracing never runs a kernel.
+so tracing never runs a kernel. The layer keeps what the backend derives from shapes (checks,
+launch grids, split count, scratch) per shape signature, so a repeated shape costs only launches.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from torch import nn
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.forward_context import get_forward_context
 from pieceworks.models.attention.backends import AttentionBackend
+from pieceworks.models.attention.ops import DecodeWorkspace
 from pieceworks.platforms import current_platform
 
 if TYPE_CHECKING:
@@ -55,8 +57,19 @@ def attention_op():
     )
 
 
+# Plans kept per layer before the cache starts over: decode shapes are few (one per capture size),
+# but prefill and mixed steps bring new (num_tokens, max_query_len) pairs for as long as they run.
+MAX_CACHED_PLANS = 256
+
+
 class Attention(nn.Module):
-    """Paged causal attention over flattened tokens; K/V cache bound later by the runner."""
+    """Paged causal attention over flattened tokens; K/V cache bound later by the runner.
+
+    ``attend`` (the op's body) keeps the backend's plan per shape signature: every shape and
+    stride the plan is built from, plus ``max_query_len``. The first call of a signature checks
+    the layouts and binds the launches (and raises there if they are wrong); later calls only
+    launch. Binding a KV cache forgets every plan.
+    """
 
     def __init__(
         self,
@@ -77,10 +90,44 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_name = prefix
         self.backend: type[AttentionBackend] = current_platform().attention_backend()
-        # (key_cache, value_cache), each (num_blocks, block_size, Hkv, D); bound by the runner.
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Split-KV scratch: this layer's own until the runner binds one shared by every layer.
+        self.workspace = DecodeWorkspace()
+        self._plans: dict[tuple, Any] = {}
+        self._kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.op = attention_op()
         config.compilation_config.register_layer(prefix, self)
+
+    @property
+    def kv_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(key_cache, value_cache), each (num_blocks, block_size, Hkv, D); bound by the runner."""
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, kv_cache: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.bind_kv_cache(kv_cache)
+
+    def bind_kv_cache(
+        self,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        workspace: DecodeWorkspace | None = None,
+    ) -> None:
+        """Bind the caches (and optionally a workspace shared across layers); forget the plans.
+
+        Captured graphs hold the caches' and the workspace's addresses: bind before capturing.
+        """
+        self._kv_cache = kv_cache
+        if workspace is not None:
+            self.workspace = workspace
+        self._plans.clear()
+
+    def bound_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches, or a RuntimeError saying none are bound yet."""
+        if self._kv_cache is None:
+            raise RuntimeError(
+                f"{self.layer_name}: no KV cache bound; the model runner binds "
+                "caches before the first forward"
+            )
+        return self._kv_cache
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         output = torch.empty_like(query)  # (T, Hq * D)
@@ -89,29 +136,30 @@ class Attention(nn.Module):
 
     def attend(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        output: torch.Tensor,
+        query: torch.Tensor,  # (T, Hq * D)
+        key: torch.Tensor,  # (T, Hkv * D)
+        value: torch.Tensor,  # (T, Hkv * D)
+        output: torch.Tensor,  # (T, Hq * D), written in place
         metadata,
     ) -> None:
         """The op's body: store this step's K/V, then attend over the paged cache."""
-        if self.kv_cache is None:
-            raise RuntimeError(
-                f"{self.layer_name}: no KV cache bound; the model runner binds "
-                "caches before the first forward"
-            )
-        key_cache, value_cache = self.kv_cache
-        num_tokens = query.shape[0]
-        query = query.view(num_tokens, self.num_heads, self.head_size)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_size)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        self.backend.store_kv(key, value, key_cache, value_cache, metadata)
-        self.backend.forward(
-            query,
-            key_cache,
-            value_cache,
-            output.view(num_tokens, self.num_heads, self.head_size),
-            metadata,
-            self.scale,
-        )
+        block_tables = metadata.block_tables
+        signature = (
+            query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
+            output.shape, output.stride(), metadata.slot_mapping.shape, block_tables.shape,
+            block_tables.stride(), metadata.max_query_len,
+        )  # fmt: skip
+        try:
+            plan = self._plans[signature]
+        except KeyError:
+            plan = self._new_plan(signature, query, key, value, output, metadata)
+        self.backend.run(plan, self, query, key, value, output, metadata)
+
+    def _new_plan(self, signature: tuple, query, key, value, output, metadata) -> Any:
+        """Check and plan a shape signature seen for the first time (raises if it is invalid)."""
+        self.bound_kv_cache()
+        if len(self._plans) >= MAX_CACHED_PLANS:
+            self._plans.clear()
+        plan = self.backend.plan(self, query, key, value, output, metadata)
+        self._plans[signature] = plan
+        return plan

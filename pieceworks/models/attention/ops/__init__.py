@@ -1,26 +1,40 @@
 """Attention kernels: the paged-KV store and paged attention, in Triton and in plain torch.
 
 Owns the low-level ops only; choosing between them (Triton on GPUs, the torch reference on CPU)
-belongs to the platform and the attention backend that call them.
+belongs to the platform and the attention backend that call them. The Triton ops come in two
+forms: one call (`store_kv_cache_triton`, `paged_attention_triton`) and its shape work alone
+(`plan_store_kv_cache`, `plan_paged_attention`), whose launch a caller reuses per shape.
 """
 
 from pieceworks.models.attention.ops.kv_cache import (
+    plan_store_kv_cache,
     store_kv_cache,
     store_kv_cache_torch,
     store_kv_cache_triton,
 )
+from pieceworks.models.attention.ops.launch import KernelLaunch
 from pieceworks.models.attention.ops.reference import paged_attention_reference
 from pieceworks.models.attention.ops.triton_attention import (
+    DecodeLaunch,
+    PagedAttentionLaunch,
     allocate_decode_workspace,
     choose_num_kv_splits,
     paged_attention_triton,
+    plan_paged_attention,
 )
+from pieceworks.models.attention.ops.workspace import DecodeWorkspace
 
 __all__ = [
+    "DecodeLaunch",
+    "DecodeWorkspace",
+    "KernelLaunch",
+    "PagedAttentionLaunch",
     "allocate_decode_workspace",
     "choose_num_kv_splits",
     "paged_attention_reference",
     "paged_attention_triton",
+    "plan_paged_attention",
+    "plan_store_kv_cache",
     "store_kv_cache",
     "store_kv_cache_torch",
     "store_kv_cache_triton",

@@ -9,11 +9,15 @@ reading the cache back (`triton_attention.py`, `reference.py`).
 Two implementations with one contract: `store_kv_cache_triton` (one program per token, no host
 sync, so it can sit inside a captured graph) and `store_kv_cache_torch` (plain indexing, any device;
 its boolean mask syncs with the host, so it is the CPU/reference path, not a graph path).
+`plan_store_kv_cache` is the Triton path's shape work alone (checks, grid, strides), so a caller
+that sees one shape many times (the attention layer) does it once and reuses the launch.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from pieceworks.models.attention.ops.launch import KernelLaunch
 
 
 def store_kv_cache_torch(
@@ -82,16 +86,28 @@ def store_kv_cache_triton(
     slot_mapping: torch.Tensor,  # (T,) int64, -1 = padded token
 ) -> None:
     """Scatter K/V rows into the caches with one Triton program per token (graph-capturable)."""
+    launch = plan_store_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    if launch is not None:
+        launch(key, value, key_cache, value_cache, slot_mapping)
+
+
+def plan_store_kv_cache(
+    key: torch.Tensor,  # (T, Hkv, D)
+    value: torch.Tensor,  # (T, Hkv, D)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    slot_mapping: torch.Tensor,  # (T,) int64, -1 = padded token
+) -> KernelLaunch | None:
+    """Check the layouts and bind the store's launch; None when there is no token to store.
+
+    The launch serves any tensors of these shapes and strides:
+    ``launch(key, value, key_cache, value_cache, slot_mapping)``.
+    """
     num_tokens, num_kv_heads, head_size = key.shape
     _check_store_shapes(key, value, key_cache, value_cache, slot_mapping)
     if num_tokens == 0:
-        return
-    _store_kv_cache_kernel[(num_tokens,)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
+        return None
+    scalars = (
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -101,10 +117,13 @@ def store_kv_cache_triton(
         key_cache.stride(2),
         num_kv_heads,
         head_size,
+    )
+    options = dict(
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_size),
     )
+    return KernelLaunch(_store_kv_cache_kernel, (num_tokens,), scalars, options)
 
 
 def store_kv_cache(

@@ -15,13 +15,21 @@ sequences, causal positions `seq_lens[s] - q_s + i`, GQA, padded sequences skipp
 
 Both read all metadata from device tensors: no `.item()`, no host sync, grids and workspace sized
 from shapes and the host int `max_query_len`, so a decode step can be captured into a graph and
-replayed with new values in the same buffers. Not owned here: writing the cache (`kv_cache.py`),
-choosing this backend over the reference (the platform), building the metadata (the runner).
+replayed with new values in the same buffers. Because of that, `plan_paged_attention` can do all
+the host-side work (checks, split count, grids, strides, workspace) once per shape and return a
+launch that later calls reuse with only their tensors. Not owned here: writing the cache
+(`kv_cache.py`), choosing this backend over the reference (the platform), building the metadata
+(the runner), keeping launches per shape (the attention layer).
 """
+
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
+
+from pieceworks.models.attention.ops.launch import KernelLaunch
+from pieceworks.models.attention.ops.workspace import DecodeWorkspace
 
 # Decode split heuristic: aim for this many programs in flight (a few per SM on a large GPU) ...
 TARGET_DECODE_PROGRAMS = 512
@@ -238,21 +246,69 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int,
     num_kv_splits: int | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> None:
-    """Causal paged attention; `max_query_len` (host int, >= every query length) picks the path."""
+    """Causal paged attention; `max_query_len` (host int, >= every query length) picks the path.
+
+    Decode scratch comes from `workspace` when given, else is allocated for this call.
+    """
+    launch = plan_paged_attention(
+        query, key_cache, value_cache, output, block_tables=block_tables, scale=scale,
+        max_query_len=max_query_len, num_kv_splits=num_kv_splits, workspace=workspace,
+    )  # fmt: skip
+    if launch is not None:
+        launch(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+    """Split-KV decode bound for one shape: partials into its workspace, then the reduce."""
+
+    split: KernelLaunch
+    reduce: KernelLaunch
+    partial_out: torch.Tensor  # (S, Hq, splits, D) float32
+    partial_lse: torch.Tensor  # (S, Hq, splits) float32
+
+    def __call__(self, query, key_cache, value_cache, output, query_start_loc, seq_lens,
+                 block_tables) -> None:  # fmt: skip
+        self.split(query, key_cache, value_cache, self.partial_out, self.partial_lse,
+                   query_start_loc, seq_lens, block_tables)  # fmt: skip
+        self.reduce(self.partial_out, self.partial_lse, output, query_start_loc)
+
+
+# Either launch is called as launch(query, key_cache, value_cache, output, query_start_loc,
+# seq_lens, block_tables): the prefill kernel takes exactly these tensors, in this order.
+PagedAttentionLaunch = DecodeLaunch | KernelLaunch
+
+
+def plan_paged_attention(
+    query: torch.Tensor,  # (T, Hq, D)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    value_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    output: torch.Tensor,  # (T, Hq, D)
+    *,
+    block_tables: torch.Tensor,  # (S, max_blocks) int32
+    scale: float,
+    max_query_len: int,
+    num_kv_splits: int | None = None,
+    workspace: DecodeWorkspace | None = None,
+) -> PagedAttentionLaunch | None:
+    """Check the layouts and bind the launches for these shapes; None when there is no work.
+
+    Everything here follows from shapes, strides and `max_query_len`, never from tensor values,
+    so the launch serves any tensors of the same shapes and strides (graph replay included).
+    """
     _check_attention_inputs(query, key_cache, value_cache, output, block_tables)
     if block_tables.shape[0] == 0 or query.shape[0] == 0:
-        return
+        return None
     if max_query_len <= 1:
-        _decode(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables,
-                scale, num_kv_splits)  # fmt: skip
-    else:
-        _prefill(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables,
-                 scale, max_query_len)  # fmt: skip
+        return _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
+                            workspace)  # fmt: skip
+    return _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len)
 
 
-def _decode(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables,
-            scale, num_kv_splits):  # fmt: skip
+def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
+                 workspace) -> DecodeLaunch:  # fmt: skip
     """Split-KV decode: partials per (seq, kv head, split), then one reduce per (seq, q head)."""
     num_seqs, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_size = key_cache.shape
@@ -261,48 +317,50 @@ def _decode(query, key_cache, value_cache, output, query_start_loc, seq_lens, bl
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_blocks * block_size)
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-    partial_out, partial_lse = allocate_decode_workspace(
-        num_seqs, num_heads, head_size, num_kv_splits, query.device
-    )
+    if workspace is None:
+        partial_out, partial_lse = allocate_decode_workspace(
+            num_seqs, num_heads, head_size, num_kv_splits, query.device
+        )
+    else:
+        partial_out, partial_lse = workspace.get(
+            num_seqs, num_heads, num_kv_splits, head_size, query.device
+        )
     num_queries_per_kv = num_heads // num_kv_heads
-    _decode_split_kv_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
-        query, key_cache, value_cache, partial_out, partial_lse,
-        query_start_loc, seq_lens, block_tables,
-        scale * LOG2_E,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        block_tables.stride(0),
-        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-        NUM_KV_SPLITS=num_kv_splits, BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)),
-        BLOCK_N=DECODE_BLOCK_N, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+    split = KernelLaunch(
+        _decode_split_kv_kernel,
+        (num_seqs, num_kv_heads, num_kv_splits),
+        (scale * LOG2_E, query.stride(0), query.stride(1),
+         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0)),
+        dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+             NUM_KV_SPLITS=num_kv_splits,
+             BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
+             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES),
     )  # fmt: skip
-    _decode_reduce_kernel[(num_seqs, num_heads)](
-        partial_out, partial_lse, output, query_start_loc,
-        output.stride(0), output.stride(1),
-        HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
-        BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4,
+    reduce = KernelLaunch(
+        _decode_reduce_kernel,
+        (num_seqs, num_heads),
+        (output.stride(0), output.stride(1)),
+        dict(HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
+             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4),
     )  # fmt: skip
+    return DecodeLaunch(split, reduce, partial_out, partial_lse)
 
 
-def _prefill(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables,
-             scale, max_query_len):  # fmt: skip
+def _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len) -> KernelLaunch:
     """Flash attention over (seq, query block, kv head); decode rows of a mixed batch too."""
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_size = key_cache.shape
     num_queries_per_kv = query.shape[1] // num_kv_heads
     block_m = _prefill_block_m(max_query_len * num_queries_per_kv, num_queries_per_kv)
     block_q = block_m // num_queries_per_kv
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
-    _prefill_kernel[grid](
-        query, key_cache, value_cache, output,
-        query_start_loc, seq_lens, block_tables,
-        scale * LOG2_E,
-        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        block_tables.stride(0),
-        NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
-        num_warps=8 if block_m >= 128 else 4, num_stages=PREFILL_NUM_STAGES,
+    return KernelLaunch(
+        _prefill_kernel,
+        (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads),
+        (scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0)),
+        dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+             BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
+             num_warps=8 if block_m >= 128 else 4, num_stages=PREFILL_NUM_STAGES),
     )  # fmt: skip
 
 

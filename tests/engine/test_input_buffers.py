@@ -1,0 +1,211 @@
+"""``InputBuffers`` with packed fields: the same step values, fixed addresses, few copies.
+
+Proves that (1) ``prepare`` puts exactly the values of a straightforward per-request construction
+(written out below, loop by loop) into the device fields, for a mixed step with padding, state
+slots and a chunk that samples nothing, and again for a smaller step after it (no stale rows
+leak into what the step reads); ``prepare_dummy`` likewise; (2) every metadata tensor and model
+input of a padded shape has the same address on every step of that shape (a captured graph reads
+them there); (3) a step's copies cover every used byte of every field, one copy at the default
+sizes and more only across gaps of at least ``MAX_COPY_GAP_BYTES``.
+
+The "device" is the CPU here: device and staging buffers are still separate tensors, so a field
+the copies missed would read stale values.
+Run: pytest tests/engine/test_input_buffers.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks.engine import input_buffers
+from pieceworks.engine.input_buffers import MAX_COPY_GAP_BYTES, InputBuffers, StepShape
+from pieceworks.engine.request import Request
+from pieceworks.engine.scheduler import ScheduledRequest
+
+BLOCK_SIZE = 4
+MAX_NUM_TOKENS, MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ = 64, 8, 16
+
+
+def make_buffers(max_num_tokens: int = MAX_NUM_TOKENS) -> InputBuffers:
+    return InputBuffers(
+        max_num_tokens, MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ, torch.device("cpu"), pin_memory=False
+    )
+
+
+def scheduled_request(
+    prompt_len: int, num_output: int, num_computed: int, num_new: int, first_block: int, slot=None
+) -> ScheduledRequest:
+    """A request with distinct token ids and blocks [first_block, ...) covering its tokens."""
+    num_tokens = prompt_len + num_output
+    request = Request(
+        f"r{first_block}",
+        [1000 + first_block * 10 + i for i in range(prompt_len)],
+        output_token_ids=[5000 + first_block * 10 + i for i in range(num_output)],
+        num_computed_tokens=num_computed,
+        block_ids=list(range(first_block, first_block + -(-num_tokens // BLOCK_SIZE))),
+        state_slot=slot,
+    )
+    return ScheduledRequest(request, num_new)
+
+
+def reference_step(scheduled: list[ScheduledRequest], shape: StepShape) -> dict[str, list]:
+    """What every field must hold for this step, built one request and one token at a time."""
+    expected: dict[str, list] = {name: [] for name in ("input_ids", "positions", "slot_mapping")}
+    query_start_loc, block_tables = [0], []
+    for item in scheduled:
+        request, start = item.request, item.num_computed_tokens
+        for position in range(start, start + item.num_new_tokens):
+            expected["input_ids"].append(request.all_token_ids[position])
+            expected["positions"].append(position)
+            block = request.block_ids[position // BLOCK_SIZE]
+            expected["slot_mapping"].append(block * BLOCK_SIZE + position % BLOCK_SIZE)
+        query_start_loc.append(query_start_loc[-1] + item.num_new_tokens)
+        row = request.block_ids + [0] * (MAX_BLOCKS_PER_SEQ - len(request.block_ids))
+        block_tables.append(row)
+    num_padded_tokens = shape.num_tokens_padded - shape.num_tokens
+    num_padded_seqs = shape.num_seqs_padded - shape.num_seqs
+    expected["input_ids"] += [0] * num_padded_tokens
+    expected["positions"] += [0] * num_padded_tokens
+    expected["slot_mapping"] += [-1] * num_padded_tokens  # padded tokens are never stored
+    expected["query_start_loc"] = query_start_loc + [shape.num_tokens] * num_padded_seqs
+    expected["seq_lens"] = [s.num_computed_tokens + s.num_new_tokens for s in scheduled]
+    expected["seq_lens"] += [0] * num_padded_seqs
+    expected["block_tables"] = block_tables + [[0] * MAX_BLOCKS_PER_SEQ] * num_padded_seqs
+    expected["state_indices"] = [s.request.state_slot or 0 for s in scheduled]
+    expected["state_indices"] += [0] * num_padded_seqs
+    expected["has_initial_state"] = [s.num_computed_tokens > 0 for s in scheduled]
+    expected["has_initial_state"] += [False] * num_padded_seqs
+    expected["logits_indices"] = [
+        query_start_loc[row + 1] - 1 for row, s in enumerate(scheduled) if s.produces_token
+    ]
+    return expected
+
+
+DTYPES = {
+    "input_ids": torch.int64,
+    "positions": torch.int64,
+    "slot_mapping": torch.int64,
+    "logits_indices": torch.int64,
+    "query_start_loc": torch.int32,
+    "seq_lens": torch.int32,
+    "block_tables": torch.int32,
+    "state_indices": torch.int32,
+    "has_initial_state": torch.bool,
+}
+
+
+def assert_step_matches(buffers: InputBuffers, scheduled, shape: StepShape) -> None:
+    metadata = buffers.prepare(scheduled, shape, BLOCK_SIZE)
+    input_ids, positions = buffers.model_inputs(shape)
+    num_logits = sum(1 for s in scheduled if s.produces_token)
+    actual = {
+        "input_ids": input_ids,
+        "positions": positions,
+        "slot_mapping": metadata.slot_mapping,
+        "query_start_loc": metadata.query_start_loc,
+        "seq_lens": metadata.seq_lens,
+        "block_tables": metadata.block_tables,
+        "state_indices": metadata.state_indices,
+        "has_initial_state": metadata.has_initial_state,
+        "logits_indices": buffers.logits_indices(num_logits),
+    }
+    for name, expected in reference_step(scheduled, shape).items():
+        assert actual[name].dtype == DTYPES[name], name
+        assert actual[name].tolist() == expected, name
+    assert metadata.num_actual_tokens == shape.num_tokens
+    assert metadata.max_query_len == shape.max_query_len
+    assert metadata.num_decodes == sum(1 for s in scheduled if s.is_decode)
+
+
+def mixed_step() -> tuple[list[ScheduledRequest], StepShape]:
+    scheduled = [
+        scheduled_request(6, 3, 8, 1, first_block=0, slot=3),  # decode
+        scheduled_request(9, 2, 10, 1, first_block=10, slot=1),  # decode
+        scheduled_request(20, 0, 4, 8, first_block=20, slot=2),  # a chunk: samples nothing
+        scheduled_request(5, 0, 0, 5, first_block=30, slot=4),  # a whole prompt
+    ]
+    return scheduled, StepShape(15, 18, 4, 6, 8)  # 3 padded tokens, 2 padded sequences
+
+
+@pytest.fixture(params=["merged", "per_field"])
+def copy_gap(request, monkeypatch):
+    """Run twice: with the default merging, and with every field copied on its own (exactly
+    its used rows), so a row count that is off by one cannot hide inside a merged copy."""
+    if request.param == "per_field":
+        monkeypatch.setattr(input_buffers, "MAX_COPY_GAP_BYTES", 0)
+
+
+@pytest.mark.usefixtures("copy_gap")
+def test_prepare_matches_reference_then_a_smaller_step():
+    buffers = make_buffers()
+    scheduled, shape = mixed_step()
+    assert_step_matches(buffers, scheduled, shape)
+    decodes = [
+        scheduled_request(3, 1, 3, 1, first_block=40),
+        scheduled_request(2, 4, 5, 1, first_block=50),
+    ]
+    assert_step_matches(buffers, decodes, StepShape(2, 4, 2, 4, 1))
+
+
+@pytest.mark.usefixtures("copy_gap")
+def test_prepare_dummy_values():
+    buffers = make_buffers()
+    assert_step_matches(buffers, *mixed_step())  # leave real values behind
+    metadata = buffers.prepare_dummy(StepShape(7, 8, 3, 4, 3))
+    assert metadata.query_start_loc.tolist() == [0, 3, 5, 7, 7]
+    assert metadata.seq_lens.tolist() == [3, 2, 2, 0]
+    assert metadata.slot_mapping.tolist() == [-1] * 8  # a dummy run writes no cache slot
+    assert metadata.block_tables.eq(0).all() and metadata.state_indices.eq(0).all()
+    assert not metadata.has_initial_state.any()
+    assert [t.tolist() for t in buffers.model_inputs(StepShape(7, 8, 3, 4, 3))] == [[0] * 8] * 2
+
+
+def test_addresses_fixed_across_steps_of_one_padded_shape():
+    buffers = make_buffers()
+    shape = StepShape(3, 4, 3, 4, 1)
+
+    def addresses(first_block: int) -> list[int]:
+        scheduled = [scheduled_request(4, 2, 5, 1, first_block + 10 * i) for i in range(3)]
+        metadata = buffers.prepare(scheduled, shape, BLOCK_SIZE)
+        tensors = [
+            *buffers.model_inputs(shape),
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
+            metadata.slot_mapping,
+            metadata.state_indices,
+            metadata.has_initial_state,
+            buffers.logits_indices(3),
+        ]
+        return [tensor.data_ptr() for tensor in tensors]
+
+    first = addresses(0)
+    buffers.prepare_dummy(StepShape(9, 16, 5, 8, 2))  # another shape in between
+    assert addresses(40) == first
+    # Each is the start of its field: a prefix view, as a graph of any size expects.
+    names = ["input_ids", "positions", "query_start_loc", "seq_lens", "block_tables",
+             "slot_mapping", "state_indices", "has_initial_state", "logits_indices"]  # fmt: skip
+    assert first == [buffers[name].data_ptr() for name in names]
+
+
+@pytest.mark.parametrize("max_num_tokens", [64, 2048, 16384])
+@pytest.mark.parametrize("num_seqs,num_tokens", [(1, 1), (4, 4), (8, 64), (2, 40)])
+def test_copies_cover_every_used_byte(max_num_tokens, num_seqs, num_tokens):
+    buffers = make_buffers(max_num_tokens)
+    shape = StepShape(num_tokens, num_tokens, num_seqs, num_seqs, 1)
+    ranges = buffers.copy_ranges(shape, num_logits=num_seqs)
+    rows = {"tokens": num_tokens, "seqs": num_seqs, "seqs+1": num_seqs + 1, "logits": num_seqs}
+    for field in buffers.fields:
+        start, end = field.offset, field.offset + rows[field.rows] * field.row_bytes
+        assert any(lo <= start and end <= hi for lo, hi in ranges), field.name
+    for (_, previous_end), (next_start, _) in zip(ranges, ranges[1:], strict=False):
+        assert next_start - previous_end >= MAX_COPY_GAP_BYTES  # split only across large gaps
+
+
+def test_one_copy_at_default_sizes():
+    # llama-3.1-8b defaults: 2048 batched tokens, 128 sequences, 8192 / 16 blocks per sequence.
+    buffers = InputBuffers(2048, 128, 512, torch.device("cpu"), pin_memory=False)
+    for num_seqs in (1, 8, 64, 128):
+        shape = StepShape(num_seqs, num_seqs, num_seqs, num_seqs, 1)
+        assert len(buffers.copy_ranges(shape, num_logits=num_seqs)) == 1
