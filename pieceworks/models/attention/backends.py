@@ -20,11 +20,9 @@ from pieceworks.models.attention.ops import (
     KernelLaunch,
     PagedAttentionLaunch,
     paged_attention_reference,
-    paged_attention_triton,
     plan_paged_attention,
     plan_store_kv_cache,
     store_kv_cache_torch,
-    store_kv_cache_triton,
 )
 
 if TYPE_CHECKING:
@@ -125,24 +123,6 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
-
-    @staticmethod
-    def store_kv(key, value, key_cache, value_cache, metadata) -> None:
-        store_kv_cache_triton(key, value, key_cache, value_cache, metadata.slot_mapping)
-
-    @staticmethod
-    def forward(query, key_cache, value_cache, output, metadata, scale) -> None:
-        paged_attention_triton(
-            query,
-            key_cache,
-            value_cache,
-            output,
-            query_start_loc=metadata.query_start_loc,
-            seq_lens=metadata.seq_lens,
-            block_tables=metadata.block_tables,
-            scale=scale,
-            max_query_len=metadata.max_query_len,
-        )
 
     @classmethod
     def plan(cls, layer, query, key, value, output, metadata) -> TritonAttentionPlan:
