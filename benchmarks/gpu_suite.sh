@@ -44,6 +44,11 @@ for section in $sections; do
                 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)  # only pieceworks' cache is warm
                 run warm8b pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 16 --output-len 4 --num-iters-warmup 0 --num-iters 1 --modes full_and_piecewise --output-json "$OUT/warm8b.json" ;;
     benchbamba) run benchbamba pieceworks bench latency --model bamba-9b --batch-size 1,8 --input-len 128 --output-len 32 --num-iters-warmup 1 --num-iters 1 --modes eager,piecewise,full_and_piecewise --max-num-seqs 8 --output-json "$OUT/bench_bamba9b.json" --plot "$OUT/bench_bamba9b.png" ;;
+    profile8b) PROF=$(mktemp -d)
+               run profile8b_b1 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch-size 1 --modes piecewise,full_and_piecewise --out-dir "$PROF"
+               run profile8b_b64 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch-size 64 --steps 10 --modes full_and_piecewise --out-dir "$PROF"
+               tar -czf "$OUT/profile8b.tgz" -C "$PROF" . ;;
+    benchfp8) run benchfp8 pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_fp8.json" ;;
     *) echo "unknown section $section" ;;
   esac
 done
