@@ -1,12 +1,12 @@
 """FP8 on a GPU (H200): native GEMM, the fused Triton kernel, Llama and the 8B shape end to end.
 
-Written on a CPU machine and not yet run: these are for the next GPU session. They check that
-``supports_fp8()`` is true on Hopper, that ``torch._scaled_mm`` agrees with the dequantizing
-reference GEMM, that the fused RMSNorm (+ residual) + FP8 quant Triton kernel gives the torch
-reference's bytes at 8B widths, and that Llama with ``quantization="fp8"`` and the fusion pass
-runs FULL_AND_PIECEWISE through the engine with logits near the bf16 model's (tolerance as on CPU,
-see ``tests/models/test_fp8.py``; the 8B bound is a first guess to be replaced by the measured
-error). Each test prints what it measured.
+They check that ``supports_fp8()`` is true on Hopper, that ``torch._scaled_mm`` agrees with the
+dequantizing reference GEMM, that the fused RMSNorm (+ residual) + FP8 quant Triton kernel gives
+the torch reference's bytes at 8B widths, and that Llama with ``quantization="fp8"`` and the fusion
+pass runs FULL_AND_PIECEWISE through the engine: within FP8's error of the bf16 model at two layers
+of the 8B widths (the CPU bound), and, at full depth, close to the same FP8 weights run through the
+reference GEMM at level 0 (see the bounds below for why full-depth FP8-vs-bf16 is loose). Each
+test prints what it measured.
 Run on a GPU machine: pytest -m gpu tests/models/test_fp8_gpu.py -s
 """
 
@@ -26,6 +26,7 @@ from pieceworks.engine.llm import LLM
 from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.layers.quantization.fp8 import fp8_gemm, quantize_weight_per_tensor
+from pieceworks.models.presets import get_preset, random_hf_checkpoint
 from pieceworks.platforms import current_platform
 from tests.models.test_fp8 import (
     MAX_RELATIVE_RMS_ERROR,
@@ -35,7 +36,15 @@ from tests.models.test_fp8 import (
 )
 
 pytestmark = pytest.mark.gpu
-MAX_RELATIVE_RMS_ERROR_8B = 0.15  # unmeasured: 32 layers of FP8 error; replace with 2x measured
+# Random-weight models amplify any perturbation with depth (bf16 rounding alone moves the 8B
+# shape's logits by ~8e-2 of their scale; docs/benchmarks.md). FP8's per-layer error (4 % at two
+# layers, bounded by MAX_RELATIVE_RMS_ERROR as on CPU) grows to 0.137 at 12 layers (125m) and 0.54
+# at 32 (8B), measured on the H200 on 2026-11-30. Unrelated logits would give sqrt(2) ~ 1.41, so
+# the deep bounds say "still the same function"; the shallow test and the native-vs-reference
+# test (same FP8 weights, two implementations) are the tight checks.
+MAX_RELATIVE_RMS_ERROR_125M = 0.3
+MAX_RELATIVE_RMS_ERROR_8B = 0.9
+MAX_NATIVE_VS_REFERENCE_8B = 0.25  # first guess (bf16 rounding amplified); see the printout
 
 
 def device() -> torch.device:
@@ -90,10 +99,15 @@ def test_triton_fused_kernel_matches_reference_at_8b_width(num_tokens, with_resi
     assert_fp8_close(result, expected)
 
 
-def prefill_logits(model: str, quantization: str | None, prompts: list[list[int]]):
-    """Last-token logits of each prompt through the engine (FULL_AND_PIECEWISE, fusion on)."""
+def prefill_logits(
+    model: str,
+    quantization: str | None,
+    prompts: list[list[int]],
+    mode: str = "full_and_piecewise",
+):
+    """Last-token logits of each prompt through the engine (fusion on for FP8 when compiled)."""
     compilation = compilation_for_mode(
-        "full_and_piecewise", {"pass_config": {"enable_fusion": quantization == "fp8"}}
+        mode, {"pass_config": {"enable_fusion": quantization == "fp8"}}
     )
     llm = LLM(
         model,
@@ -113,9 +127,13 @@ def prefill_logits(model: str, quantization: str | None, prompts: list[list[int]
     return recorded[0], tokens, weight_bytes
 
 
-def compare(model: str, vocab_size: int, bound: float) -> None:
+def prompts_for(vocab_size: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (3, 17)]
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in (3, 17)]
+
+
+def fp8_against_bf16(model: str, vocab_size: int) -> float:
+    prompts = prompts_for(vocab_size)
     reference, reference_tokens, bf16_bytes = prefill_logits(model, None, prompts)
     fp8, fp8_tokens, fp8_bytes = prefill_logits(model, "fp8", prompts)
     error = relative_rms(fp8.float(), reference.float())
@@ -123,13 +141,36 @@ def compare(model: str, vocab_size: int, bound: float) -> None:
         f"{model} fp8 vs bf16: relative RMS {error:.4f}, weights {fp8_bytes / 2**30:.2f} GiB "
         f"vs {bf16_bytes / 2**30:.2f} GiB; tokens {fp8_tokens} vs {reference_tokens}"
     )
-    assert 1e-3 < error < bound
     assert fp8_bytes < 0.75 * bf16_bytes  # the decoder linears are half the bytes
+    return error
+
+
+def test_fp8_at_8b_widths_two_layers(tmp_path):
+    """The 8B GEMM and norm widths at a depth where FP8 error is not yet amplified."""
+    hf_config = get_preset("llama-3.1-8b")
+    hf_config.update(num_hidden_layers=2, vocab_size=32000)
+    random_hf_checkpoint(hf_config, tmp_path, dtype=torch.bfloat16)
+    error = fp8_against_bf16(str(tmp_path), 32000)
+    assert 1e-3 < error < MAX_RELATIVE_RMS_ERROR
 
 
 def test_llama_125m_fp8_full_and_piecewise():
-    compare("llama-125m", 50272, MAX_RELATIVE_RMS_ERROR)
+    error = fp8_against_bf16("llama-125m", 50272)
+    assert 1e-3 < error < MAX_RELATIVE_RMS_ERROR_125M
 
 
-def test_llama_8b_shape_fp8_full_and_piecewise():
-    compare("llama-3.1-8b", 128256, MAX_RELATIVE_RMS_ERROR_8B)
+def test_llama_8b_shape_fp8_native_matches_reference_path(monkeypatch):
+    """FULL_AND_PIECEWISE FP8 (scaled_mm, fused Triton norm+quant, graphs) against the same FP8
+    weights through the dequantizing torch GEMM at level 0, and FP8 against bf16 (reported)."""
+    prompts = prompts_for(128256)
+    error_to_bf16 = fp8_against_bf16("llama-3.1-8b", 128256)
+    assert error_to_bf16 < MAX_RELATIVE_RMS_ERROR_8B
+    native, native_tokens, _ = prefill_logits("llama-3.1-8b", "fp8", prompts)
+    monkeypatch.setattr(type(current_platform()), "supports_fp8", lambda self: False)
+    reference, reference_tokens, _ = prefill_logits("llama-3.1-8b", "fp8", prompts, "eager")
+    error = relative_rms(native.float(), reference.float())
+    print(
+        f"llama-3.1-8b fp8 native compiled vs fp8 reference eager: relative RMS {error:.4f}; "
+        f"tokens {native_tokens} vs {reference_tokens}"
+    )
+    assert error < MAX_NATIVE_VS_REFERENCE_8B
