@@ -42,6 +42,7 @@ def prefill_logits_and_tokens(model: str, mode: str, prompts: list[list[int]],
     engine.scheduler.update_from_output(output, logits.argmax(-1).tolist())
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy)]
+    llm.shutdown()
     del llm, engine
     gc.collect()
     current_platform().empty_cache()

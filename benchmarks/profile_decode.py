@@ -120,6 +120,7 @@ def profile_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     for row in result["top_kernels"][:15]:
         print(f"   {row['ms_per_step']:8.3f} ms {row['calls_per_step']:6.0f}x "
               f"{row['us_per_call']:8.1f} us  {row['name'][:90]}")
+    llm.shutdown()
     del llm, engine
     gc.collect()
     current_platform().empty_cache()

@@ -110,6 +110,8 @@ class SchedulerConfig:
 
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # Schedule and launch step N+1 before step N's tokens reach the host (docs/engine.md).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -124,16 +126,27 @@ class SchedulerConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    """Tensor parallelism: this process's rank among ``tensor_parallel_size``."""
+    """Tensor parallelism: this process's rank among ``tensor_parallel_size``, and its device.
+
+    ``local_rank`` is the device index on this host (default: ``rank``; under ``torchrun`` the
+    ``LOCAL_RANK`` it sets).
+    """
 
     tensor_parallel_size: int = 1
     rank: int = 0
+    local_rank: int | None = None
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}; it must be at least 1"
+            )
         if not 0 <= self.rank < self.tensor_parallel_size:
             raise ValueError(
                 f"rank {self.rank} outside tensor_parallel_size {self.tensor_parallel_size}"
             )
+        if self.local_rank is None:
+            self.local_rank = self.rank
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     PIECEWORKS_LOGGING_LEVEL: str
     PIECEWORKS_DEBUG_DUMP_PATH: str | None
     PIECEWORKS_DEFAULT_MODEL: str
+    PIECEWORKS_DIST_TIMEOUT_S: float
 
 
 def _optional_str(name: str) -> Callable[[], str | None]:
@@ -58,6 +59,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PIECEWORKS_DEBUG_DUMP_PATH": _optional_str("PIECEWORKS_DEBUG_DUMP_PATH"),
     # The model `pieceworks run` builds when given none.
     "PIECEWORKS_DEFAULT_MODEL": lambda: os.environ.get("PIECEWORKS_DEFAULT_MODEL", "llama-tiny"),
+    # Seconds a tensor-parallel rank waits in a collective (start-up rendezvous included) before
+    # giving up, so that a lost rank ends the run instead of hanging it.
+    "PIECEWORKS_DIST_TIMEOUT_S": lambda: float(os.environ.get("PIECEWORKS_DIST_TIMEOUT_S", "300")),
 }
 
 # Variables whose value changes the code pieceworks compiles; they enter the compile-cache hash.

@@ -1,6 +1,7 @@
 """``direct_register_custom_op``: register an opaque op in pieceworks' ``torch.library`` namespace.
 
-Opaque ops (attention, the Mamba2 mixer, the all-reduce) are where the graph is split. Each gets a
+Opaque ops (attention and the Mamba2 mixer, where the graph is split; the tensor-parallel
+all-reduce, which is traced into the pieces and captured with them) are registered here. Each gets a
 fake implementation so Dynamo can trace through it without running it. The default dispatch key is
 the current platform's, so the call resolves the platform: register ops lazily (on first model
 construction), never at import.

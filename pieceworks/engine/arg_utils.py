@@ -39,6 +39,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     mamba_ssm_cache_dtype: str = "float32"
     tokenizer: str | None = None
+    async_scheduling: bool = True
 
 
 def resolve_hf_config(model: str) -> dict[str, Any]:
@@ -73,11 +74,6 @@ def build_engine_config(
     if unknown:
         raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
     args = EngineArgs(**engine_args)
-    if args.tensor_parallel_size != 1:
-        raise ValueError(
-            "tensor_parallel_size > 1 is not available in this version of "
-            "pieceworks; run with tensor_parallel_size=1"
-        )
     hf_config = resolve_hf_config(model)
     model_config = ModelConfig(
         model=model,
@@ -101,6 +97,7 @@ def build_engine_config(
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=min(max_batched, max(max_model_len, 1) * args.max_num_seqs),
+            async_scheduling=args.async_scheduling,
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         compilation_config=_compilation(compilation_config, args.enforce_eager),

@@ -150,6 +150,7 @@ def measure_mode(case: LatencyCase, mode: str, bandwidth: float | None = None) -
         floor_ms = decode_bytes(llm, case) / bandwidth * 1e3
         result["floor_ms"] = floor_ms
         result["ratio_to_floor"] = decode_ms["median"] / floor_ms if decode_steps else None
+    llm.shutdown()
     del llm, runner
     gc.collect()
     current_platform().empty_cache()

@@ -38,6 +38,12 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None) 
         parser.add_argument(flag, **options)
     parser.add_argument("--enforce-eager", action="store_true", help="no compilation, no graphs")
     parser.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="wait for each step's tokens before scheduling the next (default: overlap them)",
+    )
+    parser.add_argument(
         "-O", dest="level", type=int, choices=[0, 1, 2, 3], default=None, help="compilation level"
     )
     parser.add_argument(
@@ -53,6 +59,8 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     values = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     if args.enforce_eager:
         values["enforce_eager"] = True
+    if not args.async_scheduling:
+        values["async_scheduling"] = False
     return values
 
 

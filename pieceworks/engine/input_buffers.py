@@ -5,19 +5,25 @@ pinned staging buffer and copied into the prefix of each device field (all field
 buffer, so that is usually one copy per step); every captured graph reads the new step from the
 addresses it was captured with. Padded rows are inert: padded tokens have slot -1 (the KV store
 skips them) and padded sequences have query length 0, context length 0 and the null state slot 0.
+
+There are two staging buffers, used in turn, so a step is prepared while the previous step's copy
+may still be queued; before a buffer is refilled, the copy that last read it is waited for (an
+event; in practice long done). A decode token that is still on the device (async scheduling) is
+not staged: ``prepare`` lists where it goes and which row of the previous step's sampled ids holds
+it (``placeholder_dst`` / ``placeholder_src``), and the runner copies it on the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from pieceworks.engine.scheduler import ScheduledRequest
+from pieceworks.engine.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest
 from pieceworks.models.attention.metadata import AttentionMetadata
 
 
@@ -44,7 +50,7 @@ class _Field:
     """One named tensor inside the packed buffers; its rows are counted per step."""
 
     name: str
-    rows: str  # what counts its rows each step: "tokens", "seqs", "seqs+1" or "logits"
+    rows: str  # what counts its rows: "tokens", "seqs", "seqs+1", "logits" or "placeholders"
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int  # bytes from the start of the packed buffers
@@ -70,6 +76,7 @@ class InputBuffers:
         max_blocks_per_seq: int,
         device: torch.device,
         pin_memory: bool,
+        create_event: Callable[[], Any] = lambda: None,
     ) -> None:
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -77,23 +84,42 @@ class InputBuffers:
         self.fields = _layout(max_num_tokens, max_num_seqs, max_blocks_per_seq)
         num_bytes = self.fields[-1].offset + self.fields[-1].row_bytes * self.fields[-1].shape[0]
         self.packed_device = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
-        self.packed_host = torch.zeros(num_bytes, dtype=torch.uint8, pin_memory=pin_memory)
         self.device_buffers = {f.name: _field_view(self.packed_device, f) for f in self.fields}
-        self.host_buffers = {f.name: _field_view(self.packed_host, f) for f in self.fields}
-        self.host = {name: tensor.numpy() for name, tensor in self.host_buffers.items()}
+        self._staging = [
+            torch.zeros(num_bytes, dtype=torch.uint8, pin_memory=pin_memory) for _ in range(2)
+        ]
+        self._staging_views = [
+            {f.name: _field_view(packed, f).numpy() for f in self.fields}
+            for packed in self._staging
+        ]
+        self._copy_events = [create_event(), create_event()]  # None: copies are synchronous
+        self._copy_pending = [False, False]
+        self._staging_index = 1
+        self.packed_host = self._staging[0]
+        self.host = self._staging_views[0]
+        self.num_placeholders = 0
         self._views: dict[tuple[int, int], _StepViews] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.device_buffers[name]
 
     def prepare(
-        self, scheduled: Sequence[ScheduledRequest], shape: StepShape, block_size: int
+        self,
+        scheduled: Sequence[ScheduledRequest],
+        shape: StepShape,
+        block_size: int,
+        sampled_rows: Mapping[str, int] | None = None,
     ) -> AttentionMetadata:
-        """Lay out the scheduled requests, pad, copy to the device; return the step's metadata."""
+        """Lay out the scheduled requests, pad, copy to the device; return the step's metadata.
+
+        ``sampled_rows`` maps a request id to its row in the previous step's sampled ids; it is
+        needed for every request whose token is still on the device (async scheduling).
+        """
+        self._next_staging()
         query_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, len(scheduled))
         computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
         self._fill_sequences(scheduled, query_lens, computed, shape)
-        self._fill_tokens(scheduled, query_lens, computed, shape, block_size)
+        self._fill_tokens(scheduled, query_lens, computed, shape, block_size, sampled_rows or {})
         num_logits = self._fill_logits_indices(scheduled)
         self._copy_to_device(shape, num_logits)
         num_decodes = sum(1 for s in scheduled if s.is_decode)
@@ -129,13 +155,26 @@ class InputBuffers:
         computed: np.ndarray,
         shape: StepShape,
         block_size: int,
+        sampled_rows: Mapping[str, int],
     ) -> None:
         host, num_tokens, padded = self.host, shape.num_tokens, shape.num_tokens_padded
-        offset = 0
+        offset, num_placeholders = 0, 0
         for item in scheduled:
             new_ids = item.new_token_ids
-            host["input_ids"][offset : offset + len(new_ids)] = new_ids
             offset += len(new_ids)
+            if new_ids[-1] == PLACEHOLDER_TOKEN_ID:  # only a decode's one token can be pending
+                request_id = item.request.request_id
+                if request_id not in sampled_rows:
+                    raise RuntimeError(
+                        f"request {request_id!r}: its last token is still on the device but the "
+                        "previous step did not sample it; this is a scheduler/runner bug"
+                    )
+                host["placeholder_dst"][num_placeholders] = offset - 1
+                host["placeholder_src"][num_placeholders] = sampled_rows[request_id]
+                num_placeholders += 1
+                new_ids = new_ids[:-1] + [0]  # overwritten on the device
+            host["input_ids"][offset - len(new_ids) : offset] = new_ids
+        self.num_placeholders = num_placeholders
         starts = host["query_start_loc"][: shape.num_seqs].astype(np.int64)
         request_index = np.repeat(np.arange(shape.num_seqs), query_lens)  # (T,)
         positions = np.arange(num_tokens) - starts[request_index] + computed[request_index]
@@ -166,6 +205,8 @@ class InputBuffers:
         decode graph records the Mamba decode kernels; like every dummy run they read and write
         only the null state slot 0.
         """
+        self._next_staging()
+        self.num_placeholders = 0
         host, num_seqs, padded_seqs = self.host, shape.num_seqs, shape.num_seqs_padded
         query_lens = np.full(num_seqs, shape.num_tokens // num_seqs, dtype=np.int64)
         query_lens[: shape.num_tokens % num_seqs] += 1  # spread the remainder: none too long
@@ -183,11 +224,31 @@ class InputBuffers:
         self._copy_to_device(shape)
         return self.metadata(shape, num_decodes=padded_seqs if uniform_decode else 0)
 
-    def _copy_to_device(self, shape: StepShape, num_logits: int = 0) -> None:
-        for start, end in self.copy_ranges(shape, num_logits):
-            self.packed_device[start:end].copy_(self.packed_host[start:end], non_blocking=True)
+    def placeholder_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dst, src)`` (P,) int64 on the device: input-id rows to fill from sampled-id rows."""
+        count = self.num_placeholders
+        return self["placeholder_dst"][:count], self["placeholder_src"][:count]
 
-    def copy_ranges(self, shape: StepShape, num_logits: int = 0) -> list[tuple[int, int]]:
+    def _next_staging(self) -> None:
+        """Switch to the other staging buffer once the copy that last read it has run."""
+        index = self._staging_index = 1 - self._staging_index
+        event = self._copy_events[index]
+        if event is not None and self._copy_pending[index]:
+            event.synchronize()
+            self._copy_pending[index] = False
+        self.packed_host, self.host = self._staging[index], self._staging_views[index]
+
+    def _copy_to_device(self, shape: StepShape, num_logits: int = 0) -> None:
+        for start, end in self.copy_ranges(shape, num_logits, self.num_placeholders):
+            self.packed_device[start:end].copy_(self.packed_host[start:end], non_blocking=True)
+        event = self._copy_events[self._staging_index]
+        if event is not None:
+            event.record()
+            self._copy_pending[self._staging_index] = True
+
+    def copy_ranges(
+        self, shape: StepShape, num_logits: int = 0, num_placeholders: int = 0
+    ) -> list[tuple[int, int]]:
         """Byte ranges a step copies: each field's used rows, merged across gaps below the limit.
 
         The bytes in a merged gap are rows no view of this step reads, so copying them is
@@ -198,6 +259,7 @@ class InputBuffers:
             "seqs": shape.num_seqs_padded,
             "seqs+1": shape.num_seqs_padded + 1,
             "logits": num_logits,
+            "placeholders": num_placeholders,
         }
         ranges: list[tuple[int, int]] = []
         for field in self.fields:  # in offset order
@@ -271,6 +333,8 @@ def _layout(max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> 
         ("state_indices", "seqs", (max_num_seqs,), torch.int32),
         ("has_initial_state", "seqs", (max_num_seqs,), torch.bool),
         ("logits_indices", "logits", (max_num_seqs,), torch.int64),
+        ("placeholder_dst", "placeholders", (max_num_seqs,), torch.int64),
+        ("placeholder_src", "placeholders", (max_num_seqs,), torch.int64),
         ("input_ids", "tokens", (max_num_tokens,), torch.int64),
         ("positions", "tokens", (max_num_tokens,), torch.int64),
         ("slot_mapping", "tokens", (max_num_tokens,), torch.int64),

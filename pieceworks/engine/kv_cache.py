@@ -3,6 +3,8 @@
 The runner profiles one forward at the largest token count, then gives the KV cache what is left
 of ``gpu_memory_utilization`` after the weights, that peak, and a budget for captured graphs. The
 cache is capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use.
+Sizes are per tensor-parallel rank: each ``Attention`` layer knows its rank's KV heads (a
+replicated KV head counts once per rank that holds it).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ GIB = 1024**3
 
 @dataclasses.dataclass
 class KVCacheSpec:
-    """Bytes per block over all attention layers, and the layers that need a cache."""
+    """Bytes per block over all attention layers (this rank's KV heads), and those layers."""
 
     layers: list[Attention]
     block_size: int

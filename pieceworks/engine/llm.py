@@ -79,6 +79,10 @@ class LLM:
             self.engine.step()
         return [self._output(request, text) for request, (text, _) in zip(requests, encoded)]
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers and free the process group (also done at exit)."""
+        self.engine.shutdown()
+
     def _output(self, request: Any, prompt: str | None) -> RequestOutput:
         text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer else None
         completion = CompletionOutput(

@@ -1,8 +1,11 @@
 """``LLMEngine``: the step loop joining the scheduler, the model runner and the sampler.
 
-``add_request`` validates and queues; ``step`` schedules one batch, runs it, and feeds the sampled
-tokens back; finished requests come back from ``step``. Start-up (load, compile, KV cache, capture)
-happens in the constructor and is timed for the report.
+``add_request`` validates and queues; ``step`` schedules one batch, launches it, and feeds sampled
+tokens back; finished requests come back from ``step``. With ``async_scheduling`` (the default)
+``step`` launches its batch and then waits for the previous step's tokens, so the host schedules
+and prepares step N+1 while the device still runs step N; the tokens of a step, and the requests
+it finishes, then come back from the next ``step`` call. Start-up (load, compile, KV cache,
+capture) happens in the constructor and is timed for the report.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import itertools
 import time
 
 from pieceworks.config import EngineConfig
-from pieceworks.engine.model_runner import ModelRunner
+from pieceworks.engine.executor import make_executor
 from pieceworks.engine.request import Request
+from pieceworks.engine.sampled_tokens import SampledTokens
 from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.engine.scheduler import Scheduler
+from pieceworks.engine.scheduler import Scheduler, SchedulerOutput
 from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
@@ -23,9 +27,9 @@ logger = init_logger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
-        num_blocks = self.runner.initialize_kv_cache()
-        self.runner.capture_model()
+        self.executor = make_executor(config)
+        self.runner = self.executor.runner  # this process's (rank 0's) runner
+        num_blocks = self.executor.num_blocks
         max_model_len = config.model_config.max_model_len
         assert max_model_len is not None
         self.scheduler = Scheduler(
@@ -34,7 +38,11 @@ class LLMEngine:
             max_model_len,
             num_blocks,
             num_state_slots=self.runner.num_state_slots,  # Mamba state slots (hybrid models)
+            async_scheduling=config.scheduler_config.async_scheduling,
         )
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # The launched step whose tokens have not been read yet (async scheduling).
+        self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
         self.eos_token_id = config.model_config.hf_config.get("eos_token_id")
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
@@ -59,20 +67,35 @@ class LLMEngine:
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[Request]:
-        """Run one scheduled batch; return the requests that finished in it."""
+        """Launch one scheduled batch; return the requests whose last token has come back."""
         start = time.perf_counter()
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
-            self.scheduler.update_from_output(output, [])
-            return []
-        sampled = self.runner.execute(output)  # returns after the step's one host sync
-        finished = self.scheduler.update_from_output(output, sampled)
-        for request in finished:
-            self.runner.release(request.request_id)
+            return self._finish_in_flight()  # nothing new to launch: only drain
+        sampled = self.executor.execute_async(output)
+        finished = self._finish_in_flight()
+        self._in_flight = (output, sampled)
+        if not self.async_scheduling:
+            finished += self._finish_in_flight()
         self.step_seconds.append(
             (output.is_uniform_decode, output.num_requests, time.perf_counter() - start)
         )
         return finished
+
+    def _finish_in_flight(self) -> list[Request]:
+        """Wait for the launched step's tokens (the host sync) and hand them to the scheduler."""
+        if self._in_flight is None:
+            return []
+        output, sampled = self._in_flight
+        self._in_flight = None
+        finished = self.scheduler.update_from_output(output, sampled.tolist())
+        for request in finished:
+            self.executor.release(request.request_id)
+        return finished
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers and free the process group (a no-op for one rank)."""
+        self.executor.shutdown()

@@ -5,7 +5,9 @@ The runner allocates ``max_num_seqs + 1`` slots per layer once, before the profi
 the KV-cache budget measured after it already excludes these bytes); slot 0 is the null slot that
 padded rows read and write, and the scheduler's ``StateSlotManager`` hands out the others, one per
 running request. Conv states are kept in the model dtype; SSM states in
-``CacheConfig.mamba_ssm_cache_dtype`` ("float32", the default, or "auto" = model dtype).
+``CacheConfig.mamba_ssm_cache_dtype`` ("float32", the default, or "auto" = model dtype). Shapes
+come from each layer's ``state_shapes()``, which are this tensor-parallel rank's: its Mamba heads
+and the conv channels of its ``[x, B, C]`` slice.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """``ModelRunner``: loads the model, sizes the KV cache, captures graphs, executes steps.
 
 Per step: lay the scheduled requests into the persistent buffers (padded to a capture size),
-ask the ``CudagraphDispatcher`` which graph serves the batch, run the forward under
-``set_forward_context``, then compute logits and sample outside the graph. The only host sync of a
-step is the one that returns the sampled ids.
+fill decode tokens still on the device from the previous step's sampled ids, ask the
+``CudagraphDispatcher`` which graph serves the batch, run the forward under
+``set_forward_context``, then compute logits and sample outside the graph, and start copying the
+sampled ids to pinned host memory. ``execute_async`` returns at once with a ``SampledTokens``
+handle; its ``tolist()`` is the step's one host sync, which async scheduling defers until the next
+step is launched.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pieceworks.engine.kv_cache import (
     num_blocks_that_fit,
 )
 from pieceworks.engine.mamba_cache import allocate_mamba_cache, mamba_cache_spec
+from pieceworks.engine.sampled_tokens import SampledTokens
 from pieceworks.engine.sampler import Sampler, make_generator
 from pieceworks.engine.scheduler import SchedulerOutput
 from pieceworks.logger import init_logger
@@ -45,7 +49,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.platform = current_platform()
-        self.device = self.platform.device()
+        self.device = self.platform.device(config.parallel_config.local_rank or 0)
         start = time.perf_counter()
         self.model: Any = get_model(config, self.device).requires_grad_(False)
         self.load_seconds = time.perf_counter() - start
@@ -67,7 +71,21 @@ class ModelRunner:
             cdiv(max_model_len, self.block_size),
             self.device,
             self.platform.pin_memory(),
+            self.platform.create_event,
         )
+        # The last launched step's sampled ids (device) and each request's row in them.
+        self.last_sampled: torch.Tensor | None = None
+        self.last_sampled_rows: dict[str, int] = {}
+        self._token_staging = [
+            torch.zeros(
+                scheduler_config.max_num_seqs,
+                dtype=torch.int64,
+                pin_memory=self.platform.pin_memory(),
+            )
+            for _ in range(2)
+        ]
+        self._token_events = [self.platform.create_event() for _ in range(2)]
+        self._num_steps = 0
         self.mamba_spec = mamba_cache_spec(config)
         # State slots the scheduler hands out (0: no Mamba layers, no slots).
         self.num_state_slots = self.mamba_spec.num_slots if self.mamba_spec else 0
@@ -104,7 +122,9 @@ class ModelRunner:
         self.compile_seconds = time.perf_counter() - start
         free, total = self.platform.mem_get_info()
         peak = self.platform.max_memory_allocated()
-        self.num_blocks = num_blocks_that_fit(self.config, spec, free, total, peak)
+        self.num_blocks = smallest_over_ranks(
+            num_blocks_that_fit(self.config, spec, free, total, peak)
+        )
         allocate_kv_cache(spec, self.num_blocks, self.device)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB); first forward (compile) %.1f s",
@@ -197,31 +217,49 @@ class ModelRunner:
             padded = num_tokens
         return StepShape(num_tokens, padded, num_seqs, num_seqs, max_query_len), mode, descriptor
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[int]:
         """Run one scheduled step; return one sampled token per request that produces one."""
+        return self.execute_async(output).tolist()  # the step's one host sync
+
+    @torch.inference_mode()
+    def execute_async(self, output: SchedulerOutput) -> SampledTokens:
+        """Launch one scheduled step; the handle gives its sampled tokens (one per producing
+        request, in scheduled order) once the device has them."""
         logits = self.compute_logits(output)
         if logits is None:
-            return []
+            return SampledTokens.none()
         requests = [s.request for s in output.scheduled_requests if s.produces_token]
         generators = [self._generator(request) for request in requests]
         token_ids = self.sampler.sample(logits, [r.sampling_params for r in requests], generators)
-        return token_ids.tolist()  # the step's one host sync
+        token_ids = same_on_every_rank(token_ids)
+        self.last_sampled = token_ids
+        self.last_sampled_rows = {r.request_id: row for row, r in enumerate(requests)}
+        self._num_steps += 1
+        index = self._num_steps % 2
+        staging = self._token_staging[index][: len(requests)]
+        staging.copy_(token_ids, non_blocking=True)
+        event = self._token_events[index]
+        if event is not None:
+            event.record()
+        return SampledTokens(staging, event)
 
     @torch.inference_mode()
     def compute_logits(self, output: SchedulerOutput) -> torch.Tensor | None:
         """Forward one step; float32 logits (S, V) of the requests that produce a token."""
         shape, mode, descriptor = self.plan(output)
-        metadata = self.buffers.prepare(output.scheduled_requests, shape, self.block_size)
+        metadata = self.buffers.prepare(
+            output.scheduled_requests, shape, self.block_size, self.last_sampled_rows
+        )
+        if self.buffers.num_placeholders:  # decode tokens still on the device
+            assert self.last_sampled is not None
+            dst, src = self.buffers.placeholder_rows()
+            self.buffers["input_ids"].index_copy_(0, dst, self.last_sampled.index_select(0, src))
         with set_forward_context(
             metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):
             hidden_states = self.forward_model(*self.buffers.model_inputs(shape))
         num_logits = sum(1 for s in output.scheduled_requests if s.produces_token)
         if num_logits == 0:
-            # No sampled ids means no host sync this step; sync anyway, or the next step would
-            # refill the pinned staging buffer while this step's copy from it may be pending.
-            self.platform.synchronize()
             return None
         indices = self.buffers.logits_indices(num_logits)  # copied with the step's inputs
         return self.model.compute_logits(hidden_states[indices])  # (S, V) float32
@@ -236,3 +274,34 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator."""
         self.generators.pop(request_id, None)
+
+
+def smallest_over_ranks(value: int) -> int:
+    """The smallest ``value`` of all tensor-parallel ranks (every rank must hold the same KV)."""
+    from pieceworks.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
+        return value
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return int(tensor.item())
+
+
+def same_on_every_rank(token_ids: torch.Tensor) -> torch.Tensor:
+    """Rank 0's sampled ids on every rank (a device broadcast outside the graphs).
+
+    Greedy and seeded rows would agree anyway (the gathered logits are identical); unseeded
+    random rows draw from each rank's default generator, which code outside the engine may have
+    advanced differently. Each rank feeds these ids to its next step.
+    """
+    from pieceworks.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
+        return token_ids
+    import torch.distributed as dist
+
+    group = get_tp_group()
+    dist.broadcast(token_ids, src=group.ranks[0], group=group.device_group)
+    return token_ids

@@ -38,9 +38,13 @@ _FINISH_REASONS = {
 class Request:
     """A prompt and its generated tokens, with the cache state the scheduler tracks for it.
 
-    Invariant: the first ``num_computed_tokens`` of ``all_token_ids`` have their KV written in
-    ``block_ids`` (and, for hybrid models, their recurrent state folded into ``state_slot``). A
-    decoding request has exactly one uncomputed token: the one sampled last step. Preemption resets
+    Invariant: the first ``num_computed_tokens`` of its tokens have their KV written (or are
+    being written by a step already launched) in ``block_ids`` (and, for hybrid models, their
+    recurrent state folded into ``state_slot``). A decoding request has exactly one uncomputed
+    token: the one sampled last step. With async scheduling that token may still be on the device:
+    ``num_output_placeholders`` counts sampled tokens the host has not seen yet (one per step in
+    flight); they
+    count in ``num_tokens`` but not in ``output_token_ids``. Preemption resets
     ``num_computed_tokens`` to 0 but keeps ``output_token_ids``, so on resume the prompt and the
     generated tokens are recomputed together as one prefill.
     """
@@ -56,6 +60,7 @@ class Request:
     state_slot: int | None = None  # Mamba state slot; only for models with Mamba layers
     finish_reason: str | None = None  # "stop" | "length" once finished
     num_preemptions: int = 0
+    num_output_placeholders: int = 0  # sampled on the device, not yet known on the host
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -70,8 +75,10 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens: everything known so far."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt plus generated tokens, those still on the device included."""
+        return (
+            len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+        )
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -85,6 +92,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def runner_view(self) -> Request:
+        """What a model runner reads of this request, without its tokens (sent to other ranks)."""
+        view = Request(self.request_id, [], self.sampling_params, self.eos_token_id)
+        view.block_ids, view.state_slot = list(self.block_ids), self.state_slot
+        return view
 
     def finish(self, status: RequestStatus) -> None:
         """Mark the request finished with ``status`` and set its ``finish_reason``."""

@@ -10,8 +10,15 @@ recompute. The scheduler owns the request queues, the ``BlockManager`` and the
 ``StateSlotManager``; it never touches tensors (the model runner turns a ``SchedulerOutput`` into
 input buffers) and never samples (the ``Sampler`` does; ``update_from_output`` takes its tokens).
 
-One step is ``output = schedule()``, run the model, ``update_from_output(output, sampled)``; a
-second ``schedule()`` before the update is an error.
+One step is ``output = schedule()``, run the model, ``update_from_output(output, sampled)``.
+``schedule()`` advances the scheduled requests' ``num_computed_tokens`` and counts the token each
+will sample as a placeholder (``Request.num_output_placeholders``); the update replaces it with the
+real token and checks the stop conditions. With ``async_scheduling`` one step may be scheduled
+before the previous one's tokens arrive (the engine launches step N+1 while step N still runs on the
+device): a decode whose last token is a placeholder reads it on the device (``PLACEHOLDER_TOKEN_ID``
+in ``new_token_ids`` marks it), a request that will reach ``max_tokens`` with its pending token is
+not scheduled again, and one that stops on a token that arrives late has its extra step's token
+dropped. Without it, a second ``schedule()`` before the update is an error.
 """
 
 from __future__ import annotations
@@ -19,47 +26,63 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Sequence
+from typing import Final
 
 from pieceworks.config import CacheConfig, SchedulerConfig
 from pieceworks.engine.block_manager import BlockManager, StateSlotManager
 from pieceworks.engine.request import Request, RequestStatus
+
+# Stands in for a token sampled on the device that the host has not seen yet (async scheduling).
+PLACEHOLDER_TOKEN_ID: Final = -1
 
 
 @dataclasses.dataclass
 class ScheduledRequest:
     """One request's work this step: compute ``num_new_tokens`` tokens from ``num_computed_tokens``.
 
-    ``num_computed_tokens`` is snapshotted when scheduled (the request's own counter advances only
-    in ``update_from_output``). ``produces_token`` is True when the step reaches the end of the
-    request's known tokens (``num_computed_tokens + num_new_tokens == request.num_tokens``): the
+    Everything a model runner reads is snapshotted when scheduled (the request's own counter then
+    advances by ``num_new_tokens``). ``produces_token`` is True when the step reaches the end of
+    the request's tokens (``num_computed_tokens + num_new_tokens == request.num_tokens``): the
     logits of its last scheduled position are sampled and the token is appended. A chunk of a
-    prompt that stops short of its end produces no token.
+    prompt that stops short of its end produces no token. ``new_token_ids`` are the token ids this
+    step computes; one still on the device (async scheduling) is ``PLACEHOLDER_TOKEN_ID``.
     """
 
     request: Request
     num_new_tokens: int
     num_computed_tokens: int = dataclasses.field(init=False)
     produces_token: bool = dataclasses.field(init=False)
+    new_token_ids: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.num_computed_tokens = self.request.num_computed_tokens
         end = self.num_computed_tokens + self.num_new_tokens
         self.produces_token = end == self.request.num_tokens
+        self.new_token_ids = _token_ids(self.request, self.num_computed_tokens, end)
 
     @property
     def is_decode(self) -> bool:
         """One token on top of a computed context, sampled: the shape a decode graph serves."""
         return self.num_new_tokens == 1 and self.produces_token and self.num_computed_tokens > 0
 
-    @property
-    def new_token_ids(self) -> list[int]:
-        """The token ids this step computes (positions ``num_computed_tokens`` onwards)."""
-        start, end = self.num_computed_tokens, self.num_computed_tokens + self.num_new_tokens
-        prompt, output = self.request.prompt_token_ids, self.request.output_token_ids
-        # Slice the two lists separately: a decode must not copy the whole sequence each step.
-        output_start = max(start - len(prompt), 0)
-        output_end = max(end - len(prompt), 0)
-        return prompt[start:end] + output[output_start:output_end]
+    def detached(self) -> ScheduledRequest:
+        """A copy for another rank: the snapshot plus a request holding only what a runner reads
+        (id, sampling parameters, blocks, state slot), not the whole token history."""
+        copy = dataclasses.replace(self, request=self.request.runner_view())
+        copy.num_computed_tokens = self.num_computed_tokens
+        copy.produces_token = self.produces_token
+        copy.new_token_ids = self.new_token_ids
+        return copy
+
+
+def _token_ids(request: Request, start: int, end: int) -> list[int]:
+    """Token ids at positions [start, end); a token still on the device is a placeholder."""
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    # Slice the two lists separately: a decode must not copy the whole sequence each step.
+    output_start = max(start - len(prompt), 0)
+    output_end = max(end - len(prompt), 0)
+    ids = prompt[start:end] + output[output_start:output_end]
+    return ids + [PLACEHOLDER_TOKEN_ID] * (end - start - len(ids))
 
 
 @dataclasses.dataclass
@@ -90,6 +113,10 @@ class SchedulerOutput:
         """Every scheduled request is a decode (one token each): a full decode graph can run it."""
         return bool(self.scheduled_requests) and self.num_decodes == self.num_requests
 
+    def detached(self) -> SchedulerOutput:
+        """The step as another rank's runner needs it (see ``ScheduledRequest.detached``)."""
+        return SchedulerOutput([item.detached() for item in self.scheduled_requests])
+
     @property
     def producing_requests(self) -> list[ScheduledRequest]:
         """The scheduled requests that get a sampled token, in scheduled order."""
@@ -112,6 +139,7 @@ class Scheduler:
         max_model_len: int,
         num_blocks: int,
         num_state_slots: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -122,7 +150,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}
-        self._pending_output: SchedulerOutput | None = None
+        # Scheduled steps whose tokens have not come back yet, oldest first.
+        self._pending_outputs: deque[SchedulerOutput] = deque()
+        self.max_pending_outputs = 2 if async_scheduling else 1
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; raise ``ValueError`` if it could never run to completion."""
@@ -139,8 +169,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's requests and token counts; allocate their blocks and state slots."""
-        if self._pending_output is not None:
-            raise RuntimeError("schedule() called twice; call update_from_output() after each step")
+        if len(self._pending_outputs) >= self.max_pending_outputs:
+            raise RuntimeError(
+                f"schedule() called with {len(self._pending_outputs)} steps awaiting "
+                "update_from_output() (the most this scheduler allows); update first"
+            )
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         token_budget = self._schedule_running(scheduled, preempted, self.max_num_batched_tokens)
@@ -149,8 +182,13 @@ class Scheduler:
         # Admission order already lists decodes first (a prompt is cut only when the budget runs
         # out, so only the last request served can be mid-prefill); the stable sort guarantees it.
         scheduled.sort(key=lambda item: not item.is_decode)
-        self._pending_output = SchedulerOutput(scheduled, preempted)
-        return self._pending_output
+        for item in scheduled:  # the step is launched: its KV is being computed from now on
+            item.request.num_computed_tokens += item.num_new_tokens
+            item.request.num_output_placeholders += item.produces_token
+        output = SchedulerOutput(scheduled, preempted)
+        if scheduled:  # an empty step awaits no tokens
+            self._pending_outputs.append(output)
+        return output
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
@@ -161,16 +199,22 @@ class Scheduler:
         order. A list with one entry per scheduled request is accepted too (entries of requests
         that produce no token are ignored).
         """
-        if scheduler_output is not self._pending_output:
-            raise RuntimeError("update_from_output() must get the output of the last schedule()")
+        if not scheduler_output.scheduled_requests:
+            return []
+        if not self._pending_outputs or scheduler_output is not self._pending_outputs[0]:
+            raise RuntimeError(
+                "update_from_output() must get the oldest scheduled output not yet updated"
+            )
         tokens = _tokens_per_request(scheduler_output, sampled_token_ids)  # validate first
-        self._pending_output = None
+        self._pending_outputs.popleft()
         finished = []
         for scheduled, token_id in zip(scheduler_output.scheduled_requests, tokens):
             request = scheduled.request
-            request.num_computed_tokens += scheduled.num_new_tokens
             if token_id is None:
                 continue
+            request.num_output_placeholders -= 1
+            if request.is_finished:
+                continue  # it stopped on the previous step's token: this one is past its end
             request.output_token_ids.append(token_id)
             status = _check_stop(request, token_id)
             if status is not None:
@@ -185,6 +229,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
+            if _reaches_max_tokens(request):
+                index += 1  # its pending token is its last: it finishes on the update
+                continue
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
             if not self._allocate_or_preempt(request, num_new_tokens, preempted):
                 break  # the request preempted itself: it was the newest left
@@ -210,6 +257,8 @@ class Scheduler:
         """Admit waiting requests first-come first-served while budget, seats and memory last."""
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token still on the device: resume once it is known
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
             if not self._allocate_for_admission(request, num_new_tokens):
                 break  # no skipping ahead: the head of the queue waits for memory
@@ -239,7 +288,10 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.finish(status)
-        self.running.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        else:  # preempted while its last token was still on the device
+            self.waiting.remove(request)
         self._free_cache(request)
         del self.requests[request.request_id]
 
@@ -288,6 +340,15 @@ def _tokens_per_request(
     raise ValueError(
         f"got {len(sampled_token_ids)} sampled tokens for a step of {len(produces)} requests of "
         f"which {sum(produces)} produce a token; pass one token per producing request"
+    )
+
+
+def _reaches_max_tokens(request: Request) -> bool:
+    """Its tokens on the device already make ``max_tokens``: scheduling it again would overrun."""
+    return (
+        request.num_output_placeholders > 0
+        and request.num_output_tokens + request.num_output_placeholders
+        >= request.sampling_params.max_tokens
     )
 
 

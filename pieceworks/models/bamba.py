@@ -7,7 +7,9 @@ runs the SwiGLU MLP, each sub-block behind its own RMSNorm (``input_layernorm``,
 ``pre_ff_layernorm``), and ``final_layernorm`` closes the stack. The graph is split at both opaque
 ops, attention and ``mamba_mixer2``. ``BambaForCausalLM`` adds the LM head (``compute_logits``,
 outside the graph) and ``load_weights`` from HF names (``layers.N.mamba.*``,
-``layers.N.self_attn.{q,k,v,o}_proj``, ``layers.N.feed_forward.{gate,up,down}_proj``).
+``layers.N.self_attn.{q,k,v,o}_proj``, ``layers.N.feed_forward.{gate,up,down}_proj``). Tensor
+parallelism shards attention and the MLP as in Llama and the mixers by Mamba heads (see
+``mamba/sharding.py``): ``mamba_n_heads`` must be divisible by the tensor-parallel size.
 """
 
 from __future__ import annotations

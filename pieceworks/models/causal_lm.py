@@ -3,7 +3,9 @@
 A model class names its backbone (``model_cls``: the ``@support_torch_compile`` module taking
 ``input_ids (T,)`` and ``positions (T,)``); this base adds the LM head (tied or not), applied in
 ``compute_logits`` outside the compiled graph, and ``load_weights``, which maps HF checkpoint names
-onto the merged ``qkv_proj`` / ``gate_up_proj`` weights.
+onto the merged ``qkv_proj`` / ``gate_up_proj`` weights. With tensor parallelism the model is built
+per rank (the layers shard themselves) and ``compute_logits`` gathers the vocabulary slices, so
+every rank returns the full logits.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from pieceworks.distributed.communication_op import tensor_model_parallel_all_gather
+from pieceworks.distributed.parallel_state import tensor_parallel_rank_and_size
 from pieceworks.models.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pieceworks.models.loader import get_weight_loader, is_ignored_tensor, unexpected_tensor_error
 
@@ -24,6 +28,19 @@ if TYPE_CHECKING:
 def maybe_prefix(prefix: str, name: str) -> str:
     """``prefix.name``, or ``name`` at the top level (vLLM's helper)."""
     return f"{prefix}.{name}" if prefix else name
+
+
+def check_parallel_state(config: EngineConfig) -> None:
+    """The layers shard by the initialised TP group: it must match ``config.parallel_config``."""
+    parallel = config.parallel_config
+    tp_rank, tp_size = tensor_parallel_rank_and_size()
+    if (tp_rank, tp_size) != (parallel.rank, parallel.tensor_parallel_size):
+        raise RuntimeError(
+            f"parallel_config says rank {parallel.rank} of tensor_parallel_size="
+            f"{parallel.tensor_parallel_size}, but this process is tensor-parallel rank {tp_rank} "
+            f"of {tp_size}: call pieceworks.distributed.init_distributed_environment("
+            f"{parallel.tensor_parallel_size}, {parallel.rank}) before building the model"
+        )
 
 
 class CausalLM(nn.Module):
@@ -46,8 +63,10 @@ class CausalLM(nn.Module):
 
     def __init__(self, *, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
+        check_parallel_state(config)
         hf_config = config.model_config.hf_config
         self.config = config
+        self.vocab_size = hf_config["vocab_size"]
         self.tie_word_embeddings = hf_config.get("tie_word_embeddings", False)
         self.model = self.model_cls(config=config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(
@@ -65,8 +84,15 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``(N, hidden)`` -> float32 logits ``(N, vocab)`` (outside the graph)."""
-        return self.lm_head(hidden_states).float()
+        """Hidden states ``(N, hidden)`` -> float32 logits ``(N, vocab)`` (outside the graph).
+
+        Each rank computes its vocabulary slice; the slices are gathered on every rank and the
+        padding of the last one is dropped.
+        """
+        logits = self.lm_head(hidden_states)  # (N, rows)
+        if self.lm_head.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.vocab_size]
+        return logits.float()  # (N, vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the parameter names loaded."""

@@ -7,7 +7,9 @@ op inside is attention, where the graph is split. ``LlamaForCausalLM`` adds the 
 merged ``qkv_proj`` / ``gate_up_proj`` weights. With ``quantization="fp8"`` the four linear layers
 of each decoder layer are FP8 (``layers/quantization/fp8.py``); embeddings, norms and the LM head
 stay in the model dtype. Per-step attention metadata (slot mapping, block
-tables) comes from the forward context, never from arguments.
+tables) comes from the forward context, never from arguments. With tensor parallelism each rank
+holds ``num_attention_heads / tp`` query heads, ``max(1, num_key_value_heads / tp)`` KV heads and
+``intermediate_size / tp`` MLP columns; ``o_proj`` and ``down_proj`` all-reduce their outputs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pieceworks.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    divide,
+    tensor_parallel_rank_and_size,
 )
 from pieceworks.models.layers.quantization import Fp8Config, get_quant_config
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
@@ -65,6 +69,7 @@ class LlamaMLP(nn.Module):
         quant_config: Fp8Config | None = None,
     ) -> None:
         super().__init__()
+        divide(intermediate_size, tensor_parallel_rank_and_size()[1], "intermediate_size")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size,
             [intermediate_size] * 2,
@@ -113,8 +118,8 @@ class LlamaAttention(nn.Module):
             prefix=f"{prefix}.qkv_proj",
             quant_config=quant_config,
         )
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.num_heads = self.qkv_proj.num_heads  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads  # this rank's (replicated if few)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(

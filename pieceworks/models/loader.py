@@ -4,11 +4,13 @@ Owns reading (``load_hf_config``, ``hf_weights_iterator`` over ``model.safetenso
 ``model.safetensors.index.json``), writing (``save_hf_directory``), building a model on the
 ``meta`` device and materialising it (``initialize_model``), and checking a load
 (``load_weights``): every checkpoint tensor must land in a parameter with the right shape and every
-parameter must be loaded, or a ``WeightLoadingError`` names the tensors. After loading, each
-layer's quantization method rewrites its weights (``process_weights_after_loading``; FP8
-quantizes them). Each model maps HF names to its own parameters in its ``load_weights`` (vLLM
-style); this module never knows a model's names. It does not know hardware either: the device
-comes from the caller.
+parameter must be loaded, or a ``WeightLoadingError`` names the tensors. With tensor parallelism
+every rank reads the whole checkpoint and each sharded layer's ``weight_loader`` keeps its rank's
+slice (``shard_rows``, which checks the unsharded shape first); replicated parameters (norms) are
+copied whole. After loading, each layer's quantization method rewrites its weights
+(``process_weights_after_loading``; FP8 quantizes them, per rank). Each model maps HF names to its
+own parameters in its ``load_weights`` (vLLM style); this module never knows a model's names. It
+does not know hardware either: the device comes from the caller.
 """
 
 from __future__ import annotations
@@ -44,18 +46,44 @@ class WeightLoadingError(ValueError):
         self.tensor_name = tensor_name
 
 
+def check_shape(loaded_weight: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    """A ``WeightLoadingError`` naming the tensor unless ``loaded_weight`` has ``shape``."""
+    if tuple(loaded_weight.shape) != tuple(shape):
+        raise WeightLoadingError(
+            f"{name}: expected shape {tuple(shape)}, got {tuple(loaded_weight.shape)}"
+        )
+
+
 def copy_weight(destination: torch.Tensor, loaded_weight: torch.Tensor, name: str) -> None:
     """Copy ``loaded_weight`` into ``destination`` (casting dtype and device), checking shape."""
-    if destination.shape != loaded_weight.shape:
-        raise WeightLoadingError(
-            f"{name}: expected shape {tuple(destination.shape)}, got {tuple(loaded_weight.shape)}"
-        )
+    check_shape(loaded_weight, tuple(destination.shape), name)
     with torch.no_grad():
         destination.copy_(loaded_weight)
 
 
+def shard_rows(
+    loaded_weight: torch.Tensor,
+    full_shape: tuple[int, ...],
+    rows: list[tuple[int, int]],
+    name: str,
+    dim: int = 0,
+) -> torch.Tensor:
+    """This rank's slice of a whole checkpoint tensor: ``(start, length)`` ranges along ``dim``.
+
+    The tensor must have the unsharded ``full_shape`` (checked first, so a mis-shaped tensor is a
+    ``WeightLoadingError`` naming it, not an indexing error); the ranges are concatenated in order.
+    """
+    check_shape(loaded_weight, full_shape, name)
+    pieces = [loaded_weight.narrow(dim, start, length) for start, length in rows]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-    """Whole-tensor copy for parameters whose module has no ``weight_loader`` of its own."""
+    """Whole-tensor copy for parameters whose module has no ``weight_loader`` of its own.
+
+    With tensor parallelism these are the replicated parameters (norms): every rank loads all of
+    it. Every sharded parameter's module has a ``weight_loader`` that slices the rank's part.
+    """
     copy_weight(param, loaded_weight, "parameter")
 
 

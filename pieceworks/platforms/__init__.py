@@ -47,6 +47,14 @@ def reset_platform() -> None:
     _current = _resolution = None
 
 
+def use_platform(platform_cls: type[Platform]) -> Platform:
+    """Make a fresh ``platform_cls()`` the current platform: a tensor-parallel worker process
+    takes its parent's resolved platform this way instead of resolving again."""
+    global _current, _resolution
+    _current, _resolution = platform_cls(), None
+    return _current
+
+
 __all__ = [
     "Platform",
     "PlatformResolution",
@@ -57,4 +65,5 @@ __all__ = [
     "register_platform_plugin",
     "reset_platform",
     "unregister_platform_plugin",
+    "use_platform",
 ]

@@ -72,6 +72,9 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def create_event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
     def mem_get_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info()
 

@@ -133,6 +133,11 @@ class Platform:
     def synchronize(self) -> None:
         """Wait for all queued device work."""
 
+    def create_event(self) -> Any | None:
+        """A device event (``record()``, ``synchronize()``) to wait for queued work up to a point;
+        None where device work completes before the host call returns (the CPU)."""
+        return None
+
     def mem_get_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of device memory."""
         page = os.sysconf("SC_PAGE_SIZE")

@@ -149,3 +149,41 @@ def test_many_more_requests_than_max_num_seqs(checkpoint):
     assert llm.engine.scheduler.block_manager.num_free_blocks == 8  # nothing leaked
     reference = generate(llm.config.model_config.model, "eager", batch[:2])
     assert [out.outputs[0].token_ids[:6] for out in outputs[:2]] == reference
+
+
+@pytest.mark.platform_agnostic
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+def test_async_scheduling_gives_the_tokens_of_sync_scheduling(checkpoint, graph_platform, mode):
+    """Step N+1 launched before step N's tokens are read: same tokens and finish reasons.
+
+    Stop tokens taken from a first run make requests stop early, so some stop on a token that
+    arrives after their next step was launched (its extra token must be dropped); a small KV
+    cache forces preemption with tokens in flight; max_tokens varies per request.
+    """
+    from pieceworks.engine.modes import compilation_for_mode
+
+    batch = prompts([5 + i % 7 for i in range(10)], seed=6)
+
+    def run(async_scheduling: bool, params: list[SamplingParams]):
+        llm = LLM(
+            checkpoint,
+            compilation_config=compilation_for_mode(mode, {"backend": "eager"}),
+            dtype="float32",
+            max_num_seqs=4,
+            num_gpu_blocks_override=6,  # 6 blocks of 16 tokens for 4 running: preemption
+            async_scheduling=async_scheduling,
+        )
+        outputs = llm.generate(batch, params)
+        assert llm.engine.scheduler.block_manager.num_free_blocks == 6  # nothing leaked
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
+
+    lengths = [SamplingParams(temperature=0.0, max_tokens=4 + i % 9) for i in range(len(batch))]
+    first = run(False, lengths)
+    stops = [
+        SamplingParams(temperature=0.0, max_tokens=p.max_tokens, stop_token_ids=[t[len(t) // 2]])
+        for p, (t, _) in zip(lengths, first)
+    ]
+    for params in (lengths, stops):
+        sync_result = run(False, params)
+        assert run(True, params) == sync_result
+    assert any(reason == "stop" for _, reason in sync_result)

@@ -23,8 +23,13 @@ NUM_COMPARED_TOKENS = 4  # bf16 near-ties in a random-weight model may flip late
 
 
 def greedy_tokens(mode: str, batch: list[list[int]]) -> list[list[int]]:
-    llm = LLM("llama-125m", compilation_config=compilation_for_mode(mode), dtype="bfloat16",
-              max_num_seqs=4, max_num_batched_tokens=32)
+    llm = LLM(
+        "llama-125m",
+        compilation_config=compilation_for_mode(mode),
+        dtype="bfloat16",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens = [out.outputs[0].token_ids[:NUM_COMPARED_TOKENS] for out in llm.generate(batch, params)]
     del llm
@@ -35,8 +40,9 @@ def greedy_tokens(mode: str, batch: list[list[int]]) -> list[list[int]]:
 
 def test_llama_bf16_tokens_equal_across_graph_modes():
     generator = torch.Generator().manual_seed(0)
-    batch = [torch.randint(0, 50272, (n,), generator=generator).tolist()
-             for n in (3, 9, 17, 70, 5, 2)]
+    batch = [
+        torch.randint(0, 50272, (n,), generator=generator).tolist() for n in (3, 9, 17, 70, 5, 2)
+    ]
     reference = greedy_tokens("compiled", batch)
     assert greedy_tokens("piecewise", batch) == reference
     assert greedy_tokens("full_and_piecewise", batch) == reference

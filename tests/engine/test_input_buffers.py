@@ -194,8 +194,9 @@ def test_addresses_fixed_across_steps_of_one_padded_shape():
 def test_copies_cover_every_used_byte(max_num_tokens, num_seqs, num_tokens):
     buffers = make_buffers(max_num_tokens)
     shape = StepShape(num_tokens, num_tokens, num_seqs, num_seqs, 1)
-    ranges = buffers.copy_ranges(shape, num_logits=num_seqs)
-    rows = {"tokens": num_tokens, "seqs": num_seqs, "seqs+1": num_seqs + 1, "logits": num_seqs}
+    ranges = buffers.copy_ranges(shape, num_logits=num_seqs, num_placeholders=num_seqs)
+    rows = {"tokens": num_tokens, "seqs": num_seqs, "seqs+1": num_seqs + 1, "logits": num_seqs,
+            "placeholders": num_seqs}  # fmt: skip
     for field in buffers.fields:
         start, end = field.offset, field.offset + rows[field.rows] * field.row_bytes
         assert any(lo <= start and end <= hi for lo, hi in ranges), field.name

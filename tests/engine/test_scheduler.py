@@ -9,7 +9,11 @@ rejected with a message; EOS, stop ids, ``ignore_eos`` and ``max_tokens`` stop g
 
 The fake model runner writes each step's tokens into a simulated paged KV cache through
 ``block_ids`` and reads the whole context back through them, so a block handed to two requests at
-once, or a wrong ``num_computed_tokens``, changes the tokens and fails the test.
+once, or a wrong ``num_computed_tokens``, changes the tokens and fails the test. The random
+workloads run twice: synchronously, and with async scheduling, where step N+1 is scheduled and run
+before step N's tokens reach the scheduler (the fake runner reads a pending token from its own
+"device" copy of the last sampled ids, as the real runner does); both must give the reference
+tokens exactly, so a late stop must drop the extra token and max_tokens must never be overrun.
 
 Run: pytest tests/engine/test_scheduler.py
 """
@@ -25,7 +29,7 @@ from pieceworks.config import CacheConfig, SchedulerConfig
 from pieceworks.engine.block_manager import BlockManager, StateSlotManager, cdiv
 from pieceworks.engine.request import Request, RequestStatus
 from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.engine.scheduler import Scheduler, SchedulerOutput
+from pieceworks.engine.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerOutput
 
 VOCAB_SIZE = 48
 EOS_TOKEN_ID = 0
@@ -65,6 +69,7 @@ class FakeModelRunner:
         self.kv_cache = [-1] * scheduler.block_manager.num_tokens_capacity
         slots = scheduler.state_slot_manager
         self.state_cache: list[int | None] = [None] * (slots.num_slots if slots else 0)
+        self.last_sampled: dict[str, int] = {}  # the "device" copy of the last step's tokens
 
     def slot(self, request: Request, position: int) -> int:
         return request.block_ids[position // self.block_size] * self.block_size + (
@@ -73,36 +78,49 @@ class FakeModelRunner:
 
     def execute(self, output: SchedulerOutput) -> list[int]:
         # Write every request's KV before reading any: a block shared by two requests shows up.
+        new_token_ids = {}
         for scheduled in output.scheduled_requests:
-            start = scheduled.num_computed_tokens
-            for offset, token_id in enumerate(scheduled.new_token_ids):
+            start, request_id = scheduled.num_computed_tokens, scheduled.request.request_id
+            new_token_ids[request_id] = [  # a pending token is on the "device" (async)
+                self.last_sampled[request_id] if token_id == PLACEHOLDER_TOKEN_ID else token_id
+                for token_id in scheduled.new_token_ids
+            ]
+            for offset, token_id in enumerate(new_token_ids[request_id]):
                 self.kv_cache[self.slot(scheduled.request, start + offset)] = token_id
-        sampled = []
+        sampled, last_sampled = [], {}
         for scheduled in output.scheduled_requests:
             request, end = (
                 scheduled.request,
                 scheduled.num_computed_tokens + scheduled.num_new_tokens,
             )
             context = [self.kv_cache[self.slot(request, position)] for position in range(end)]
-            assert context == request.all_token_ids[:end], f"{request.request_id}: KV corrupted"
+            known = request.all_token_ids[:end]  # a pending token is not known yet
+            assert context[: len(known)] == known, f"{request.request_id}: KV corrupted"
             if self.state_cache:
-                self.update_state(scheduled, context)
+                self.update_state(scheduled, new_token_ids[request.request_id], context)
             if scheduled.produces_token:
                 sampled.append(next_token(context))
+                last_sampled[request.request_id] = sampled[-1]
+        self.last_sampled = last_sampled
         return sampled
 
-    def update_state(self, scheduled, context: list[int]) -> None:
+    def update_state(self, scheduled, new_token_ids: list[int], context: list[int]) -> None:
         slot = scheduled.request.state_slot
         assert slot is not None and slot != StateSlotManager.NULL_SLOT
         # A prefill from position 0 starts from a zero state; anything else continues the slot's.
         state = 0 if scheduled.num_computed_tokens == 0 else self.state_cache[slot]
-        state = rolling_hash(scheduled.new_token_ids, state)
+        state = rolling_hash(new_token_ids, state)
         assert state == rolling_hash(context), "Mamba state slot shared or stale"
         self.state_cache[slot] = state
 
 
 def make_scheduler(
-    max_num_seqs=4, max_num_batched_tokens=64, num_blocks=256, block_size=4, num_state_slots=0
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    num_blocks=256,
+    block_size=4,
+    num_state_slots=0,
+    async_scheduling=False,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
@@ -110,6 +128,7 @@ def make_scheduler(
         max_model_len=256,
         num_blocks=num_blocks,
         num_state_slots=num_state_slots,
+        async_scheduling=async_scheduling,
     )
 
 
@@ -150,18 +169,31 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
 
 
 def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps=20_000) -> list:
-    """Drive schedule → fake model → update until every request finishes; return the outputs."""
+    """Drive schedule → fake model → update until every request finishes; return the outputs.
+
+    With async scheduling, step N+1 is scheduled and run before step N's update, as the engine
+    does; a step may then schedule nothing while the only running requests await their last token.
+    """
     runner = FakeModelRunner(scheduler)
     for request in requests:
         scheduler.add_request(request)
     outputs, num_finished = [], 0
+    in_flight: tuple[SchedulerOutput, list[int]] | None = None
     for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+        if not scheduler.has_unfinished_requests() and in_flight is None:
             break
         output = scheduler.schedule()
-        check_step(scheduler, output)
-        num_finished += len(scheduler.update_from_output(output, runner.execute(output)))
-        outputs.append(output)
+        if output.scheduled_requests or in_flight is None:
+            check_step(scheduler, output)
+        launched = (output, runner.execute(output)) if output.scheduled_requests else None
+        if in_flight is not None:
+            num_finished += len(scheduler.update_from_output(*in_flight))
+        in_flight = launched
+        if scheduler.max_pending_outputs == 1 and in_flight is not None:
+            num_finished += len(scheduler.update_from_output(*in_flight))
+            in_flight = None
+        if launched is not None:
+            outputs.append(output)
     assert not scheduler.has_unfinished_requests(), "requests left unfinished"
     assert num_finished == len(requests)
     check_no_leaks(scheduler)
@@ -183,18 +215,22 @@ def check_matches_reference(requests: list[Request]) -> None:
         assert (request.output_token_ids, request.finish_reason) == reference_output(request)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_many_more_requests_than_max_num_seqs_all_finish(seed):
+def test_many_more_requests_than_max_num_seqs_all_finish(seed, async_scheduling):
     requests = random_requests(seed, num_requests=40)
-    outputs = run_to_completion(make_scheduler(max_num_seqs=3, max_num_batched_tokens=24), requests)
+    scheduler = make_scheduler(3, 24, async_scheduling=async_scheduling)
+    outputs = run_to_completion(scheduler, requests)
     check_matches_reference(requests)
     assert max(output.num_requests for output in outputs) == 3
     assert any(output.is_uniform_decode for output in outputs)
 
 
-def test_chunked_prefill_respects_budget_and_resumes_where_it_stopped():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_prefill_respects_budget_and_resumes_where_it_stopped(async_scheduling):
     requests = random_requests(7, num_requests=12, max_prompt_len=60)
-    outputs = run_to_completion(make_scheduler(max_num_seqs=4, max_num_batched_tokens=8), requests)
+    scheduler = make_scheduler(4, 8, async_scheduling=async_scheduling)
+    outputs = run_to_completion(scheduler, requests)
     check_matches_reference(requests)
     chunks: dict[str, list[tuple[int, int]]] = {}
     for output in outputs:
@@ -211,16 +247,22 @@ def test_chunked_prefill_respects_budget_and_resumes_where_it_stopped():
         assert ends[-1] >= request.num_prompt_tokens
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("num_state_slots", [0, 5, 3])
 @pytest.mark.parametrize("seed", range(3))
-def test_preemption_resumes_with_the_same_tokens(seed, num_state_slots):
+def test_preemption_resumes_with_the_same_tokens(seed, num_state_slots, async_scheduling):
     """6 blocks of 4 = 24 KV tokens: enough for any one request (<= 15 + 10 - 1), not for four."""
     requests = random_requests(seed, num_requests=16, max_prompt_len=15, max_tokens=10)
     ample = [
         Request(r.request_id, r.prompt_token_ids, r.sampling_params, EOS_TOKEN_ID) for r in requests
     ]
     run_to_completion(make_scheduler(num_state_slots=num_state_slots), ample)
-    tiny = make_scheduler(max_num_seqs=4, num_blocks=6, num_state_slots=num_state_slots)
+    tiny = make_scheduler(
+        max_num_seqs=4,
+        num_blocks=6,
+        num_state_slots=num_state_slots,
+        async_scheduling=async_scheduling,
+    )
     outputs = run_to_completion(tiny, requests)
     assert sum(len(output.preempted_requests) for output in outputs) > 0
     for with_preemption, without in zip(requests, ample):
@@ -323,7 +365,7 @@ def test_produces_token_and_the_two_accepted_token_layouts():
         (4, False),
     ]
     assert output.num_scheduled_tokens == 6 and not output.is_uniform_decode
-    with pytest.raises(RuntimeError, match="schedule\\(\\) called twice"):
+    with pytest.raises(RuntimeError, match="awaiting update_from_output"):
         scheduler.schedule()
     with pytest.raises(ValueError, match="3 sampled tokens for a step of 2 requests"):
         scheduler.update_from_output(output, [1, 2, 3])

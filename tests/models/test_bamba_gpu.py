@@ -76,8 +76,9 @@ def test_bamba_tiny_float32_logits_match_hf_with_graphs(tmp_path):
     # random-weight model. The 1e-4 bound of SPEC §4 holds on CPU (tests/models/test_bamba_hf.py),
     # where the same Triton kernels run in full float32 under the interpreter; a wrong kernel is
     # off by the logit scale itself, far above this bound.
-    compared = run_and_compare(llm, hf_model, [prompt(5), prompt(11)], 4, [prompt(46)],
-                               tolerance=6e-2)
+    compared = run_and_compare(
+        llm, hf_model, [prompt(5), prompt(11)], 4, [prompt(46)], tolerance=6e-2
+    )
     assert compared == 3 * 4
 
 

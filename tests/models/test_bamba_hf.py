@@ -55,8 +55,9 @@ def saved(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("bamba"))
 
 
-def run_and_compare(llm: LLM, hf_model, prompts, steps: int, late_prompts=(),
-                    tolerance: float = 1e-4) -> int:
+def run_and_compare(
+    llm: LLM, hf_model, prompts, steps: int, late_prompts=(), tolerance: float = 1e-4
+) -> int:
     """Drive the engine step by step; compare every produced logit row with HF's."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)

@@ -29,22 +29,27 @@ from pieceworks.models.layers.quantization.fp8 import fp8_gemm, quantize_weight_
 from pieceworks.models.presets import get_preset, random_hf_checkpoint
 from pieceworks.platforms import current_platform
 from tests.models.test_fp8 import (
-    MAX_RELATIVE_RMS_ERROR,
     assert_fp8_close,
     record_logits,
     relative_rms,
 )
 
 pytestmark = pytest.mark.gpu
-# Random-weight models amplify any perturbation with depth (bf16 rounding alone moves the 8B
-# shape's logits by ~8e-2 of their scale; docs/benchmarks.md). FP8's per-layer error (4 % at two
-# layers, bounded by MAX_RELATIVE_RMS_ERROR as on CPU) grows to 0.137 at 12 layers (125m) and 0.54
-# at 32 (8B), measured on the H200 on 2026-11-30. Unrelated logits would give sqrt(2) ~ 1.41, so
-# the deep bounds say "still the same function"; the shallow test and the native-vs-reference
-# test (same FP8 weights, two implementations) are the tight checks.
+# Measured on the H200 on 2026-11-30 (random-weight models, static input scale 1.0):
+# - FP8 vs bf16 at two layers of the 8B widths: 0.162 (the float32 CPU reference path of the same
+#   two-layer model gives 0.154, so this is FP8 at these widths, not the GPU path; llama-tiny's
+#   4 % (MAX_RELATIVE_RMS_ERROR) holds only at its small widths). Bound: 0.25.
+# - Deeper, any perturbation is amplified: 0.137 at 12 layers (125m), 0.54 at 32 (8B); unrelated
+#   logits would give sqrt(2) ~ 1.41, so the deep bounds say "still the same function".
+# - The same FP8 weights through the native path (scaled_mm, fused norm+quant, graphs) and the
+#   reference GEMM at level 0: 0.34 at 32 layers (a rounding difference that flips one e4m3
+#   rounding grows like any other). At two layers the two paths should agree to about the GEMM's
+#   own 7e-4; MAX_NATIVE_VS_REFERENCE_2_LAYERS is that expectation, not yet run on a GPU.
+MAX_RELATIVE_RMS_ERROR_8B_WIDTHS = 0.25
 MAX_RELATIVE_RMS_ERROR_125M = 0.3
 MAX_RELATIVE_RMS_ERROR_8B = 0.9
-MAX_NATIVE_VS_REFERENCE_8B = 0.25  # first guess (bf16 rounding amplified); see the printout
+MAX_NATIVE_VS_REFERENCE_8B = 0.5
+MAX_NATIVE_VS_REFERENCE_2_LAYERS = 0.05
 
 
 def device() -> torch.device:
@@ -151,7 +156,20 @@ def test_fp8_at_8b_widths_two_layers(tmp_path):
     hf_config.update(num_hidden_layers=2, vocab_size=32000)
     random_hf_checkpoint(hf_config, tmp_path, dtype=torch.bfloat16)
     error = fp8_against_bf16(str(tmp_path), 32000)
-    assert 1e-3 < error < MAX_RELATIVE_RMS_ERROR
+    assert 1e-3 < error < MAX_RELATIVE_RMS_ERROR_8B_WIDTHS
+
+
+def test_fp8_native_matches_reference_path_at_two_layers(tmp_path, monkeypatch):
+    hf_config = get_preset("llama-3.1-8b")
+    hf_config.update(num_hidden_layers=2, vocab_size=32000)
+    random_hf_checkpoint(hf_config, tmp_path, dtype=torch.bfloat16)
+    prompts = prompts_for(32000)
+    native, _, _ = prefill_logits(str(tmp_path), "fp8", prompts)
+    monkeypatch.setattr(type(current_platform()), "supports_fp8", lambda self: False)
+    reference, _, _ = prefill_logits(str(tmp_path), "fp8", prompts, "eager")
+    error = relative_rms(native.float(), reference.float())
+    print(f"two layers at 8B widths, fp8 native compiled vs reference eager: {error:.4f}")
+    assert error < MAX_NATIVE_VS_REFERENCE_2_LAYERS
 
 
 def test_llama_125m_fp8_full_and_piecewise():

@@ -60,8 +60,9 @@ def hf_last_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([token_ids])).logits[0, -1].float()
 
 
-def assert_close_to_hf(logits: torch.Tensor, reference: torch.Tensor,
-                       tolerance: float = 1e-4) -> None:
+def assert_close_to_hf(
+    logits: torch.Tensor, reference: torch.Tensor, tolerance: float = 1e-4
+) -> None:
     scale = reference.abs().max()
     error = (logits - reference).abs().max()
     assert error <= tolerance * scale, f"max abs diff {error:.3e} vs logit scale {scale:.3e}"

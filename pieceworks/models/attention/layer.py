@@ -65,6 +65,10 @@ MAX_CACHED_PLANS = 256
 class Attention(nn.Module):
     """Paged causal attention over flattened tokens; K/V cache bound later by the runner.
 
+    ``num_heads`` and ``num_kv_heads`` are this tensor-parallel rank's (the model divides the
+    checkpoint's counts; KV heads fewer than ranks are replicated, one per rank), and so is the
+    KV cache the runner binds: ``(num_blocks, block_size, num_kv_heads, head_size)``.
+
     ``attend`` (the op's body) keeps the backend's plan per shape signature: every shape and
     stride the plan is built from, plus ``max_query_len``. The first call of a signature checks
     the layouts and binds the launches (and raises there if they are wrong); later calls only
@@ -84,7 +88,8 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
-                f"{prefix}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+                f"{prefix}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads} "
+                "(per tensor-parallel rank)"
             )
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = scale
