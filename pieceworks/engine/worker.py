@@ -15,7 +15,10 @@ from typing import Any
 
 from pieceworks.config import EngineConfig
 from pieceworks.engine.model_runner import ModelRunner
+from pieceworks.logger import init_logger
 from pieceworks.platforms import Platform, use_platform
+
+logger = init_logger(__name__)
 
 
 def run_worker(
@@ -40,14 +43,21 @@ def run_worker(
         )
         runner = start_rank(config, runner_cls)
     except BaseException:
-        errors.put((parallel.rank, traceback.format_exc()))
+        trace = traceback.format_exc()
+        # Printed here too: rank 0 may be blocked in a device collective and learn of it late.
+        logger.error("tensor-parallel rank %d failed at start-up:\n%s", parallel.rank, trace)
+        errors.put((parallel.rank, trace))
         errors.close()
         errors.join_thread()  # the report is out before the process goes
         # Leave at once: a normal exit would run the process group's destructors, which can wait
         # on collectives rank 0 will never join; exiting closes this rank's sockets instead, so
         # rank 0's next collective fails and it reports this error.
         os._exit(1)
-    serve(runner)
+    try:
+        serve(runner)
+    except BaseException:
+        logger.error("tensor-parallel rank %d failed:\n%s", parallel.rank, traceback.format_exc())
+        os._exit(1)  # rank 0's next collective fails instead of waiting on this rank
     free_rank(runner)
 
 

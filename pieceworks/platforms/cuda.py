@@ -56,7 +56,13 @@ class CudaPlatform(Platform):
                 # after the first that only costs time (the first piece already did it).
                 stack.enter_context(mock.patch("gc.collect", lambda: None))
                 stack.enter_context(mock.patch("torch.cuda.empty_cache", lambda: None))
-            stack.enter_context(torch.cuda.graph(graph, pool=pool))
+            # "thread_local": only this thread's calls are checked during capture. In "global"
+            # mode (torch's default) a CUDA call from any other thread, such as the event polling
+            # of ProcessGroupNCCL's watchdog after the warm-up runs' all-reduces, can invalidate
+            # the capture: a suspect for the TP=2 hang seen on the H200 (docs/parallel.md).
+            stack.enter_context(
+                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+            )
             yield
 
     def supports_fp8(self) -> bool:
