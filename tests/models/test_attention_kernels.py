@@ -343,3 +343,50 @@ def test_triton_decode_rereads_metadata_in_place():
     batch.block_tables.copy_(batch.block_tables.flip(0))  # sequences swap their blocks
     batch.query.copy_(torch.randn_like(batch.query))
     assert_matches_reference(batch, run_triton(batch, max_query_len=1))
+
+
+@requires_triton
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_decode_with_fused_kv_store(num_kv_splits, block_size):
+    """The decode plan that stores the step's K/V itself (``new_kv``) gives the output and the
+    cache of "store, then attend": each sequence's new token lands in its slot and is attended
+    to, padded sequences and padded rows (slot -1) write nothing, every other cache row keeps its
+    value, and no split reads a row written in the same launch (the new K/V come from registers).
+    """
+    from pieceworks.models.attention.ops import plan_paged_attention
+
+    seq_lens = [1, 15, 33, 100, 0]
+    batch = make_batch(seq_lens, [1, 1, 1, 1, 0], num_heads=8, num_kv_heads=2,
+                       block_size=block_size, num_padded_tokens=2)  # fmt: skip
+    num_tokens = batch.query.shape[0]
+    key = torch.randn(num_tokens, 2, HEAD_SIZE, device=DEVICE)
+    value = torch.randn(num_tokens, 2, HEAD_SIZE, device=DEVICE)
+    slots = [-1] * num_tokens
+    for seq, seq_len in enumerate(seq_lens):
+        if seq_len:  # the token at position seq_len - 1 of sequence seq is row seq
+            block = int(batch.block_tables[seq, (seq_len - 1) // block_size])
+            slots[seq] = block * block_size + (seq_len - 1) % block_size
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+
+    expected_keys, expected_values = batch.key_cache.clone(), batch.value_cache.clone()
+    store_kv_cache_torch(key, value, expected_keys, expected_values, slot_mapping)
+    expected = torch.full_like(batch.query, SENTINEL)
+    paged_attention_reference(batch.query, expected_keys, expected_values, expected,
+                              **batch.metadata())  # fmt: skip
+
+    output = torch.full_like(batch.query, SENTINEL)
+    metadata = batch.metadata()
+    launch = plan_paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, output, block_tables=batch.block_tables,
+        scale=metadata["scale"], max_query_len=1, num_kv_splits=num_kv_splits,
+        new_kv=(key, value),
+    )  # fmt: skip
+    assert launch is not None and launch.stores_kv
+    launch(batch.query, batch.key_cache, batch.value_cache, output, batch.query_start_loc,
+           batch.seq_lens, batch.block_tables, new_kv=(key, value, slot_mapping))  # fmt: skip
+    real = batch.num_real_tokens
+    torch.testing.assert_close(output[:real], expected[:real], **TOLERANCES[torch.float32])
+    assert (output[real:] == SENTINEL).all()
+    assert torch.equal(batch.key_cache, expected_keys)
+    assert torch.equal(batch.value_cache, expected_values)

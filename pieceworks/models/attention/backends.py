@@ -17,6 +17,7 @@ import torch
 
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.attention.ops import (
+    DecodeLaunch,
     KernelLaunch,
     PagedAttentionLaunch,
     paged_attention_reference,
@@ -107,7 +108,11 @@ class TorchAttentionBackend(AttentionBackend):
 
 @dataclasses.dataclass(frozen=True)
 class TritonAttentionPlan:
-    """The three launches of one shape signature (None: nothing to launch) and the caches."""
+    """The launches of one shape signature (None: nothing to launch) and the caches.
+
+    A decode plan stores the step's K/V inside its split-KV kernel, so its ``store`` is None;
+    prefill and mixed steps store with the separate kernel first.
+    """
 
     key_cache: torch.Tensor
     value_cache: torch.Tensor
@@ -128,7 +133,6 @@ class TritonAttentionBackend(AttentionBackend):
     def plan(cls, layer, query, key, value, output, metadata) -> TritonAttentionPlan:
         key_cache, value_cache = layer.bound_kv_cache()
         query, key, value, output = head_views(layer, query, key, value, output)
-        store = plan_store_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         attend = plan_paged_attention(
             query,
             key_cache,
@@ -138,7 +142,12 @@ class TritonAttentionBackend(AttentionBackend):
             scale=layer.scale,
             max_query_len=metadata.max_query_len,
             workspace=layer.workspace,
+            new_kv=(key, value),  # a decode plan stores them itself: one launch fewer
         )
+        # Planned either way: it checks the K/V and slot layouts for both paths.
+        store = plan_store_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if isinstance(attend, DecodeLaunch) and attend.stores_kv:
+            store = None
         return TritonAttentionPlan(key_cache, value_cache, store, attend)
 
     @classmethod
@@ -148,7 +157,18 @@ class TritonAttentionBackend(AttentionBackend):
         # as they are, without building the views again.
         if plan.store is not None:
             plan.store(key, value, plan.key_cache, plan.value_cache, metadata.slot_mapping)
-        if plan.attend is not None:
+        if isinstance(plan.attend, DecodeLaunch) and plan.attend.stores_kv:
+            plan.attend(
+                query,
+                plan.key_cache,
+                plan.value_cache,
+                output,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                metadata.block_tables,
+                new_kv=(key, value, metadata.slot_mapping),
+            )
+        elif plan.attend is not None:
             plan.attend(
                 query,
                 plan.key_cache,

@@ -9,6 +9,9 @@ sequences, causal positions `seq_lens[s] - q_s + i`, GQA, padded sequences skipp
   workspace; `_decode_reduce_kernel` then merges the splits per (seq, q head). The number of
   splits comes from shapes only; each sequence cuts its own length into that many slices
   (rounded up to whole tiles), so short sequences leave trailing splits empty (lse = -inf).
+  Planned with `new_kv`, the split kernel also stores the step's K/V (the split holding the last
+  position uses them from registers and writes them at its end), saving the separate store
+  launch; the attention backend does this for every decode step.
 - prefill / mixed (`max_query_len > 1`): flash attention over (seq, query block, kv head); a tile
   row is one (query token, q head) pair of the kv head's group, so decode rows in a mixed batch
   waste little of the tile.
@@ -17,9 +20,9 @@ Both read all metadata from device tensors: no `.item()`, no host sync, grids an
 from shapes and the host int `max_query_len`, so a decode step can be captured into a graph and
 replayed with new values in the same buffers. Because of that, `plan_paged_attention` can do all
 the host-side work (checks, split count, grids, strides, workspace) once per shape and return a
-launch that later calls reuse with only their tensors. Not owned here: writing the cache
-(`kv_cache.py`), choosing this backend over the reference (the platform), building the metadata
-(the runner), keeping launches per shape (the attention layer).
+launch that later calls reuse with only their tensors. Not owned here: writing the cache for
+prefill and mixed steps (`kv_cache.py`), choosing this backend over the reference (the platform),
+building the metadata (the runner), keeping launches per shape (the attention layer).
 """
 
 import dataclasses
@@ -52,12 +55,15 @@ NEG_LARGE = tl.constexpr(-1.0e30)
 def _decode_split_kv_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, partial_out_ptr, partial_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    key_ptr, value_ptr, slot_mapping_ptr,  # the step's new K/V; read only with STORE_KV
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     stride_q_t, stride_q_h,
     stride_cache_block, stride_cache_offset, stride_cache_h,
     stride_block_tables,
+    stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):  # fmt: skip
     # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -68,11 +74,19 @@ def _decode_split_kv_kernel(
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
     kv_start = split * tokens_per_split
     kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
+    dims = tl.arange(0, HEAD_SIZE)
+    last = seq_len - 1  # the position of this step's token
+    if STORE_KV:
+        # This step's K/V come from the inputs, not the cache: the split holding the last
+        # position uses them from registers and writes them to the cache at its end, for later
+        # steps, so no program reads a cache row written in this launch.
+        token = query_start.to(tl.int64)
+        k_new = tl.load(key_ptr + token * stride_k_t + kv_head * stride_k_h + dims)  # (D,)
+        v_new = tl.load(value_ptr + token * stride_v_t + kv_head * stride_v_h + dims)
 
     rows = tl.arange(0, BLOCK_H)  # one tile row per q head of the group
     heads = kv_head * NUM_QUERIES_PER_KV + rows
     row_mask = rows < NUM_QUERIES_PER_KV
-    dims = tl.arange(0, HEAD_SIZE)
     q_offsets = query_start.to(tl.int64) * stride_q_t + heads[:, None] * stride_q_h + dims[None, :]
     q = tl.load(query_ptr + q_offsets, mask=row_mask[:, None], other=0.0)  # (BLOCK_H, D)
 
@@ -86,10 +100,23 @@ def _decode_split_kv_kernel(
         kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
                                     stride_cache_offset, stride_cache_h, BLOCK_SIZE)  # fmt: skip
         k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
+        v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
+        if STORE_KV:
+            is_new = (kv_pos == last)[:, None]  # (BLOCK_N, 1)
+            k = tl.where(is_new, k_new[None, :].to(k.dtype), k)
+            v = tl.where(is_new, v_new[None, :].to(v.dtype), v)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
         scores = tl.where(kv_mask[None, :], scores, float("-inf"))  # (BLOCK_H, BLOCK_N)
-        v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
         m_i, l_i, acc = _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
+
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + query_start)
+        if (kv_start <= last) & (last < kv_end) & (slot >= 0):
+            cache_offsets = ((slot // BLOCK_SIZE) * stride_cache_block
+                             + (slot % BLOCK_SIZE) * stride_cache_offset
+                             + kv_head * stride_cache_h + dims)  # fmt: skip
+            tl.store(key_cache_ptr + cache_offsets, k_new.to(key_cache_ptr.dtype.element_ty))
+            tl.store(value_cache_ptr + cache_offsets, v_new.to(value_cache_ptr.dtype.element_ty))
 
     # Partial result of this split, normalised; an empty split reports lse = -inf.
     lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
@@ -262,17 +289,25 @@ def paged_attention_triton(
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
-    """Split-KV decode bound for one shape: partials into its workspace, then the reduce."""
+    """Split-KV decode bound for one shape: partials into its workspace, then the reduce.
+
+    With ``stores_kv`` the split kernel also writes the step's new K/V into the cache (one launch
+    fewer than a separate store); the call then takes ``new_kv=(key, value, slot_mapping)``.
+    """
 
     split: KernelLaunch
     reduce: KernelLaunch
     partial_out: torch.Tensor  # (S, Hq, splits, D) float32
     partial_lse: torch.Tensor  # (S, Hq, splits) float32
+    stores_kv: bool = False
 
     def __call__(self, query, key_cache, value_cache, output, query_start_loc, seq_lens,
-                 block_tables) -> None:  # fmt: skip
+                 block_tables, new_kv=None) -> None:  # fmt: skip
+        if self.stores_kv != (new_kv is not None):
+            raise ValueError("pass new_kv=(key, value, slot_mapping) exactly when planned to store")
+        key, value, slot_mapping = new_kv or (query, query, seq_lens)  # unread without a store
         self.split(query, key_cache, value_cache, self.partial_out, self.partial_lse,
-                   query_start_loc, seq_lens, block_tables)  # fmt: skip
+                   query_start_loc, seq_lens, block_tables, key, value, slot_mapping)  # fmt: skip
         self.reduce(self.partial_out, self.partial_lse, output, query_start_loc)
 
 
@@ -292,23 +327,26 @@ def plan_paged_attention(
     max_query_len: int,
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # (T, Hkv, D) each
 ) -> PagedAttentionLaunch | None:
     """Check the layouts and bind the launches for these shapes; None when there is no work.
 
     Everything here follows from shapes, strides and `max_query_len`, never from tensor values,
     so the launch serves any tensors of the same shapes and strides (graph replay included).
+    With ``new_kv`` (the step's key and value, for their layout) a decode plan also stores them
+    into the cache (``DecodeLaunch.stores_kv``); a prefill plan ignores it (store separately).
     """
     _check_attention_inputs(query, key_cache, value_cache, output, block_tables)
     if block_tables.shape[0] == 0 or query.shape[0] == 0:
         return None
     if max_query_len <= 1:
         return _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
-                            workspace)  # fmt: skip
+                            workspace, new_kv)  # fmt: skip
     return _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len)
 
 
 def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
-                 workspace) -> DecodeLaunch:  # fmt: skip
+                 workspace, new_kv=None) -> DecodeLaunch:  # fmt: skip
     """Split-KV decode: partials per (seq, kv head, split), then one reduce per (seq, q head)."""
     num_seqs, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_size = key_cache.shape
@@ -326,14 +364,19 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
             num_seqs, num_heads, num_kv_splits, head_size, query.device
         )
     num_queries_per_kv = num_heads // num_kv_heads
+    if new_kv is not None:
+        _check_new_kv(new_kv, query, key_cache)
+    key, value = new_kv or (query, query)  # strides unused without a store
     split = KernelLaunch(
         _decode_split_kv_kernel,
         (num_seqs, num_kv_heads, num_kv_splits),
         (scale * LOG2_E, query.stride(0), query.stride(1),
-         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0)),
+         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+         key.stride(0), key.stride(1), value.stride(0), value.stride(1)),
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
              NUM_KV_SPLITS=num_kv_splits,
              BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
+             STORE_KV=new_kv is not None,
              num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES),
     )  # fmt: skip
     reduce = KernelLaunch(
@@ -343,7 +386,7 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
         dict(HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
              BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4),
     )  # fmt: skip
-    return DecodeLaunch(split, reduce, partial_out, partial_lse)
+    return DecodeLaunch(split, reduce, partial_out, partial_lse, stores_kv=new_kv is not None)
 
 
 def _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len) -> KernelLaunch:
@@ -368,6 +411,17 @@ def _prefill_block_m(max_rows: int, num_queries_per_kv: int) -> int:
     """Tile rows (query tokens x group heads): big tiles for long queries, >= 16 for tl.dot."""
     block_m = 128 if max_rows >= 128 else 64 if max_rows >= 64 else 16
     return max(block_m, triton.next_power_of_2(num_queries_per_kv))
+
+
+def _check_new_kv(new_kv, query, key_cache) -> None:
+    """The step's key and value as the fused decode store reads them: (T, Hkv, D), unit D stride."""
+    expected = (query.shape[0], key_cache.shape[2], key_cache.shape[3])
+    for name, tensor in zip(("key", "value"), new_kv, strict=True):
+        if tuple(tensor.shape) != expected or tensor.stride(-1) != 1:
+            raise ValueError(
+                f"{name} {tuple(tensor.shape)} (strides {tensor.stride()}) must be {expected} and "
+                "contiguous along the head dimension"
+            )
 
 
 def _check_attention_inputs(query, key_cache, value_cache, output, block_tables) -> None:
