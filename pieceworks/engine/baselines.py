@@ -64,11 +64,17 @@ def _transformers() -> Any:
 
 def baseline_model_config(case: LatencyCase) -> ModelConfig:
     """The engine's ``ModelConfig`` for ``case`` (same dtype rule, seed and config dict)."""
-    model_config = build_engine_config(case.model, None, **case.engine_args).model_config
+    config = build_engine_config(case.model, None, **case.engine_args)
+    model_config = config.model_config
     if model_config.quantization is not None:
         logger.warning(
             "baselines run the unquantized model: quantization=%r is ignored for them",
             model_config.quantization,
+        )
+    if config.parallel_config.tensor_parallel_size > 1:
+        logger.warning(
+            "baselines run on one device: tensor_parallel_size=%d is ignored for them",
+            config.parallel_config.tensor_parallel_size,
         )
     return model_config
 
