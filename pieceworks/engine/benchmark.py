@@ -3,8 +3,9 @@
 For each mode: build an engine (timing load, compile and capture, and counting what the pipeline
 did), generate ``output_len`` tokens for ``batch_size`` random prompts of ``input_len`` tokens with
 greedy sampling and ``ignore_eos``, warm-ups first, then ``num_iters`` timed runs. Each engine step
-ends in its one host sync, so step wall times are device-accurate; decode steps are the
-uniform-decode steps of the whole batch. The floor is the bytes a decode step must read over the
+ends in a host sync (with async scheduling, on the previous step's tokens), so in steady state a
+step's wall time is the loop's period, device-accurate; decode steps are the uniform-decode steps
+of the whole batch. The floor is the bytes a decode step must read over the
 device copy bandwidth measured at the start of the run.
 """
 

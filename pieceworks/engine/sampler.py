@@ -5,8 +5,9 @@ top-k and top-p as one tensor (a single host-to-device copy), masks with one sor
 the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` picks index ``i`` with probability
 ``probs[i]``. Rows with a ``seed`` draw ``q`` from their own ``torch.Generator`` (see
 ``make_generator``), so a seeded request gets the same tokens in any batch. Greedy rows take the
-argmax of the raw logits. The result stays on the logits' device; the caller syncs once with
-``.tolist()``. Which rows to sample is the runner's business (``ScheduledRequest.produces_token``).
+argmax of the raw logits. The result stays on the logits' device; the runner copies it to the
+host without waiting (``SampledTokens``). Which rows to sample is the runner's business
+(``ScheduledRequest.produces_token``).
 """
 
 from __future__ import annotations
