@@ -56,7 +56,7 @@ class UniprocExecutor:
     def __init__(self, config: EngineConfig, runner_cls: type[ModelRunner] = ModelRunner) -> None:
         self.config = config
         self.runner = runner_cls(config)
-        self.num_blocks = self.runner.initialize_kv_cache()
+        self.runner.initialize_kv_cache()
         self.runner.capture_model()
 
     def execute_async(self, output: SchedulerOutput) -> SampledTokens:
@@ -88,6 +88,20 @@ def free_tcp_init_method() -> str:
 def with_rank(config: EngineConfig, rank: int, local_rank: int) -> EngineConfig:
     parallel = dataclasses.replace(config.parallel_config, rank=rank, local_rank=local_rank)
     return dataclasses.replace(config, parallel_config=parallel)
+
+
+def check_device_index(local_rank: int, world_size: int) -> None:
+    """Device ``local_rank`` must exist, unless all ranks share one device (the CPU)."""
+    from pieceworks.platforms import current_platform
+
+    platform = current_platform()
+    if platform.device(1) == platform.device(0) or local_rank < platform.device_count():
+        return
+    raise ValueError(
+        f"tensor_parallel_size={world_size} needs device {local_rank} on this host, but "
+        f"{platform.name} sees {platform.device_count()} device(s); lower tensor_parallel_size "
+        "or make more devices visible (one rank per device)"
+    )
 
 
 def dist_timeout() -> datetime.timedelta:
@@ -139,6 +153,8 @@ class MultiprocExecutor(UniprocExecutor):
             )
         rank = launched["rank"] if launched else 0
         local_rank = launched["local_rank"] if launched else 0
+        # Spawned ranks 1..N-1 take devices 1..N-1 of this host; under torchrun only our own.
+        check_device_index(local_rank if launched else world_size - 1, world_size)
         self.processes: list[Any] = []
         self.errors: Any = None
         self._closed = False
@@ -165,7 +181,6 @@ class MultiprocExecutor(UniprocExecutor):
             if failure is not None:
                 raise RuntimeError(f"tensor-parallel start-up failed on {failure}") from error
             raise
-        self.num_blocks = self.runner.num_blocks
         self._released: list[str] = []
         atexit.register(self.shutdown)
 

@@ -93,7 +93,6 @@ class InputBuffers:
             for packed in self._staging
         ]
         self._copy_events = [create_event(), create_event()]  # None: copies are synchronous
-        self._copy_pending = [False, False]
         self._staging_index = 1
         self.packed_host = self._staging[0]
         self.host = self._staging_views[0]
@@ -233,9 +232,8 @@ class InputBuffers:
         """Switch to the other staging buffer once the copy that last read it has run."""
         index = self._staging_index = 1 - self._staging_index
         event = self._copy_events[index]
-        if event is not None and self._copy_pending[index]:
-            event.synchronize()
-            self._copy_pending[index] = False
+        if event is not None:
+            event.synchronize()  # an event never recorded returns at once
         self.packed_host, self.host = self._staging[index], self._staging_views[index]
 
     def _copy_to_device(self, shape: StepShape, num_logits: int = 0) -> None:
@@ -244,7 +242,6 @@ class InputBuffers:
         event = self._copy_events[self._staging_index]
         if event is not None:
             event.record()
-            self._copy_pending[self._staging_index] = True
 
     def copy_ranges(
         self, shape: StepShape, num_logits: int = 0, num_placeholders: int = 0

@@ -29,7 +29,7 @@ class LLMEngine:
         self.config = config
         self.executor = make_executor(config)
         self.runner = self.executor.runner  # this process's (rank 0's) runner
-        num_blocks = self.executor.num_blocks
+        num_blocks = self.runner.num_blocks
         max_model_len = config.model_config.max_model_len
         assert max_model_len is not None
         self.scheduler = Scheduler(

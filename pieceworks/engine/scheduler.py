@@ -23,6 +23,7 @@ dropped. Without it, a second ``schedule()`` before the update is an error.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import deque
 from collections.abc import Sequence
@@ -68,11 +69,9 @@ class ScheduledRequest:
     def detached(self) -> ScheduledRequest:
         """A copy for another rank: the snapshot plus a request holding only what a runner reads
         (id, sampling parameters, blocks, state slot), not the whole token history."""
-        copy = dataclasses.replace(self, request=self.request.runner_view())
-        copy.num_computed_tokens = self.num_computed_tokens
-        copy.produces_token = self.produces_token
-        copy.new_token_ids = self.new_token_ids
-        return copy
+        detached = copy.copy(self)  # the snapshot fields as they are
+        detached.request = self.request.runner_view()
+        return detached
 
 
 def _token_ids(request: Request, start: int, end: int) -> list[int]:

@@ -93,3 +93,23 @@ def test_failing_worker_ends_start_up_with_its_error(checkpoints):
         MultiprocExecutor(config, runner_cls=FailsOnRankOne)
     assert "ran out of device memory (injected)" in str(failure.value)
     assert time.monotonic() - start < 120  # well inside PIECEWORKS_DIST_TIMEOUT_S
+
+
+def test_more_ranks_than_devices_is_a_clear_error(monkeypatch):
+    from pieceworks import platforms
+    from pieceworks.engine.executor import check_device_index
+
+    class OneDevice:
+        name = "onedevice"
+
+        def device(self, index: int = 0) -> tuple[str, int]:
+            return ("accelerator", index)
+
+        def device_count(self) -> int:
+            return 1
+
+    check_device_index(1, 2)  # the CPU: every rank shares the one device
+    monkeypatch.setattr(platforms, "_current", OneDevice())
+    check_device_index(0, 2)  # torchrun's rank 0 on device 0: fine
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs device 1.*sees 1"):
+        check_device_index(1, 2)

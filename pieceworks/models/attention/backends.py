@@ -119,6 +119,11 @@ class TritonAttentionPlan:
     store: KernelLaunch | None
     attend: PagedAttentionLaunch | None
 
+    @property
+    def stores_kv(self) -> bool:
+        """The decode launch writes the step's K/V itself (no separate store)."""
+        return isinstance(self.attend, DecodeLaunch) and self.attend.stores_kv
+
 
 class TritonAttentionBackend(AttentionBackend):
     """Triton kernels (CUDA and ROCm): prefill, decode and mixed batches, FULL-graph capturable.
@@ -146,9 +151,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
         # Planned either way: it checks the K/V and slot layouts for both paths.
         store = plan_store_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
-        if isinstance(attend, DecodeLaunch) and attend.stores_kv:
-            store = None
-        return TritonAttentionPlan(key_cache, value_cache, store, attend)
+        plan = TritonAttentionPlan(key_cache, value_cache, store, attend)
+        return dataclasses.replace(plan, store=None) if plan.stores_kv else plan
 
     @classmethod
     def run(cls, plan, layer, query, key, value, output, metadata) -> None:
@@ -157,24 +161,11 @@ class TritonAttentionBackend(AttentionBackend):
         # as they are, without building the views again.
         if plan.store is not None:
             plan.store(key, value, plan.key_cache, plan.value_cache, metadata.slot_mapping)
-        if isinstance(plan.attend, DecodeLaunch) and plan.attend.stores_kv:
-            plan.attend(
-                query,
-                plan.key_cache,
-                plan.value_cache,
-                output,
-                metadata.query_start_loc,
-                metadata.seq_lens,
-                metadata.block_tables,
-                new_kv=(key, value, metadata.slot_mapping),
-            )
-        elif plan.attend is not None:
-            plan.attend(
-                query,
-                plan.key_cache,
-                plan.value_cache,
-                output,
-                metadata.query_start_loc,
-                metadata.seq_lens,
-                metadata.block_tables,
-            )
+        if plan.attend is None:
+            return
+        args = (query, plan.key_cache, plan.value_cache, output, metadata.query_start_loc,
+                metadata.seq_lens, metadata.block_tables)  # fmt: skip
+        if plan.stores_kv:
+            plan.attend(*args, new_kv=(key, value, metadata.slot_mapping))
+        else:
+            plan.attend(*args)
