@@ -76,13 +76,18 @@ def _decode_split_kv_kernel(
     kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
     dims = tl.arange(0, HEAD_SIZE)
     last = seq_len - 1  # the position of this step's token
+    cache_end = kv_end
     if STORE_KV:
-        # This step's K/V come from the inputs, not the cache: the split holding the last
-        # position uses them from registers and writes them to the cache at its end, for later
-        # steps, so no program reads a cache row written in this launch.
+        # This step's K/V come from the inputs, not the cache: the tiles stop before the last
+        # position, and the split holding it folds the new token in from registers and writes
+        # it to the cache at its end, for later steps; no program reads a row this launch writes.
+        # (The tile loop stays the plain one, so its loads still pipeline.)
+        cache_end = tl.minimum(kv_end, last)
         token = query_start.to(tl.int64)
-        k_new = tl.load(key_ptr + token * stride_k_t + kv_head * stride_k_h + dims)  # (D,)
+        cache_dtype = key_cache_ptr.dtype.element_ty  # attend to what later steps will read
+        k_new = tl.load(key_ptr + token * stride_k_t + kv_head * stride_k_h + dims)
         v_new = tl.load(value_ptr + token * stride_v_t + kv_head * stride_v_h + dims)
+        k_new, v_new = k_new.to(cache_dtype), v_new.to(cache_dtype)
 
     rows = tl.arange(0, BLOCK_H)  # one tile row per q head of the group
     heads = kv_head * NUM_QUERIES_PER_KV + rows
@@ -94,29 +99,35 @@ def _decode_split_kv_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_H, HEAD_SIZE], tl.float32)  # running sum of p @ V
     block_table = block_tables_ptr + seq * stride_block_tables
-    for tile_start in range(kv_start, kv_end, BLOCK_N):
+    for tile_start in range(kv_start, cache_end, BLOCK_N):
         kv_pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        kv_mask = kv_pos < kv_end
+        kv_mask = kv_pos < cache_end
         kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
                                     stride_cache_offset, stride_cache_h, BLOCK_SIZE)  # fmt: skip
         k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
         v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
-        if STORE_KV:
-            is_new = (kv_pos == last)[:, None]  # (BLOCK_N, 1)
-            k = tl.where(is_new, k_new[None, :].to(k.dtype), k)
-            v = tl.where(is_new, v_new[None, :].to(v.dtype), v)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
         scores = tl.where(kv_mask[None, :], scores, float("-inf"))  # (BLOCK_H, BLOCK_N)
         m_i, l_i, acc = _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
 
     if STORE_KV:
-        slot = tl.load(slot_mapping_ptr + query_start)
-        if (kv_start <= last) & (last < kv_end) & (slot >= 0):
-            cache_offsets = ((slot // BLOCK_SIZE) * stride_cache_block
-                             + (slot % BLOCK_SIZE) * stride_cache_offset
-                             + kv_head * stride_cache_h + dims)  # fmt: skip
-            tl.store(key_cache_ptr + cache_offsets, k_new.to(key_cache_ptr.dtype.element_ty))
-            tl.store(value_cache_ptr + cache_offsets, v_new.to(value_cache_ptr.dtype.element_ty))
+        if (kv_start <= last) & (last < kv_end):
+            # One more column of scores, the new token's, folded in as a tile of width one.
+            k_last = k_new.to(q.dtype).to(tl.float32)
+            score = tl.sum(q.to(tl.float32) * k_last[None, :], axis=1) * qk_scale  # (BLOCK_H,)
+            m_new = tl.maximum(m_i, score)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(score - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(q.dtype).to(tl.float32)[None, :]
+            m_i = m_new
+            slot = tl.load(slot_mapping_ptr + query_start)
+            if slot >= 0:
+                cache_offsets = ((slot // BLOCK_SIZE) * stride_cache_block
+                                 + (slot % BLOCK_SIZE) * stride_cache_offset
+                                 + kv_head * stride_cache_h + dims)  # fmt: skip
+                tl.store(key_cache_ptr + cache_offsets, k_new)
+                tl.store(value_cache_ptr + cache_offsets, v_new)
 
     # Partial result of this split, normalised; an empty split reports lse = -inf.
     lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
