@@ -11,6 +11,7 @@ only ``capture`` and ``replay``. Wrappers never copy inputs: the runner owns the
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _capturing_enabled = True
+# Every wrapper alive in this process: the compiled code (Dynamo's cache) keeps the piecewise
+# wrappers alive beyond the runner, so releasing their graphs cannot wait for garbage collection.
+_wrappers: weakref.WeakSet[StaticGraphWrapperBase] = weakref.WeakSet()
 
 
 def close_capturing() -> None:
@@ -36,6 +40,9 @@ def open_capturing() -> None:
     """Allow captures (the runner calls this before ``capture_model``)."""
     global _capturing_enabled
     _capturing_enabled = True
+# Every wrapper alive in this process: the compiled code (Dynamo's cache) keeps the piecewise
+# wrappers alive beyond the runner, so releasing their graphs cannot wait for garbage collection.
+_wrappers: weakref.WeakSet[StaticGraphWrapperBase] = weakref.WeakSet()
 
 
 def validate_capturing_enabled(descriptor: BatchDescriptor) -> None:
@@ -92,6 +99,7 @@ class StaticGraphWrapperBase:
         self.runtime_mode = runtime_mode
         self.options = options or CUDAGraphOptions()
         self.entries: dict[BatchDescriptor, Any] = {}
+        _wrappers.add(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         context = get_forward_context()
@@ -117,3 +125,18 @@ class StaticGraphWrapperBase:
 
     def replay(self, entry: Any, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
+
+
+def release_static_graphs(config: EngineConfig) -> int:
+    """Drop the captured graphs of every wrapper built for ``config``; how many were dropped.
+
+    An engine's shutdown calls this before its process group goes: NCCL destroys a communicator
+    only once every graph holding one of its collectives is destroyed, and otherwise waits
+    forever. The wrappers can no longer replay afterwards (capturing is closed).
+    """
+    released = 0
+    for wrapper in list(_wrappers):
+        if wrapper.config is config:
+            released += len(wrapper.entries)
+            wrapper.entries.clear()
+    return released

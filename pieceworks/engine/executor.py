@@ -66,7 +66,9 @@ class UniprocExecutor:
         self.runner.release(request_id)
 
     def shutdown(self) -> None:
-        """Nothing to stop: the runner goes with the engine."""
+        """Free the runner's graphs (a caller that set up the process group destroys it next)."""
+        if self.runner is not None:
+            self.runner.release_graphs()
 
 
 def torchrun_env() -> dict[str, int] | None:
@@ -122,10 +124,12 @@ def start_rank(config: EngineConfig, runner_cls: type[ModelRunner]) -> ModelRunn
 
 
 def free_rank(runner: ModelRunner | None) -> None:
-    """Free the runner (graphs, caches) before the process group goes."""
+    """Free the runner (graphs first, then caches) before the process group goes."""
     from pieceworks.distributed.parallel_state import destroy_distributed_environment
     from pieceworks.platforms import current_platform
 
+    if runner is not None:
+        runner.release_graphs()  # NCCL destroys no communicator a live graph still holds
     del runner
     gc.collect()
     current_platform().synchronize()

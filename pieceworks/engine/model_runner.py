@@ -24,7 +24,11 @@ from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
-from pieceworks.core.static_graph import close_capturing, open_capturing
+from pieceworks.core.static_graph import (
+    close_capturing,
+    open_capturing,
+    release_static_graphs,
+)
 from pieceworks.engine.block_manager import cdiv
 from pieceworks.engine.input_buffers import InputBuffers, StepShape
 from pieceworks.engine.kv_cache import (
@@ -193,6 +197,12 @@ class ModelRunner:
             self.capture_seconds,
             self.graph_memory_bytes / GIB,
         )
+
+    def release_graphs(self) -> int:
+        """Drop every static graph this runner captured, once the device is done with them (at
+        shutdown, before a process group whose collectives they hold is destroyed); how many."""
+        self.platform.synchronize()
+        return release_static_graphs(self.config)
 
     # --- execution ---------------------------------------------------------------------------
     def plan(

@@ -84,6 +84,25 @@ def test_capture_once_per_size_and_never_while_serving(checkpoint, graph_platfor
         llm.generate(prompts([4, 6, 8]), GREEDY)
 
 
+@pytest.mark.platform_agnostic
+def test_shutdown_releases_the_graphs_of_that_engine_only(checkpoint, graph_platform):
+    """Shutdown drops the engine's graphs (NCCL destroys no communicator a live graph holds, and
+    Dynamo's cache keeps the piece wrappers alive); another engine's graphs stay and replay."""
+    from pieceworks.engine.modes import compilation_for_mode
+
+    compilation = compilation_for_mode("full_and_piecewise", {"backend": "eager"})
+    engines = [
+        LLM(checkpoint, compilation_config=compilation, dtype="float32", max_num_seqs=4)
+        for _ in range(2)
+    ]
+    engines[0].shutdown()
+    assert engines[0].engine.runner.release_graphs() == 0
+    with compilation_counter.expect(num_cudagraph_captured=0):
+        tokens = [out.outputs[0].token_ids for out in engines[1].generate(prompts([4, 6]), GREEDY)]
+    assert tokens == generate(checkpoint, "eager", prompts([4, 6]))
+    assert engines[1].engine.runner.release_graphs() == 3 + 4 * 3  # as counted above
+
+
 def _output(llm: LLM, lengths: list[int], computed: list[int]) -> SchedulerOutput:
     from pieceworks.engine.request import Request
 
