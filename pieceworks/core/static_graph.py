@@ -40,6 +40,8 @@ def open_capturing() -> None:
     """Allow captures (the runner calls this before ``capture_model``)."""
     global _capturing_enabled
     _capturing_enabled = True
+
+
 # Every wrapper alive in this process: the compiled code (Dynamo's cache) keeps the piecewise
 # wrappers alive beyond the runner, so releasing their graphs cannot wait for garbage collection.
 _wrappers: weakref.WeakSet[StaticGraphWrapperBase] = weakref.WeakSet()

@@ -57,9 +57,7 @@ def resolve_hf_config(model: str) -> dict[str, Any]:
 def _compilation(compilation_config: Any, enforce_eager: bool) -> CompilationConfig:
     if isinstance(compilation_config, CompilationConfig):
         # A copy: engines never share the layers each registers, nor the sizes each finalises.
-        config = dataclasses.replace(
-            compilation_config, static_forward_context={}, _pad_table=[]
-        )
+        config = dataclasses.replace(compilation_config, static_forward_context={}, _pad_table=[])
     elif isinstance(compilation_config, int):
         config = CompilationConfig(level=CompilationLevel(compilation_config))
     else:
