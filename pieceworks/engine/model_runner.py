@@ -200,9 +200,15 @@ class ModelRunner:
 
     def release_graphs(self) -> int:
         """Drop every static graph this runner captured, once the device is done with them (at
-        shutdown, before a process group whose collectives they hold is destroyed); how many."""
+        shutdown, before a process group whose collectives they hold is destroyed); how many.
+        Graphs captured later, by another engine, go to a new pool."""
         self.platform.synchronize()
-        return release_static_graphs(self.config)
+        released = release_static_graphs(self.config)
+        if released:
+            self.platform.renew_graph_pool()
+            gc.collect()
+            self.platform.empty_cache()
+        return released
 
     # --- execution ---------------------------------------------------------------------------
     def plan(

@@ -73,6 +73,11 @@ class Platform:
             self._graph_pool_created = True
         return self._graph_pool
 
+    def renew_graph_pool(self) -> None:
+        """Later captures go to a new pool. Called once graphs were released: on CUDA a pool whose
+        graphs were all destroyed takes no new captures while its memory is still cached."""
+        self._graph_pool, self._graph_pool_created = None, False
+
     def _create_graph_pool(self) -> Any:
         return None
 

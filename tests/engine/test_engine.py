@@ -95,8 +95,10 @@ def test_shutdown_releases_the_graphs_of_that_engine_only(checkpoint, graph_plat
         LLM(checkpoint, compilation_config=compilation, dtype="float32", max_num_seqs=4)
         for _ in range(2)
     ]
+    pool = graph_platform.graph_pool()
     engines[0].shutdown()
     assert engines[0].engine.runner.release_graphs() == 0
+    assert graph_platform.graph_pool() is not pool  # CUDA: a drained pool takes no new captures
     with compilation_counter.expect(num_cudagraph_captured=0):
         tokens = [out.outputs[0].token_ids for out in engines[1].generate(prompts([4, 6]), GREEDY)]
     assert tokens == generate(checkpoint, "eager", prompts([4, 6]))
