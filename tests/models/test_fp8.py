@@ -33,7 +33,11 @@ from pieceworks.engine.llm import LLM
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.layers.linear import QKVParallelLinear
 from pieceworks.models.layers.quantization import Fp8Config
-from pieceworks.models.layers.quantization.fp8 import fp8_gemm, quantize_weight_per_tensor
+from pieceworks.models.layers.quantization.fp8 import (
+    Fp8LinearMethod,
+    fp8_gemm,
+    quantize_weight_per_tensor,
+)
 from pieceworks.models.presets import get_preset
 from pieceworks.platforms import current_platform
 
@@ -227,3 +231,58 @@ def test_llama_fp8_compiled_with_fusion_equals_eager_fp8(eager_logits, monkeypat
     # Same FP8 weights, scales and reference ops: measured bit-identical; the slack is for
     # Inductor's float reassociation in the unquantized parts.
     torch.testing.assert_close(logits, eager_logits["fp8"], rtol=1e-5, atol=1e-5)
+
+
+# On the H200, FP8 through torch._scaled_mm and through the reference GEMM differ by 7e-4
+# relative RMS per GEMM (tests/models/test_fp8_gpu.py), yet by 0.075 in the logits of a two-layer
+# model of the 8B widths. This reproduces that on the CPU: the same relative perturbation of every
+# GEMM output moves FP8 logits six to ten times as far as bf16 logits, because each perturbed
+# activation that lands across an e4m3 rounding boundary (steps of 2^-3 relative) jumps a whole
+# step. Measured with this test (1024 wide): 0.040 (FP8) vs 0.0065 (bf16); at the 8B widths (same
+# method, other prompts) 0.079 vs 0.0084, against 0.075 measured on the GPU.
+GEMM_NOISE = 7e-4
+
+
+def perturbed_prefill_logits(path: str, quantization: str | None, noise: float) -> torch.Tensor:
+    """Prefill logits (bf16 model, level 0) with every linear output scaled by 1 + noise*N(0,1)."""
+    from pieceworks.models.layers.quantization import base
+
+    generator = torch.Generator().manual_seed(1)
+    apply = {cls: cls.apply for cls in (base.UnquantizedLinearMethod, Fp8LinearMethod)}
+
+    def perturbed(method, layer, x, bias):
+        y = apply[type(method)](method, layer, x, bias)
+        factor = 1 + noise * torch.randn(y.shape, generator=generator)
+        return (y.float() * factor).to(y.dtype)
+
+    try:
+        for cls in apply:
+            cls.apply = perturbed  # type: ignore[method-assign]
+        llm = LLM(
+            path, compilation_config={"level": 0}, dtype="bfloat16", quantization=quantization
+        )
+        recorded = record_logits(llm.engine.runner.model)
+        prompts = [torch.randint(0, 32000, (n,), generator=generator).tolist() for n in (3, 17)]
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    finally:
+        for cls, original in apply.items():
+            cls.apply = original  # type: ignore[method-assign]
+    return recorded[0].float()
+
+
+def test_fp8_amplifies_gemm_rounding_differences(tmp_path):
+    from pieceworks.models.presets import random_hf_checkpoint
+
+    hf_config = get_preset("llama-3.1-8b")
+    widths = {"hidden_size": 1024, "intermediate_size": 3584, "num_attention_heads": 8}
+    hf_config.update(num_hidden_layers=2, vocab_size=32000, num_key_value_heads=2, **widths)
+    random_hf_checkpoint(hf_config, tmp_path, dtype=torch.bfloat16)
+    moved = {}
+    for quantization in (None, "fp8"):
+        exact = perturbed_prefill_logits(str(tmp_path), quantization, 0.0)
+        perturbed = perturbed_prefill_logits(str(tmp_path), quantization, GEMM_NOISE)
+        moved[quantization] = relative_rms(perturbed, exact)
+    print(f"a {GEMM_NOISE:g} GEMM perturbation moves logits: bf16 {moved[None]:.4f}, "
+          f"fp8 {moved['fp8']:.4f}")  # fmt: skip
+    assert moved[None] < 0.02  # bf16: about what was put in, a little amplified
+    assert moved["fp8"] > 3 * moved[None]  # fp8: rounding-boundary jumps

@@ -42,16 +42,18 @@ pytestmark = pytest.mark.gpu
 # - Deeper, any perturbation is amplified: 0.137 at 12 layers (125m), 0.54 at 32 (8B); unrelated
 #   logits would give sqrt(2) ~ 1.41, so the deep bounds say "still the same function".
 # - The same FP8 weights through the native path (scaled_mm, fused norm+quant, graphs) and the
-#   reference GEMM at level 0: 0.34 at 32 layers and 0.083 at two layers (a rounding difference
-#   that flips one e4m3 rounding grows like any other; a wrong scale or layout gives ~1). Bounds
-#   0.5 and 0.12. With both at level 0 only the GEMM differs (7e-4 alone): bound 0.02, expected,
-#   not yet run.
+#   reference GEMM at level 0: 0.34 at 32 layers, 0.083 at two layers. Both at level 0, so that
+#   only the GEMM differs: 0.075 at two layers. That is the GEMM's own 7e-4 after FP8 amplifies
+#   it: a 7e-4 perturbation of every GEMM output of this two-layer model, on the CPU, moved its
+#   logits by 0.079 (bf16 model: 0.0084), in a one-off run of the method that
+#   tests/models/test_fp8.py::test_fp8_amplifies_gemm_rounding_differences runs at 1024 wide.
+#   A wrong scale or layout gives ~1. Bounds: 0.5 at 32 layers, 0.12 at two.
 MAX_RELATIVE_RMS_ERROR_8B_WIDTHS = 0.25
 MAX_RELATIVE_RMS_ERROR_125M = 0.3
 MAX_RELATIVE_RMS_ERROR_8B = 0.9
 MAX_NATIVE_VS_REFERENCE_8B = 0.5
 MAX_NATIVE_VS_REFERENCE_2_LAYERS = 0.12
-MAX_GEMM_ONLY_2_LAYERS = 0.02
+MAX_GEMM_ONLY_2_LAYERS = 0.12
 
 
 def device() -> torch.device:
