@@ -5,9 +5,9 @@ top-k and top-p as one tensor (a single host-to-device copy), masks with one sor
 the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` picks index ``i`` with probability
 ``probs[i]``. Rows with a ``seed`` draw ``q`` from their own ``torch.Generator`` (see
 ``make_generator``), so a seeded request gets the same tokens in any batch. Greedy rows take the
-argmax of the raw logits. The result stays on the logits' device; the runner copies it to the
-host without waiting (``SampledTokens``). Which rows to sample is the runner's business
-(``ScheduledRequest.produces_token``).
+argmax of the raw logits, in two stages (``row_argmax``). The result stays on the logits'
+device; the runner copies it to the host without waiting (``SampledTokens``). Which rows to
+sample is the runner's business (``ScheduledRequest.produces_token``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from pieceworks.engine.sampling_params import SamplingParams
+
+# Columns per chunk of the two-stage argmax: the max of every chunk in parallel, then the argmax
+# of the chunk maxima. One reduction over a 128k vocabulary row ran as a single slow reduction
+# (28 us per step on the H200 at batch 1, ``docs/performance.md``).
+ARGMAX_CHUNK = 1024
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -44,7 +50,7 @@ class Sampler:
                 f"got {len(params)} and {len(generators)}"
             )
         logits = logits.float()
-        greedy_token_ids = logits.argmax(dim=-1)  # (S,)
+        greedy_token_ids = row_argmax(logits)  # (S,)
         if all(param.is_greedy for param in params):
             return greedy_token_ids
         row_params = _row_param_tensor(params, logits.device)  # (4, S)
@@ -59,6 +65,20 @@ class Sampler:
         noise = _exponential_noise(probs, params, generators)
         random_token_ids = probs.div_(noise).argmax(dim=-1)
         return torch.where(is_greedy.bool(), greedy_token_ids, random_token_ids)
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for ``(S, V)`` rows, ties to the first index as torch's, computed
+    as the max of each ``ARGMAX_CHUNK`` columns and then the argmax of those maxima."""
+    num_rows, vocab_size = logits.shape
+    if vocab_size <= 2 * ARGMAX_CHUNK:
+        return logits.argmax(dim=-1)
+    padding = -vocab_size % ARGMAX_CHUNK
+    if padding:  # -inf never wins unless the whole row is -inf, and then column 0 does anyway
+        logits = F.pad(logits, (0, padding), value=float("-inf"))
+    chunk_max, index_in_chunk = logits.view(num_rows, -1, ARGMAX_CHUNK).max(dim=-1)  # (S, C)
+    chunk = chunk_max.argmax(dim=-1, keepdim=True)  # (S, 1): the first chunk holding the max
+    return (chunk * ARGMAX_CHUNK + index_in_chunk.gather(1, chunk)).squeeze(1)
 
 
 def _row_param_tensor(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:

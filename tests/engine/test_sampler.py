@@ -14,7 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pieceworks.engine.sampler import Sampler, apply_top_k_top_p, make_generator
+from pieceworks.engine.sampler import (
+    ARGMAX_CHUNK,
+    Sampler,
+    apply_top_k_top_p,
+    make_generator,
+    row_argmax,
+)
 from pieceworks.engine.sampling_params import SamplingParams
 
 DEVICE = torch.device("cpu")
@@ -35,6 +41,17 @@ def test_greedy_equals_argmax_and_mixes_with_random_rows():
     mixed = [greedy, SamplingParams(temperature=1.5)] * 4
     token_ids = Sampler().sample(logits, mixed, [None] * 8)
     assert torch.equal(token_ids[::2], logits[::2].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab_size", [7, 2 * ARGMAX_CHUNK + 1, 4 * ARGMAX_CHUNK, 128256])
+def test_row_argmax_equals_torch_argmax_ties_included(vocab_size):
+    generator = torch.Generator().manual_seed(vocab_size)
+    logits = torch.randn(5, vocab_size, generator=generator)
+    logits[1] = -float("inf")  # a fully masked row: column 0, as torch
+    logits[2, -1] = 100.0  # the max in the padded last chunk
+    logits[3, [vocab_size // 2, vocab_size - 1, 3]] = 50.0  # a tie across chunks: the first
+    logits[4] = logits[4].round()  # many ties inside each chunk
+    torch.testing.assert_close(row_argmax(logits), logits.argmax(dim=-1), rtol=0, atol=0)
 
 
 def test_top_k_one_equals_greedy():
