@@ -42,11 +42,6 @@ def open_capturing() -> None:
     _capturing_enabled = True
 
 
-# Every wrapper alive in this process: the compiled code (Dynamo's cache) keeps the piecewise
-# wrappers alive beyond the runner, so releasing their graphs cannot wait for garbage collection.
-_wrappers: weakref.WeakSet[StaticGraphWrapperBase] = weakref.WeakSet()
-
-
 def validate_capturing_enabled(descriptor: BatchDescriptor) -> None:
     if not _capturing_enabled:
         raise RuntimeError(
