@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     PIECEWORKS_DEBUG_DUMP_PATH: str | None
     PIECEWORKS_DEFAULT_MODEL: str
     PIECEWORKS_DIST_TIMEOUT_S: float
+    PIECEWORKS_SMALL_M_GEMV: bool
 
 
 def _optional_str(name: str) -> Callable[[], str | None]:
@@ -62,11 +63,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Seconds a tensor-parallel rank waits in a collective (start-up rendezvous included) before
     # giving up, so that a lost rank ends the run instead of hanging it.
     "PIECEWORKS_DIST_TIMEOUT_S": lambda: float(os.environ.get("PIECEWORKS_DIST_TIMEOUT_S", "300")),
+    # 1: route unquantized linear layers with <= 16 tokens through the Triton GEMV
+    # (pieceworks/models/layers/triton_gemv.py) instead of cuBLAS.
+    "PIECEWORKS_SMALL_M_GEMV": _flag("PIECEWORKS_SMALL_M_GEMV"),
 }
 
 # Variables whose value changes the code pieceworks compiles; they enter the compile-cache hash.
 # The platform decides dispatch keys, kernels and graph wrappers, so it is one; logging is not.
-_COMPILE_FACTORS = ("PIECEWORKS_PLATFORM",)
+# The small-M GEMV puts its own op into the traced graph in place of every unquantized linear.
+_COMPILE_FACTORS = ("PIECEWORKS_PLATFORM", "PIECEWORKS_SMALL_M_GEMV")
 
 
 def compile_factors() -> dict[str, Any]:

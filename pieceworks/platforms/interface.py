@@ -73,6 +73,10 @@ class Platform:
             self._graph_pool_created = True
         return self._graph_pool
 
+    def runs_triton_kernels(self) -> bool:
+        """Whether pieceworks' own opt-in Triton kernels (the small-M GEMV) run on this device."""
+        return False
+
     def renew_graph_pool(self) -> None:
         """Later captures go to a new pool. Called once graphs were released: on CUDA a pool whose
         graphs were all destroyed takes no new captures while its memory is still cached."""

@@ -3,6 +3,8 @@
 A method owns the layer's GEMM (``apply``) and the one-time rewrite of its loaded weights
 (``process_weights_after_loading``, called by the loader after every checkpoint tensor landed).
 Layers keep a method instance each; methods keep no per-layer state of their own beyond flags.
+With ``PIECEWORKS_SMALL_M_GEMV=1`` (read when the method is built) the unquantized GEMM goes
+through ``pieceworks::small_m_linear`` (``layers/triton_gemv.py``), a Triton GEMV for <= 16 tokens.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pieceworks import envs
+from pieceworks.models.layers.triton_gemv import small_m_linear_op
 
 
 def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
@@ -30,7 +35,16 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """``y = x W^T (+ b)`` in the model dtype."""
+    """``y = x W^T (+ b)`` in the model dtype: ``F.linear``, or the small-M GEMV op if opted in."""
+
+    def __init__(self) -> None:
+        self.small_m_gemv = envs.PIECEWORKS_SMALL_M_GEMV
+        if self.small_m_gemv:
+            small_m_linear_op()  # registered before Dynamo traces the first call
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer_tensor(layer, "weight"), bias)  # (T, out)
+        weight = layer_tensor(layer, "weight")
+        if not self.small_m_gemv:
+            return F.linear(x, weight, bias)  # (T, out)
+        output = small_m_linear_op()(x.reshape(-1, x.shape[-1]), weight, bias)  # (T, out)
+        return output.reshape(*x.shape[:-1], output.shape[-1])

@@ -1,0 +1,128 @@
+"""Micro-benchmark: the small-M Triton GEMV against F.linear (cuBLAS) on the Llama-3.1-8B shapes.
+
+For each weight (N, K) of an 8B layer (qkv_proj, o_proj, gate_up_proj, down_proj) and each token
+count M, times ``F.linear`` and ``launch_gemv`` (``pieceworks/models/layers/triton_gemv.py``) with
+the default launch config and a sweep of others (median of ``triton.testing.do_bench``, L2 flushed
+before every run, after warm-up), in bfloat16. Reports the achieved TB/s (weight bytes / time: a
+GEMV must read W once), the best config per shape, and each config's max relative error against
+``F.linear``. The question it answers: does the kernel bring qkv/o from cuBLAS's ~3.07 TB/s to the
+~4 TB/s that gate_up/down reach, and with which config (see ``gemv_config``).
+
+Run (CUDA machine): PYTHONPATH=. python benchmarks/gemv_decode.py --out gemv.json
+"""
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # (N, K) of the Llama-3.1-8B linear layers at tensor-parallel size 1
+    "qkv_proj": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up_proj": (28672, 4096),
+    "down_proj": (4096, 14336),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="path of the JSON results file")
+    parser.add_argument("--num-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument(
+        "--warps-stages",
+        nargs="+",
+        default=["4x3", "4x4", "8x4"],
+        help="num_warps x num_stages pairs to sweep",
+    )
+    parser.add_argument("--rep-ms", type=int, default=50, help="do_bench repetition time")
+    return parser.parse_args()
+
+
+def sweep_configs(args, gemv_config_cls) -> list:
+    """Every (block_n, block_k, num_warps, num_stages) combination asked for."""
+    pairs = [tuple(int(v) for v in pair.split("x")) for pair in args.warps_stages]
+    return [
+        gemv_config_cls(block_n=n, block_k=k, num_warps=w, num_stages=s)
+        for n, k, (w, s) in itertools.product(args.block_n, args.block_k, pairs)
+    ]
+
+
+def time_us(fn, rep_ms: int) -> float:
+    from triton.testing import do_bench
+
+    fn()  # warm-up: compiles a Triton config, picks the cuBLAS kernel
+    torch.cuda.synchronize()
+    return do_bench(fn, rep=rep_ms, return_mode="median") * 1e3
+
+
+def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).abs().max() / expected.float().abs().max())
+
+
+def bench_shape(name, n, k, m, configs, default, args) -> dict:
+    """One row: F.linear, the default config and every swept config for x (m, k), W (n, k)."""
+    from pieceworks.models.layers.triton_gemv import launch_gemv
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    expected = F.linear(x, weight)
+    weight_bytes = weight.numel() * weight.element_size()
+    tbps = lambda us: weight_bytes / (us * 1e-6) / 1e12
+    linear_us = time_us(lambda: F.linear(x, weight), args.rep_ms)
+    results = []
+    for config in [default, *[c for c in configs if c != default]]:
+        try:
+            error = max_relative_error(launch_gemv(x, weight, config), expected)
+            us = time_us(lambda config=config: launch_gemv(x, weight, config), args.rep_ms)
+        except Exception as exc:  # e.g. triton's OutOfResources for a config too big for the SM
+            print(f"  {name} m={m} {config}: skipped ({type(exc).__name__})")
+            continue
+        results.append(dict(config=vars(config), time_us=us, tbps=tbps(us), max_rel_err=error))
+    best = min(results, key=lambda result: result["time_us"])
+    return dict(
+        layer=name, n=n, k=k, m=m, weight_bytes=weight_bytes,
+        linear=dict(time_us=linear_us, tbps=tbps(linear_us)),
+        default=results[0], best=best, sweep=results,
+        max_rel_err=max(result["max_rel_err"] for result in results),
+    )  # fmt: skip
+
+
+def print_row(row: dict) -> None:
+    linear, default, best = row["linear"], row["default"], row["best"]
+    config = "{block_n}x{block_k} w{num_warps} s{num_stages}".format(**best["config"])
+    print(
+        f"{row['layer']:>12} m={row['m']:>2} linear {linear['time_us']:6.1f} us "
+        f"{linear['tbps']:4.2f} TB/s | default {default['time_us']:6.1f} us "
+        f"{default['tbps']:4.2f} TB/s | best {best['time_us']:6.1f} us {best['tbps']:4.2f} TB/s "
+        f"({config}) | max rel err {row['max_rel_err']:.1e}"
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "gemv_decode.py times GPU kernels and needs a CUDA or ROCm GPU; none is visible "
+            "(torch.cuda.is_available() is False). Run it on the GPU machine."
+        )
+    from pieceworks.models.layers.triton_gemv import GemvConfig, gemv_config
+
+    configs = sweep_configs(args, GemvConfig)
+    rows = []
+    for (name, (n, k)), m in itertools.product(SHAPES.items(), args.num_tokens):
+        rows.append(bench_shape(name, n, k, m, configs, gemv_config(m, n, k), args))
+        print_row(rows[-1])
+    worst = max(row["max_rel_err"] for row in rows)
+    print(f"largest max relative error vs F.linear over all configs: {worst:.1e}")
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
+    with open(args.out, "w") as file:
+        json.dump(result, file, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

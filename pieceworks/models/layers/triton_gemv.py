@@ -1,0 +1,204 @@
+"""A Triton GEMV for decode-sized linear layers: ``y = x W^T`` for 1 to 16 tokens (opt-in).
+
+Why: on an H200, decoding the Llama-3.1-8B shape at batch 1, cuBLAS runs the small
+``qkv_proj`` (W 6144 x 4096) and ``o_proj`` (W 4096 x 4096) GEMVs at about 3.07 TB/s plus two
+``splitKreduce`` kernels per layer, while ``gate_up_proj`` (28672 x 4096) and ``down_proj``
+(4096 x 14336) reach about 4.1 TB/s, the copy bandwidth. Bringing qkv/o to ~4 TB/s would save
+~0.3 ms of a 4.74 ms step. A decode GEMV only has to stream W once, so this kernel is built to keep
+many bytes of W in flight per SM and to need no reduction kernel afterwards.
+
+Layout contract: ``x`` is (M, K) and ``weight`` is (N, K), both contiguous along K (a linear
+layer's row-major weight), same dtype (float16, bfloat16 or float32); the result is (M, N) in
+that dtype, accumulated in float32. Each program owns ``BLOCK_N`` output columns for all M rows
+and walks K in ``BLOCK_K`` chunks, so loads of W are coalesced along K and no two programs write
+the same output: no atomics, the result is deterministic. The M rows are padded to 16 (masked)
+so the product runs on tensor cores; it is computed as ``W x^T`` (W as the left operand), which
+leaves W in its natural K-major layout.
+
+``small_m_linear`` is the entry point and the op ``pieceworks::small_m_linear``: the kernel when
+there are at most ``MAX_GEMV_TOKENS`` tokens on a GPU Triton targets, else ``F.linear``. The
+choice is made inside the op at run time, because the token count is symbolic when Dynamo
+traces the op (inside a static graph it is fixed per capture size). Opt-in: only
+``PIECEWORKS_SMALL_M_GEMV=1`` routes unquantized linear layers here
+(``quantization/base.py``); by default cuBLAS runs them. ``benchmarks/gemv_decode.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from pieceworks.core.custom_op import direct_register_custom_op
+from pieceworks.platforms import current_platform
+
+MAX_GEMV_TOKENS = 16  # above this the GEMM is no longer bound by reading W once: cuBLAS
+BLOCK_M = 16  # tokens padded to the smallest tensor-core tile
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Launch configuration: output columns and K chunk per program, warps, pipeline stages."""
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@functools.lru_cache(maxsize=256)
+def gemv_config(m: int, n: int, k: int, element_size: int = 2) -> GemvConfig:
+    """The launch configuration for an (m, k) x (n, k)^T product, from shapes alone.
+
+    One W chunk is ``block_n x block_k`` elements: 8 KiB at 16 x 256 in 16-bit types, and with
+    4 stages each program keeps up to 3 chunks in flight. A stage also holds the padded x chunk,
+    so a program needs 64 KiB of shared memory and an H200 SM (228 KiB) runs 3 of them: about
+    72 KiB of W in flight per SM. 16 columns per program give 256 programs for N = 4096 and 384
+    for N = 6144, two to three per SM of 132; at N >= 16384 32 columns still give >= 512.
+    float32 halves ``block_k`` to keep the bytes per chunk the same. ``m`` does not change the
+    choice: x is at most 16 rows and W's bytes dominate.
+    """
+    block_n = 32 if n >= 16384 else 16
+    block_k = min(256 * 2 // element_size, max(triton.next_power_of_2(k), 16))
+    return GemvConfig(block_n=block_n, block_k=block_k)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    num_tokens,
+    out_features,
+    in_features,
+    stride_x,
+    stride_weight,
+    stride_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
+    tokens = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    column_mask = columns < out_features
+    token_mask = tokens < num_tokens
+    weight_rows = weight_ptr + columns.to(tl.int64)[:, None] * stride_weight  # (BLOCK_N, 1)
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
+    for k_start in range(0, in_features, BLOCK_K):
+        k_mask = (k_start + ks) < in_features
+        w = tl.load(
+            weight_rows + (k_start + ks)[None, :],
+            mask=column_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_K)
+        x = tl.load(
+            x_rows + (k_start + ks)[None, :],
+            mask=token_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_K)
+        if UPCAST:
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
+    out = out_ptr + tokens.to(tl.int64)[None, :] * stride_out + columns[:, None]  # (N, M)
+    mask = column_mask[:, None] & token_mask[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
+# (triton-lang/triton#11584, "not supported yet"): there the kernel widens them to float32 first.
+# Exact (bfloat16 -> float32 loses nothing), so only the accumulation order can differ from a GPU.
+_INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1
+
+
+def launch_gemv(
+    x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """``x @ weight^T`` by the kernel, (M, N) in x's dtype; x (M <= 16, K), weight (N, K)."""
+    num_tokens, in_features = x.shape
+    out_features = weight.shape[0]
+    if config is None:
+        config = gemv_config(num_tokens, out_features, in_features, x.element_size())
+    out = x.new_empty((num_tokens, out_features))
+    grid = (triton.cdiv(out_features, config.block_n),)
+    _gemv_kernel[grid](
+        x,
+        weight,
+        out,
+        num_tokens,
+        out_features,
+        in_features,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        # float32 stays float32 (as F.linear by default), not TF32; 16-bit: the backend default
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        UPCAST=_INTERPRETED and x.dtype == torch.bfloat16,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def kernel_runs_on(x: torch.Tensor) -> bool:
+    """Whether ``x`` lives on the platform's device and the platform runs pieceworks' Triton
+    kernels (CUDA, ROCm)."""
+    platform = current_platform()
+    return platform.runs_triton_kernels() and x.device.type == platform.device_type
+
+
+def uses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``small_m_linear`` runs the kernel for these operands (else ``F.linear``)."""
+    return (
+        0 < x.shape[0] <= MAX_GEMV_TOKENS
+        and x.dtype == weight.dtype
+        and x.dtype in SUPPORTED_DTYPES
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and kernel_runs_on(x)
+    )
+
+
+def small_m_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for 2-D x (T, K); the Triton GEMV when ``uses_kernel``."""
+    if not uses_kernel(x, weight):
+        return F.linear(x, weight, bias)
+    out = launch_gemv(x, weight)  # (T, N)
+    return out if bias is None else out + bias
+
+
+def small_m_linear_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+_small_m_linear_op: Any = None
+
+
+def small_m_linear_op() -> Any:
+    """``torch.ops.pieceworks.small_m_linear``, registered on first use (never at import).
+
+    ``UnquantizedLinearMethod`` calls this when it is built: registering cannot be traced, so
+    the op must exist before Dynamo meets the first linear layer.
+    """
+    global _small_m_linear_op
+    if _small_m_linear_op is None:
+        _small_m_linear_op = direct_register_custom_op(
+            "small_m_linear", small_m_linear, mutates_args=[], fake_impl=small_m_linear_fake
+        )
+    return _small_m_linear_op

@@ -1,0 +1,192 @@
+"""The small-M Triton GEMV: the kernel is right, the op routes and traces, Llama decodes the same.
+
+Proves that (1) the kernel's ``x @ W^T`` equals a float64 reference for 1, 3, 8 and 16 tokens,
+bfloat16, float16 and float32, with N and K off the block grid and with several K chunks whose
+last is partial, and reads nothing past K of rows padded with NaN; (2) ``small_m_linear`` runs
+the kernel up to 16 tokens and ``F.linear`` from 17 on (the launcher is replaced by one that
+raises), adds a bias, and on a device the kernel is not built for (the CPU) always calls
+``F.linear``; (3) the op ``pieceworks::small_m_linear`` traces under ``torch.compile(backend=
+"eager", fullgraph=True)`` with a dynamic token count, once for two token counts; (4) llama-tiny
+(float32, eager engine) decodes the same greedy tokens with ``PIECEWORKS_SMALL_M_GEMV=1`` as
+without, and the flag enters the compile-cache factors.
+
+What runs where: where no GPU is visible the kernel runs in Triton's interpreter on CPU tensors
+(this module sets TRITON_INTERPRET=1 before the kernel is imported, like
+``test_attention_kernels.py``). The engine itself never sends CPU tensors to the kernel, so (2)'s
+routing tests and (4) declare the CPU a kernel device (``kernel_runs_on`` patched to True): in
+(4) every decode step's linear layers (<= 16 tokens) then run the interpreted kernel inside the
+real engine, and the prefill step (29 tokens) runs ``F.linear``. The interpreter cannot multiply
+bfloat16 in ``tl.dot`` (triton-lang/triton#11584), so there the kernel widens bfloat16 operands to
+float32 first (exact) and its float32 -> bfloat16 store truncates instead of rounding: the
+bfloat16 tolerance is one bfloat16 step (2^-7 relative), not half of one. On a GPU machine
+(variable unset) the same tests run compiled, on the GPU.
+
+Run: TRITON_INTERPRET=1 python -m pytest -q tests/models/test_triton_gemv.py -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel below is decorated
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from pieceworks import envs  # noqa: E402
+from pieceworks.engine.llm import LLM  # noqa: E402
+from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
+from pieceworks.models.layers import triton_gemv  # noqa: E402
+from pieceworks.models.layers.triton_gemv import (  # noqa: E402
+    MAX_GEMV_TOKENS,
+    GemvConfig,
+    launch_gemv,
+    small_m_linear,
+    small_m_linear_op,
+)
+
+INTERPRETED = isinstance(triton_gemv._gemv_kernel, InterpretedFunction)
+ON_GPU = not INTERPRETED and torch.cuda.is_available()
+DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
+requires_triton = pytest.mark.skipif(
+    not INTERPRETED and not ON_GPU,
+    reason="the Triton GEMV was imported compiled before TRITON_INTERPRET=1 was set and no GPU "
+    "is visible: run with TRITON_INTERPRET=1 in the environment",
+)
+# float32: float32 accumulation over K <= 256; bfloat16: one bfloat16 step (see the docstring);
+# float16: half a float16 step (rounded to nearest), 2^-11, with slack for the accumulation.
+TOLERANCES = {
+    torch.float32: dict(rtol=1e-5, atol=1e-4),
+    torch.bfloat16: dict(rtol=2**-7, atol=1e-3),
+    torch.float16: dict(rtol=2**-10, atol=1e-3),
+}
+# (N, K, config): default configs with N and K off the grid; then 4 K chunks, the last of 8.
+SHAPES = [(96, 256, None), (50, 100, None), (33, 200, GemvConfig(block_n=16, block_k=64))]
+
+
+def operands(num_tokens: int, out_features: int, in_features: int, dtype: torch.dtype):
+    generator = torch.Generator().manual_seed(num_tokens * 1000 + out_features + in_features)
+    x = torch.randn(num_tokens, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    return x.to(DEVICE, dtype), weight.to(DEVICE, dtype)
+
+
+@pytest.fixture
+def kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Treat this device as a kernel device; the list collects the token count of every launch."""
+    launches: list[int] = []
+
+    def counted_launch(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
+        launches.append(x.shape[0])
+        return launch_gemv(x, weight, config)
+
+    monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_gemv, "launch_gemv", counted_launch)
+    return launches
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 16])
+@pytest.mark.parametrize("out_features,in_features,config", SHAPES)
+def test_kernel_matches_float64_reference(dtype, num_tokens, out_features, in_features, config):
+    x, weight = operands(num_tokens, out_features, in_features, dtype)
+    output = launch_gemv(x, weight, config)
+    assert output.dtype == dtype and output.shape == (num_tokens, out_features)
+    expected = x.double() @ weight.double().t()
+    torch.testing.assert_close(output.double(), expected, **TOLERANCES[dtype])
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_nothing_past_k_in_strided_rows(dtype):
+    """Rows of x and W longer than K, padded with NaN: an unmasked read past K poisons y."""
+    num_tokens, out_features, in_features = 3, 33, 200
+    x, weight = operands(num_tokens, out_features, in_features, dtype)
+    padded_x = torch.full((num_tokens, in_features + 8), float("nan"), dtype=dtype, device=DEVICE)
+    padded_weight = torch.full_like(padded_x, float("nan"))[:1].repeat(out_features, 1)
+    padded_x[:, :in_features], padded_weight[:, :in_features] = x, weight
+    config = GemvConfig(block_n=16, block_k=64)  # 4 K chunks, the last ends 56 past K
+    output = launch_gemv(padded_x[:, :in_features], padded_weight[:, :in_features], config)
+    expected = x.double() @ weight.double().t()
+    torch.testing.assert_close(output.double(), expected, **TOLERANCES[dtype])
+
+
+@requires_triton
+def test_up_to_16_tokens_run_the_kernel(kernel_on_cpu):
+    x, weight = operands(MAX_GEMV_TOKENS, 40, 64, torch.float32)
+    bias = torch.randn(40, device=DEVICE)
+    output = small_m_linear(x, weight, bias)
+    assert kernel_on_cpu == [MAX_GEMV_TOKENS]
+    torch.testing.assert_close(output, F.linear(x, weight, bias), **TOLERANCES[torch.float32])
+
+
+def test_more_than_16_tokens_fall_back_to_f_linear(monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("the kernel was launched for more than 16 tokens")
+
+    monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_gemv, "launch_gemv", no_launch)
+    x, weight = operands(MAX_GEMV_TOKENS + 1, 40, 64, torch.float32)
+    assert torch.equal(small_m_linear(x, weight), F.linear(x, weight))
+    with pytest.raises(AssertionError, match="launched"):  # the patch is live: 16 tokens launch
+        small_m_linear(x[:MAX_GEMV_TOKENS], weight)
+
+
+def test_cpu_tensors_never_reach_the_kernel(monkeypatch):
+    monkeypatch.setattr(triton_gemv, "launch_gemv", lambda *args: pytest.fail("kernel launched"))
+    x, weight = torch.randn(1, 64), torch.randn(40, 64)
+    assert torch.equal(small_m_linear(x, weight), F.linear(x, weight))
+
+
+def test_op_traces_with_dynamic_token_count():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    op = small_m_linear_op()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(lambda x, w: op(x, w) * 2, backend=counter, fullgraph=True)
+    torch._dynamo.reset()
+    weight = torch.randn(24, 32, device=DEVICE)  # the op is registered for the platform's device
+    for num_tokens in (3, 5):
+        x = torch.randn(num_tokens, 32, device=DEVICE)
+        torch._dynamo.mark_dynamic(x, 0)
+        expected = 2 * F.linear(x, weight)
+        torch.testing.assert_close(compiled(x, weight), expected, **TOLERANCES[torch.float32])
+    assert counter.frame_count == 1  # one trace serves both token counts
+    (graph,) = counter.graphs
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert op in targets  # torch.ops.pieceworks.small_m_linear, traced as the op itself
+    torch._dynamo.reset()
+
+
+def greedy_decode(num_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of three prompts, and every step's logits (llama-tiny, float32, eager)."""
+    llm = LLM("llama-tiny", compilation_config={"level": 0}, dtype="float32", max_num_seqs=4)
+    recorded: list[torch.Tensor] = []
+    model = llm.engine.runner.model
+    compute_logits = model.compute_logits
+    model.compute_logits = lambda hidden: recorded.append(compute_logits(hidden)) or recorded[-1]
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (3, 9, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    return [output.outputs[0].token_ids for output in outputs], recorded
+
+
+@requires_triton
+def test_llama_decodes_the_same_tokens_through_the_gemv(kernel_on_cpu, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_SMALL_M_GEMV", raising=False)
+    tokens, logits = greedy_decode(num_tokens=4)
+    assert kernel_on_cpu == []
+    monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
+    assert envs.compile_factors()["PIECEWORKS_SMALL_M_GEMV"] is True  # enters the cache hash
+    gemv_tokens, gemv_logits = greedy_decode(num_tokens=4)
+    # 3 decode steps of 3 tokens, each 2 layers x (qkv, o, gate_up, down); prefill (29 tokens) none
+    assert kernel_on_cpu == [3] * (3 * 2 * 4)
+    assert gemv_tokens == tokens
+    for actual, expected in zip(gemv_logits, logits, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
