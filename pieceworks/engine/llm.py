@@ -80,7 +80,8 @@ class LLM:
         return [self._output(request, text) for request, (text, _) in zip(requests, encoded)]
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers and free the process group (also done at exit)."""
+        """Free the captured graphs, stop tensor-parallel workers and free the process group
+        (with several ranks also done at exit); the engine cannot run steps afterwards."""
         self.engine.shutdown()
 
     def _output(self, request: Any, prompt: str | None) -> RequestOutput:

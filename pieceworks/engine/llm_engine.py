@@ -97,5 +97,5 @@ class LLMEngine:
         return finished
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers and free the process group (a no-op for one rank)."""
+        """Free the captured graphs; stop tensor-parallel workers and free the process group."""
         self.executor.shutdown()
