@@ -81,7 +81,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Free the captured graphs, stop tensor-parallel workers and free the process group
-        (with several ranks also done at exit); the engine cannot run steps afterwards."""
+        (with several ranks also done at exit); no step may run afterwards."""
         self.engine.shutdown()
 
     def _output(self, request: Any, prompt: str | None) -> RequestOutput:
