@@ -97,6 +97,7 @@ class InputBuffers:
         self.packed_host = self._staging[0]
         self.host = self._staging_views[0]
         self.num_placeholders = 0
+        self.num_logits = 0  # rows of the step's hidden states that are sampled
         self._views: dict[tuple[int, int], _StepViews] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -119,8 +120,8 @@ class InputBuffers:
         computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
         self._fill_sequences(scheduled, query_lens, computed, shape)
         self._fill_tokens(scheduled, query_lens, computed, shape, block_size, sampled_rows or {})
-        num_logits = self._fill_logits_indices(scheduled)
-        self._copy_to_device(shape, num_logits)
+        self.num_logits = self._fill_logits_indices(scheduled)
+        self._copy_to_device(shape, self.num_logits)
         num_decodes = sum(1 for s in scheduled if s.is_decode)
         return self.metadata(shape, num_decodes)
 
@@ -193,9 +194,9 @@ class InputBuffers:
         self.host["logits_indices"][: len(producing)] = ends[producing] - 1
         return len(producing)
 
-    def logits_indices(self, num_logits: int) -> torch.Tensor:
+    def logits_indices(self) -> torch.Tensor:
         """(num_logits,) int64 on the device: the rows of the hidden states to sample from."""
-        return self.device_buffers["logits_indices"][:num_logits]
+        return self.device_buffers["logits_indices"][: self.num_logits]
 
     def prepare_dummy(self, shape: StepShape, uniform_decode: bool = False) -> AttentionMetadata:
         """``num_seqs`` fresh sequences sharing the tokens, writing nothing to the caches.
@@ -205,7 +206,7 @@ class InputBuffers:
         only the null state slot 0.
         """
         self._next_staging()
-        self.num_placeholders = 0
+        self.num_placeholders = self.num_logits = 0
         host, num_seqs, padded_seqs = self.host, shape.num_seqs, shape.num_seqs_padded
         query_lens = np.full(num_seqs, shape.num_tokens // num_seqs, dtype=np.int64)
         query_lens[: shape.num_tokens % num_seqs] += 1  # spread the remainder: none too long

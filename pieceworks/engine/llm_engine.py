@@ -47,6 +47,7 @@ class LLMEngine:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
         self._request_ids = itertools.count()
+        self._shut_down = False
         # (uniform decode?, number of requests, wall seconds) of each step
         self.step_seconds: list[tuple[bool, int, float]] = []
 
@@ -54,6 +55,7 @@ class LLMEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
         """Queue a request; one that can never fit raises ValueError saying why."""
+        self._check_running()
         vocab_size = self.config.model_config.hf_config.get("vocab_size")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
@@ -71,6 +73,7 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Launch one scheduled batch; return the requests whose last token has come back."""
+        self._check_running()
         start = time.perf_counter()
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
@@ -96,6 +99,13 @@ class LLMEngine:
             self.executor.release(request.request_id)
         return finished
 
+    def _check_running(self) -> None:
+        if self._shut_down:
+            raise RuntimeError(
+                "this engine was shut down (its graphs and workers are freed); build a new LLM"
+            )
+
     def shutdown(self) -> None:
         """Free the captured graphs; stop tensor-parallel workers and free the process group."""
+        self._shut_down = True
         self.executor.shutdown()

@@ -244,7 +244,7 @@ class ModelRunner:
         logits = self.compute_logits(output)
         if logits is None:
             return SampledTokens.none()
-        requests = [s.request for s in output.scheduled_requests if s.produces_token]
+        requests = [scheduled.request for scheduled in output.producing_requests]
         generators = [self._generator(request) for request in requests]
         token_ids = self.sampler.sample(logits, [r.sampling_params for r in requests], generators)
         token_ids = same_on_every_rank(token_ids)
@@ -274,10 +274,9 @@ class ModelRunner:
             metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):
             hidden_states = self.forward_model(*self.buffers.model_inputs(shape))
-        num_logits = sum(1 for s in output.scheduled_requests if s.produces_token)
-        if num_logits == 0:
+        if self.buffers.num_logits == 0:
             return None
-        indices = self.buffers.logits_indices(num_logits)  # copied with the step's inputs
+        indices = self.buffers.logits_indices()  # copied with the step's inputs
         return self.model.compute_logits(hidden_states[indices])  # (S, V) float32
 
     def _generator(self, request) -> torch.Generator | None:

@@ -58,8 +58,8 @@ class CudaPlatform(Platform):
                 stack.enter_context(mock.patch("torch.cuda.empty_cache", lambda: None))
             # "thread_local": only this thread's calls are checked during capture. In "global"
             # mode (torch's default) a CUDA call from any other thread, such as the event polling
-            # of ProcessGroupNCCL's watchdog after the warm-up runs' all-reduces, can invalidate
-            # the capture: a suspect for the TP=2 hang seen on the H200 (docs/parallel.md).
+            # of ProcessGroupNCCL's watchdog after the warm-up runs' all-reduces, would invalidate
+            # the capture. (The TP=2 hang once suspected of this was the shutdown instead.)
             stack.enter_context(
                 torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
             )

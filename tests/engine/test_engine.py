@@ -98,6 +98,8 @@ def test_shutdown_releases_the_graphs_of_that_engine_only(checkpoint, graph_plat
     pool = graph_platform.graph_pool()
     engines[0].shutdown()
     assert engines[0].engine.runner.release_graphs() == 0
+    with pytest.raises(RuntimeError, match="shut down.*build a new LLM"):
+        engines[0].generate(prompts([4]), GREEDY)
     assert graph_platform.graph_pool() is not pool  # CUDA: a drained pool takes no new captures
     with compilation_counter.expect(num_cudagraph_captured=0):
         tokens = [out.outputs[0].token_ids for out in engines[1].generate(prompts([4, 6]), GREEDY)]
