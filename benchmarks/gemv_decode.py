@@ -1,17 +1,20 @@
 """Micro-benchmark: the small-M Triton GEMV against F.linear (cuBLAS) on the Llama-3.1-8B shapes.
 
-For each weight (N, K) of an 8B layer (qkv_proj, o_proj, gate_up_proj, down_proj) and each token
-count M, times ``F.linear`` and ``launch_gemv`` (``pieceworks/models/layers/triton_gemv.py``) with
-the default launch config and a sweep of others (median of ``triton.testing.do_bench``, L2 flushed
-before every run, after warm-up), in bfloat16. Reports the achieved TB/s (weight bytes / time: a
-GEMV must read W once), the best config per shape, and each config's max relative error against
-``F.linear``. The question it answers: does the kernel bring qkv/o from cuBLAS's ~3.07 TB/s to the
-~4 TB/s that gate_up/down reach, and with which config (see ``gemv_config``).
+Two measurements. The one that decides (``graph``): per shape and token count, 32 distinct
+weights (one per layer, so nothing stays in L2) multiplied in turn inside one CUDA graph, the
+graph replayed; time per product, as a decode step's graph runs them. The kernel's default
+config (``gemv_config``) against ``F.linear``. Then, with ``--sweep`` (slow): for each weight
+(N, K) of an 8B layer and each token count M, times ``F.linear`` and ``launch_gemv`` with the
+default launch config and a sweep of others (median of ``triton.testing.do_bench``, L2 flushed
+before every run: the flush's write-backs make every time longer than in a graph, so compare
+configs there, not absolute speeds). Reports TB/s (weight bytes / time: a GEMV must read W once)
+and each config's max relative error against ``F.linear``.
 
 Run (CUDA machine): PYTHONPATH=. python benchmarks/gemv_decode.py --out gemv.json
 """
 
 import argparse
+import functools
 import itertools
 import json
 
@@ -39,7 +42,67 @@ def parse_args() -> argparse.Namespace:
         help="num_warps x num_stages pairs to sweep",
     )
     parser.add_argument("--rep-ms", type=int, default=50, help="do_bench repetition time")
+    parser.add_argument("--sweep", action="store_true", help="also the do_bench config sweep")
+    parser.add_argument("--graph-layers", type=int, default=32, help="distinct weights per graph")
+    parser.add_argument("--graph-replays", type=int, default=20)
     return parser.parse_args()
+
+
+def graph_time_us(fns: list, replays: int) -> float:
+    """Per-call device time of ``fns``, called in turn inside one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:  # warm-up outside the graph: compiles, picks the cuBLAS kernel
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(fns))
+
+
+def graph_rows(args) -> list[dict]:
+    """F.linear against the default GEMV config, in graphs of one product per layer."""
+    from pieceworks.models.layers.triton_gemv import gemv_config, launch_gemv
+
+    rows = []
+    for (name, (n, k)), m in itertools.product(SHAPES.items(), args.num_tokens):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        weights = [
+            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+            for _ in range(args.graph_layers)
+        ]
+        weight_bytes = n * k * 2
+        linear_us = graph_time_us(
+            [functools.partial(F.linear, x, weight) for weight in weights], args.graph_replays
+        )
+        gemv_us = graph_time_us(
+            [functools.partial(launch_gemv, x, weight) for weight in weights], args.graph_replays
+        )
+        error = max_relative_error(launch_gemv(x, weights[0]), F.linear(x, weights[0]))
+        row = dict(
+            layer=name, n=n, k=k, m=m, config=vars(gemv_config(m, n, k)),
+            linear_us=linear_us, linear_tbps=weight_bytes / linear_us / 1e6,
+            gemv_us=gemv_us, gemv_tbps=weight_bytes / gemv_us / 1e6, max_rel_err=error,
+        )  # fmt: skip
+        print(
+            f"graph {name:>12} m={m:>2} linear {linear_us:6.1f} us {row['linear_tbps']:4.2f} TB/s"
+            f" | gemv {gemv_us:6.1f} us {row['gemv_tbps']:4.2f} TB/s | rel err {error:.1e}"
+        )
+        rows.append(row)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
 
 
 def sweep_configs(args, gemv_config_cls) -> list:
@@ -111,14 +174,17 @@ def main() -> None:
         )
     from pieceworks.models.layers.triton_gemv import GemvConfig, gemv_config
 
-    configs = sweep_configs(args, GemvConfig)
-    rows = []
-    for (name, (n, k)), m in itertools.product(SHAPES.items(), args.num_tokens):
-        rows.append(bench_shape(name, n, k, m, configs, gemv_config(m, n, k), args))
-        print_row(rows[-1])
-    worst = max(row["max_rel_err"] for row in rows)
-    print(f"largest max relative error vs F.linear over all configs: {worst:.1e}")
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    result["graph"] = graph_rows(args)
+    if args.sweep:
+        configs = sweep_configs(args, GemvConfig)
+        rows = []
+        for (name, (n, k)), m in itertools.product(SHAPES.items(), args.num_tokens):
+            rows.append(bench_shape(name, n, k, m, configs, gemv_config(m, n, k), args))
+            print_row(rows[-1])
+        worst = max(row["max_rel_err"] for row in rows)
+        print(f"largest max relative error vs F.linear over all configs: {worst:.1e}")
+        result["rows"] = rows
     with open(args.out, "w") as file:
         json.dump(result, file, indent=2)
     print(f"wrote {args.out}")

@@ -141,8 +141,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, (Hq + 2 * Hkv) * D)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = self.rotary_emb.rotate_heads(positions, qk)  # q and k heads in one rotation
+        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         attn_output = self.attn(q, k, v)  # (T, Hq * D)
         return self.o_proj(attn_output)  # (T, hidden)
 

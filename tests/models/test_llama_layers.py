@@ -171,6 +171,22 @@ def test_partial_rotary_rotates_only_the_first_rotary_dims(neox: bool) -> None:
     torch.testing.assert_close(passthrough, query.view(4, num_heads, head_size)[..., rotary_dim:])
 
 
+def test_rotate_heads_of_side_by_side_q_and_k_equals_rotating_each() -> None:
+    """The Llama layer rotates q and k as one (T, (Hq + Hkv) * D) slice of qkv (one kernel)."""
+    head_size, num_heads, num_kv_heads = 16, 4, 2
+    positions = torch.tensor([0, 3, 17, 250])
+    qkv = _randn(4, (num_heads + 2 * num_kv_heads) * head_size)
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    query, key, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    rope = get_rope(head_size, head_size, 256, 10000.0, None, dtype=torch.float32)
+    rotated = rope.rotate_heads(positions, qkv[:, : q_size + kv_size])
+    q, k = rotated.split([q_size, kv_size], dim=-1)
+    expected_q, expected_k = rope(positions, query, key)
+    torch.testing.assert_close(q, expected_q, rtol=0, atol=0)
+    torch.testing.assert_close(k, expected_k, rtol=0, atol=0)
+    assert not torch.equal(q, query)  # it did rotate
+
+
 def test_rotary_cache_is_non_persistent_and_rebuilt_after_to_empty() -> None:
     with torch.device("meta"):
         rope = get_rope(16, 16, 64, 10000.0, None, dtype=torch.float32)

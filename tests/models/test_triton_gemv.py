@@ -44,6 +44,7 @@ from pieceworks.models.layers import triton_gemv  # noqa: E402
 from pieceworks.models.layers.triton_gemv import (  # noqa: E402
     MAX_GEMV_TOKENS,
     GemvConfig,
+    gemv_config,
     launch_gemv,
     small_m_linear,
     small_m_linear_op,
@@ -190,3 +191,22 @@ def test_llama_decodes_the_same_tokens_through_the_gemv(kernel_on_cpu, monkeypat
     assert gemv_tokens == tokens
     for actual, expected in zip(gemv_logits, logits, strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_config_follows_the_h200_sweep_and_fits_smaller_shared_memory() -> None:
+    """Tiles per shape class (qkv/o, gate_up, down); less shared memory: fewer stages, shorter K."""
+    assert gemv_config(1, 6144, 4096) == GemvConfig(block_n=64, block_k=256, num_stages=4)
+    assert gemv_config(1, 28672, 4096) == GemvConfig(block_n=64, block_k=128, num_stages=4)
+    assert gemv_config(1, 4096, 14336) == GemvConfig(block_n=32, block_k=512, num_stages=4)
+    assert gemv_config(1, 4096, 4096, element_size=4).block_k == 128  # same bytes per chunk
+    assert gemv_config(1, 4096, 100).block_k == 128  # no wider than K needs
+    h200 = 232448
+    assert gemv_config(1, 4096, 4096, max_shared_bytes=h200).num_stages == 4
+    small = 100 * 1024  # e.g. a consumer GPU
+    config = gemv_config(1, 4096, 4096, max_shared_bytes=small)
+    stage_bytes = (config.block_n + 16) * config.block_k * 2
+    assert config.num_stages >= 2 and config.num_stages * stage_bytes <= small
+    assert config.block_k == 256 and config.num_stages == 2  # 2 x 40 KiB fits without shrinking K
+    tiny = 32 * 1024
+    config = gemv_config(1, 4096, 4096, max_shared_bytes=tiny)
+    assert config.num_stages == 2 and 2 * (config.block_n + 16) * config.block_k * 2 <= tiny

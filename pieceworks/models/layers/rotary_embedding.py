@@ -141,9 +141,26 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions (T,)``, ``query (T, Hq * D)``, ``key (T, Hkv * D)`` -> rotated q, k."""
-        cos_sin = self.cos_sin_cache.index_select(0, positions)  # (T, R)
-        cos, sin = cos_sin.to(query.dtype).unsqueeze(1).chunk(2, dim=-1)  # (T, 1, R // 2)
+        cos, sin = self._cos_sin(positions, query.dtype)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def rotate_heads(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Every head of ``heads (T, H * D)`` rotated, as one new ``(T, H * D)`` tensor.
+
+        Models whose q and k sit side by side in the qkv projection rotate them here in one go:
+        compiled, that is one kernel per layer instead of one for q and one for k, and on a
+        decode step each launch costs more than its bytes.
+        """
+        cos, sin = self._cos_sin(positions, heads.dtype)
+        return self._rotate(heads, cos, sin)
+
+    def _cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin``, each ``(T, 1, R // 2)`` in ``dtype``, for ``positions (T,)``."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions)  # (T, R)
+        cos, sin = cos_sin.to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]

@@ -53,20 +53,51 @@ class GemvConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def gemv_config(m: int, n: int, k: int, element_size: int = 2) -> GemvConfig:
+def gemv_config(
+    m: int, n: int, k: int, element_size: int = 2, max_shared_bytes: int | None = None
+) -> GemvConfig:
     """The launch configuration for an (m, k) x (n, k)^T product, from shapes alone.
 
-    One W chunk is ``block_n x block_k`` elements: 8 KiB at 16 x 256 in 16-bit types, and with
-    4 stages each program keeps up to 3 chunks in flight. A stage also holds the padded x chunk,
-    so a program needs 64 KiB of shared memory and an H200 SM (228 KiB) runs 3 of them: about
-    72 KiB of W in flight per SM. 16 columns per program give 256 programs for N = 4096 and 384
-    for N = 6144, two to three per SM of 132; at N >= 16384 32 columns still give >= 512.
-    float32 halves ``block_k`` to keep the bytes per chunk the same. ``m`` does not change the
-    choice: x is at most 16 rows and W's bytes dominate.
+    From an H200 sweep (``benchmarks/gemv_decode.py``, bfloat16, the four 8B shapes, M 1 to 16,
+    block_n 16/32/64 x block_k 128/256/512 x warps/stages 4x3, 4x4, 8x4): 4 warps and 4 stages
+    won everywhere, and the tile depended on the shape, not on M:
+    - N >= 16384 (gate_up_proj, 28672 x 4096): 64 x 128;
+    - K >= 8192 (down_proj, 4096 x 14336): 32 x 512;
+    - otherwise (qkv_proj, o_proj): 64 x 256.
+    The first sweep's guess (16 columns per program) ran o_proj at half the speed of these.
+    Widths are for 16-bit types; float32 halves ``block_k`` to keep the bytes per chunk. A GPU
+    with less shared memory per SM than ``stages x (block_n + 16) x block_k`` elements (smaller
+    than an H200's 228 KiB) gets fewer stages, then narrower K chunks, instead of a launch error.
     """
-    block_n = 32 if n >= 16384 else 16
-    block_k = min(256 * 2 // element_size, max(triton.next_power_of_2(k), 16))
-    return GemvConfig(block_n=block_n, block_k=block_k)
+    if n >= 16384:
+        block_n, block_k = 64, 128
+    elif k >= 8192:
+        block_n, block_k = 32, 512
+    else:
+        block_n, block_k = 64, 256
+    block_k = min(block_k * 2 // element_size, max(triton.next_power_of_2(k), 16))
+    num_stages = 4
+    if max_shared_bytes is not None:
+        stage_bytes = lambda: (block_n + BLOCK_M) * block_k * element_size  # W and x chunks
+        while num_stages > 2 and num_stages * stage_bytes() > max_shared_bytes:
+            num_stages -= 1
+        while block_k > 16 and num_stages * stage_bytes() > max_shared_bytes:
+            block_k //= 2
+    return GemvConfig(block_n=block_n, block_k=block_k, num_stages=num_stages)
+
+
+def max_shared_bytes(device: torch.device) -> int | None:
+    """Shared memory per block on ``device``'s GPU, or None where Triton runs interpreted."""
+    if _INTERPRETED or device.type == "cpu":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _max_shared_bytes(index)
+
+
+@functools.lru_cache(maxsize=16)
+def _max_shared_bytes(device_index: int) -> int:
+    properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return int(properties["max_shared_mem"])
 
 
 @triton.jit
@@ -127,7 +158,9 @@ def launch_gemv(
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
     if config is None:
-        config = gemv_config(num_tokens, out_features, in_features, x.element_size())
+        config = gemv_config(
+            num_tokens, out_features, in_features, x.element_size(), max_shared_bytes(x.device)
+        )
     out = x.new_empty((num_tokens, out_features))
     grid = (triton.cdiv(out_features, config.block_n),)
     _gemv_kernel[grid](
