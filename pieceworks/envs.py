@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     PIECEWORKS_DEBUG_DUMP_PATH: str | None
     PIECEWORKS_DEFAULT_MODEL: str
     PIECEWORKS_DIST_TIMEOUT_S: float
-    PIECEWORKS_SMALL_M_GEMV: bool
+    PIECEWORKS_SMALL_M_GEMV: bool | None
 
 
 def _optional_str(name: str) -> Callable[[], str | None]:
@@ -30,6 +30,11 @@ def _optional_str(name: str) -> Callable[[], str | None]:
 
 def _flag(name: str) -> Callable[[], bool]:
     return lambda: os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _optional_flag(name: str) -> Callable[[], bool | None]:
+    """Unset or empty: None (the code's own default); else a flag as ``_flag`` reads it."""
+    return lambda: _flag(name)() if os.environ.get(name, "").strip() else None
 
 
 def _plugins() -> list[str] | None:
@@ -63,9 +68,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Seconds a tensor-parallel rank waits in a collective (start-up rendezvous included) before
     # giving up, so that a lost rank ends the run instead of hanging it.
     "PIECEWORKS_DIST_TIMEOUT_S": lambda: float(os.environ.get("PIECEWORKS_DIST_TIMEOUT_S", "300")),
-    # 1: route unquantized linear layers with <= 16 tokens through the Triton GEMV
-    # (pieceworks/models/layers/triton_gemv.py) instead of cuBLAS.
-    "PIECEWORKS_SMALL_M_GEMV": _flag("PIECEWORKS_SMALL_M_GEMV"),
+    # Compiled graphs run unquantized linear layers with <= 16 tokens through the Triton GEMV
+    # (pieceworks/models/layers/triton_gemv.py) instead of cuBLAS. Unset: where the platform runs
+    # pieceworks' Triton kernels (CUDA, ROCm); 0: never; 1: always.
+    "PIECEWORKS_SMALL_M_GEMV": _optional_flag("PIECEWORKS_SMALL_M_GEMV"),
 }
 
 # Variables whose value changes the code pieceworks compiles; they enter the compile-cache hash.

@@ -74,7 +74,8 @@ class Platform:
         return self._graph_pool
 
     def runs_triton_kernels(self) -> bool:
-        """Whether pieceworks' own opt-in Triton kernels (the small-M GEMV) run on this device."""
+        """Whether pieceworks' own Triton kernels (the small-M GEMV) run on this device; where
+        they do, compiled graphs use the GEMV for decode-sized linear layers by default."""
         return False
 
     def renew_graph_pool(self) -> None:

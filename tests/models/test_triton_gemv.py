@@ -7,8 +7,10 @@ the kernel up to 16 tokens and ``F.linear`` from 17 on (the launcher is replaced
 raises), adds a bias, and on a device the kernel is not built for (the CPU) always calls
 ``F.linear``; (3) the op ``pieceworks::small_m_linear`` traces under ``torch.compile(backend=
 "eager", fullgraph=True)`` with a dynamic token count, once for two token counts; (4) llama-tiny
-(float32, eager engine) decodes the same greedy tokens with ``PIECEWORKS_SMALL_M_GEMV=1`` as
-without, and the flag enters the compile-cache factors.
+(float32, compiled with the eager backend) decodes the same greedy tokens with the GEMV as
+without, eager engines never call it, and the flag enters the compile-cache factors; (5) the GEMV
+is the default exactly where the platform runs pieceworks' Triton kernels, and the variable wins;
+(6) launch configs per shape class, fitted to the device's shared memory.
 
 What runs where: where no GPU is visible the kernel runs in Triton's interpreter on CPU tensors
 (this module sets TRITON_INTERPRET=1 before the kernel is imported, like
@@ -49,6 +51,7 @@ from pieceworks.models.layers.triton_gemv import (  # noqa: E402
     small_m_linear,
     small_m_linear_op,
 )
+from pieceworks.platforms import current_platform  # noqa: E402
 
 INTERPRETED = isinstance(triton_gemv._gemv_kernel, InterpretedFunction)
 ON_GPU = not INTERPRETED and torch.cuda.is_available()
@@ -164,9 +167,14 @@ def test_op_traces_with_dynamic_token_count():
     torch._dynamo.reset()
 
 
-def greedy_decode(num_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens of three prompts, and every step's logits (llama-tiny, float32, eager)."""
-    llm = LLM("llama-tiny", compilation_config={"level": 0}, dtype="float32", max_num_seqs=4)
+def greedy_decode(num_tokens: int, level: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of three prompts, and every step's logits (llama-tiny, float32)."""
+    llm = LLM(
+        "llama-tiny",
+        compilation_config={"level": level, "backend": "eager"},
+        dtype="float32",
+        max_num_seqs=4,
+    )
     recorded: list[torch.Tensor] = []
     model = llm.engine.runner.model
     compute_logits = model.compute_logits
@@ -175,22 +183,46 @@ def greedy_decode(num_tokens: int) -> tuple[list[list[int]], list[torch.Tensor]]
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (3, 9, 17)]
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     outputs = llm.generate(prompts, params)
+    llm.shutdown()
     return [output.outputs[0].token_ids for output in outputs], recorded
 
 
 @requires_triton
 def test_llama_decodes_the_same_tokens_through_the_gemv(kernel_on_cpu, monkeypatch):
-    monkeypatch.delenv("PIECEWORKS_SMALL_M_GEMV", raising=False)
-    tokens, logits = greedy_decode(num_tokens=4)
+    """Compiled (level 3, eager backend: Dynamo traces the op), the decode steps' linear layers
+    run the kernel and decode what cuBLAS decodes; eager (level 0) never calls it."""
+    monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
+    assert envs.compile_factors()["PIECEWORKS_SMALL_M_GEMV"] is False  # enters the cache hash
+    tokens, logits = greedy_decode(num_tokens=4, level=3)
     assert kernel_on_cpu == []
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
-    assert envs.compile_factors()["PIECEWORKS_SMALL_M_GEMV"] is True  # enters the cache hash
-    gemv_tokens, gemv_logits = greedy_decode(num_tokens=4)
-    # 3 decode steps of 3 tokens, each 2 layers x (qkv, o, gate_up, down); prefill (29 tokens) none
-    assert kernel_on_cpu == [3] * (3 * 2 * 4)
+    eager_tokens, _ = greedy_decode(num_tokens=4, level=0)
+    assert kernel_on_cpu == []  # eager calls keep F.linear even when asked for the GEMV
+    assert eager_tokens == tokens
+    gemv_tokens, gemv_logits = greedy_decode(num_tokens=4, level=3)
+    # 2 layers x (qkv, o, gate_up, down) per forward of <= 16 tokens; the prefill (29) has none
+    assert kernel_on_cpu and len(kernel_on_cpu) % 8 == 0
+    assert all(num_tokens <= MAX_GEMV_TOKENS for num_tokens in kernel_on_cpu)
     assert gemv_tokens == tokens
     for actual, expected in zip(gemv_logits, logits, strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_is_on_by_default_where_the_platform_runs_triton_kernels(monkeypatch):
+    from pieceworks.models.layers.quantization import UnquantizedLinearMethod
+
+    monkeypatch.delenv("PIECEWORKS_SMALL_M_GEMV", raising=False)
+    assert envs.PIECEWORKS_SMALL_M_GEMV is None
+    platform = type(current_platform())
+    monkeypatch.setattr(platform, "runs_triton_kernels", lambda self: False)
+    assert UnquantizedLinearMethod().small_m_gemv is False
+    monkeypatch.setattr(platform, "runs_triton_kernels", lambda self: True)
+    assert UnquantizedLinearMethod().small_m_gemv is True
+    monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
+    assert UnquantizedLinearMethod().small_m_gemv is False  # the variable wins
+    monkeypatch.setattr(platform, "runs_triton_kernels", lambda self: False)
+    monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
+    assert UnquantizedLinearMethod().small_m_gemv is True
 
 
 def test_gemv_config_follows_the_h200_sweep_and_fits_smaller_shared_memory() -> None:

@@ -3,8 +3,11 @@
 A method owns the layer's GEMM (``apply``) and the one-time rewrite of its loaded weights
 (``process_weights_after_loading``, called by the loader after every checkpoint tensor landed).
 Layers keep a method instance each; methods keep no per-layer state of their own beyond flags.
-With ``PIECEWORKS_SMALL_M_GEMV=1`` (read when the method is built) the unquantized GEMM goes
-through ``pieceworks::small_m_linear`` (``layers/triton_gemv.py``), a Triton GEMV for <= 16 tokens.
+In compiled graphs the unquantized GEMM goes through ``pieceworks::small_m_linear``
+(``layers/triton_gemv.py``), a Triton GEMV for <= 16 tokens, where the platform runs pieceworks'
+Triton kernels (``PIECEWORKS_SMALL_M_GEMV`` overrides this, read when the method is built). Eager
+calls keep ``F.linear``: the op's dispatch and the Triton launch cost more host time than a
+cuBLAS call, and only a captured graph hides host time.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch import nn
 
 from pieceworks import envs
 from pieceworks.models.layers.triton_gemv import small_m_linear_op
+from pieceworks.platforms import current_platform
 
 
 def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
@@ -35,16 +39,17 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """``y = x W^T (+ b)`` in the model dtype: ``F.linear``, or the small-M GEMV op if opted in."""
+    """``y = x W^T (+ b)`` in the model dtype: ``F.linear``, or in compiled graphs the GEMV op."""
 
     def __init__(self) -> None:
-        self.small_m_gemv = envs.PIECEWORKS_SMALL_M_GEMV
+        choice = envs.PIECEWORKS_SMALL_M_GEMV
+        self.small_m_gemv = current_platform().runs_triton_kernels() if choice is None else choice
         if self.small_m_gemv:
             small_m_linear_op()  # registered before Dynamo traces the first call
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer_tensor(layer, "weight")
-        if not self.small_m_gemv:
+        if not (self.small_m_gemv and torch.compiler.is_compiling()):
             return F.linear(x, weight, bias)  # (T, out)
         output = small_m_linear_op()(x.reshape(-1, x.shape[-1]), weight, bias)  # (T, out)
         return output.reshape(*x.shape[:-1], output.shape[-1])
