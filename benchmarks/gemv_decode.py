@@ -21,6 +21,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+GRAPH_TILES = [(16, 256), (32, 256), (64, 256), (32, 512), (64, 128), (128, 128)]
 SHAPES = {  # (N, K) of the Llama-3.1-8B linear layers at tensor-parallel size 1
     "qkv_proj": (6144, 4096),
     "o_proj": (4096, 4096),
@@ -73,7 +74,7 @@ def graph_time_us(fns: list, replays: int) -> float:
 
 def graph_rows(args) -> list[dict]:
     """F.linear against the default GEMV config, in graphs of one product per layer."""
-    from pieceworks.models.layers.triton_gemv import gemv_config, launch_gemv
+    from pieceworks.models.layers.triton_gemv import GemvConfig, gemv_config, launch_gemv
 
     rows = []
     for (name, (n, k)), m in itertools.product(SHAPES.items(), args.num_tokens):
@@ -89,11 +90,20 @@ def graph_rows(args) -> list[dict]:
         gemv_us = graph_time_us(
             [functools.partial(launch_gemv, x, weight) for weight in weights], args.graph_replays
         )
+        sweep = {}
+        if m == 1:  # a few tiles in the graph too: the do_bench sweep's ranking may not hold
+            for block_n, block_k in GRAPH_TILES:
+                config = GemvConfig(block_n=block_n, block_k=block_k)
+                fns = [functools.partial(launch_gemv, x, weight, config) for weight in weights]
+                sweep[f"{block_n}x{block_k}"] = graph_time_us(fns, args.graph_replays)
+            print(f"graph {name:>12} m= 1 tiles: " + ", ".join(
+                f"{tile} {us:.1f} us" for tile, us in sweep.items()))  # fmt: skip
         error = max_relative_error(launch_gemv(x, weights[0]), F.linear(x, weights[0]))
         row = dict(
             layer=name, n=n, k=k, m=m, config=vars(gemv_config(m, n, k)),
             linear_us=linear_us, linear_tbps=weight_bytes / linear_us / 1e6,
             gemv_us=gemv_us, gemv_tbps=weight_bytes / gemv_us / 1e6, max_rel_err=error,
+            tile_sweep_us=sweep,
         )  # fmt: skip
         print(
             f"graph {name:>12} m={m:>2} linear {linear_us:6.1f} us {row['linear_tbps']:4.2f} TB/s"
