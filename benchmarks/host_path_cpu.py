@@ -43,7 +43,7 @@ class StubKernel:
 
 def stub_kernels() -> None:
     for module, names in (
-        (triton_attention, ["_decode_split_kv_kernel", "_prefill_kernel"]),
+        (triton_attention, ["_decode_split_kv_kernel", "_decode_reduce_kernel", "_prefill_kernel"]),
         (kv_cache, ["_store_kv_cache_kernel"]),
     ):
         for name in names:

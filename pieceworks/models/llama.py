@@ -23,6 +23,7 @@ from pieceworks.config import EngineConfig, resolve_dtype
 from pieceworks.core.decorators import support_torch_compile
 from pieceworks.models.attention.layer import Attention
 from pieceworks.models.causal_lm import CausalLM, maybe_prefix
+from pieceworks.models.layers.activation import SiluAndMul
 from pieceworks.models.layers.layernorm import RMSNorm
 from pieceworks.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -83,10 +84,11 @@ class LlamaMLP(nn.Module):
             prefix=f"{prefix}.down_proj",
             quant_config=quant_config,
         )
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 * I)
-        return self.down_proj(gate_up, silu_and_mul_input=True)  # (T, hidden): SiLU-and-mul inside
+        return self.down_proj(self.act_fn(gate_up))  # (T, hidden)
 
 
 class LlamaAttention(nn.Module):

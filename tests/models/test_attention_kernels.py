@@ -5,12 +5,7 @@ without paging, for prefill, decode, mixed batches, GQA and shuffled block table
 `store_kv_cache` implementations write exactly the given slots and never a slot of -1; (3)
 `paged_attention_triton` (decode split-KV path and prefill/mixed path) equals the reference,
 including ragged lengths, context lengths off the block grid or shorter than one split, padded
-sequences, padded query rows, GQA ratios 1 and 4, block sizes 16 and 32, float32 and float16;
-(4) the single-launch split-KV decode (the last split of each (sequence, kv head) to arrive
-merges) leaves its arrival counters at zero, so layers sharing one `DecodeWorkspace` run in turn
-correctly, reads only partials written by the same launch (empty splits included), skips
-padded sequences, and merges when the counter says every split has arrived (not when some split
-index runs); `DecodeWorkspace` hands out zeroed counters, the same view per shape.
+sequences, padded query rows, GQA ratios 1 and 4, block sizes 16 and 32, float32 and float16.
 
 Where no GPU is visible the Triton kernels run in Triton's interpreter on CPU tensors: this module
 sets TRITON_INTERPRET=1 (unless already set) before it imports the kernels, because triton decides
@@ -34,11 +29,8 @@ if not torch.cuda.is_available():
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pieceworks.models.attention.ops import (  # noqa: E402
-    DecodeLaunch,
-    DecodeWorkspace,
     paged_attention_reference,
     paged_attention_triton,
-    plan_paged_attention,
     store_kv_cache_torch,
     store_kv_cache_triton,
     triton_attention,
@@ -165,20 +157,6 @@ def run_triton(batch: PagedBatch, max_query_len: int, **kwargs) -> torch.Tensor:
         **kwargs,
     )
     return output
-
-
-def plan_decode(batch: PagedBatch, output: torch.Tensor, **kwargs) -> DecodeLaunch:
-    """The decode launch for this batch's shapes (kwargs: num_kv_splits, workspace)."""
-    launch = plan_paged_attention(batch.query, batch.key_cache, batch.value_cache, output,
-                                  block_tables=batch.block_tables, scale=HEAD_SIZE**-0.5,
-                                  max_query_len=1, **kwargs)  # fmt: skip
-    assert isinstance(launch, DecodeLaunch)
-    return launch
-
-
-def run_decode(launch: DecodeLaunch, batch: PagedBatch, output: torch.Tensor) -> None:
-    launch(batch.query, batch.key_cache, batch.value_cache, output, batch.query_start_loc,
-           batch.seq_lens, batch.block_tables)  # fmt: skip
 
 
 def assert_matches_reference(batch: PagedBatch, output: torch.Tensor) -> None:
@@ -376,6 +354,8 @@ def test_triton_decode_with_fused_kv_store(num_kv_splits, block_size):
     to, padded sequences and padded rows (slot -1) write nothing, every other cache row keeps its
     value, and no split reads a row written in the same launch (the new K/V come from registers).
     """
+    from pieceworks.models.attention.ops import plan_paged_attention
+
     seq_lens = [1, 15, 33, 100, 0]
     batch = make_batch(seq_lens, [1, 1, 1, 1, 0], num_heads=8, num_kv_heads=2,
                        block_size=block_size, num_padded_tokens=2)  # fmt: skip
@@ -410,98 +390,3 @@ def test_triton_decode_with_fused_kv_store(num_kv_splits, block_size):
     assert (output[real:] == SENTINEL).all()
     assert torch.equal(batch.key_cache, expected_keys)
     assert torch.equal(batch.value_cache, expected_values)
-
-
-# ---------------------------------------------------------------- single-launch split-KV merge
-# The interpreter runs programs one at a time, in grid order: the last split to arrive is always
-# split num_kv_splits - 1 and no two programs overlap. The cross-program ordering (release and
-# acquire on the counter, partials read through L2) is only exercised on a GPU, by the decode
-# tests with several splits in test_attention_kernels_gpu.py and test_attention_layer.py.
-
-
-@requires_triton
-@pytest.mark.parametrize("shared_workspace", [False, True])
-def test_triton_decode_leaves_split_counters_at_zero(shared_workspace):
-    batch = make_batch([200, 70, 5, 129], [1, 1, 1, 1], num_heads=8, num_kv_heads=2)
-    output = torch.full_like(batch.query, SENTINEL)
-    workspace = DecodeWorkspace() if shared_workspace else None
-    launch = plan_decode(batch, output, num_kv_splits=8, workspace=workspace)
-    counters = launch.split_counters
-    assert counters.shape == (4, 2) and counters.dtype == torch.int32
-    assert (counters == 0).all(), "counters must start at zero"
-    for _ in range(2):  # the second launch finds the counters the first one left
-        output.fill_(SENTINEL)
-        run_decode(launch, batch, output)
-        assert_matches_reference(batch, output)
-        assert (counters == 0).all(), "a launch must leave every counter at zero"
-
-
-@requires_triton
-def test_triton_decode_layers_share_a_workspace():
-    # Two "layers" (their own caches and queries, one shape) on one workspace, run in turn twice,
-    # as a model's decode step runs its layers: each launch relies on the last one's counters.
-    workspace = DecodeWorkspace()
-    layers = []
-    for _ in range(2):
-        batch = make_batch([90, 3, 200], [1, 1, 1], num_heads=8, num_kv_heads=2)
-        output = torch.full_like(batch.query, SENTINEL)
-        layers.append((batch, output, plan_decode(batch, output, workspace=workspace)))
-    first, second = (launch for _, _, launch in layers)
-    assert first.split_counters is second.split_counters
-    assert first.partial_out is second.partial_out
-    assert first.kernel.grid[2] > 1, "the default split count must merge several splits"
-    for _ in range(2):
-        for batch, output, launch in layers:
-            output.fill_(SENTINEL)
-            run_decode(launch, batch, output)
-            assert_matches_reference(batch, output)
-    assert (first.split_counters == 0).all()
-
-
-@requires_triton
-@pytest.mark.parametrize("num_kv_splits", [1, 16, 64])
-def test_triton_decode_padded_and_short_sequences_with_many_splits(num_kv_splits):
-    # Contexts of 1 to 70 tokens hold keys in one or two 64-token splits; every later split is
-    # empty (lse = -inf, zero weight). The scratch is poisoned with NaN first, so every partial
-    # the merge reads must come from this launch. Sequences 4 and 5 are padding: no program of
-    # theirs touches a counter or an output row.
-    seq_lens, query_lens = [1, 70, 5, 64, 0, 0], [1, 1, 1, 1, 0, 0]
-    batch = make_batch(seq_lens, query_lens, num_heads=8, num_kv_heads=2, num_padded_tokens=2)
-    output = torch.full_like(batch.query, SENTINEL)
-    launch = plan_decode(batch, output, num_kv_splits=num_kv_splits, workspace=DecodeWorkspace())
-    launch.partial_out.fill_(float("nan"))
-    run_decode(launch, batch, output)
-    assert_matches_reference(batch, output)
-    assert (launch.split_counters == 0).all()
-
-
-@requires_triton
-def test_triton_decode_merge_is_triggered_by_the_counter():
-    # A counter that starts at num_kv_splits (a broken invariant) never reads num_kv_splits - 1:
-    # that (sequence, kv head) is not merged and its counter ends at 2 * num_kv_splits, while the
-    # others merge as usual. So the merge follows the count, not the split index, which is what
-    # makes it correct when splits finish in any order on a GPU.
-    num_kv_splits = 4
-    batch = make_batch([100, 40], [1, 1], num_heads=8, num_kv_heads=2)
-    output = torch.full_like(batch.query, SENTINEL)
-    launch = plan_decode(batch, output, num_kv_splits=num_kv_splits)
-    launch.split_counters[1, 0] = num_kv_splits
-    run_decode(launch, batch, output)
-    assert launch.split_counters.tolist() == [[0, 0], [2 * num_kv_splits, 0]]
-    assert (output[1, :4] == SENTINEL).all(), "q heads 0-3 (kv head 0) of sequence 1 were merged"
-    expected = run_reference(batch)
-    torch.testing.assert_close(output[0], expected[0], **TOLERANCES[torch.float32])
-    torch.testing.assert_close(output[1, 4:], expected[1, 4:], **TOLERANCES[torch.float32])
-
-
-def test_workspace_split_counters_per_shape_and_growth():
-    workspace = DecodeWorkspace()
-    counters = workspace.get_split_counters(4, 8, DEVICE)
-    assert counters.shape == (4, 8) and counters.dtype == torch.int32 and (counters == 0).all()
-    assert workspace.get_split_counters(4, 8, DEVICE) is counters  # same address: graphs hold it
-    small = workspace.get_split_counters(2, 8, DEVICE)  # a prefix of the same zeroed buffer
-    assert small.untyped_storage().data_ptr() == counters.untyped_storage().data_ptr()
-    grown = workspace.get_split_counters(16, 8, DEVICE)  # outgrows it: a new zeroed buffer
-    assert grown.untyped_storage().data_ptr() != counters.untyped_storage().data_ptr()
-    assert (grown == 0).all()
-    assert workspace.get_split_counters(4, 8, DEVICE) is counters  # the old views stay valid

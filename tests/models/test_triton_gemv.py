@@ -84,9 +84,9 @@ def kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Treat this device as a kernel device; the list collects the token count of every launch."""
     launches: list[int] = []
 
-    def counted_launch(x: torch.Tensor, weight: torch.Tensor, config=None, **kwargs):
+    def counted_launch(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
         launches.append(x.shape[0])
-        return launch_gemv(x, weight, config, **kwargs)
+        return launch_gemv(x, weight, config)
 
     monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "launch_gemv", counted_launch)
@@ -103,40 +103,6 @@ def test_kernel_matches_float64_reference(dtype, num_tokens, out_features, in_fe
     assert output.dtype == dtype and output.shape == (num_tokens, out_features)
     expected = x.double() @ weight.double().t()
     torch.testing.assert_close(output.double(), expected, **TOLERANCES[dtype])
-
-
-@requires_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 5, 16])
-@pytest.mark.parametrize("out_features,in_features,config", SHAPES)
-def test_silu_and_mul_kernel_matches_float64_reference(
-    dtype, num_tokens, out_features, in_features, config
-):
-    """``(silu(gate) * up) @ W^T`` from ``[gate | up]`` rows: the activation inside the loads."""
-    gate_up, _ = operands(num_tokens, 1, 2 * in_features, dtype)
-    _, weight = operands(num_tokens, out_features, in_features, dtype)
-    output = launch_gemv(gate_up, weight, config, silu_and_mul=True)
-    assert output.dtype == dtype and output.shape == (num_tokens, out_features)
-    gate, up = gate_up.double().chunk(2, dim=-1)
-    expected = (F.silu(gate) * up) @ weight.double().t()
-    # The activation is rounded to dtype before the dot (as Inductor's fused kernel stores it):
-    # in bfloat16 that is up to one step per element (the interpreter truncates), summed over K.
-    tolerance = dict(rtol=2**-7, atol=2e-2) if dtype == torch.bfloat16 else TOLERANCES[dtype]
-    torch.testing.assert_close(output.double(), expected, **tolerance)
-
-
-@requires_triton
-def test_silu_and_mul_linear_routes_like_small_m_linear(kernel_on_cpu):
-    gate_up, _ = operands(MAX_GEMV_TOKENS + 1, 1, 128, torch.float32)
-    _, weight = operands(1, 40, 64, torch.float32)
-    bias = torch.randn(40, device=DEVICE)
-    expected = F.linear(F.silu(gate_up[:, :64]) * gate_up[:, 64:], weight, bias)
-    small = triton_gemv.small_m_silu_and_mul_linear(gate_up[:MAX_GEMV_TOKENS], weight, bias)
-    assert kernel_on_cpu == [MAX_GEMV_TOKENS]
-    torch.testing.assert_close(small, expected[:MAX_GEMV_TOKENS], **TOLERANCES[torch.float32])
-    large = triton_gemv.small_m_silu_and_mul_linear(gate_up, weight, bias)
-    assert kernel_on_cpu == [MAX_GEMV_TOKENS]  # 17 tokens: F.linear
-    torch.testing.assert_close(large, expected, **TOLERANCES[torch.float32])
 
 
 @requires_triton

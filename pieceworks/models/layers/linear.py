@@ -287,14 +287,9 @@ class RowParallelLinear(LinearBase):
             loaded_weight = shard_rows(loaded_weight, full_shape, rows, name, dim=1)
         copy_weight(param, loaded_weight, name)  # the bias is replicated
 
-    def forward(self, x: torch.Tensor, *, silu_and_mul_input: bool = False) -> torch.Tensor:
-        """``x W^T``; with ``silu_and_mul_input`` x is a gated MLP's ``[gate | up]`` (T, 2 * in)
-        and the product is ``silu_and_mul(x) W^T`` (the method may fuse the two)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)  # (T, out)
         bias = self.bias if self.tp_rank == 0 else None
-        if silu_and_mul_input:
-            output = self.quant_method.apply_silu_and_mul(self, x, bias)  # (T, out)
-        else:
-            output = self.quant_method.apply(self, x, bias)  # (T, out)
-        if self.tp_size == 1 or not self.reduce_results:
-            return output  # one rank: the sum; else this rank's partial sum, for the caller
-        return tensor_model_parallel_all_reduce(output)
+        output = self.quant_method.apply(self, x, bias)  # (T, out): this rank's partial sum
+        return tensor_model_parallel_all_reduce(output) if self.reduce_results else output

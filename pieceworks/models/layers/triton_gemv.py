@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
-from pieceworks.models.layers.activation import silu_and_mul
 from pieceworks.platforms import current_platform
 
 MAX_GEMV_TOKENS = 16  # above this the GEMM is no longer bound by reading W once: cuBLAS
@@ -117,7 +116,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    SILU_AND_MUL: tl.constexpr,  # x rows are [gate | up], each in_features wide
 ):
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
     tokens = tl.arange(0, BLOCK_M)
@@ -134,12 +132,11 @@ def _gemv_kernel(
             mask=column_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # (BLOCK_N, BLOCK_K)
-        x_mask = token_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_rows + (k_start + ks)[None, :], mask=x_mask, other=0.0)  # (BLOCK_M, BLOCK_K)
-        if SILU_AND_MUL:  # silu(gate) * up in float32, rounded once, as Inductor's fused kernel
-            up = tl.load(x_rows + in_features + (k_start + ks)[None, :], mask=x_mask, other=0.0)
-            gate = x.to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = tl.load(
+            x_rows + (k_start + ks)[None, :],
+            mask=token_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_K)
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
@@ -155,17 +152,10 @@ _INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"  # TRITON_IN
 
 
 def launch_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    config: GemvConfig | None = None,
-    silu_and_mul: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
 ) -> torch.Tensor:
-    """``x @ weight^T`` by the kernel, (M, N) in x's dtype; x (M <= 16, K), weight (N, K).
-
-    With ``silu_and_mul`` x is (M, 2K), gate then up, and the product is
-    ``(silu(gate) * up) @ weight^T``: the activation is computed as the K chunks are loaded.
-    """
-    num_tokens, in_features = x.shape[0], weight.shape[1]
+    """``x @ weight^T`` by the kernel, (M, N) in x's dtype; x (M <= 16, K), weight (N, K)."""
+    num_tokens, in_features = x.shape
     out_features = weight.shape[0]
     if config is None:
         config = gemv_config(
@@ -189,7 +179,6 @@ def launch_gemv(
         # float32 stays float32 (as F.linear by default), not TF32; 16-bit: the backend default
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         UPCAST=_INTERPRETED and x.dtype == torch.bfloat16,
-        SILU_AND_MUL=silu_and_mul,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -204,7 +193,7 @@ def kernel_runs_on(x: torch.Tensor) -> bool:
 
 
 def uses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``small_m_linear`` (and the gated form) run the kernel for these operands."""
+    """Whether ``small_m_linear`` runs the kernel for these operands (else ``F.linear``)."""
     return (
         0 < x.shape[0] <= MAX_GEMV_TOKENS
         and x.dtype == weight.dtype
@@ -225,17 +214,6 @@ def small_m_linear(
     return out if bias is None else out + bias
 
 
-def small_m_silu_and_mul_linear(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``F.linear(silu_and_mul(gate_up), weight, bias)`` for 2-D gate_up (T, 2K); one kernel
-    (the activation inside the GEMV's loads) when ``uses_kernel``."""
-    if not uses_kernel(gate_up, weight) or gate_up.shape[1] != 2 * weight.shape[1]:
-        return F.linear(silu_and_mul(gate_up), weight, bias)
-    out = launch_gemv(gate_up, weight, silu_and_mul=True)  # (T, N)
-    return out if bias is None else out + bias
-
-
 def small_m_linear_fake(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -243,7 +221,6 @@ def small_m_linear_fake(
 
 
 _small_m_linear_op: Any = None
-_small_m_silu_and_mul_linear_op: Any = None
 
 
 def small_m_linear_op() -> Any:
@@ -258,16 +235,3 @@ def small_m_linear_op() -> Any:
             "small_m_linear", small_m_linear, mutates_args=[], fake_impl=small_m_linear_fake
         )
     return _small_m_linear_op
-
-
-def small_m_silu_and_mul_linear_op() -> Any:
-    """``torch.ops.pieceworks.small_m_silu_and_mul_linear``, registered on first use."""
-    global _small_m_silu_and_mul_linear_op
-    if _small_m_silu_and_mul_linear_op is None:
-        _small_m_silu_and_mul_linear_op = direct_register_custom_op(
-            "small_m_silu_and_mul_linear",
-            small_m_silu_and_mul_linear,
-            mutates_args=[],
-            fake_impl=small_m_linear_fake,  # (T, N) either way
-        )
-    return _small_m_silu_and_mul_linear_op

@@ -3,16 +3,13 @@
 Owns `paged_attention_triton`, which computes exactly what `reference.py` defines (ragged
 sequences, causal positions `seq_lens[s] - q_s + i`, GQA, padded sequences skipped) with two paths:
 
-- decode (`max_query_len == 1`): split-KV ("flash-decoding") in one launch. The grid is
-  (seq, kv_head, split); each program attends all the q heads of one kv head (GQA packing, one
-  tile row per q head) over one slice of the context, and writes a normalised partial output and
-  its log-sum-exp to a workspace. It then bumps the (seq, kv_head) arrival counter; the last split
-  program to arrive merges every split of that kv head's q heads into the output and resets the
-  counter to zero, so no second (reduce) launch is needed. With a single split the program writes
-  the output directly. The number of splits comes from shapes only; each sequence cuts its own
-  length into that many slices (rounded up to whole tiles), so short sequences leave trailing
-  splits empty (lse = -inf).
-  Planned with `new_kv`, the kernel also stores the step's K/V (the split holding the last
+- decode (`max_query_len == 1`): split-KV ("flash-decoding"). The grid is (seq, kv_head, split);
+  each program attends all the q heads of one kv head (GQA packing, one tile row per q head) over
+  one slice of the context, and writes a normalised partial output and its log-sum-exp to a
+  workspace; `_decode_reduce_kernel` then merges the splits per (seq, q head). The number of
+  splits comes from shapes only; each sequence cuts its own length into that many slices
+  (rounded up to whole tiles), so short sequences leave trailing splits empty (lse = -inf).
+  Planned with `new_kv`, the split kernel also stores the step's K/V (the split holding the last
   position uses them from registers and writes them at its end), saving the separate store
   launch; the attention backend does this for every decode step.
 - prefill / mixed (`max_query_len > 1`): flash attention over (seq, query block, kv head); a tile
@@ -39,7 +36,7 @@ from pieceworks.models.attention.ops.workspace import DecodeWorkspace
 
 # Decode split heuristic: aim for this many programs in flight (a few per SM on a large GPU) ...
 TARGET_DECODE_PROGRAMS = 512
-# ... but never more splits than this (the last split program merges them all) ...
+# ... but never more splits than this (the reduce reads them all) ...
 MAX_KV_SPLITS = 64
 # ... and tokens per decode tile (one tl.dot), which also bounds the split size from below.
 DECODE_BLOCK_N = 64
@@ -56,18 +53,17 @@ NEG_LARGE = tl.constexpr(-1.0e30)
 
 @triton.jit
 def _decode_split_kv_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
-    partial_out_ptr, partial_lse_ptr, split_counters_ptr,  # read only with NUM_KV_SPLITS > 1
+    query_ptr, key_cache_ptr, value_cache_ptr, partial_out_ptr, partial_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     key_ptr, value_ptr, slot_mapping_ptr,  # the step's new K/V; read only with STORE_KV
     qk_scale,  # softmax scale * log2(e): scores live in base 2
-    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_q_t, stride_q_h,
     stride_cache_block, stride_cache_offset, stride_cache_h,
     stride_block_tables,
     stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, STORE_KV: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):  # fmt: skip
     # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -136,74 +132,38 @@ def _decode_split_kv_kernel(
     # Partial result of this split, normalised; an empty split reports lse = -inf.
     lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
     partial_out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (BLOCK_H, D)
-    if NUM_KV_SPLITS == 1:  # the one split is the whole context: its output is the answer
-        out_offsets = (query_start.to(tl.int64) * stride_o_t + heads[:, None] * stride_o_h
-                       + dims[None, :])  # fmt: skip
-        tl.store(output_ptr + out_offsets, partial_out.to(output_ptr.dtype.element_ty),
-                 mask=row_mask[:, None])  # fmt: skip
-    else:
-        num_heads = NUM_QUERIES_PER_KV * tl.num_programs(1)
-        workspace_row = (seq * num_heads + heads) * NUM_KV_SPLITS + split  # (BLOCK_H,)
-        tl.store(partial_lse_ptr + workspace_row, lse, mask=row_mask)
-        tl.store(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
-                 partial_out, mask=row_mask[:, None])  # fmt: skip
-        _merge_splits_if_last(partial_out_ptr, partial_lse_ptr, output_ptr, split_counters_ptr,
-                              query_start, seq, kv_head, stride_o_t, stride_o_h,
-                              NUM_QUERIES_PER_KV, HEAD_SIZE, NUM_KV_SPLITS,
-                              BLOCK_SPLITS)  # fmt: skip
+    workspace_row = (seq * NUM_QUERIES_PER_KV * tl.num_programs(1) + heads) * NUM_KV_SPLITS + split
+    tl.store(partial_lse_ptr + workspace_row, lse, mask=row_mask)
+    tl.store(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :], partial_out,
+             mask=row_mask[:, None])  # fmt: skip
 
 
 @triton.jit
-def _merge_splits_if_last(
-    partial_out_ptr, partial_lse_ptr, output_ptr, split_counters_ptr,
-    query_start, seq, kv_head, stride_o_t, stride_o_h,
-    NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+def _decode_reduce_kernel(
+    partial_out_ptr, partial_lse_ptr, output_ptr, query_start_loc_ptr,
+    stride_o_t, stride_o_h,
+    HEAD_SIZE: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """Count this split in; the last of (seq, kv_head) to arrive merges every split of its heads.
-
-    Memory ordering (GPU): Triton runs a scalar atomic on one thread and broadcasts its result
-    through shared memory behind a barrier. The barrier before it makes every thread's partial
-    stores precede that thread's release; the broadcast barrier after it puts every thread's
-    merge loads after the acquire; ".cg" loads read L2, never a stale L1 line.
-    """
-    tl.debug_barrier()
-    counter_ptr = split_counters_ptr + seq * tl.num_programs(1) + kv_head
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == NUM_KV_SPLITS - 1:
-        # Every split has arrived and none will touch this counter again in this launch: reset
-        # it, so that every counter is zero between launches (the next layer reuses them).
-        tl.store(counter_ptr, 0)
-        num_heads = NUM_QUERIES_PER_KV * tl.num_programs(1)
-        token_output_ptr = output_ptr + query_start.to(tl.int64) * stride_o_t
-        for row in range(NUM_QUERIES_PER_KV):  # one (BLOCK_SPLITS, D) tile per q head
-            head = kv_head * NUM_QUERIES_PER_KV + row
-            _merge_head_splits(partial_out_ptr, partial_lse_ptr,
-                               (seq * num_heads + head) * NUM_KV_SPLITS,
-                               token_output_ptr + head * stride_o_h,
-                               HEAD_SIZE, NUM_KV_SPLITS, BLOCK_SPLITS)  # fmt: skip
-
-
-@triton.jit
-def _merge_head_splits(partial_out_ptr, partial_lse_ptr, first_row, output_row_ptr,
-                       HEAD_SIZE: tl.constexpr, NUM_KV_SPLITS: tl.constexpr,
-                       BLOCK_SPLITS: tl.constexpr):  # fmt: skip
-    """Merge one q head's split partials (workspace rows first_row + split) into its output row."""
+    # One program: merge the splits of sequence `seq`, q head `head` into its output row.
+    seq, head = tl.program_id(0), tl.program_id(1)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == query_start:  # padded sequence
+        return
     splits = tl.arange(0, BLOCK_SPLITS)
     dims = tl.arange(0, HEAD_SIZE)
-    workspace_row = first_row + splits  # (BLOCK_SPLITS,)
+    workspace_row = (seq * tl.num_programs(1) + head) * NUM_KV_SPLITS + splits  # (BLOCK_SPLITS,)
     lse = tl.load(partial_lse_ptr + workspace_row, mask=splits < NUM_KV_SPLITS,
-                  other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-    # Empty splits (lse = -inf) weigh nothing; the tile's padding past NUM_KV_SPLITS holds other
-    # heads' rows (or lies past the buffer), so masked rows are never read.
-    is_used = lse > float("-inf")
+                  other=float("-inf"))  # fmt: skip
+    is_used = lse > float("-inf")  # empty splits never wrote their partial output: never read it
     lse_max = tl.max(lse, axis=0)
     lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # all splits empty: avoid -inf - -inf
     weights = tl.where(is_used, tl.exp2(lse - lse_max), 0.0)  # (BLOCK_SPLITS,)
     partial_out = tl.load(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
-                          mask=is_used[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+                          mask=is_used[:, None], other=0.0)  # fmt: skip
     out = tl.sum(weights[:, None] * partial_out, axis=0)  # (D,)
     out = out / tl.maximum(tl.sum(weights, axis=0), 1e-30)  # no key at all: zeros, not NaN
-    tl.store(output_row_ptr + dims, out.to(output_row_ptr.dtype.element_ty))
+    out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
+    tl.store(output_ptr + out_offsets, out.to(output_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -300,23 +260,16 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int)
 
 
 def allocate_decode_workspace(
-    num_seqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    num_kv_splits: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split-KV scratch for one call, sized from shapes only: partial outputs, their log-sum-exps
-    and the (zeroed) per-(seq, kv head) arrival counters."""
+    num_seqs: int, num_heads: int, head_size: int, num_kv_splits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV scratch, sized from shapes only: partial outputs and their log-sum-exps."""
     partial_out = torch.empty(
         (num_seqs, num_heads, num_kv_splits, head_size), dtype=torch.float32, device=device
     )
     partial_lse = torch.empty(
         (num_seqs, num_heads, num_kv_splits), dtype=torch.float32, device=device
     )
-    split_counters = torch.zeros((num_seqs, num_kv_heads), dtype=torch.int32, device=device)
-    return partial_out, partial_lse, split_counters
+    return partial_out, partial_lse
 
 
 def paged_attention_triton(
@@ -347,18 +300,16 @@ def paged_attention_triton(
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
-    """Split-KV decode bound for one shape: one launch, partials merged by each last split.
+    """Split-KV decode bound for one shape: partials into its workspace, then the reduce.
 
-    The kernel leaves every counter of ``split_counters`` at zero, as it found them, so layers
-    that run one after another on one stream may share the workspace. With ``stores_kv`` the
-    kernel also writes the step's new K/V into the cache (one launch fewer than a separate
-    store); the call then takes ``new_kv=(key, value, slot_mapping)``.
+    With ``stores_kv`` the split kernel also writes the step's new K/V into the cache (one launch
+    fewer than a separate store); the call then takes ``new_kv=(key, value, slot_mapping)``.
     """
 
-    kernel: KernelLaunch
+    split: KernelLaunch
+    reduce: KernelLaunch
     partial_out: torch.Tensor  # (S, Hq, splits, D) float32
     partial_lse: torch.Tensor  # (S, Hq, splits) float32
-    split_counters: torch.Tensor  # (S, Hkv) int32, zero between launches
     stores_kv: bool = False
 
     def __call__(self, query, key_cache, value_cache, output, query_start_loc, seq_lens,
@@ -366,9 +317,9 @@ class DecodeLaunch:
         if self.stores_kv != (new_kv is not None):
             raise ValueError("pass new_kv=(key, value, slot_mapping) exactly when planned to store")
         key, value, slot_mapping = new_kv or (query, query, seq_lens)  # unread without a store
-        self.kernel(query, key_cache, value_cache, output, self.partial_out, self.partial_lse,
-                    self.split_counters, query_start_loc, seq_lens, block_tables, key, value,
-                    slot_mapping)  # fmt: skip
+        self.split(query, key_cache, value_cache, self.partial_out, self.partial_lse,
+                   query_start_loc, seq_lens, block_tables, key, value, slot_mapping)  # fmt: skip
+        self.reduce(self.partial_out, self.partial_lse, output, query_start_loc)
 
 
 # Either launch is called as launch(query, key_cache, value_cache, output, query_start_loc,
@@ -407,7 +358,7 @@ def plan_paged_attention(
 
 def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
                  workspace, new_kv=None) -> DecodeLaunch:  # fmt: skip
-    """Split-KV decode, one launch: partials per (seq, kv head, split), merged by the last split."""
+    """Split-KV decode: partials per (seq, kv head, split), then one reduce per (seq, q head)."""
     num_seqs, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_size = key_cache.shape
     num_heads = query.shape[1]
@@ -416,31 +367,37 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     if workspace is None:
-        scratch = allocate_decode_workspace(
-            num_seqs, num_heads, num_kv_heads, head_size, num_kv_splits, query.device
+        partial_out, partial_lse = allocate_decode_workspace(
+            num_seqs, num_heads, head_size, num_kv_splits, query.device
         )
     else:
-        scratch = (
-            *workspace.get(num_seqs, num_heads, num_kv_splits, head_size, query.device),
-            workspace.get_split_counters(num_seqs, num_kv_heads, query.device),
+        partial_out, partial_lse = workspace.get(
+            num_seqs, num_heads, num_kv_splits, head_size, query.device
         )
     num_queries_per_kv = num_heads // num_kv_heads
     if new_kv is not None:
         _check_new_kv(new_kv, query, key_cache)
     key, value = new_kv or (query, query)  # strides unused without a store
-    kernel = KernelLaunch(
+    split = KernelLaunch(
         _decode_split_kv_kernel,
         (num_seqs, num_kv_heads, num_kv_splits),
-        (scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        (scale * LOG2_E, query.stride(0), query.stride(1),
          key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
          key.stride(0), key.stride(1), value.stride(0), value.stride(1)),
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
              NUM_KV_SPLITS=num_kv_splits,
              BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
-             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), STORE_KV=new_kv is not None,
+             STORE_KV=new_kv is not None,
              num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES),
     )  # fmt: skip
-    return DecodeLaunch(kernel, *scratch, stores_kv=new_kv is not None)
+    reduce = KernelLaunch(
+        _decode_reduce_kernel,
+        (num_seqs, num_heads),
+        (output.stride(0), output.stride(1)),
+        dict(HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
+             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4),
+    )  # fmt: skip
+    return DecodeLaunch(split, reduce, partial_out, partial_lse, stores_kv=new_kv is not None)
 
 
 def _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len) -> KernelLaunch:

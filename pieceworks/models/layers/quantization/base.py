@@ -7,8 +7,7 @@ In compiled graphs the unquantized GEMM goes through ``pieceworks::small_m_linea
 (``layers/triton_gemv.py``), a Triton GEMV for <= 16 tokens, where the platform runs pieceworks'
 Triton kernels (``PIECEWORKS_SMALL_M_GEMV`` overrides this, read when the method is built). Eager
 calls keep ``F.linear``: the op's dispatch and the Triton launch cost more host time than a
-cuBLAS call, and only a captured graph hides host time. ``apply_silu_and_mul`` is the down
-projection of a gated MLP; there the GEMV also computes the activation, one launch fewer.
+cuBLAS call, and only a captured graph hides host time.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pieceworks import envs
-from pieceworks.models.layers.activation import silu_and_mul
-from pieceworks.models.layers.triton_gemv import small_m_linear_op, small_m_silu_and_mul_linear_op
+from pieceworks.models.layers.triton_gemv import small_m_linear_op
 from pieceworks.platforms import current_platform
 
 
@@ -39,12 +37,6 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply_silu_and_mul(
-        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``apply`` on ``silu_and_mul(gate_up)``; a method may fuse the two (default: not)."""
-        return self.apply(layer, silu_and_mul(gate_up), bias)
-
 
 class UnquantizedLinearMethod(LinearMethod):
     """``y = x W^T (+ b)`` in the model dtype: ``F.linear``, or in compiled graphs the GEMV op."""
@@ -54,7 +46,6 @@ class UnquantizedLinearMethod(LinearMethod):
         self.small_m_gemv = current_platform().runs_triton_kernels() if choice is None else choice
         if self.small_m_gemv:
             small_m_linear_op()  # registered before Dynamo traces the first call
-            small_m_silu_and_mul_linear_op()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer_tensor(layer, "weight")
@@ -62,14 +53,3 @@ class UnquantizedLinearMethod(LinearMethod):
             return F.linear(x, weight, bias)  # (T, out)
         output = small_m_linear_op()(x.reshape(-1, x.shape[-1]), weight, bias)  # (T, out)
         return output.reshape(*x.shape[:-1], output.shape[-1])
-
-    def apply_silu_and_mul(
-        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """In compiled graphs with the GEMV: one op, the activation inside the GEMV's loads."""
-        if not (self.small_m_gemv and torch.compiler.is_compiling()):
-            return self.apply(layer, silu_and_mul(gate_up), bias)
-        weight = layer_tensor(layer, "weight")
-        gate_up_2d = gate_up.reshape(-1, gate_up.shape[-1])
-        output = small_m_silu_and_mul_linear_op()(gate_up_2d, weight, bias)  # (T, out)
-        return output.reshape(*gate_up.shape[:-1], output.shape[-1])
