@@ -72,6 +72,7 @@ for section in $sections; do
                  tar -czf "$OUT/profilegemv.tgz" -C "$PROF" . ;;
     kerneltests) run kerneltests python3 -m pytest tests/models/test_attention_kernels_gpu.py tests/models/test_attention_layer.py tests/models/test_triton_gemv.py tests/models/test_llama_layers.py -q -p no:cacheprovider ;;
     bench8bcublas) run bench8bcublas env PIECEWORKS_SMALL_M_GEMV=0 pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_cublas.json" ;;
+    tpllama) run tpllama python3 -m pytest -m "gpu or platform_agnostic" tests/distributed/test_tp_gpu.py tests/distributed/test_executor.py -q -s -p no:cacheprovider -k "all_reduce or llama" ;;
     tpbamba) run tpbamba python3 -m pytest -m gpu tests/distributed/test_tp_gpu.py -q -s -p no:cacheprovider -k bamba ;;
     *) echo "unknown section $section" ;;
   esac
