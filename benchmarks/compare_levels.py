@@ -28,11 +28,13 @@ from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.platforms import current_platform  # noqa: E402
 
 
-def prefill_logits_and_tokens(model: str, mode: str, prompts: list[list[int]],
-                              max_tokens: int) -> tuple[torch.Tensor, list[list[int]]]:
+def prefill_logits_and_tokens(
+    model: str, mode: str, prompts: list[list[int]], max_tokens: int
+) -> tuple[torch.Tensor, list[list[int]]]:
     mode, _, dtype = mode.partition("@")
-    llm = LLM(model, compilation_config=compilation_for_mode(mode), max_num_seqs=8,
-              dtype=dtype or "auto")
+    llm = LLM(
+        model, compilation_config=compilation_for_mode(mode), max_num_seqs=8, dtype=dtype or "auto"
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for prompt in prompts:
@@ -59,19 +61,24 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (n,), generator=generator).tolist() for n in (7, 33, 120)]
     reference_mode, *other_modes = args.modes.split(",")
-    reference, reference_tokens = prefill_logits_and_tokens(args.model, reference_mode, prompts,
-                                                            args.max_tokens)
+    reference, reference_tokens = prefill_logits_and_tokens(
+        args.model, reference_mode, prompts, args.max_tokens
+    )
     report = {"model": args.model, "reference": reference_mode, "modes": {}}
     for mode in other_modes:
         logits, tokens = prefill_logits_and_tokens(args.model, mode, prompts, args.max_tokens)
         relative = float((logits - reference).abs().max() / reference.abs().max())
         same_tokens = [a == b for a, b in zip(tokens, reference_tokens)]
-        report["modes"][mode] = {"max_abs_diff_over_scale": relative,
-                                 "argmax_equal": bool((logits.argmax(-1)
-                                                       == reference.argmax(-1)).all()),
-                                 "greedy_tokens_equal_per_prompt": same_tokens}
-        print(f"{mode} vs {reference_mode}: max |diff| / max |logit| = {relative:.2e}; "
-              f"greedy {args.max_tokens} tokens equal per prompt: {same_tokens}", flush=True)
+        report["modes"][mode] = {
+            "max_abs_diff_over_scale": relative,
+            "argmax_equal": bool((logits.argmax(-1) == reference.argmax(-1)).all()),
+            "greedy_tokens_equal_per_prompt": same_tokens,
+        }
+        print(
+            f"{mode} vs {reference_mode}: max |diff| / max |logit| = {relative:.2e}; "
+            f"greedy {args.max_tokens} tokens equal per prompt: {same_tokens}",
+            flush=True,
+        )
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

@@ -58,7 +58,9 @@ for section in $sections; do
              (sleep 150; pkill -ABRT -f "multiprocessing.spawn"; sleep 3; pkill -ABRT -f "python3 -m pytest") &
              run tpdebug env PYTHONFAULTHANDLER=1 NCCL_DEBUG=WARN PIECEWORKS_DIST_TIMEOUT_S=120 python3 -m pytest -m gpu tests/distributed/test_tp_gpu.py -q -s -x -p no:cacheprovider -k "llama" ;;
     tpprobe) run tpprobe env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL PIECEWORKS_DIST_TIMEOUT_S=90 python3 benchmarks/tp_probe.py --configs full_and_piecewise:async,eager:sync,full_and_piecewise:sync --timeout ${PROBE_TIMEOUT:-100} --only-if-first-fails ;;
-    autotune8b) run autotune8b pieceworks bench latency --model llama-3.1-8b --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config '{"compile_sizes": [1, 64]}' --output-json "$OUT/bench_llama8b_autotune.json" ;;
+    autotune8b) # one batch size per run: compile_sizes must be capture sizes of that run
+                run autotune8b_b1 pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config '{"compile_sizes": [1]}' --output-json "$OUT/bench_llama8b_autotune_b1.json"
+                run autotune8b_b64 pieceworks bench latency --model llama-3.1-8b --batch-size 64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config '{"compile_sizes": [64]}' --output-json "$OUT/bench_llama8b_autotune_b64.json" ;;
     profilebamba) PROF=$(mktemp -d)
                   run profilebamba python3 benchmarks/profile_decode.py --model bamba-9b --batch-size 1 --input-len 128 --modes full_and_piecewise --out-dir "$PROF"
                   tar -czf "$OUT/profilebamba.tgz" -C "$PROF" . ;;

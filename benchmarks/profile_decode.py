@@ -61,8 +61,12 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    llm = LLM(args.model, compilation_config=compilation_for_mode(mode),
-              max_num_seqs=max(args.batch_size, 8), quantization=args.quantization)
+    llm = LLM(
+        args.model,
+        compilation_config=compilation_for_mode(mode),
+        max_num_seqs=max(args.batch_size, 8),
+        quantization=args.quantization,
+    )
     engine = llm.engine
     rng = random.Random(0)
     vocab = llm.config.model_config.hf_config["vocab_size"]
@@ -107,19 +111,29 @@ def profile_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         "idle_share": 1 - busy_us / 1e3 / (wall * 1e3),
         "by_kind_ms_per_step": {k: v / 1e3 / steps for k, v in sorted(by_kind.items())},
         "top_kernels": [
-            {"name": name[:120], "kind": kernel_kind(name), "ms_per_step": total / 1e3 / steps,
-             "calls_per_step": count / steps, "us_per_call": total / count}
+            {
+                "name": name[:120],
+                "kind": kernel_kind(name),
+                "ms_per_step": total / 1e3 / steps,
+                "calls_per_step": count / steps,
+                "us_per_call": total / count,
+            }
             for name, (total, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
         ],
     }
-    print(f"== {mode}: wall {result['wall_ms_per_step']:.3f} ms/step, device busy "
-          f"{result['device_busy_ms_per_step']:.3f} ms, idle {result['idle_share']:.1%}, "
-          f"{result['kernels_per_step']:.0f} kernels/step", flush=True)
+    print(
+        f"== {mode}: wall {result['wall_ms_per_step']:.3f} ms/step, device busy "
+        f"{result['device_busy_ms_per_step']:.3f} ms, idle {result['idle_share']:.1%}, "
+        f"{result['kernels_per_step']:.0f} kernels/step",
+        flush=True,
+    )
     for kind, ms in result["by_kind_ms_per_step"].items():
         print(f"   {kind:15s} {ms:8.3f} ms/step")
     for row in result["top_kernels"][:15]:
-        print(f"   {row['ms_per_step']:8.3f} ms {row['calls_per_step']:6.0f}x "
-              f"{row['us_per_call']:8.1f} us  {row['name'][:90]}")
+        print(
+            f"   {row['ms_per_step']:8.3f} ms {row['calls_per_step']:6.0f}x "
+            f"{row['us_per_call']:8.1f} us  {row['name'][:90]}"
+        )
     llm.shutdown()
     del llm, engine
     gc.collect()
@@ -139,10 +153,15 @@ def main() -> None:
     args = parser.parse_args()
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     results = [profile_mode(args, mode) for mode in args.modes.split(",")]
-    report = {"model": args.model, "batch_size": args.batch_size, "input_len": args.input_len,
-              "quantization": args.quantization, "device": torch.cuda.get_device_name()
-              if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-              "results": results}
+    report = {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "quantization": args.quantization,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "results": results,
+    }
     out = Path(args.out_dir) / f"profile_{args.model}_b{args.batch_size}.json"
     out.write_text(json.dumps(report, indent=2))
 

@@ -37,10 +37,16 @@ CASES = [  # (name, level, graph mode)
 
 
 def build_runnable(level: int, mode: CUDAGraphMode, args: argparse.Namespace):
-    compilation = CompilationConfig(level=level, backend=args.backend, splitting_ops=[SILLY_OP],
-                                    cudagraph_mode=mode, cudagraph_capture_sizes=[args.tokens])
-    config = EngineConfig(scheduler_config=SchedulerConfig(max_num_seqs=args.tokens),
-                          compilation_config=compilation)
+    compilation = CompilationConfig(
+        level=level,
+        backend=args.backend,
+        splitting_ops=[SILLY_OP],
+        cudagraph_mode=mode,
+        cudagraph_capture_sizes=[args.tokens],
+    )
+    config = EngineConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=args.tokens), compilation_config=compilation
+    )
     platform = current_platform()
     model = ToyModel(config=config, num_layers=args.layers, hidden_size=args.hidden)
     model = model.to(platform.device()).requires_grad_(False)
@@ -60,8 +66,9 @@ def time_case(level: int, mode: CUDAGraphMode, args: argparse.Namespace) -> dict
         with set_forward_context(None, config):
             runnable(x)  # compile (mode NONE warm-up)
         samples = []
-        with set_forward_context(None, config, cudagraph_runtime_mode=runtime_mode,
-                                 batch_descriptor=descriptor):
+        with set_forward_context(
+            None, config, cudagraph_runtime_mode=runtime_mode, batch_descriptor=descriptor
+        ):
             for _ in range(args.warmup):
                 runnable(x)
             platform.synchronize()
@@ -71,8 +78,11 @@ def time_case(level: int, mode: CUDAGraphMode, args: argparse.Namespace) -> dict
                     runnable(x)
                 platform.synchronize()
                 samples.append((time.perf_counter() - start) / args.iters * 1e6)
-    return {"us_per_call_median": statistics.median(samples), "us_per_call_min": min(samples),
-            "us_per_call_max": max(samples)}
+    return {
+        "us_per_call_median": statistics.median(samples),
+        "us_per_call_min": min(samples),
+        "us_per_call_max": max(samples),
+    }
 
 
 def main() -> None:
@@ -87,17 +97,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     platform = current_platform()
-    results = {"platform": platform.name, "device": platform.device_name(),
-               "torch": torch.__version__, "layers": args.layers, "tokens": args.tokens,
-               "backend": args.backend, "cases": {}}
+    results = {
+        "platform": platform.name,
+        "device": platform.device_name(),
+        "torch": torch.__version__,
+        "layers": args.layers,
+        "tokens": args.tokens,
+        "backend": args.backend,
+        "cases": {},
+    }
     print(f"{'case':<26} {'us/call median':>15} {'min':>9} {'max':>9}")
     for name, level, mode in CASES:
         if mode != CUDAGraphMode.NONE and not platform.supports_static_graphs():
             continue
         result = time_case(level, mode, args)
         results["cases"][name] = result
-        print(f"{name:<26} {result['us_per_call_median']:>15.1f} "
-              f"{result['us_per_call_min']:>9.1f} {result['us_per_call_max']:>9.1f}", flush=True)
+        print(
+            f"{name:<26} {result['us_per_call_median']:>15.1f} "
+            f"{result['us_per_call_min']:>9.1f} {result['us_per_call_max']:>9.1f}",
+            flush=True,
+        )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

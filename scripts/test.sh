@@ -17,6 +17,7 @@ fi
 
 echo "== lint (ruff)"
 "$VENV/bin/ruff" check pieceworks tests examples benchmarks
+"$VENV/bin/ruff" format --check pieceworks tests examples benchmarks
 echo "== type (mypy)"
 "$VENV/bin/mypy" pieceworks
 echo "== cpu (pytest on the CPU platform)"
