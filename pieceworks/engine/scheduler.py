@@ -113,8 +113,12 @@ class SchedulerOutput:
         return bool(self.scheduled_requests) and self.num_decodes == self.num_requests
 
     def detached(self) -> SchedulerOutput:
-        """The step as another rank's runner needs it (see ``ScheduledRequest.detached``)."""
-        return SchedulerOutput([item.detached() for item in self.scheduled_requests])
+        """The step as another rank's runner needs it (see ``ScheduledRequest.detached``),
+        preempted requests included, as runner views."""
+        return SchedulerOutput(
+            [item.detached() for item in self.scheduled_requests],
+            [request.runner_view() for request in self.preempted_requests],
+        )
 
     @property
     def producing_requests(self) -> list[ScheduledRequest]:

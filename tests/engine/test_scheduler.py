@@ -289,6 +289,9 @@ def test_resumed_request_recomputes_prompt_and_generated_tokens():
         output = scheduler.schedule()
         if output.preempted_requests:
             assert output.preempted_requests == [second]  # the newest running one
+            detached = output.detached()  # what another rank's runner receives
+            assert [r.request_id for r in detached.preempted_requests] == ["second"]
+            assert detached.preempted_requests[0].prompt_token_ids == []  # a runner view
             assert list(scheduler.waiting) == [second, third]  # back at the front of the queue
             generated_before = list(second.output_token_ids)
             assert generated_before

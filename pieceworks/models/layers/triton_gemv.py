@@ -58,13 +58,14 @@ def gemv_config(
 ) -> GemvConfig:
     """The launch configuration for an (m, k) x (n, k)^T product, from shapes alone.
 
-    From an H200 sweep (``benchmarks/gemv_decode.py``, bfloat16, the four 8B shapes, M 1 to 16,
-    block_n 16/32/64 x block_k 128/256/512 x warps/stages 4x3, 4x4, 8x4): 4 warps and 4 stages
-    won everywhere, and the tile depended on the shape, not on M:
+    From H200 sweeps (``benchmarks/gemv_decode.py``, bfloat16, the four 8B shapes, M 1 to 16,
+    block_n 16/32/64 x block_k 128/256/512 x warps/stages 4x3, 4x4, 8x4, then the tiles again
+    inside a CUDA graph): 4 warps and 4 stages were best or within 5% of it on every shape, and
+    the tile depended on the shape, not on M:
     - N >= 16384 (gate_up_proj, 28672 x 4096): 64 x 128;
     - K >= 8192 (down_proj, 4096 x 14336): 32 x 512;
     - otherwise (qkv_proj, o_proj): 64 x 256.
-    The first sweep's guess (16 columns per program) ran o_proj at half the speed of these.
+    The first guess (16 columns per program) ran o_proj at half the speed of these.
     Widths are for 16-bit types; float32 halves ``block_k`` to keep the bytes per chunk. A GPU
     with less shared memory per SM than ``stages x (block_n + 16) x block_k`` elements (smaller
     than an H200's 228 KiB) gets fewer stages, then narrower K chunks, instead of a launch error.
