@@ -3,7 +3,9 @@
 Two measurements. The one that decides (``graph``): per shape and token count, 32 distinct
 weights (one per layer, so nothing stays in L2) multiplied in turn inside one CUDA graph, the
 graph replayed; time per product, as a decode step's graph runs them. The kernel's default
-config (``gemv_config``) against ``F.linear``. Then, with ``--sweep`` (slow): for each weight
+config (``gemv_config``) against ``F.linear``, also at 32 and 64 tokens (``small_m_linear`` routes
+at most 16 today; the question for 64 is whether the GEMV beats cuBLAS's batch-64 kernels, which
+run at about 84% of the copy bandwidth). Then, with ``--sweep`` (slow): for each weight
 (N, K) of an 8B layer and each token count M, times ``F.linear`` and ``launch_gemv`` with the
 default launch config and a sweep of others (median of ``triton.testing.do_bench``, L2 flushed
 before every run: the flush's write-backs make every time longer than in a graph, so compare
@@ -14,6 +16,7 @@ Run (CUDA machine): PYTHONPATH=. python benchmarks/gemv_decode.py --out gemv.jso
 """
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -33,7 +36,7 @@ SHAPES = {  # (N, K) of the Llama-3.1-8B linear layers at tensor-parallel size 1
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="path of the JSON results file")
-    parser.add_argument("--num-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--num-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument(
@@ -147,6 +150,7 @@ def bench_shape(name, n, k, m, configs, default, args) -> dict:
     tbps = lambda us: weight_bytes / (us * 1e-6) / 1e12
     linear_us = time_us(lambda: F.linear(x, weight), args.rep_ms)
     results = []
+    configs = [dataclasses.replace(config, block_m=default.block_m) for config in configs]
     for config in [default, *[c for c in configs if c != default]]:
         try:
             error = max_relative_error(launch_gemv(x, weight, config), expected)

@@ -45,6 +45,7 @@ from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.models.layers import triton_gemv  # noqa: E402
 from pieceworks.models.layers.triton_gemv import (  # noqa: E402
     MAX_GEMV_TOKENS,
+    MAX_KERNEL_TOKENS,
     GemvConfig,
     gemv_config,
     launch_gemv,
@@ -103,6 +104,22 @@ def test_kernel_matches_float64_reference(dtype, num_tokens, out_features, in_fe
     assert output.dtype == dtype and output.shape == (num_tokens, out_features)
     expected = x.double() @ weight.double().t()
     torch.testing.assert_close(output.double(), expected, **TOLERANCES[dtype])
+
+
+@requires_triton
+@pytest.mark.parametrize("num_tokens", [17, 40, 64])
+def test_kernel_pads_up_to_64_tokens(num_tokens):
+    """Beyond 16 tokens the kernel pads to 32 or 64 rows (measured by the benchmark, not routed
+    by ``small_m_linear`` yet); more than 64, or more than an explicit config's rows, is refused."""
+    x, weight = operands(num_tokens, 50, 100, torch.float32)
+    output = launch_gemv(x, weight)
+    expected = x.double() @ weight.double().t()
+    torch.testing.assert_close(output.double(), expected, **TOLERANCES[torch.float32])
+    with pytest.raises(ValueError, match="block_m=16"):
+        launch_gemv(x, weight, GemvConfig(block_n=16, block_k=64))
+    too_many, _ = operands(MAX_KERNEL_TOKENS + 1, 50, 100, torch.float32)
+    with pytest.raises(ValueError, match="at most 64 tokens"):
+        launch_gemv(too_many, weight)
 
 
 @requires_triton
@@ -228,6 +245,7 @@ def test_gemv_is_on_by_default_where_the_platform_runs_triton_kernels(monkeypatc
 def test_gemv_config_follows_the_h200_sweep_and_fits_smaller_shared_memory() -> None:
     """Tiles per shape class (qkv/o, gate_up, down); less shared memory: fewer stages, shorter K."""
     assert gemv_config(1, 6144, 4096) == GemvConfig(block_n=64, block_k=256, num_stages=4)
+    assert gemv_config(16, 6144, 4096).block_m == 16 and gemv_config(17, 6144, 4096).block_m == 32
     assert gemv_config(1, 28672, 4096) == GemvConfig(block_n=64, block_k=128, num_stages=4)
     assert gemv_config(1, 4096, 14336) == GemvConfig(block_n=32, block_k=512, num_stages=4)
     assert gemv_config(1, 4096, 4096, element_size=4).block_k == 128  # same bytes per chunk

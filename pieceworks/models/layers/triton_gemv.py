@@ -37,15 +37,18 @@ import triton.language as tl
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.platforms import current_platform
 
-MAX_GEMV_TOKENS = 16  # above this the GEMM is no longer bound by reading W once: cuBLAS
-BLOCK_M = 16  # tokens padded to the smallest tensor-core tile
+MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
+MAX_KERNEL_TOKENS = 64  # what the kernel takes (benchmarks measure 32 and 64 against cuBLAS)
+MIN_BLOCK_M = 16  # tokens padded to at least the smallest tensor-core tile
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """Launch configuration: output columns and K chunk per program, warps, pipeline stages."""
+    """Launch configuration: padded tokens, output columns and K chunk per program, warps,
+    pipeline stages."""
 
+    block_m: int = MIN_BLOCK_M
     block_n: int = 16
     block_k: int = 256
     num_warps: int = 4
@@ -65,7 +68,8 @@ def gemv_config(
     - N >= 16384 (gate_up_proj, 28672 x 4096): 64 x 128;
     - K >= 8192 (down_proj, 4096 x 14336): 32 x 512;
     - otherwise (qkv_proj, o_proj): 64 x 256.
-    The first guess (16 columns per program) ran o_proj at half the speed of these.
+    The first guess (16 columns per program) ran o_proj at half the speed of these. Tokens are
+    padded to ``block_m``, the next power of two from 16 (32 and 64 tokens: not swept yet).
     Widths are for 16-bit types; float32 halves ``block_k`` to keep the bytes per chunk. A GPU
     with less shared memory per SM than ``stages x (block_n + 16) x block_k`` elements (smaller
     than an H200's 228 KiB) gets fewer stages, then narrower K chunks, instead of a launch error.
@@ -76,15 +80,16 @@ def gemv_config(
         block_n, block_k = 32, 512
     else:
         block_n, block_k = 64, 256
+    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(m))
     block_k = min(block_k * 2 // element_size, max(triton.next_power_of_2(k), 16))
     num_stages = 4
     if max_shared_bytes is not None:
-        stage_bytes = lambda: (block_n + BLOCK_M) * block_k * element_size  # W and x chunks
+        stage_bytes = lambda: (block_n + block_m) * block_k * element_size  # W and x chunks
         while num_stages > 2 and num_stages * stage_bytes() > max_shared_bytes:
             num_stages -= 1
         while block_k > 16 and num_stages * stage_bytes() > max_shared_bytes:
             block_k //= 2
-    return GemvConfig(block_n=block_n, block_k=block_k, num_stages=num_stages)
+    return GemvConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=num_stages)
 
 
 def max_shared_bytes(device: torch.device) -> int | None:
@@ -155,13 +160,17 @@ _INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"  # TRITON_IN
 def launch_gemv(
     x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
 ) -> torch.Tensor:
-    """``x @ weight^T`` by the kernel, (M, N) in x's dtype; x (M <= 16, K), weight (N, K)."""
+    """``x @ weight^T`` by the kernel, (M, N) in x's dtype; x (M <= 64, K), weight (N, K)."""
     num_tokens, in_features = x.shape
     out_features = weight.shape[0]
+    if num_tokens > MAX_KERNEL_TOKENS:
+        raise ValueError(f"the GEMV takes at most {MAX_KERNEL_TOKENS} tokens, got {num_tokens}")
     if config is None:
         config = gemv_config(
             num_tokens, out_features, in_features, x.element_size(), max_shared_bytes(x.device)
         )
+    if num_tokens > config.block_m:
+        raise ValueError(f"{num_tokens} tokens do not fit block_m={config.block_m}")
     out = x.new_empty((num_tokens, out_features))
     grid = (triton.cdiv(out_features, config.block_n),)
     _gemv_kernel[grid](
@@ -174,7 +183,7 @@ def launch_gemv(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         # float32 stays float32 (as F.linear by default), not TF32; 16-bit: the backend default
