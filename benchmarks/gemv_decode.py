@@ -77,7 +77,12 @@ def graph_time_us(fns: list, replays: int) -> float:
 
 def graph_rows(args) -> list[dict]:
     """F.linear against the default GEMV config, in graphs of one product per layer."""
-    from pieceworks.models.layers.triton_gemv import GemvConfig, gemv_config, launch_gemv
+    from pieceworks.models.layers.triton_gemv import (
+        GemvConfig,
+        gemv_config,
+        launch_gemv,
+        max_shared_bytes,
+    )
 
     rows = []
     for (name, (n, k)), m in itertools.product(SHAPES.items(), args.num_tokens):
@@ -103,7 +108,8 @@ def graph_rows(args) -> list[dict]:
                 f"{tile} {us:.1f} us" for tile, us in sweep.items()))  # fmt: skip
         error = max_relative_error(launch_gemv(x, weights[0]), F.linear(x, weights[0]))
         row = dict(
-            layer=name, n=n, k=k, m=m, config=vars(gemv_config(m, n, k)),
+            layer=name, n=n, k=k, m=m,
+            config=vars(gemv_config(m, n, k, 2, max_shared_bytes(x.device))),
             linear_us=linear_us, linear_tbps=weight_bytes / linear_us / 1e6,
             gemv_us=gemv_us, gemv_tbps=weight_bytes / gemv_us / 1e6, max_rel_err=error,
             tile_sweep_us=sweep,
