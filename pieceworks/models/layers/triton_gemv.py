@@ -96,8 +96,7 @@ def max_shared_bytes(device: torch.device) -> int | None:
     """Shared memory per block on ``device``'s GPU, or None where Triton runs interpreted."""
     if _INTERPRETED or device.type == "cpu":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _max_shared_bytes(index)
+    return _max_shared_bytes(device.index or 0)  # a GPU tensor's device always has its index
 
 
 @functools.lru_cache(maxsize=16)
