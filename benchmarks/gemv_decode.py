@@ -10,7 +10,9 @@ run at about 84% of the copy bandwidth). Then, with ``--sweep`` (slow): for each
 default launch config and a sweep of others (median of ``triton.testing.do_bench``, L2 flushed
 before every run: the flush's write-backs make every time longer than in a graph, so compare
 configs there, not absolute speeds). Reports TB/s (weight bytes / time: a GEMV must read W once)
-and each config's max relative error against ``F.linear``.
+and each config's max relative error against ``F.linear``. ``--fp8`` instead times the FP8 GEMV
+(e4m3 operands, per-tensor scales) against cuBLAS ``_scaled_mm`` in the graph, the gated gate_up
+GEMV (SiLU-and-mul and the FP8 quant as its epilogue), and at one token a tile and stage sweep.
 
 Run (CUDA machine): PYTHONPATH=. python benchmarks/gemv_decode.py --out gemv.json
 """
@@ -49,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true", help="also the do_bench config sweep")
     parser.add_argument("--graph-layers", type=int, default=32, help="distinct weights per graph")
     parser.add_argument("--graph-replays", type=int, default=20)
+    parser.add_argument("--fp8", action="store_true", help="only the FP8 GEMV rows")
+    parser.add_argument("--fp8-tokens", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--copy-tbps", type=float, default=4.1, help="bandwidth for the floor")
     return parser.parse_args()
 
 
@@ -124,6 +129,90 @@ def graph_rows(args) -> list[dict]:
     return rows
 
 
+FP8_TILES = [(64, 512), (32, 1024), (64, 256), (128, 256), (32, 512), (16, 1024)]
+FP8_STAGES = [3, 4, 6]
+
+
+def fp8_rows(args) -> list[dict]:
+    """FP8 (e4m3, per-tensor scales): cuBLAS ``_scaled_mm`` against the GEMV, in graphs of one
+    product per layer; gate_up also as the gated GEMV (silu(gate) * up and the FP8 quant of the
+    result in its epilogue), and bfloat16 gate_up gated against plain. At m = 1, a tile and
+    stage sweep of the FP8 GEMV."""
+    from pieceworks.models.layers.triton_gemv import GemvConfig, gemv_config, launch_gemv
+
+    fp8 = torch.float8_e4m3fn
+    scale = torch.tensor(1.0, device="cuda")
+    rows = []
+    for (name, (n, k)), m in itertools.product(SHAPES.items(), args.fp8_tokens):
+        x = torch.randn(m, k, device="cuda").to(fp8)
+        weights = [
+            (torch.randn(n, k, device="cuda") / k**0.5 * 64).to(fp8)
+            for _ in range(args.graph_layers)
+        ]
+        scaled_mm = [
+            functools.partial(
+                torch._scaled_mm, x, w.t(), scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16
+            )
+            for w in weights
+        ]
+        kwargs = dict(scales=(scale, scale), out_dtype=torch.bfloat16)
+        gemv = [functools.partial(launch_gemv, x, w, **kwargs) for w in weights]
+        row = dict(layer=name, n=n, k=k, m=m, weight_bytes=n * k)
+        row["config"] = vars(gemv_config(m, n, k, 1))
+        row["scaled_mm_us"] = graph_time_us(scaled_mm, args.graph_replays)
+        row["gemv_us"] = graph_time_us(gemv, args.graph_replays)
+        reference = torch._scaled_mm(
+            x, weights[0].t(), scale_a=scale, scale_b=scale, out_dtype=torch.float32
+        )
+        row["max_rel_err"] = max_relative_error(gemv[0]().float(), reference)
+        if name == "gate_up_proj":
+            gated = [
+                functools.partial(launch_gemv, x, w, gated=True, out_scale=scale, **kwargs)
+                for w in weights
+            ]
+            row["gated_gemv_us"] = graph_time_us(gated, args.graph_replays)
+            row["gated_config"] = vars(gemv_config(m, n, k, 1, None, True))
+            x16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w16 = [w.to(torch.bfloat16) for w in weights]
+            row["bf16_gemv_us"] = graph_time_us(
+                [functools.partial(launch_gemv, x16, w) for w in w16], args.graph_replays
+            )
+            row["bf16_gated_gemv_us"] = graph_time_us(
+                [functools.partial(launch_gemv, x16, w, gated=True) for w in w16],
+                args.graph_replays,
+            )
+            del w16
+        if m == 1:
+            sweep = {}
+            for (block_n, block_k), stages in itertools.product(FP8_TILES, FP8_STAGES):
+                config = GemvConfig(block_n=block_n, block_k=block_k, num_stages=stages)
+                fns = [functools.partial(launch_gemv, x, w, config, **kwargs) for w in weights]
+                try:
+                    sweep[f"{block_n}x{block_k}x{stages}"] = graph_time_us(fns, args.graph_replays)
+                except Exception as error:  # a tile past the shared memory: recorded, not fatal
+                    sweep[f"{block_n}x{block_k}x{stages}"] = f"{type(error).__name__}"
+                    torch.cuda.synchronize()
+            row["tile_sweep_us"] = sweep
+            best = min((us, tile) for tile, us in sweep.items() if isinstance(us, float))
+            print(f"fp8 {name:>12} m= 1 best tile {best[1]} {best[0]:.1f} us")
+        row["floor_us"] = n * k / args.copy_tbps / 1e6
+        print(
+            f"fp8 {name:>12} m={m:>2} scaled_mm {row['scaled_mm_us']:6.1f} us | gemv "
+            f"{row['gemv_us']:6.1f} us (floor {row['floor_us']:.1f} at {args.copy_tbps} TB/s)"
+            + (f" | gated {row['gated_gemv_us']:.1f} us" if "gated_gemv_us" in row else "")
+            + (
+                f" | bf16 gemv {row['bf16_gemv_us']:.1f} gated {row['bf16_gated_gemv_us']:.1f} us"
+                if "bf16_gemv_us" in row
+                else ""
+            )
+            + f" | rel err {row['max_rel_err']:.1e}"
+        )
+        rows.append(row)
+        del weights, scaled_mm, gemv
+        torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_configs(args, gemv_config_cls) -> list:
     """Every (block_n, block_k, num_warps, num_stages) combination asked for."""
     pairs = [tuple(int(v) for v in pair.split("x")) for pair in args.warps_stages]
@@ -195,7 +284,10 @@ def main() -> None:
     from pieceworks.models.layers.triton_gemv import GemvConfig, gemv_config
 
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
-    result["graph"] = graph_rows(args)
+    if args.fp8:
+        result["fp8"] = fp8_rows(args)
+    else:
+        result["graph"] = graph_rows(args)
     if args.sweep:
         configs = sweep_configs(args, GemvConfig)
         rows = []

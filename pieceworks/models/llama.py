@@ -23,7 +23,6 @@ from pieceworks.config import EngineConfig, resolve_dtype
 from pieceworks.core.decorators import support_torch_compile
 from pieceworks.models.attention.layer import Attention
 from pieceworks.models.causal_lm import CausalLM, maybe_prefix
-from pieceworks.models.layers.activation import SiluAndMul
 from pieceworks.models.layers.layernorm import RMSNorm
 from pieceworks.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -84,11 +83,14 @@ class LlamaMLP(nn.Module):
             prefix=f"{prefix}.down_proj",
             quant_config=quant_config,
         )
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (T, 2 * I)
-        return self.down_proj(self.act_fn(gate_up))  # (T, hidden)
+        # silu(gate) * up: one GEMV with the activation as its epilogue in compiled decode graphs
+        gate_up = self.gate_up_proj
+        activated = gate_up.quant_method.apply_silu_and_mul(
+            gate_up, x, gate_up.bias, self.down_proj
+        )
+        return self.down_proj(activated)  # (T, hidden)
 
 
 class LlamaAttention(nn.Module):

@@ -40,9 +40,12 @@ if not torch.cuda.is_available():
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pieceworks import envs  # noqa: E402
+from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.models.layers import triton_gemv  # noqa: E402
+from pieceworks.models.layers.activation import silu_and_mul  # noqa: E402
+from pieceworks.models.layers.quantization import fp8  # noqa: E402
 from pieceworks.models.layers.triton_gemv import (  # noqa: E402
     MAX_GEMV_TOKENS,
     MAX_KERNEL_TOKENS,
@@ -85,13 +88,19 @@ def kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Treat this device as a kernel device; the list collects the token count of every launch."""
     launches: list[int] = []
 
-    def counted_launch(x: torch.Tensor, weight: torch.Tensor, config=None) -> torch.Tensor:
+    def counted_launch(x: torch.Tensor, weight: torch.Tensor, config=None, **epilogue):
         launches.append(x.shape[0])
-        return launch_gemv(x, weight, config)
+        EPILOGUES.append(epilogue)
+        return launch_gemv(x, weight, config, **epilogue)
 
+    EPILOGUES.clear()
     monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "launch_gemv", counted_launch)
+    monkeypatch.setattr(fp8, "launch_gemv", counted_launch)
     return launches
+
+
+EPILOGUES: list[dict] = []  # kernel_on_cpu: the keyword arguments of every launch
 
 
 @requires_triton
@@ -184,13 +193,16 @@ def test_op_traces_with_dynamic_token_count():
     torch._dynamo.reset()
 
 
-def greedy_decode(num_tokens: int, level: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def greedy_decode(
+    num_tokens: int, level: int, quantization: str | None = None
+) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of three prompts, and every step's logits (llama-tiny, float32)."""
     llm = LLM(
         "llama-tiny",
         compilation_config={"level": level, "backend": "eager"},
         dtype="float32",
         max_num_seqs=4,
+        quantization=quantization,
     )
     recorded: list[torch.Tensor] = []
     model = llm.engine.runner.model
@@ -223,6 +235,104 @@ def test_llama_decodes_the_same_tokens_through_the_gemv(kernel_on_cpu, monkeypat
     assert gemv_tokens == tokens
     for actual, expected in zip(gemv_logits, logits, strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@requires_triton
+def test_fp8_llama_decodes_through_the_fp8_gemv(kernel_on_cpu, monkeypatch):
+    """FP8 llama-tiny compiled: every decode step runs qkv, o and down as the FP8 GEMV and
+    gate_up as the gated GEMV that hands down_proj FP8 values; the logits are those of the
+    ``fp8_gemm`` path up to float32 accumulation order (same FP8 operands, same roundings)."""
+    monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
+    tokens, logits = greedy_decode(num_tokens=4, level=3, quantization="fp8")
+    assert kernel_on_cpu == []
+    monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
+    gemv_tokens, gemv_logits = greedy_decode(num_tokens=4, level=3, quantization="fp8")
+    assert kernel_on_cpu and len(kernel_on_cpu) % 8 == 0  # 2 layers x 4 launches per forward
+    gated = [epilogue for epilogue in EPILOGUES if epilogue.get("gated")]
+    assert len(gated) == len(EPILOGUES) // 4  # one gated launch per MLP, with the FP8 output
+    assert all(epilogue["out_scale"] is not None for epilogue in gated)
+    assert all(epilogue["scales"] is not None for epilogue in EPILOGUES)
+    assert gemv_tokens == tokens
+    for actual, expected in zip(gemv_logits, logits, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+
+
+def fp8_operands(num_tokens: int, out_features: int, in_features: int):
+    """FP8 x and W with per-tensor scales; values spread over the e4m3 range."""
+    x, weight = operands(num_tokens, out_features, in_features, torch.float32)
+    x_scale = torch.tensor(0.02, device=DEVICE)
+    weight_scale = weight.abs().max() / 448
+    return (
+        static_scaled_fp8_quant(x, x_scale),
+        static_scaled_fp8_quant(weight, weight_scale),
+        x_scale,
+        weight_scale,
+    )
+
+
+@requires_triton
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 16])
+@pytest.mark.parametrize("out_features,in_features,config", SHAPES)
+def test_fp8_kernel_matches_the_reference_gemm(
+    out_dtype, num_tokens, out_features, in_features, config
+):
+    x_fp8, weight, x_scale, weight_scale = fp8_operands(num_tokens, out_features, in_features)
+    output = launch_gemv(x_fp8, weight, config, scales=(x_scale, weight_scale), out_dtype=out_dtype)
+    assert output.dtype == out_dtype and output.shape == (num_tokens, out_features)
+    expected = (x_fp8.double() @ weight.double().t()) * (x_scale * weight_scale).double()
+    torch.testing.assert_close(output.double(), expected, **TOLERANCES[out_dtype])
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_gated_kernel_is_silu_and_mul_of_the_product(dtype, num_tokens):
+    """[gate; up] weight (2N, K): the epilogue gives silu(gate) * up, with N off the block grid."""
+    x, weight = operands(num_tokens, 2 * 45, 200, dtype)
+    output = launch_gemv(x, weight, GemvConfig(block_n=16, block_k=64), gated=True)
+    assert output.shape == (num_tokens, 45) and output.dtype == dtype
+    gate_up = (x.double() @ weight.double().t()).to(dtype)  # what an unfused GEMM stores
+    expected = silu_and_mul(gate_up.double())
+    torch.testing.assert_close(output.double(), expected, **TOLERANCES[dtype])
+
+
+@requires_triton
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 16])
+def test_fp8_gated_kernel_quantizes_like_the_unfused_layers(model_dtype, num_tokens):
+    """The FP8 gated epilogue: gate and up rounded to the model dtype as the unfused GEMM stores
+    them, silu(gate) * up in float32 (as Inductor computes the compiled chain, with no rounding
+    in between), quantized with the next layer's scale. Its bytes equal that chain's except where
+    float32 accumulation order moves a value across a rounding boundary."""
+    x_fp8, weight, x_scale, weight_scale = fp8_operands(num_tokens, 2 * 80, 256)
+    out_scale = torch.tensor(0.01, device=DEVICE)
+    output = launch_gemv(
+        x_fp8,
+        weight,
+        scales=(x_scale, weight_scale),
+        gated=True,
+        out_dtype=model_dtype,
+        out_scale=out_scale,
+    )
+    assert output.dtype == FP8_DTYPE and output.shape == (num_tokens, 80)
+    gate_up = fp8.fp8_gemm(x_fp8, weight, x_scale, weight_scale, model_dtype, None, False)
+    expected = static_scaled_fp8_quant(silu_and_mul(gate_up.float()), out_scale)
+    same = output.view(torch.uint8) == expected.view(torch.uint8)
+    assert same.float().mean() >= 0.98, f"{(~same).sum()} of {same.numel()} FP8 bytes differ"
+    # where they differ, by one e4m3 step (2^-3 relative) at most
+    torch.testing.assert_close(output.float(), expected.float(), rtol=2**-3, atol=2**-9 * 0.01)
+
+
+def test_fp8_ops_fall_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
+    monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(fp8, "launch_gemv", lambda *a, **k: pytest.fail("kernel launched"))
+    x_fp8, weight, x_scale, weight_scale = fp8_operands(MAX_GEMV_TOKENS + 1, 2 * 24, 64)
+    args = (x_fp8, weight, x_scale, weight_scale)
+    expected = fp8.fp8_gemm(*args, torch.float32, None, False)
+    assert torch.equal(fp8.small_m_fp8_linear(*args, None, torch.float32, False), expected)
+    gated = fp8.small_m_fp8_silu_and_mul(*args, x_scale, torch.float32, False)
+    assert torch.equal(gated, static_scaled_fp8_quant(silu_and_mul(expected), x_scale))
 
 
 def test_gemv_is_on_by_default_where_the_platform_runs_triton_kernels(monkeypatch):

@@ -11,9 +11,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class SiluAndMul(nn.Module):
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` where ``d = x.shape[-1] // 2`` (gate first, then up)."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]  # (T, d)
+
+
+class SiluAndMul(nn.Module):
+    """``silu_and_mul`` as a module."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]  # (T, d)
+        return silu_and_mul(x)  # (T, d)

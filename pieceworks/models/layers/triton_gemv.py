@@ -8,12 +8,18 @@ needs no reduction afterwards. Measured inside a CUDA graph with one weight per 
 from 1 to 16 tokens (``docs/performance.md``, session 4).
 
 Layout contract: ``x`` is (M, K) and ``weight`` is (N, K), both contiguous along K (a linear
-layer's row-major weight), same dtype (float16, bfloat16 or float32); the result is (M, N) in
-that dtype, accumulated in float32. Each program owns ``BLOCK_N`` output columns for all M rows
-and walks K in ``BLOCK_K`` chunks, so loads of W are coalesced along K and no two programs write
-the same output: no atomics, the result is deterministic. The M rows are padded to 16 (masked)
-so the product runs on tensor cores; it is computed as ``W x^T`` (W as the left operand), which
-leaves W in its natural K-major layout.
+layer's row-major weight), same dtype (float16, bfloat16, float32, or float8_e4m3fn with a
+per-tensor scale each); the result is (M, N), accumulated in float32. Each program owns
+``BLOCK_N`` output columns for all M rows and walks K in ``BLOCK_K`` chunks, so loads of W are
+coalesced along K and no two programs write the same output: no atomics, the result is
+deterministic. The M rows are padded to 16 (masked) so the product runs on tensor cores; it is
+computed as ``W x^T`` (W as the left operand), which leaves W in its natural K-major layout.
+Two epilogues, applied after the K loop so they cost the pipelined loads nothing
+(``docs/performance.md``, session 4, says why not before the ``tl.dot``):
+- gated: for a merged [gate; up] weight each program also owns the up rows of its columns (a
+  second accumulator) and stores ``silu(gate) * up``, so the (M, 2N) product never reaches memory;
+- static FP8 quantization of the result (the next FP8 layer's input), as
+  ``core.norm_quant.static_scaled_fp8_quant`` computes it.
 
 ``small_m_linear`` is the entry point and the op ``pieceworks::small_m_linear``: the kernel when
 there are at most ``MAX_GEMV_TOKENS`` tokens on a GPU Triton targets, else ``F.linear``. The
@@ -21,6 +27,8 @@ choice is made inside the op at run time, because the token count is symbolic wh
 traces the op (inside a static graph it is fixed per capture size). Compiled graphs route
 unquantized linear layers here where the platform runs pieceworks' Triton kernels
 (``quantization/base.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides); eager calls keep ``F.linear``.
+``pieceworks::small_m_silu_and_mul_linear`` is the gated form (the MLP's gate/up projection), and
+``quantization/fp8.py`` registers the FP8 forms of both.
 """
 
 from __future__ import annotations
@@ -35,12 +43,17 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
+from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX
+from pieceworks.models.layers.activation import silu_and_mul
+from pieceworks.models.layers.triton_rounding import round_to, round_to_e4m3
 from pieceworks.platforms import current_platform
 
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
 MAX_KERNEL_TOKENS = 64  # what the kernel takes (benchmarks measure 32 and 64 against cuBLAS)
 MIN_BLOCK_M = 16  # tokens padded to at least the smallest tensor-core tile
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +70,12 @@ class GemvConfig:
 
 @functools.lru_cache(maxsize=256)
 def gemv_config(
-    m: int, n: int, k: int, element_size: int = 2, max_shared_bytes: int | None = None
+    m: int,
+    n: int,
+    k: int,
+    element_size: int = 2,
+    max_shared_bytes: int | None = None,
+    gated: bool = False,
 ) -> GemvConfig:
     """The launch configuration for an (m, k) x (n, k)^T product, from shapes alone.
 
@@ -73,6 +91,9 @@ def gemv_config(
     Widths are for 16-bit types; float32 halves ``block_k`` to keep the bytes per chunk. A GPU
     with less shared memory per SM than ``stages x (block_n + 16) x block_k`` elements (smaller
     than an H200's 228 KiB) gets fewer stages, then narrower K chunks, instead of a launch error.
+    FP8 (one byte) doubles ``block_k``: the bytes of W per chunk stay those that were tuned.
+    ``gated`` (``n`` counts the gate and the up rows): a program reads ``block_n`` rows of each,
+    so ``block_n`` is halved to keep the rows per program of the plain tile.
     """
     if n >= 16384:
         block_n, block_k = 64, 128
@@ -80,11 +101,14 @@ def gemv_config(
         block_n, block_k = 32, 512
     else:
         block_n, block_k = 64, 256
+    weight_rows = block_n
+    if gated:
+        block_n //= 2
     block_m = max(MIN_BLOCK_M, triton.next_power_of_2(m))
     block_k = min(block_k * 2 // element_size, max(triton.next_power_of_2(k), 16))
     num_stages = 4
     if max_shared_bytes is not None:
-        stage_bytes = lambda: (block_n + block_m) * block_k * element_size  # W and x chunks
+        stage_bytes = lambda: (weight_rows + block_m) * block_k * element_size  # W and x chunks
         while num_stages > 2 and num_stages * stage_bytes() > max_shared_bytes:
             num_stages -= 1
         while block_k > 16 and num_stages * stage_bytes() > max_shared_bytes:
@@ -110,6 +134,9 @@ def _gemv_kernel(
     x_ptr,
     weight_ptr,
     out_ptr,
+    x_scale_ptr,
+    weight_scale_ptr,
+    out_scale_ptr,
     num_tokens,
     out_features,
     in_features,
@@ -121,6 +148,10 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALED: tl.constexpr,
+    GATED: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
 ):
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features of this program
     tokens = tl.arange(0, BLOCK_M)
@@ -128,15 +159,15 @@ def _gemv_kernel(
     column_mask = columns < out_features
     token_mask = tokens < num_tokens
     weight_rows = weight_ptr + columns.to(tl.int64)[:, None] * stride_weight  # (BLOCK_N, 1)
+    # GATED: the weight is [gate; up] (2 * out_features rows); this program also owns the up rows
+    up_rows = weight_rows + out_features * stride_weight
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
+    up_acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
-        w = tl.load(
-            weight_rows + (k_start + ks)[None, :],
-            mask=column_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )  # (BLOCK_N, BLOCK_K)
+        w_mask = column_mask[:, None] & k_mask[None, :]
+        w = tl.load(weight_rows + (k_start + ks)[None, :], mask=w_mask, other=0.0)  # (N, K)
         x = tl.load(
             x_rows + (k_start + ks)[None, :],
             mask=token_mask[:, None] & k_mask[None, :],
@@ -145,6 +176,21 @@ def _gemv_kernel(
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
+        if GATED:
+            up = tl.load(up_rows + (k_start + ks)[None, :], mask=w_mask, other=0.0)
+            if UPCAST:
+                up = up.to(tl.float32)
+            up_acc = tl.dot(up, tl.trans(x), up_acc, input_precision=INPUT_PRECISION)
+    if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
+        scale = tl.load(x_scale_ptr) * tl.load(weight_scale_ptr)
+        acc = acc * scale
+        up_acc = up_acc * scale
+    if GATED:  # silu(gate) * up, from gate and up as the unfused GEMM would have stored them
+        acc = round_to(acc, ROUND_DTYPE)
+        up_acc = round_to(up_acc, ROUND_DTYPE)
+        acc = acc / (1.0 + tl.exp(-acc)) * up_acc
+    if QUANT_OUT:  # static FP8 quantization, rounded as static_scaled_fp8_quant rounds
+        acc = round_to_e4m3(acc / tl.load(out_scale_ptr), _FP8_MAX)
     out = out_ptr + tokens.to(tl.int64)[None, :] * stride_out + columns[:, None]  # (N, M)
     mask = column_mask[:, None] & token_mask[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -157,25 +203,50 @@ _INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"  # TRITON_IN
 
 
 def launch_gemv(
-    x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    *,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gated: bool = False,
+    out_dtype: torch.dtype | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight^T`` by the kernel, (M, N) in x's dtype; x (M <= 64, K), weight (N, K)."""
+    """``x @ weight^T`` by the kernel, (M, N); x (M <= 64, K), weight (N, K).
+
+    ``scales=(x_scale, weight_scale)`` (0-d float32): FP8 operands, the product times both
+    scales. ``gated``: the weight is ``[gate; up]`` (2N, K) and the result ``silu(gate) * up``
+    (M, N), the gate and up values rounded to ``out_dtype`` first, as an unfused GEMM stores
+    them. ``out_scale``: the result is quantized to float8_e4m3fn with that static scale.
+    ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
+    """
     num_tokens, in_features = x.shape
-    out_features = weight.shape[0]
+    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    out_dtype = out_dtype or x.dtype
     if num_tokens > MAX_KERNEL_TOKENS:
         raise ValueError(f"the GEMV takes at most {MAX_KERNEL_TOKENS} tokens, got {num_tokens}")
     if config is None:
         config = gemv_config(
-            num_tokens, out_features, in_features, x.element_size(), max_shared_bytes(x.device)
+            num_tokens,
+            weight.shape[0],
+            in_features,
+            x.element_size(),
+            max_shared_bytes(x.device),
+            gated,
         )
     if num_tokens > config.block_m:
         raise ValueError(f"{num_tokens} tokens do not fit block_m={config.block_m}")
-    out = x.new_empty((num_tokens, out_features))
+    store_dtype = FP8_DTYPE if out_scale is not None else out_dtype
+    out = torch.empty((num_tokens, out_features), dtype=store_dtype, device=x.device)
+    x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED
     grid = (triton.cdiv(out_features, config.block_n),)
     _gemv_kernel[grid](
         x,
         weight,
         out,
+        x_scale,
+        weight_scale,
+        out_scale if out_scale is not None else x,
         num_tokens,
         out_features,
         in_features,
@@ -188,6 +259,10 @@ def launch_gemv(
         # float32 stays float32 (as F.linear by default), not TF32; 16-bit: the backend default
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         UPCAST=_INTERPRETED and x.dtype == torch.bfloat16,
+        SCALED=scales is not None,
+        GATED=gated,
+        ROUND_DTYPE=_TRITON_DTYPES[out_dtype],
+        QUANT_OUT=out_scale is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -201,12 +276,14 @@ def kernel_runs_on(x: torch.Tensor) -> bool:
     return platform.runs_triton_kernels() and x.device.type == platform.device_type
 
 
-def uses_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``small_m_linear`` runs the kernel for these operands (else ``F.linear``)."""
+def uses_kernel(
+    x: torch.Tensor, weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
+) -> bool:
+    """Whether the small-M ops run the kernel for these operands (else their fallback)."""
     return (
         0 < x.shape[0] <= MAX_GEMV_TOKENS
         and x.dtype == weight.dtype
-        and x.dtype in SUPPORTED_DTYPES
+        and x.dtype in dtypes
         and x.stride(1) == 1
         and weight.stride(1) == 1
         and kernel_runs_on(x)
@@ -229,18 +306,37 @@ def small_m_linear_fake(
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-_small_m_linear_op: Any = None
-
-
 def small_m_linear_op() -> Any:
     """``torch.ops.pieceworks.small_m_linear``, registered on first use (never at import).
 
     ``UnquantizedLinearMethod`` calls this when it is built: registering cannot be traced, so
     the op must exist before Dynamo meets the first linear layer.
     """
-    global _small_m_linear_op
-    if _small_m_linear_op is None:
-        _small_m_linear_op = direct_register_custom_op(
-            "small_m_linear", small_m_linear, mutates_args=[], fake_impl=small_m_linear_fake
-        )
-    return _small_m_linear_op
+    return direct_register_custom_op(
+        "small_m_linear", small_m_linear, mutates_args=[], fake_impl=small_m_linear_fake
+    )
+
+
+def small_m_silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(F.linear(x, weight))`` for a merged [gate; up] weight (2N, K): (T, N).
+
+    The GEMV with the activation as its epilogue when ``uses_kernel`` (one launch, and the
+    (T, 2N) product never reaches memory), else the two steps.
+    """
+    if not uses_kernel(x, weight):
+        return silu_and_mul(F.linear(x, weight))
+    return launch_gemv(x, weight, gated=True)
+
+
+def small_m_silu_and_mul_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
+def small_m_silu_and_mul_linear_op() -> Any:
+    """``torch.ops.pieceworks.small_m_silu_and_mul_linear``, registered on first use."""
+    return direct_register_custom_op(
+        "small_m_silu_and_mul_linear",
+        small_m_silu_and_mul_linear,
+        mutates_args=[],
+        fake_impl=small_m_silu_and_mul_linear_fake,
+    )

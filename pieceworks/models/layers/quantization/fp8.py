@@ -12,17 +12,33 @@ computes what the GPU computes up to float32 accumulation order.
 The activation quantization is ``core.norm_quant.static_scaled_fp8_quant`` in plain ATen: Inductor
 fuses it into whatever produced the activation, and where that is an RMSNorm the fusion pass
 (``core/passes/fusion.py``) replaces the pair with one fused op.
+
+In compiled graphs, where the small-M GEMV is on (``quantization/base.py``), the GEMM is the op
+``pieceworks::small_m_fp8_linear``: the Triton GEMV on FP8 operands for at most 16 tokens
+(``layers/triton_gemv.py``), ``fp8_gemm`` above that. The MLP's gate/up projection is
+``pieceworks::small_m_fp8_silu_and_mul``: the GEMV with ``silu(gate) * up`` and the down
+projection's static quantization as its epilogue, so it hands ``down_proj`` FP8 values and the
+activation costs no kernel of its own. ``apply`` takes an input that is already FP8 as quantized
+with the layer's own ``input_scale``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
 
+from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
-from pieceworks.models.layers.quantization.base import LinearMethod, layer_tensor
+from pieceworks.models.layers.activation import silu_and_mul
+from pieceworks.models.layers.quantization.base import (
+    LinearMethod,
+    layer_tensor,
+    small_m_gemv_enabled,
+)
+from pieceworks.models.layers.triton_gemv import launch_gemv, uses_kernel
 
 # The static activation scale of every FP8 linear layer (see the module docstring).
 FP8_STATIC_INPUT_SCALE = 1.0
@@ -70,6 +86,91 @@ def fp8_gemm(
     return output if bias is None else output + bias
 
 
+def small_m_fp8_linear(
+    x_fp8: torch.Tensor,
+    weight: torch.Tensor,
+    input_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    native: bool,
+) -> torch.Tensor:
+    """``fp8_gemm`` for 2-D x; the Triton GEMV on the FP8 operands when ``uses_kernel``."""
+    if not uses_kernel(x_fp8, weight, (FP8_DTYPE,)):
+        return fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, bias, native)
+    output = launch_gemv(x_fp8, weight, scales=(input_scale, weight_scale), out_dtype=out_dtype)
+    return output if bias is None else output + bias
+
+
+def small_m_fp8_linear_fake(
+    x_fp8: torch.Tensor,
+    weight: torch.Tensor,
+    input_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    native: bool,
+) -> torch.Tensor:
+    return x_fp8.new_empty((x_fp8.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+def small_m_fp8_silu_and_mul(
+    x_fp8: torch.Tensor,
+    weight: torch.Tensor,
+    input_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    native: bool,
+) -> torch.Tensor:
+    """``quant(silu_and_mul(fp8_gemm(...)), out_scale)`` for a merged [gate; up] weight: (T, I)
+    float8_e4m3fn; one GEMV with both as its epilogue when ``uses_kernel``."""
+    if not uses_kernel(x_fp8, weight, (FP8_DTYPE,)):
+        gate_up = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
+        return static_scaled_fp8_quant(silu_and_mul(gate_up), out_scale)
+    scales = (input_scale, weight_scale)
+    return launch_gemv(
+        x_fp8, weight, scales=scales, gated=True, out_dtype=out_dtype, out_scale=out_scale
+    )
+
+
+def small_m_fp8_silu_and_mul_fake(
+    x_fp8: torch.Tensor,
+    weight: torch.Tensor,
+    input_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    native: bool,
+) -> torch.Tensor:
+    return x_fp8.new_empty((x_fp8.shape[0], weight.shape[0] // 2))
+
+
+def register_small_m_fp8_ops() -> tuple[Any, Any]:
+    """``(small_m_fp8_linear, small_m_fp8_silu_and_mul)`` as ``torch.ops.pieceworks`` ops,
+    registered on first use (before Dynamo traces the first FP8 layer)."""
+    linear = direct_register_custom_op(
+        "small_m_fp8_linear",
+        small_m_fp8_linear,
+        mutates_args=[],
+        fake_impl=small_m_fp8_linear_fake,
+    )
+    gated = direct_register_custom_op(
+        "small_m_fp8_silu_and_mul",
+        small_m_fp8_silu_and_mul,
+        mutates_args=[],
+        fake_impl=small_m_fp8_silu_and_mul_fake,
+    )
+    return linear, gated
+
+
+def output_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype an FP8 layer's GEMM returns: its weight's dtype before quantization."""
+    dtype = getattr(layer, "output_dtype", None)  # set by process_weights_after_loading
+    assert isinstance(dtype, torch.dtype), f"{type(layer).__name__}.output_dtype is not a dtype"
+    return dtype
+
+
 class Fp8LinearMethod(LinearMethod):
     """Quantizes the layer's weight after loading; quantizes its input and runs an FP8 GEMM."""
 
@@ -79,18 +180,26 @@ class Fp8LinearMethod(LinearMethod):
         self.config = config
         self.native = False  # decided after loading, when the weights are on their device
         register_norm_quant_ops()  # the fusion pass replaces RMSNorm -> quant with these
+        self.small_m_gemv = small_m_gemv_enabled()
+        if self.small_m_gemv:
+            register_small_m_fp8_ops()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         from pieceworks.platforms import current_platform
 
-        weight, weight_scale = quantize_weight_per_tensor(layer_tensor(layer, "weight").detach())
+        loaded = layer_tensor(layer, "weight").detach()
+        weight, weight_scale = quantize_weight_per_tensor(loaded)
+        vars(layer)["output_dtype"] = loaded.dtype  # the model dtype: what the GEMM returns
         layer.weight = nn.Parameter(weight, requires_grad=False)  # (out, in) float8_e4m3fn
         layer.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         input_scale = torch.tensor(self.config.input_scale, dtype=torch.float32)
         layer.input_scale = nn.Parameter(input_scale.to(weight.device), requires_grad=False)
         self.native = current_platform().supports_fp8()
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def quantized_operands(
+        self, layer: nn.Module, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x_fp8, weight, input_scale, weight_scale)`` with x as 2-D (T, in)."""
         weight, input_scale = layer_tensor(layer, "weight"), layer_tensor(layer, "input_scale")
         if weight.dtype != FP8_DTYPE:
             raise RuntimeError(
@@ -98,7 +207,48 @@ class Fp8LinearMethod(LinearMethod):
                 "calls process_weights_after_loading after loading the checkpoint"
             )
         x_2d = x.reshape(-1, x.shape[-1])  # (T, in): the GEMM is 2-D
-        x_fp8 = static_scaled_fp8_quant(x_2d, input_scale)
-        weight_scale = layer_tensor(layer, "weight_scale")
-        output = fp8_gemm(x_fp8, weight, input_scale, weight_scale, x.dtype, bias, self.native)
+        # an FP8 input was quantized with this layer's scale (apply_silu_and_mul's epilogue)
+        x_fp8 = x_2d if x.dtype == FP8_DTYPE else static_scaled_fp8_quant(x_2d, input_scale)
+        return x_fp8, weight, input_scale, layer_tensor(layer, "weight_scale")
+
+    def in_graph(self) -> bool:
+        """Whether this call is traced into a compiled graph that routes to the GEMV ops."""
+        return self.small_m_gemv and torch.compiler.is_compiling()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
+        out_dtype = output_dtype(layer)
+        if self.in_graph():
+            linear, _ = register_small_m_fp8_ops()
+            args = (x_fp8, weight, input_scale, weight_scale, bias, out_dtype, self.native)
+            output = linear(*args)
+        else:
+            output = fp8_gemm(
+                x_fp8, weight, input_scale, weight_scale, out_dtype, bias, self.native
+            )
         return output.reshape(*x.shape[:-1], output.shape[-1])  # (T, out)
+
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, consumer: nn.Module
+    ) -> torch.Tensor:
+        consumer_method = getattr(consumer, "quant_method", None)
+        if (
+            bias is not None
+            or not self.in_graph()
+            or not isinstance(consumer_method, Fp8LinearMethod)
+        ):
+            return super().apply_silu_and_mul(layer, x, bias, consumer)
+        x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
+        out_scale = layer_tensor(consumer, "input_scale")  # the consumer's static input scale
+        _, gated = register_small_m_fp8_ops()
+        args = (
+            x_fp8,
+            weight,
+            input_scale,
+            weight_scale,
+            out_scale,
+            output_dtype(layer),
+            self.native,
+        )
+        output = gated(*args)  # (T, I) float8_e4m3fn
+        return output.reshape(*x.shape[:-1], output.shape[-1])

@@ -7,8 +7,9 @@ weight exactly as ``core.norm_quant.rms_norm`` does, divide by the static scale,
 Every rounding is done in float32 arithmetic (round to nearest even) before the cast, so the cast
 itself is exact on every backend: the Triton interpreter truncates float32 -> bfloat16 and its
 float8 cast rounds half up and loses the carry into the exponent (7.96 becomes 4); with this the
-kernel's bytes equal torch's there as on a GPU. Tested on CPU under ``TRITON_INTERPRET=1`` against
-the torch reference; on GPUs it is the implementation of the ops (``norm_quant_ops.py``).
+kernel's bytes equal torch's there as on a GPU (the helpers: ``layers/triton_rounding.py``).
+Tested on CPU under ``TRITON_INTERPRET=1`` against the torch reference; on GPUs it is the
+implementation of the ops (``norm_quant_ops.py``).
 """
 
 from __future__ import annotations
@@ -18,32 +19,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.norm_quant import FP8_MAX
-
-
-@triton.jit
-def _round_to(y, dtype: tl.constexpr):
-    """float32 ``y`` rounded (nearest even) to ``dtype``'s precision, still float32."""
-    if dtype == tl.bfloat16:
-        # keep the top 16 bits, rounding on the 17th (ties to the even 16th)
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return y.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _round_to_e4m3(y, fp8_max):
-    """``y`` saturated to +-fp8_max and rounded (nearest even) to an e4m3 value, in float32."""
-    magnitude = tl.minimum(tl.abs(y), fp8_max)
-    # e4m3: 3 mantissa bits, so values in [2^e, 2^(e+1)) are spaced 2^(e-3); below the smallest
-    # normal 2^-6 the subnormals keep the spacing 2^-9.
-    exponent = tl.math.floor(tl.math.log2(tl.maximum(magnitude, 0.015625)))
-    step = tl.math.exp2(exponent - 3.0)
-    # magnitude / step <= 16: adding and removing 1.5 * 2^23 rounds it to an integer (nearest even)
-    magnitude = ((magnitude / step + 12582912.0) - 12582912.0) * step
-    negative = y.to(tl.int32, bitcast=True) < 0  # keeps the sign of -0.0 too
-    return tl.where(negative, -magnitude, magnitude)
+from pieceworks.models.layers.triton_rounding import round_to, round_to_e4m3
 
 
 @triton.jit
@@ -68,14 +44,14 @@ def _rms_norm_quant_kernel(
     if HAS_RESIDUAL:
         x += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         residual_dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
-        residual_out = _round_to(x, residual_dtype).to(residual_dtype)
+        residual_out = round_to(x, residual_dtype).to(residual_dtype)
         tl.store(residual_out_ptr + offsets, residual_out, mask=mask)
     variance = tl.sum(x * x, axis=0) / hidden_size
     activation_dtype: tl.constexpr = input_ptr.dtype.element_ty
-    normed = _round_to(x * tl.rsqrt(variance + epsilon), activation_dtype)
+    normed = round_to(x * tl.rsqrt(variance + epsilon), activation_dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _round_to(normed * weight, activation_dtype)  # (x.to(dtype) * weight) in the dtype
-    y = _round_to_e4m3(y / tl.load(scale_ptr), fp8_max)
+    y = round_to(normed * weight, activation_dtype)  # (x.to(dtype) * weight) in the dtype
+    y = round_to_e4m3(y / tl.load(scale_ptr), fp8_max)
     tl.store(result_ptr + offsets, y.to(result_ptr.dtype.element_ty), mask=mask)
 
 

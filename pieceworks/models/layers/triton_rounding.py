@@ -1,0 +1,39 @@
+"""Rounding in float32 arithmetic for Triton kernels, exact on every backend.
+
+A kernel that rounds with these before its final cast makes the cast itself exact, so its bytes
+equal torch's under the Triton interpreter as on a GPU: the interpreter truncates float32 ->
+bfloat16, and its float8 cast rounds half up and loses the carry into the exponent (7.96 becomes
+4, 1.98 becomes 1). Used by the fused RMSNorm + FP8 quant kernel
+(``quantization/triton_norm_quant.py``) and the GEMV's epilogues (``triton_gemv.py``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to(y, dtype: tl.constexpr):
+    """float32 ``y`` rounded (nearest even) to ``dtype``'s precision, still float32."""
+    if dtype == tl.bfloat16:
+        # keep the top 16 bits, rounding on the 17th (ties to the even 16th)
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def round_to_e4m3(y, fp8_max):
+    """``y`` saturated to +-fp8_max and rounded (nearest even) to an e4m3 value, in float32."""
+    magnitude = tl.minimum(tl.abs(y), fp8_max)
+    # e4m3: 3 mantissa bits, so values in [2^e, 2^(e+1)) are spaced 2^(e-3); below the smallest
+    # normal 2^-6 the subnormals keep the spacing 2^-9.
+    exponent = tl.math.floor(tl.math.log2(tl.maximum(magnitude, 0.015625)))
+    step = tl.math.exp2(exponent - 3.0)
+    # magnitude / step <= 16: adding and removing 1.5 * 2^23 rounds it to an integer (nearest even)
+    magnitude = ((magnitude / step + 12582912.0) - 12582912.0) * step
+    negative = y.to(tl.int32, bitcast=True) < 0  # keeps the sign of -0.0 too
+    return tl.where(negative, -magnitude, magnitude)
