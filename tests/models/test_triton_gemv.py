@@ -253,8 +253,18 @@ def test_fp8_llama_decodes_through_the_fp8_gemv(kernel_on_cpu, monkeypatch):
     assert all(epilogue["out_scale"] is not None for epilogue in gated)
     assert all(epilogue["scales"] is not None for epilogue in EPILOGUES)
     assert gemv_tokens == tokens
+    tolerance = 2e-3 if ON_GPU else 1e-4  # GPU: cuBLAS and the MMA each round their sums
     for actual, expected in zip(gemv_logits, logits, strict=True):
-        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+
+
+def fp8_tolerance(out_dtype: torch.dtype) -> dict[str, float]:
+    """FP8 products are exact in float32; Hopper's FP8 MMA sums the 32 products of one
+    instruction in reduced precision before the float32 accumulator (the kernel folds them in
+    after every instruction), so on a GPU float32 results carry that rounding."""
+    if ON_GPU and out_dtype == torch.float32:
+        return dict(rtol=5e-4, atol=5e-4)
+    return TOLERANCES[out_dtype]
 
 
 def fp8_operands(num_tokens: int, out_features: int, in_features: int):
@@ -281,7 +291,7 @@ def test_fp8_kernel_matches_the_reference_gemm(
     output = launch_gemv(x_fp8, weight, config, scales=(x_scale, weight_scale), out_dtype=out_dtype)
     assert output.dtype == out_dtype and output.shape == (num_tokens, out_features)
     expected = (x_fp8.double() @ weight.double().t()) * (x_scale * weight_scale).double()
-    torch.testing.assert_close(output.double(), expected, **TOLERANCES[out_dtype])
+    torch.testing.assert_close(output.double(), expected, **fp8_tolerance(out_dtype))
 
 
 @requires_triton
