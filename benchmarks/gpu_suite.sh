@@ -49,6 +49,7 @@ for section in $sections; do
                run profile8b_b64 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch-size 64 --steps 10 --modes full_and_piecewise --out-dir "$PROF"
                tar -czf "$OUT/profile8b.tgz" -C "$PROF" . ;;
     benchfp8) run benchfp8 pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_fp8.json" ;;
+    benchfp8cublas) run benchfp8cublas env PIECEWORKS_SMALL_M_GEMV=0 pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_fp8_cublas.json" ;;
     tp) run tp python3 -m pytest -m gpu tests/distributed/test_tp_gpu.py -q -s -p no:cacheprovider ;;
     benchtp1|benchtp2) tp=${section#benchtp}
                run $section pieceworks bench latency --model llama-3.1-8b --tensor-parallel-size $tp --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_tp$tp.json" ;;

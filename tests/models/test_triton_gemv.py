@@ -253,17 +253,17 @@ def test_fp8_llama_decodes_through_the_fp8_gemv(kernel_on_cpu, monkeypatch):
     assert all(epilogue["out_scale"] is not None for epilogue in gated)
     assert all(epilogue["scales"] is not None for epilogue in EPILOGUES)
     assert gemv_tokens == tokens
-    tolerance = 2e-3 if ON_GPU else 1e-4  # GPU: cuBLAS and the MMA each round their sums
+    tolerance = 5e-3 if ON_GPU else 1e-4  # GPU: cuBLAS and the FP8 MMA each round their sums
     for actual, expected in zip(gemv_logits, logits, strict=True):
         torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
 
 
 def fp8_tolerance(out_dtype: torch.dtype) -> dict[str, float]:
-    """FP8 products are exact in float32; Hopper's FP8 MMA sums the 32 products of one
-    instruction in reduced precision before the float32 accumulator (the kernel folds them in
-    after every instruction), so on a GPU float32 results carry that rounding."""
-    if ON_GPU and out_dtype == torch.float32:
-        return dict(rtol=5e-4, atol=5e-4)
+    """FP8 products are exact in float32, but Hopper's FP8 MMA adds them in reduced precision
+    (fast accumulation, the kernel's choice: ``triton_gemv.py``): up to 2e-3 on outputs near 1
+    measured on an H200, which is below a bfloat16 rounding of the result but not a float32 one."""
+    if ON_GPU:
+        return dict(rtol=4e-3, atol=4e-3)
     return TOLERANCES[out_dtype]
 
 
@@ -330,8 +330,29 @@ def test_fp8_gated_kernel_quantizes_like_the_unfused_layers(model_dtype, num_tok
     expected = static_scaled_fp8_quant(silu_and_mul(gate_up.float()), out_scale)
     same = output.view(torch.uint8) == expected.view(torch.uint8)
     assert same.float().mean() >= 0.98, f"{(~same).sum()} of {same.numel()} FP8 bytes differ"
-    # where they differ, by one e4m3 step (2^-3 relative) at most
-    torch.testing.assert_close(output.float(), expected.float(), rtol=2**-3, atol=2**-9 * 0.01)
+    # where they differ: by one e4m3 step (2^-3 relative), or near zero, where silu(gate) * up
+    # magnifies a rounding of gate, by a few steps of the smallest values (1% of the largest)
+    largest = expected.float().abs().max().item()
+    torch.testing.assert_close(output.float(), expected.float(), rtol=2**-3, atol=0.01 * largest)
+
+
+@requires_triton
+@pytest.mark.parametrize("quantize", [False, True])
+def test_silu_and_mul_epilogue_kernel_matches_torch(quantize, monkeypatch):
+    """The gated GEMV's epilogue alone (more than 16 tokens): one kernel, the torch values."""
+    monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
+    gate_up = torch.randn(MAX_GEMV_TOKENS + 3, 2 * 1100, device=DEVICE) * 3  # 2 column blocks
+    out_scale = torch.tensor(0.02, device=DEVICE) if quantize else None
+    output = triton_gemv.silu_and_mul_epilogue(gate_up, out_scale)
+    expected = silu_and_mul(gate_up)
+    if quantize:
+        expected = static_scaled_fp8_quant(expected, out_scale)
+        same = (output.view(torch.uint8) == expected.view(torch.uint8)).float().mean()
+        assert output.dtype == FP8_DTYPE and same >= 0.99  # exp's last bit may round across
+    rtol = 2**-3 if quantize else 1e-5  # quantized: one e4m3 step where the bytes differ
+    torch.testing.assert_close(output.float(), expected.float(), rtol=rtol, atol=1e-5)
+    monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: False)
+    torch.testing.assert_close(triton_gemv.silu_and_mul_epilogue(gate_up, out_scale), expected)
 
 
 def test_fp8_ops_fall_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):

@@ -20,6 +20,11 @@ Two epilogues, applied after the K loop so they cost the pipelined loads nothing
   second accumulator) and stores ``silu(gate) * up``, so the (M, 2N) product never reaches memory;
 - static FP8 quantization of the result (the next FP8 layer's input), as
   ``core.norm_quant.static_scaled_fp8_quant`` computes it.
+FP8 operands on Hopper: Triton's default lets the MMA add products in reduced precision over the
+whole K loop (FP8 "fast accumulation", as CUTLASS's FP8FastAccum kernels do). On an H200 that
+left errors up to 2e-3 on outputs near 1, below the bfloat16 rounding of the result; folding
+every instruction's sum into float32 (``max_num_imprecise_acc=32``) made qkv, o and down 25 to
+60% slower (``docs/benchmarks.md``, session 5), so the kernel keeps the default.
 
 ``small_m_linear`` is the entry point and the op ``pieceworks::small_m_linear``: the kernel when
 there are at most ``MAX_GEMV_TOKENS`` tokens on a GPU Triton targets, else ``F.linear``. The
@@ -43,7 +48,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
-from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX
+from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
 from pieceworks.models.layers.activation import silu_and_mul
 from pieceworks.models.layers.triton_rounding import round_to, round_to_e4m3
 from pieceworks.platforms import current_platform
@@ -157,7 +162,6 @@ def _gemv_kernel(
     GATED: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
-    MAX_IMPRECISE_ACC: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
     # gate rows of its BLOCK_N columns on their up rows, so one tl.dot of 2 * BLOCK_N rows (a
@@ -188,13 +192,7 @@ def _gemv_kernel(
         )  # (BLOCK_M, BLOCK_K)
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
-        acc = tl.dot(
-            w,
-            tl.trans(x),
-            acc,
-            input_precision=INPUT_PRECISION,
-            max_num_imprecise_acc=MAX_IMPRECISE_ACC,
-        )
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
     if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
         acc = acc * (tl.load(x_scale_ptr) * tl.load(weight_scale_ptr))
     if GATED:  # silu(gate) * up, from gate and up as the unfused GEMM would have stored them
@@ -215,6 +213,55 @@ def _gemv_kernel(
 # (triton-lang/triton#11584, "not supported yet"): there the kernel widens them to float32 first.
 # Exact (bfloat16 -> float32 loses nothing), so only the accumulation order can differ from a GPU.
 _INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gate_up_ptr,
+    out_ptr,
+    out_scale_ptr,
+    out_features,
+    stride_in,
+    stride_out,
+    BLOCK: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = columns < out_features
+    row = gate_up_ptr + token * stride_in
+    gate = tl.load(row + columns, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + out_features + columns, mask=mask, other=0.0).to(tl.float32)
+    result = gate / (1.0 + tl.exp(-gate)) * up
+    if QUANT_OUT:
+        result = round_to_e4m3(result / tl.load(out_scale_ptr), _FP8_MAX)
+    tl.store(out_ptr + token * stride_out + columns, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_epilogue(gate_up: torch.Tensor, out_scale: torch.Tensor | None) -> torch.Tensor:
+    """The gated GEMV's epilogue alone, for products the GEMV does not take (more than 16
+    tokens): ``silu_and_mul(gate_up)``, quantized with ``out_scale`` if given, in one kernel where
+    ``kernel_runs_on`` (inside the op Inductor cannot fuse it), else in torch."""
+    if not kernel_runs_on(gate_up) or gate_up.stride(1) != 1:
+        activated = silu_and_mul(gate_up.float() if out_scale is not None else gate_up)
+        return activated if out_scale is None else static_scaled_fp8_quant(activated, out_scale)
+    num_tokens, out_features = gate_up.shape[0], gate_up.shape[1] // 2
+    dtype = FP8_DTYPE if out_scale is not None else gate_up.dtype
+    out = torch.empty((num_tokens, out_features), dtype=dtype, device=gate_up.device)
+    if num_tokens == 0:
+        return out
+    block = 1024
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(out_features, block))](
+        gate_up,
+        out,
+        out_scale if out_scale is not None else gate_up,
+        out_features,
+        gate_up.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        QUANT_OUT=out_scale is not None,
+    )
+    return out
 
 
 def launch_gemv(
@@ -278,10 +325,6 @@ def launch_gemv(
         GATED=gated,
         ROUND_DTYPE=_TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
-        # Hopper's FP8 MMA adds products in reduced precision, and Triton's default there keeps
-        # doing so over the whole K loop (errors up to 2e-3 on outputs near 1, measured on an
-        # H200): fold every instruction's 32 products into the float32 accumulator instead
-        MAX_IMPRECISE_ACC=min(32, config.block_k) if x.dtype == FP8_DTYPE else None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -340,10 +383,10 @@ def small_m_silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.
     """``silu_and_mul(F.linear(x, weight))`` for a merged [gate; up] weight (2N, K): (T, N).
 
     The GEMV with the activation as its epilogue when ``uses_kernel`` (one launch, and the
-    (T, 2N) product never reaches memory), else the two steps.
+    (T, 2N) product never reaches memory), else ``F.linear`` and ``silu_and_mul_epilogue``.
     """
     if not uses_kernel(x, weight):
-        return silu_and_mul(F.linear(x, weight))
+        return silu_and_mul_epilogue(F.linear(x, weight), None)
     return launch_gemv(x, weight, gated=True)
 
 

@@ -32,13 +32,12 @@ from torch import nn
 
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
-from pieceworks.models.layers.activation import silu_and_mul
 from pieceworks.models.layers.quantization.base import (
     LinearMethod,
     layer_tensor,
     small_m_gemv_enabled,
 )
-from pieceworks.models.layers.triton_gemv import launch_gemv, uses_kernel
+from pieceworks.models.layers.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
 
 # The static activation scale of every FP8 linear layer (see the module docstring).
 FP8_STATIC_INPUT_SCALE = 1.0
@@ -127,7 +126,7 @@ def small_m_fp8_silu_and_mul(
     float8_e4m3fn; one GEMV with both as its epilogue when ``uses_kernel``."""
     if not uses_kernel(x_fp8, weight, (FP8_DTYPE,)):
         gate_up = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
-        return static_scaled_fp8_quant(silu_and_mul(gate_up), out_scale)
+        return silu_and_mul_epilogue(gate_up, out_scale)
     scales = (input_scale, weight_scale)
     return launch_gemv(
         x_fp8, weight, scales=scales, gated=True, out_dtype=out_dtype, out_scale=out_scale
