@@ -50,6 +50,13 @@ for section in $sections; do
                tar -czf "$OUT/profile8b.tgz" -C "$PROF" . ;;
     benchfp8) run benchfp8 pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_fp8.json" ;;
     benchfp8cublas) run benchfp8cublas env PIECEWORKS_SMALL_M_GEMV=0 pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_fp8_cublas.json" ;;
+    pdlfp8|pdlbf16) # programmatic dependent launch: GEMV (PIECEWORKS_PDL) x Inductor kernels
+             quant=$([ $section = pdlfp8 ] && echo "--quantization fp8" || echo "")
+             for combo in 0:0 1:0 0:1 1:1; do
+               gemv=${combo%:*} ind=${combo#*:}; sizes=$([ $combo = 1:1 ] && echo 1,64 || echo 1)
+               run ${section}_${gemv}${ind} env PIECEWORKS_PDL=$gemv TORCHINDUCTOR_ENABLE_PDL=$ind pieceworks bench latency --model llama-3.1-8b $quant --batch-size $sizes --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_${section}_gemv${gemv}_inductor${ind}.json"
+             done ;;
+    testspdl) run testspdl env TORCHINDUCTOR_ENABLE_PDL=1 python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
     tp) run tp python3 -m pytest -m gpu tests/distributed/test_tp_gpu.py -q -s -p no:cacheprovider ;;
     benchtp1|benchtp2) tp=${section#benchtp}
                run $section pieceworks bench latency --model llama-3.1-8b --tensor-parallel-size $tp --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_tp$tp.json" ;;

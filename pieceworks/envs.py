@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     PIECEWORKS_DEFAULT_MODEL: str
     PIECEWORKS_DIST_TIMEOUT_S: float
     PIECEWORKS_SMALL_M_GEMV: bool | None
+    PIECEWORKS_PDL: bool | None
 
 
 def _optional_str(name: str) -> Callable[[], str | None]:
@@ -72,6 +73,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (pieceworks/models/layers/triton_gemv.py) instead of cuBLAS. Unset: where the platform runs
     # pieceworks' Triton kernels (CUDA, ROCm); 0: never; 1: always.
     "PIECEWORKS_SMALL_M_GEMV": _optional_flag("PIECEWORKS_SMALL_M_GEMV"),
+    # The GEMV is launched with programmatic dependent launch: it may start while the kernel
+    # before it finishes and waits for it inside. Unset: where the platform supports it
+    # (NVIDIA Hopper and newer); 0: never; 1: wherever the platform supports it.
+    "PIECEWORKS_PDL": _optional_flag("PIECEWORKS_PDL"),
 }
 
 # Variables whose value changes the code pieceworks compiles; they enter the compile-cache hash.

@@ -68,6 +68,9 @@ class CudaPlatform(Platform):
     def runs_triton_kernels(self) -> bool:
         return True  # CUDA, and ROCm (RocmPlatform inherits this)
 
+    def supports_programmatic_launch(self) -> bool:
+        return torch.cuda.get_device_capability() >= (9, 0)
+
     def supports_fp8(self) -> bool:
         """e4m3fn ``torch._scaled_mm`` needs compute capability 8.9 (Ada) or newer."""
         return torch.cuda.get_device_capability() >= (8, 9)

@@ -103,6 +103,11 @@ class Platform:
         """The Mamba2 kernel implementation class the models use on this platform."""
         return resolve_obj_by_qualname(self.mamba_backend_qualname)
 
+    def supports_programmatic_launch(self) -> bool:
+        """Whether a kernel may be launched to start before the previous one on its stream ends,
+        waiting for it inside (NVIDIA's programmatic dependent launch, Hopper and newer)."""
+        return False
+
     def supports_fp8(self) -> bool:
         """Whether FP8 (e4m3fn) GEMMs run natively here (``torch._scaled_mm``).
 

@@ -28,6 +28,9 @@ class RocmPlatform(CudaPlatform):
             return "this torch build is not a ROCm (HIP) build"
         return "torch.cuda.is_available() is False (no visible AMD device or driver)"
 
+    def supports_programmatic_launch(self) -> bool:
+        return False  # griddepcontrol is NVIDIA's
+
     def supports_fp8(self) -> bool:
         # MI300 GEMMs take float8_e4m3fnuz, not the OCP e4m3fn pieceworks stores: reference path.
         return False

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pieceworks import envs
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
 from pieceworks.models.layers.activation import silu_and_mul
@@ -126,6 +127,20 @@ def gemv_config(
     return GemvConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=num_stages)
 
 
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether the GEMV is launched with programmatic dependent launch on ``device``
+    (``PIECEWORKS_PDL``; unset: where the platform supports it; never when interpreted)."""
+    if _INTERPRETED or device.type == "cpu":
+        return False
+    return _programmatic_launch()
+
+
+@functools.lru_cache(maxsize=1)
+def _programmatic_launch() -> bool:
+    supported = current_platform().supports_programmatic_launch()
+    return supported and envs.PIECEWORKS_PDL is not False
+
+
 def max_shared_bytes(device: torch.device) -> int | None:
     """Shared memory per block on ``device``'s GPU, or None where Triton runs interpreted."""
     if _INTERPRETED or device.type == "cpu":
@@ -162,6 +177,7 @@ def _gemv_kernel(
     GATED: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
     # gate rows of its BLOCK_N columns on their up rows, so one tl.dot of 2 * BLOCK_N rows (a
@@ -178,6 +194,9 @@ def _gemv_kernel(
     weight_ptrs = weight_ptr + weight_rows.to(tl.int64)[:, None] * stride_weight  # (ROWS, 1)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
+    if PDL:  # launched early: wait for the kernel before (x is its output), let the next start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
@@ -298,6 +317,7 @@ def launch_gemv(
         )
     if num_tokens > config.block_m:
         raise ValueError(f"{num_tokens} tokens do not fit block_m={config.block_m}")
+    pdl = programmatic_launch(x.device)
     store_dtype = FP8_DTYPE if out_scale is not None else out_dtype
     out = torch.empty((num_tokens, out_features), dtype=store_dtype, device=x.device)
     x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED
@@ -325,8 +345,10 @@ def launch_gemv(
         GATED=gated,
         ROUND_DTYPE=_TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
+        PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
