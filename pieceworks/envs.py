@@ -73,9 +73,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (pieceworks/models/layers/triton_gemv.py) instead of cuBLAS. Unset: where the platform runs
     # pieceworks' Triton kernels (CUDA, ROCm); 0: never; 1: always.
     "PIECEWORKS_SMALL_M_GEMV": _optional_flag("PIECEWORKS_SMALL_M_GEMV"),
-    # The GEMV is launched with programmatic dependent launch: it may start while the kernel
-    # before it finishes and waits for it inside. Unset: where the platform supports it
-    # (NVIDIA Hopper and newer); 0: never; 1: wherever the platform supports it.
+    # 1: the GEMV is launched with programmatic dependent launch (it may start while the kernel
+    # before it finishes, and waits for it inside) where the platform supports it (NVIDIA
+    # Hopper and newer). Unset or 0: never (measured: docs/benchmarks.md, session 5).
     "PIECEWORKS_PDL": _optional_flag("PIECEWORKS_PDL"),
 }
 

@@ -401,3 +401,37 @@ def test_gemv_config_follows_the_h200_sweep_and_fits_smaller_shared_memory() -> 
     tiny = 32 * 1024
     config = gemv_config(1, 4096, 4096, max_shared_bytes=tiny)
     assert config.num_stages == 2 and 2 * (config.block_n + 16) * config.block_k * 2 <= tiny
+
+
+def test_fp8_and_gated_configs_follow_their_sweeps() -> None:
+    """FP8: 64 x 256 bytes of K everywhere, 6 stages except for gate_up (4); gated: half the
+    columns per program, so the stacked gate and up rows are the plain tile's 64."""
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
+        assert gemv_config(1, n, k, element_size=1) == GemvConfig(
+            block_k=256, block_n=64, num_stages=6
+        )
+    assert gemv_config(1, 28672, 4096, element_size=1).num_stages == 4
+    gated = gemv_config(1, 28672, 4096, element_size=1, gated=True)
+    assert gated.block_n == 32 and gated.block_k == 256
+    assert gemv_config(1, 28672, 4096, gated=True) == GemvConfig(block_n=32, block_k=128)
+    # the stacked rows count toward the shared memory: 6 stages of (64 + 16) x 256 bytes fit 120 KiB
+    config = gemv_config(1, 4096, 4096, 1, max_shared_bytes=100 * 1024)
+    assert config.num_stages * (64 + 16) * config.block_k <= 100 * 1024
+
+
+def test_programmatic_launch_is_opt_in_and_never_interpreted(monkeypatch) -> None:
+    platform = type(current_platform())
+    monkeypatch.setattr(platform, "supports_programmatic_launch", lambda self: True)
+    gpu = torch.device("cuda", 0)
+    for value, expected in ((None, False), ("0", False), ("1", not INTERPRETED)):
+        if value is None:
+            monkeypatch.delenv("PIECEWORKS_PDL", raising=False)
+        else:
+            monkeypatch.setenv("PIECEWORKS_PDL", value)
+        triton_gemv._programmatic_launch.cache_clear()
+        assert triton_gemv.programmatic_launch(gpu) is expected
+        assert triton_gemv.programmatic_launch(torch.device("cpu")) is False
+    monkeypatch.setattr(platform, "supports_programmatic_launch", lambda self: False)
+    triton_gemv._programmatic_launch.cache_clear()
+    assert triton_gemv.programmatic_launch(gpu) is False  # the variable cannot force it
+    triton_gemv._programmatic_launch.cache_clear()

@@ -128,8 +128,13 @@ def gemv_config(
 
 
 def programmatic_launch(device: torch.device) -> bool:
-    """Whether the GEMV is launched with programmatic dependent launch on ``device``
-    (``PIECEWORKS_PDL``; unset: where the platform supports it; never when interpreted)."""
+    """Whether the GEMV is launched with programmatic dependent launch on ``device``: only with
+    ``PIECEWORKS_PDL=1``, where the platform supports it (never when interpreted).
+
+    Off by default: on an H200 it made 8B decode slower on its own (batch 1: FP8 +2.5%, bf16
+    +0.4%); with Inductor's kernels also launched so (``TORCHINDUCTOR_ENABLE_PDL=1``) batch 1
+    was 1.6% (FP8) and 2.8% (bf16) faster and batch 64 1 to 3% slower (``docs/benchmarks.md``,
+    session 5)."""
     if _INTERPRETED or device.type == "cpu":
         return False
     return _programmatic_launch()
@@ -138,7 +143,7 @@ def programmatic_launch(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=1)
 def _programmatic_launch() -> bool:
     supported = current_platform().supports_programmatic_launch()
-    return supported and envs.PIECEWORKS_PDL is not False
+    return supported and envs.PIECEWORKS_PDL is True
 
 
 def max_shared_bytes(device: torch.device) -> int | None:
