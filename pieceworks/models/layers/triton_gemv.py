@@ -23,8 +23,8 @@ Two epilogues, applied after the K loop so they cost the pipelined loads nothing
 FP8 operands on Hopper: Triton's default lets the MMA add products in reduced precision over the
 whole K loop (FP8 "fast accumulation", as CUTLASS's FP8FastAccum kernels do). On an H200 that
 left errors up to 2e-3 on outputs near 1, below the bfloat16 rounding of the result; folding
-every instruction's sum into float32 (``max_num_imprecise_acc=32``) made qkv, o and down 25 to
-60% slower (``docs/benchmarks.md``, session 5), so the kernel keeps the default.
+every instruction's sum into float32 (``max_num_imprecise_acc=32``) made qkv, o and down 23 to
+59% slower (``docs/benchmarks.md``, session 5), so the kernel keeps the default.
 
 ``small_m_linear`` is the entry point and the op ``pieceworks::small_m_linear``: the kernel when
 there are at most ``MAX_GEMV_TOKENS`` tokens on a GPU Triton targets, else ``F.linear``. The
