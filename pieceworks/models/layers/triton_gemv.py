@@ -16,8 +16,9 @@ deterministic. The M rows are padded to 16 (masked) so the product runs on tenso
 computed as ``W x^T`` (W as the left operand), which leaves W in its natural K-major layout.
 Two epilogues, applied after the K loop so they cost the pipelined loads nothing
 (``docs/performance.md``, session 4, says why not before the ``tl.dot``):
-- gated: for a merged [gate; up] weight each program also owns the up rows of its columns (a
-  second accumulator) and stores ``silu(gate) * up``, so the (M, 2N) product never reaches memory;
+- gated: for a merged [gate; up] weight each program stacks the up rows of its columns under the
+  gate rows (one ``tl.dot`` of a full tile; two half-height dots were 40% slower), splits the
+  accumulator and stores ``silu(gate) * up``, so the (M, 2N) product never reaches memory;
 - static FP8 quantization of the result (the next FP8 layer's input), as
   ``core.norm_quant.static_scaled_fp8_quant`` computes it.
 FP8 operands on Hopper: Triton's default lets the MMA add products in reduced precision over the
@@ -100,8 +101,8 @@ def gemv_config(
     FP8 (one byte) was swept separately (H200, in a graph, m = 1, 64/32/16/128 columns x 256 to
     1024 bytes of K x 3/4/6 stages): 64 x 256 with 6 stages was best or within 1% on qkv, o and
     down (down: 16.9 against 19.8 us for the bfloat16 rule's 32 x 1024), and with 4 on gate_up.
-    ``gated`` (``n`` counts the gate and the up rows): a program reads ``block_n`` rows of each,
-    so ``block_n`` is halved to keep the rows per program of the plain tile.
+    ``gated`` (``n`` counts the gate and the up rows): a program stacks ``block_n`` rows of each,
+    so ``block_n`` is halved to keep the rows per program (one tensor-core tile) of the plain one.
     """
     num_stages = 4
     if element_size == 1:  # FP8: 64 x 256 everywhere, 6 stages except for gate_up
@@ -308,6 +309,8 @@ def launch_gemv(
     """
     num_tokens, in_features = x.shape
     out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    if scales is not None and out_dtype is None:
+        raise ValueError("FP8 operands (scales=...) need the out_dtype of the scaled product")
     out_dtype = out_dtype or x.dtype
     if num_tokens > MAX_KERNEL_TOKENS:
         raise ValueError(f"the GEMV takes at most {MAX_KERNEL_TOKENS} tokens, got {num_tokens}")
