@@ -29,9 +29,9 @@ from pieceworks.models.layers import (
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
-    SiluAndMul,
     VocabParallelEmbedding,
     get_rope,
+    silu_and_mul,
 )
 from pieceworks.models.layers.rotary_embedding import get_rope_parameters
 
@@ -52,7 +52,7 @@ def _randn(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# RMSNorm, SiluAndMul
+# RMSNorm, silu_and_mul
 
 
 def _hf_norm(weight: torch.Tensor, eps: float) -> nn.Module:
@@ -90,7 +90,7 @@ def test_rms_norm_computes_in_float32_and_returns_input_dtype() -> None:
 
 def test_silu_and_mul() -> None:
     x = _randn(3, 10)
-    torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :5]) * x[:, 5:])
+    torch.testing.assert_close(silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_gate_up_loaded_from_separate_tensors_equals_hf_mlp() -> None:
     gate_up.weight_loader(gate_up.weight, up_proj.weight.detach(), 1)
     x = _randn(5, hidden)
     expected = (F.silu(gate_proj(x)) * up_proj(x)).detach()
-    torch.testing.assert_close(SiluAndMul()(gate_up(x)), expected)
+    torch.testing.assert_close(silu_and_mul(gate_up(x)), expected)
 
 
 def test_merged_weight_loader_names_the_mis_shaped_shard() -> None:

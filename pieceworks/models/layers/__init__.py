@@ -4,7 +4,7 @@ Activations are flattened tokens, ``(num_tokens, hidden_size)`` with no batch di
 the Mamba2 mixer are not here: they are opaque custom ops (``models/attention``, ``models/mamba``).
 """
 
-from pieceworks.models.layers.activation import SiluAndMul
+from pieceworks.models.layers.activation import silu_and_mul
 from pieceworks.models.layers.layernorm import RMSNorm
 from pieceworks.models.layers.linear import (
     ColumnParallelLinear,
@@ -25,7 +25,7 @@ __all__ = [
     "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
-    "SiluAndMul",
     "VocabParallelEmbedding",
     "get_rope",
+    "silu_and_mul",
 ]

@@ -51,9 +51,12 @@ import triton.language as tl
 from pieceworks import envs
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
+from pieceworks.logger import init_logger
 from pieceworks.models.layers.activation import silu_and_mul
 from pieceworks.models.layers.triton_rounding import round_to, round_to_e4m3
 from pieceworks.platforms import current_platform
+
+logger = init_logger(__name__)
 
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
 MAX_KERNEL_TOKENS = 64  # what the kernel takes (benchmarks measure 32 and 64 against cuBLAS)
@@ -143,7 +146,14 @@ def programmatic_launch(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _programmatic_launch() -> bool:
-    supported = current_platform().supports_programmatic_launch()
+    platform = current_platform()
+    supported = platform.supports_programmatic_launch()
+    if envs.PIECEWORKS_PDL is True and not supported:
+        logger.warning(
+            "PIECEWORKS_PDL=1 is ignored: platform %s has no programmatic dependent launch "
+            "(NVIDIA compute capability 9.0 and newer); unset it to silence this",
+            platform.name,
+        )
     return supported and envs.PIECEWORKS_PDL is True
 
 
