@@ -50,13 +50,16 @@ for section in $sections; do
                tar -czf "$OUT/profile8b.tgz" -C "$PROF" . ;;
     benchfp8) run benchfp8 pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_fp8.json" ;;
     benchfp8cublas) run benchfp8cublas env PIECEWORKS_SMALL_M_GEMV=0 pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_fp8_cublas.json" ;;
-    pdlfp8|pdlbf16) # programmatic dependent launch: GEMV (PIECEWORKS_PDL) x Inductor kernels
+    pdlfp8|pdlbf16) # programmatic dependent launch (PIECEWORKS_PDL: pieceworks' and Inductor's kernels)
              quant=$([ $section = pdlfp8 ] && echo "--quantization fp8" || echo "")
-             for combo in 0:0 1:0 0:1 1:1; do
-               gemv=${combo%:*} ind=${combo#*:}; sizes=$([ $combo = 1:1 ] && echo 1,64 || echo 1)
-               run ${section}_${gemv}${ind} env PIECEWORKS_PDL=$gemv TORCHINDUCTOR_ENABLE_PDL=$ind pieceworks bench latency --model llama-3.1-8b $quant --batch-size $sizes --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_${section}_gemv${gemv}_inductor${ind}.json"
+             for pdl in 0 1; do
+               run ${section}_$pdl env PIECEWORKS_PDL=$pdl pieceworks bench latency --model llama-3.1-8b $quant --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_${section}_$pdl.json"
              done ;;
-    testspdl) run testspdl env TORCHINDUCTOR_ENABLE_PDL=1 python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
+    testspdl) run testspdl env PIECEWORKS_PDL=1 python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
+    kerneltestspdl) run kerneltestspdl env PIECEWORKS_PDL=1 python3 -m pytest tests/models/test_attention_kernels_gpu.py tests/models/test_triton_gemv.py tests/models/test_fp8_gpu.py tests/platforms/test_programmatic_launch.py -q -p no:cacheprovider ;;
+    profilefp8pdl) PROF=$(mktemp -d)
+                   run profilefp8pdl env PIECEWORKS_PDL=1 python3 benchmarks/profile_decode.py --model llama-3.1-8b --quantization fp8 --batch-size 1 --modes full_and_piecewise --out-dir "$PROF"
+                   tar -czf "$OUT/profilefp8pdl.tgz" -C "$PROF" . ;;
     tp) run tp python3 -m pytest -m gpu tests/distributed/test_tp_gpu.py -q -s -p no:cacheprovider ;;
     benchtp1|benchtp2) tp=${section#benchtp}
                run $section pieceworks bench latency --model llama-3.1-8b --tensor-parallel-size $tp --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_tp$tp.json" ;;

@@ -73,16 +73,18 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (pieceworks/models/layers/triton_gemv.py) instead of cuBLAS. Unset: where the platform runs
     # pieceworks' Triton kernels (CUDA, ROCm); 0: never; 1: always.
     "PIECEWORKS_SMALL_M_GEMV": _optional_flag("PIECEWORKS_SMALL_M_GEMV"),
-    # 1: the GEMV is launched with programmatic dependent launch (it may start while the kernel
-    # before it finishes, and waits for it inside) where the platform supports it (NVIDIA
-    # Hopper and newer). Unset or 0: never (measured: docs/benchmarks.md, session 5).
+    # Programmatic dependent launch for pieceworks' decode kernels and Inductor's (a kernel may
+    # start while the one before it ends, and waits for it inside), where the platform supports
+    # it (NVIDIA Hopper and newer): 1 on, 0 off, unset the platform default
+    # (pieceworks/platforms/programmatic_launch.py).
     "PIECEWORKS_PDL": _optional_flag("PIECEWORKS_PDL"),
 }
 
 # Variables whose value changes the code pieceworks compiles; they enter the compile-cache hash.
 # The platform decides dispatch keys, kernels and graph wrappers, so it is one; logging is not.
-# The small-M GEMV puts its own op into the traced graph in place of every unquantized linear.
-_COMPILE_FACTORS = ("PIECEWORKS_PLATFORM", "PIECEWORKS_SMALL_M_GEMV")
+# The small-M GEMV puts its own op into the traced graph in place of every unquantized linear;
+# programmatic launch changes the kernels Inductor generates.
+_COMPILE_FACTORS = ("PIECEWORKS_PLATFORM", "PIECEWORKS_SMALL_M_GEMV", "PIECEWORKS_PDL")
 
 
 def compile_factors() -> dict[str, Any]:

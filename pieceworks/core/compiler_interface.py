@@ -75,6 +75,18 @@ class EagerAdaptor(CompilerInterface):
         return graph
 
 
+def inductor_launch_options() -> dict[str, Any]:
+    """Inductor's side of programmatic dependent launch: on where pieceworks' kernels use it
+    (``platforms/programmatic_launch.py``), so the whole decode graph is chained."""
+    from torch._inductor import config as inductor_config
+
+    from pieceworks.platforms.programmatic_launch import programmatic_launch_enabled
+
+    if programmatic_launch_enabled() and hasattr(inductor_config.triton, "enable_pdl"):
+        return {"triton.enable_pdl": True}
+    return {}
+
+
 class InductorAdaptor(CompilerInterface):
     """Inductor through ``standalone_compile`` with pieceworks' passes; binary artifacts."""
 
@@ -95,7 +107,11 @@ class InductorAdaptor(CompilerInterface):
     ) -> Callable[..., Any]:
         from torch._inductor import standalone_compile
 
-        config_patches = {**options, **self.pass_manager.config_patches()}
+        config_patches = {
+            **inductor_launch_options(),
+            **options,
+            **self.pass_manager.config_patches(),
+        }
         if runtime_shape is not None:
             config_patches.update(STATIC_SIZE_OPTIONS)
         dynamic_shapes: Literal["from_tracing_context", "from_example_inputs"] = (

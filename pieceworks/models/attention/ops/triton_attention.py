@@ -33,6 +33,7 @@ import triton.language as tl
 
 from pieceworks.models.attention.ops.launch import KernelLaunch
 from pieceworks.models.attention.ops.workspace import DecodeWorkspace
+from pieceworks.models.layers.triton_launch import launch_options, pdl_start, programmatic_launch
 
 # Decode split heuristic: aim for this many programs in flight (a few per SM on a large GPU) ...
 TARGET_DECODE_PROGRAMS = 512
@@ -63,9 +64,11 @@ def _decode_split_kv_kernel(
     stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    STORE_KV: tl.constexpr,
+    STORE_KV: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
+    if PDL:  # launched early (programmatic dependent launch): wait for q/k/v's producer
+        pdl_start()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query_start = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == query_start:  # padded sequence
@@ -143,8 +146,11 @@ def _decode_reduce_kernel(
     partial_out_ptr, partial_lse_ptr, output_ptr, query_start_loc_ptr,
     stride_o_t, stride_o_h,
     HEAD_SIZE: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # One program: merge the splits of sequence `seq`, q head `head` into its output row.
+    if PDL:  # launched early: wait for the split kernel
+        pdl_start()
     seq, head = tl.program_id(0), tl.program_id(1)
     query_start = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == query_start:  # padded sequence
@@ -378,6 +384,7 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
     if new_kv is not None:
         _check_new_kv(new_kv, query, key_cache)
     key, value = new_kv or (query, query)  # strides unused without a store
+    pdl = programmatic_launch(query.device)
     split = KernelLaunch(
         _decode_split_kv_kernel,
         (num_seqs, num_kv_heads, num_kv_splits),
@@ -387,15 +394,16 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
              NUM_KV_SPLITS=num_kv_splits,
              BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
-             STORE_KV=new_kv is not None,
-             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES),
+             STORE_KV=new_kv is not None, PDL=pdl,
+             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **launch_options(pdl)),
     )  # fmt: skip
     reduce = KernelLaunch(
         _decode_reduce_kernel,
         (num_seqs, num_heads),
         (output.stride(0), output.stride(1)),
         dict(HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
-             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4),
+             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), PDL=pdl, num_warps=4,
+             **launch_options(pdl)),
     )  # fmt: skip
     return DecodeLaunch(split, reduce, partial_out, partial_lse, stores_kv=new_kv is not None)
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.norm_quant import FP8_MAX
+from pieceworks.models.layers.triton_launch import launch_options, pdl_start, programmatic_launch
 from pieceworks.models.layers.triton_rounding import round_to, round_to_e4m3
 
 
@@ -35,7 +36,10 @@ def _rms_norm_quant_kernel(
     fp8_max,
     BLOCK_SIZE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (programmatic dependent launch): wait for the input's producer
+        pdl_start()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < hidden_size
@@ -70,6 +74,7 @@ def _launch(
             raise ValueError("fused RMSNorm + FP8 quant needs contiguous (num_tokens, hidden) rows")
     num_rows = input.numel() // hidden_size
     block_size = triton.next_power_of_2(hidden_size)
+    pdl = programmatic_launch(input.device)
     _rms_norm_quant_kernel[(num_rows,)](
         input,
         residual if residual is not None else input,  # unused without HAS_RESIDUAL
@@ -82,7 +87,9 @@ def _launch(
         FP8_MAX,
         BLOCK_SIZE=block_size,
         HAS_RESIDUAL=residual is not None,
+        PDL=pdl,
         num_warps=min(max(block_size // 256, 1), 16),
+        **launch_options(pdl),
     )
 
 

@@ -1,0 +1,41 @@
+"""Whether pieceworks launches its kernels with programmatic dependent launch (PDL).
+
+With PDL a kernel may be scheduled while the kernel before it on the stream still runs; it waits
+for that kernel inside (``griddepcontrol.wait``) before it reads its inputs or writes anything.
+What runs before the wait overlaps the previous kernel: the launch itself, and for the GEMV the
+L2 prefetch of its weights, which never depend on the previous kernel
+(``models/layers/triton_gemv.py``). Inductor's kernels take part through its own switch
+(``triton.enable_pdl``), which the Inductor adaptor sets from this decision
+(``core/compiler_interface.py``), so a whole decode graph is chained.
+
+The decision is the platform's capability (``Platform.supports_programmatic_launch``) and
+``PIECEWORKS_PDL``: unset means ``PDL_BY_DEFAULT``; 1 asks for it (a warning where the platform
+has none), 0 turns it off. Resolved once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from pieceworks import envs
+from pieceworks.logger import init_logger
+from pieceworks.platforms import current_platform
+
+logger = init_logger(__name__)
+
+PDL_BY_DEFAULT = False
+
+
+@functools.lru_cache(maxsize=1)
+def programmatic_launch_enabled() -> bool:
+    """Whether pieceworks' and Inductor's kernels use PDL in this process."""
+    platform = current_platform()
+    supported = platform.supports_programmatic_launch()
+    requested = envs.PIECEWORKS_PDL
+    if requested is True and not supported:
+        logger.warning(
+            "PIECEWORKS_PDL=1 is ignored: platform %s has no programmatic dependent launch "
+            "(NVIDIA compute capability 9.0 and newer); unset it to silence this",
+            platform.name,
+        )
+    return supported and (PDL_BY_DEFAULT if requested is None else requested)
