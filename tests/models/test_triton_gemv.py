@@ -29,7 +29,6 @@ Run: TRITON_INTERPRET=1 python -m pytest -q tests/models/test_triton_gemv.py -p 
 from __future__ import annotations
 
 import os
-import types
 
 import pytest
 import torch
@@ -418,22 +417,3 @@ def test_fp8_and_gated_configs_follow_their_sweeps() -> None:
     # the stacked rows count toward the shared memory: 6 stages of (64 + 16) x 256 bytes fit 120 KiB
     config = gemv_config(1, 4096, 4096, 1, max_shared_bytes=100 * 1024)
     assert config.num_stages * (64 + 16) * config.block_k <= 100 * 1024
-
-
-def test_prefetch_lines_keep_the_resident_programs_within_a_third_of_l2(monkeypatch) -> None:
-    # an H200: 132 SMs, 50 MiB of L2; a third is 17476266 bytes
-    h200 = types.SimpleNamespace(multi_processor_count=132, L2_cache_size=50 * 1024 * 1024)
-    monkeypatch.setattr(triton_gemv, "_device_properties", lambda index: h200)
-    gpu = torch.device("cuda", 0)
-    fp8 = gemv_config(1, 4096, 4096, 1)  # 64 rows per program
-    # o_proj: 64 programs x 64 rows -> 4266 bytes a row: all 32 lines of a 4096-byte row
-    assert triton_gemv.prefetch_lines(fp8, 64, 4096, 1, False, gpu) == 32
-    # qkv_proj: 96 programs -> 2844 bytes a row -> 22 lines, rounded down to 16
-    assert triton_gemv.prefetch_lines(fp8, 96, 4096, 1, False, gpu) == 16
-    # gate_up (gated, 32 + 32 rows): 448 programs, 132 at once -> 2068 bytes -> 16 -> 16 lines
-    gated = gemv_config(1, 28672, 4096, 1, gated=True)
-    assert triton_gemv.prefetch_lines(gated, 448, 4096, 1, True, gpu) == 16
-    # a tiny GPU: not one line fits
-    tiny = types.SimpleNamespace(multi_processor_count=132, L2_cache_size=1024 * 1024)
-    monkeypatch.setattr(triton_gemv, "_device_properties", lambda index: tiny)
-    assert triton_gemv.prefetch_lines(fp8, 132, 4096, 1, False, gpu) == 0

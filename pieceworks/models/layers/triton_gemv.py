@@ -51,13 +51,7 @@ import triton.language as tl
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
 from pieceworks.models.layers.activation import silu_and_mul
-from pieceworks.models.layers.triton_launch import (
-    L2_LINE_BYTES,
-    launch_options,
-    pdl_start,
-    prefetch_to_l2,
-    programmatic_launch,
-)
+from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
 from pieceworks.models.layers.triton_rounding import round_to, round_to_e4m3
 from pieceworks.platforms import current_platform
 
@@ -134,34 +128,6 @@ def gemv_config(
     return GemvConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=num_stages)
 
 
-def prefetch_lines(
-    config: GemvConfig,
-    num_programs: int,
-    in_features: int,
-    element_size: int,
-    gated: bool,
-    device: torch.device,
-) -> int:
-    """L2 lines of each weight row a program prefetches before it waits under PDL (0: none).
-
-    The programs that run at once (one per SM: a GEMV tile fills most of an SM's shared memory)
-    prefetch at most a third of L2 between them, so the lines are still there when the K loop
-    reads them; a power of two, at most the whole row.
-    """
-    properties = _device_properties(device.index or 0)  # a GPU tensor's device has its index
-    resident = min(num_programs, properties.multi_processor_count)
-    weight_rows = config.block_n * (2 if gated else 1)
-    budget_per_row = properties.L2_cache_size // 3 // (resident * weight_rows)
-    row_lines = triton.cdiv(in_features * element_size, L2_LINE_BYTES)
-    lines = min(budget_per_row // L2_LINE_BYTES, row_lines)
-    return triton.next_power_of_2(lines + 1) // 2 if lines > 0 else 0  # round down
-
-
-@functools.lru_cache(maxsize=16)
-def _device_properties(device_index: int) -> Any:  # torch's: SM count and L2 size
-    return torch.cuda.get_device_properties(device_index)
-
-
 def max_shared_bytes(device: torch.device) -> int | None:
     """Shared memory per block on ``device``'s GPU, or None where Triton runs interpreted."""
     if _INTERPRETED or device.type == "cpu":
@@ -199,8 +165,6 @@ def _gemv_kernel(
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
-    LINE_ELEMENTS: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
     # gate rows of its BLOCK_N columns on their up rows, so one tl.dot of 2 * BLOCK_N rows (a
@@ -218,11 +182,7 @@ def _gemv_kernel(
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
     if PDL:  # launched early, while the kernel before (x's producer) may still run
-        if PREFETCH_LINES > 0:  # W does not depend on that kernel: stream its start into L2
-            line_offsets = tl.arange(0, PREFETCH_LINES) * LINE_ELEMENTS
-            in_row = row_mask[:, None] & (line_offsets < in_features)[None, :]
-            prefetch_to_l2(tl.where(in_row, weight_ptrs + line_offsets[None, :], weight_ptr))
-        pdl_start()
+        tl.extra.cuda.gdc_wait()
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
@@ -238,6 +198,8 @@ def _gemv_kernel(
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
+    if PDL:  # W is streamed: the next kernel may be scheduled now (it waits for this one)
+        tl.extra.cuda.gdc_launch_dependents()
     if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
         acc = acc * (tl.load(x_scale_ptr) * tl.load(weight_scale_ptr))
     if GATED:  # silu(gate) * up, from gate and up as the unfused GEMM would have stored them
@@ -347,11 +309,6 @@ def launch_gemv(
         raise ValueError(f"{num_tokens} tokens do not fit block_m={config.block_m}")
     pdl = programmatic_launch(x.device)
     grid = (triton.cdiv(out_features, config.block_n),)
-    num_prefetch_lines = (
-        prefetch_lines(config, grid[0], in_features, weight.element_size(), gated, x.device)
-        if pdl
-        else 0
-    )
     store_dtype = FP8_DTYPE if out_scale is not None else out_dtype
     out = torch.empty((num_tokens, out_features), dtype=store_dtype, device=x.device)
     x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED
@@ -379,8 +336,6 @@ def launch_gemv(
         ROUND_DTYPE=_TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
         PDL=pdl,
-        PREFETCH_LINES=num_prefetch_lines,
-        LINE_ELEMENTS=L2_LINE_BYTES // weight.element_size(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
