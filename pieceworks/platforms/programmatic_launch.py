@@ -23,7 +23,7 @@ from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)
 
-PDL_BY_DEFAULT = False
+PDL_BY_DEFAULT = True
 
 
 @functools.lru_cache(maxsize=1)
