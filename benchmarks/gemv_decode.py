@@ -52,7 +52,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--graph-layers", type=int, default=32, help="distinct weights per graph")
     parser.add_argument("--graph-replays", type=int, default=20)
     parser.add_argument("--fp8", action="store_true", help="only the FP8 GEMV rows")
-    parser.add_argument("--split-sweep", action="store_true", help="only the split-K sweep")
     parser.add_argument("--fp8-tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--copy-tbps", type=float, default=4.1, help="bandwidth for the floor")
     return parser.parse_args()
@@ -275,76 +274,6 @@ def print_row(row: dict) -> None:
     )
 
 
-SPLIT_SHAPES = ("qkv_proj", "o_proj", "down_proj")
-
-
-def time_split_config(weights: list, kwargs: dict, replays: int, m: int, config) -> float | str:
-    """Graph time per product of ``m`` tokens with ``config``, or why it could not run."""
-    from pieceworks.models.layers.triton_gemv import launch_gemv
-
-    x = torch.randn(m, weights[0].shape[1], device="cuda").to(weights[0].dtype)
-    fns = [functools.partial(launch_gemv, x, w, config, **kwargs) for w in weights]
-    try:
-        return graph_time_us(fns, replays)
-    except Exception as error:  # past the shared memory, or K not split evenly
-        torch.cuda.synchronize()
-        return type(error).__name__
-
-
-SPLIT_K_BYTES = (128, 256, 512)  # bytes of each weight row per K chunk
-SPLIT_STAGES = (3, 4, 6)
-
-
-def split_rows(args) -> list[dict]:
-    """Split K (a program stacks its 64 weight rows as 64 / split_k columns x split_k K slices)
-    against the default config, in graphs of one product per layer, FP8 and bfloat16: at one
-    token every split x chunk x stages combination, at 4 and 16 tokens the default and the best
-    of one token."""
-    from pieceworks.models.layers.triton_gemv import GemvConfig, gemv_config
-
-    scale = torch.tensor(1.0, device="cuda")
-    rows = []
-    for dtype, name in itertools.product((torch.float8_e4m3fn, torch.bfloat16), SPLIT_SHAPES):
-        n, k = SHAPES[name]
-        size = torch.empty((), dtype=dtype).element_size()
-        weights = [
-            (torch.randn(n, k, device="cuda") / k**0.5).to(dtype) for _ in range(args.graph_layers)
-        ]
-        kwargs = dict(scales=(scale, scale), out_dtype=torch.bfloat16) if size == 1 else {}
-        row = dict(layer=name, dtype=str(dtype), n=n, k=k, floor_us=n * k * size / 4.1e6)
-
-        time_config = functools.partial(time_split_config, weights, kwargs, args.graph_replays)
-        sweep = {}
-        for split, chunk, stages in itertools.product((1, 2, 4), SPLIT_K_BYTES, SPLIT_STAGES):
-            config = GemvConfig(
-                block_n=64 // split, block_k=chunk // size, num_stages=stages, split_k=split
-            )
-            sweep[f"s{split}x{chunk}Bx{stages}"] = time_config(1, config)
-        timed = [(us, key) for key, us in sweep.items() if isinstance(us, float)]
-        best_us, best_key = min(timed)
-        row["m1_sweep_us"] = sweep
-        row["m1_default_us"] = time_config(1, None)
-        split, chunk, stages = (int(part.rstrip("B")) for part in best_key[1:].split("x"))
-        for m in (4, 16):
-            best = GemvConfig(
-                block_m=16, block_n=64 // split, block_k=chunk // size, num_stages=stages,
-                split_k=split,
-            )  # fmt: skip
-            row[f"m{m}_default_us"] = time_config(m, None)
-            row[f"m{m}_best_of_m1_us"] = time_config(m, best)
-        row["default_config"] = vars(gemv_config(1, n, k, size))
-        print(
-            f"split {name:>9} {str(dtype):>20}: default {row['m1_default_us']:.1f} us, best "
-            f"{best_key} {best_us:.1f} us (floor {row['floor_us']:.1f}); m=16 default "
-            f"{row['m16_default_us']} best-of-m1 {row['m16_best_of_m1_us']}",
-            flush=True,
-        )
-        rows.append(row)
-        del weights
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
@@ -355,9 +284,7 @@ def main() -> None:
     from pieceworks.models.layers.triton_gemv import GemvConfig, gemv_config
 
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
-    if args.split_sweep:
-        result["split"] = split_rows(args)
-    elif args.fp8:
+    if args.fp8:
         result["fp8"] = fp8_rows(args)
     else:
         result["graph"] = graph_rows(args)

@@ -79,7 +79,6 @@ for section in $sections; do
                 run profilefp8 python3 benchmarks/profile_decode.py --model llama-3.1-8b --quantization fp8 --batch-size 1 --modes full_and_piecewise --out-dir "$PROF"
                 tar -czf "$OUT/profilefp8.tgz" -C "$PROF" . ;;
     l2probe) run l2probe python3 benchmarks/l2_prefetch_probe.py --out "$OUT/l2_prefetch_probe.json" ;;
-    gemvsplit) run gemvsplit python3 benchmarks/gemv_decode.py --split-sweep --out "$OUT/gemv_split.json" ;;
     gemvfp8) run gemvfp8 python3 benchmarks/gemv_decode.py --fp8 --out "$OUT/gemv_fp8.json" ;;
     gemv) run gemv python3 benchmarks/gemv_decode.py --out "$OUT/gemv_decode.json" ;;
     bench8bgemv) run bench8bgemv env PIECEWORKS_SMALL_M_GEMV=1 pieceworks bench latency --model llama-3.1-8b --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_gemv.json" ;;

@@ -116,34 +116,6 @@ def test_kernel_matches_float64_reference(dtype, num_tokens, out_features, in_fe
 
 
 @requires_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 5, 16])
-@pytest.mark.parametrize("split_k", [2, 4])
-def test_split_k_tiles_sum_only_their_own_slices(dtype, num_tokens, split_k):
-    """Split K: each of the program's row blocks reads its own K slice against the same slice
-    of x; a mixed-up slice or a kept off-diagonal block changes y by O(1)."""
-    x, weight = operands(num_tokens, 40, 512, dtype)  # N off the 16-column grid
-    config = GemvConfig(block_n=64 // split_k, block_k=64, split_k=split_k)
-    output = launch_gemv(x, weight, config)
-    expected = x.double() @ weight.double().t()
-    torch.testing.assert_close(output.double(), expected, **TOLERANCES[dtype])
-    with pytest.raises(ValueError, match="multiple of split_k"):  # 512 = 4 x 128, not 4 x 256
-        launch_gemv(x, weight, GemvConfig(block_n=16, block_k=256, split_k=4))
-
-
-@requires_triton
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_fp8_split_k_matches_the_reference_gemm(split_k):
-    x, weight = operands(3, 64, 512, torch.float32)
-    x_fp8, weight_fp8 = x.to(FP8_DTYPE), weight.to(FP8_DTYPE)
-    scales = (torch.tensor(0.5, device=DEVICE), torch.tensor(0.25, device=DEVICE))
-    config = GemvConfig(block_n=64 // split_k, block_k=128, split_k=split_k)
-    output = launch_gemv(x_fp8, weight_fp8, config, scales=scales, out_dtype=torch.float32)
-    expected = (x_fp8.double() @ weight_fp8.double().t()) * 0.125
-    torch.testing.assert_close(output.double(), expected, rtol=2e-3, atol=2e-3)
-
-
-@requires_triton
 @pytest.mark.parametrize("num_tokens", [17, 40, 64])
 def test_kernel_pads_up_to_64_tokens(num_tokens):
     """Beyond 16 tokens the kernel pads to 32 or 64 rows (measured by the benchmark, not routed

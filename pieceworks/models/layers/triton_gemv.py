@@ -73,7 +73,6 @@ class GemvConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
-    split_k: int = 1  # K slices per program, stacked in its tile (not with gated)
 
 
 @functools.lru_cache(maxsize=256)
@@ -115,22 +114,18 @@ def gemv_config(
         block_n, block_k = 32, 512
     else:
         block_n, block_k = 64, 256
-    split_k = 1
-    if not gated and n < 16384 and k % 512 == 0:  # fewer than 256 programs: split K in two
-        block_n, block_k, num_stages, split_k = 64, 128, 4, 2
     weight_rows = block_n
-    block_n //= 2 if gated else split_k
+    if gated:
+        block_n //= 2
     block_m = max(MIN_BLOCK_M, triton.next_power_of_2(m))
     block_k = min(block_k * 2 // element_size, max(triton.next_power_of_2(k), 16))
     if max_shared_bytes is not None:
-        stage_bytes = lambda: (weight_rows + block_m * split_k) * block_k * element_size
+        stage_bytes = lambda: (weight_rows + block_m) * block_k * element_size  # W and x chunks
         while num_stages > 2 and num_stages * stage_bytes() > max_shared_bytes:
             num_stages -= 1
         while block_k > 16 and num_stages * stage_bytes() > max_shared_bytes:
             block_k //= 2
-    return GemvConfig(
-        block_m=block_m, block_n=block_n, block_k=block_k, num_stages=num_stages, split_k=split_k
-    )
+    return GemvConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=num_stages)
 
 
 def max_shared_bytes(device: torch.device) -> int | None:
@@ -169,61 +164,48 @@ def _gemv_kernel(
     GATED: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
     # gate rows of its BLOCK_N columns on their up rows, so one tl.dot of 2 * BLOCK_N rows (a
     # full tensor-core tile) serves both; the accumulator is split in the epilogue.
-    # SPLIT_K > 1 (not with GATED): the tile stacks the rows of its BLOCK_N columns SPLIT_K
-    # times, part p reading the p-th slice of K, against x chunks stacked the same way (SPLIT_K
-    # * BLOCK_M dot columns); only the diagonal blocks (part p of W with part p of x) are kept
-    # and summed. More programs stream W at once, each with a full tile, and none shares an
-    # output with another: no atomics, no reduction kernel.
-    NUM_PARTS: tl.constexpr = 2 if GATED else SPLIT_K
-    BLOCK_ROWS: tl.constexpr = NUM_PARTS * BLOCK_N
-    X_ROWS: tl.constexpr = SPLIT_K * BLOCK_M
-    part_features = in_features // SPLIT_K  # K per part (the host checks it divides)
+    BLOCK_ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
     first_column = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_ROWS)
-    row_parts = rows // BLOCK_N
     row_columns = first_column + rows % BLOCK_N  # the output column each weight row feeds
-    weight_offsets = row_columns.to(tl.int64) * stride_weight  # (ROWS,)
-    if GATED:  # up rows: out_features further
-        weight_offsets += (row_parts * out_features).to(tl.int64) * stride_weight
-    if SPLIT_K > 1:  # part p starts p * part_features into its row
-        weight_offsets += row_parts * part_features
+    weight_rows = row_columns + (rows // BLOCK_N) * out_features  # up rows: out_features further
     row_mask = row_columns < out_features
-    x_rows = tl.arange(0, X_ROWS)
-    tokens = x_rows % BLOCK_M
+    tokens = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     token_mask = tokens < num_tokens
-    weight_ptrs = weight_ptr + weight_offsets[:, None]  # (ROWS, 1)
-    x_ptrs = x_ptr + (tokens.to(tl.int64) * stride_x + (x_rows // BLOCK_M) * part_features)[:, None]
-    acc = tl.zeros((BLOCK_ROWS, X_ROWS), dtype=tl.float32)  # (N, M): y^T = W x^T
-    if PDL:  # launched early, while the kernel before (x's producer) may still run
+    weight_ptrs = weight_ptr + weight_rows.to(tl.int64)[:, None] * stride_weight  # (ROWS, 1)
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
+    k_begin = 0
+    if PDL:  # launched early, while the kernel before (x's producer) may still run: W does
+        # not depend on it, so the first W chunk is loaded before the wait and its HBM latency
+        # overlaps that kernel (never interpreted, so no UPCAST here)
+        first_mask = ks < in_features
+        w = tl.load(weight_ptrs + ks[None, :], mask=row_mask[:, None] & first_mask[None, :])
         tl.extra.cuda.gdc_wait()
-    for k_start in range(0, part_features, BLOCK_K):
-        k_mask = (k_start + ks) < part_features
+        x = tl.load(x_rows + ks[None, :], mask=token_mask[:, None] & first_mask[None, :])
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
+        k_begin = BLOCK_K
+    for k_start in range(k_begin, in_features, BLOCK_K):
+        k_mask = (k_start + ks) < in_features
         w = tl.load(
             weight_ptrs + (k_start + ks)[None, :],
             mask=row_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # (BLOCK_ROWS, BLOCK_K)
         x = tl.load(
-            x_ptrs + (k_start + ks)[None, :],
+            x_rows + (k_start + ks)[None, :],
             mask=token_mask[:, None] & k_mask[None, :],
             other=0.0,
-        )  # (X_ROWS, BLOCK_K)
+        )  # (BLOCK_M, BLOCK_K)
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
-    if SPLIT_K > 1:  # keep part p of W times part p of x, and add the parts up
-        diagonal = row_parts[:, None] == (x_rows // BLOCK_M)[None, :]
-        acc = tl.sum(tl.reshape(tl.where(diagonal, acc, 0.0), (SPLIT_K, BLOCK_N, X_ROWS)), 0)
-        acc = tl.sum(tl.reshape(acc, (BLOCK_N, SPLIT_K, BLOCK_M)), 1)  # (BLOCK_N, BLOCK_M)
-        tokens = tl.arange(0, BLOCK_M)
-        token_mask = tokens < num_tokens
     if PDL:  # W is streamed: the next kernel may be scheduled now (it waits for this one)
         tl.extra.cuda.gdc_launch_dependents()
     if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
@@ -333,11 +315,6 @@ def launch_gemv(
         )
     if num_tokens > config.block_m:
         raise ValueError(f"{num_tokens} tokens do not fit block_m={config.block_m}")
-    if config.split_k > 1 and (gated or in_features % (config.split_k * config.block_k)):
-        raise ValueError(
-            f"split_k={config.split_k} needs a plain weight whose in_features ({in_features}) is "
-            f"a multiple of split_k * block_k ({config.split_k * config.block_k})"
-        )
     pdl = programmatic_launch(x.device)
     grid = (triton.cdiv(out_features, config.block_n),)
     store_dtype = FP8_DTYPE if out_scale is not None else out_dtype
@@ -366,7 +343,6 @@ def launch_gemv(
         GATED=gated,
         ROUND_DTYPE=_TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
-        SPLIT_K=config.split_k,
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
