@@ -23,10 +23,23 @@ import triton
 import triton.language as tl
 
 from pieceworks.models.layers.triton_gemv import launch_gemv
-from pieceworks.models.layers.triton_launch import L2_LINE_BYTES, prefetch_to_l2
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096)}
 LINES_PER_PROGRAM = 1024
+L2_LINE_BYTES = 128  # what one prefetch instruction covers
+
+
+@triton.jit
+def prefetch_to_l2(pointers):
+    """Prefetch the 128-byte line of each pointer into L2: a hint that never faults."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [pointers],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit
