@@ -186,9 +186,11 @@ def _gemv_kernel(
         # not depend on it, so the first W chunk is loaded before the wait and its HBM latency
         # overlaps that kernel (never interpreted, so no UPCAST here)
         first_mask = ks < in_features
-        w = tl.load(weight_ptrs + ks[None, :], mask=row_mask[:, None] & first_mask[None, :])
+        w = tl.load(
+            weight_ptrs + ks[None, :], mask=row_mask[:, None] & first_mask[None, :], other=0.0
+        )
         tl.extra.cuda.gdc_wait()
-        x = tl.load(x_rows + ks[None, :], mask=token_mask[:, None] & first_mask[None, :])
+        x = tl.load(x_rows + ks[None, :], mask=token_mask[:, None] & first_mask[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
         k_begin = BLOCK_K
     for k_start in range(k_begin, in_features, BLOCK_K):
