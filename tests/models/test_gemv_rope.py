@@ -8,7 +8,9 @@ whose last is partial; (2) its ``block_n`` divides ``head_size / 2`` (a program'
 head), and what does not fit is refused with a ValueError that says so; (3)
 ``small_m_rope_linear`` and its FP8 form run the kernel up to 16 tokens and from 17 on (or on a
 device the kernel is not built for) return the unfused GEMM rotated by ``rotate_leading_heads``,
-which equals ``RotaryEmbedding.rotate_heads`` on the q and k heads.
+which equals ``RotaryEmbedding.rotate_heads`` on the q and k heads; (4) the linear methods route
+to the fused op only in a compiled graph, for neox rotary on every dim (Bamba's partial rotary
+keeps the unfused path). Llama decoding through it: ``test_triton_gemv.py``.
 
 What runs where: as in ``test_triton_gemv.py`` (its operands and tolerances are reused): the
 kernel runs in Triton's interpreter on CPU tensors where no GPU is visible.
@@ -225,3 +227,41 @@ def test_fp8_rope_op_falls_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
     qkv = fp8.fp8_gemm(x_fp8, weight, x_scale, weight_scale, torch.float32, None, False)
     assert torch.equal(output, rotary_emb.rotate_leading_heads(positions, qkv, 6))
     assert x_fp8.dtype == FP8_DTYPE
+
+
+class QKVLayer(torch.nn.Module):
+    """What ``apply_rope`` reads of a linear layer: its weight."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+
+@pytest.mark.parametrize("rotary_dim,fused", [(32, True), (16, False)], ids=["full", "partial"])
+def test_apply_rope_fuses_only_full_neox_rotary_in_a_graph(rotary_dim, fused, monkeypatch):
+    """In a graph with the GEMV on: full neox rotary is the fused op; partial rotary (Bamba's) and
+    eager calls keep the GEMM and ``rotate_leading_heads``, with the same values."""
+    from pieceworks.models.layers.quantization import base
+
+    calls: list[int] = []
+
+    def fused_op():
+        return lambda x, weight, *args: (
+            calls.append(x.shape[0]) or small_m_rope_linear(x, weight, *args)
+        )
+
+    monkeypatch.setattr(base, "small_m_rope_linear_op", fused_op)
+    monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
+    method = base.UnquantizedLinearMethod()
+    x, weight = operands(3, 8 * 32, 64, torch.float32)
+    layer = QKVLayer(weight)
+    rotary_emb = get_rope(32, rotary_dim, MAX_POSITION, 10000.0, None, True, torch.float32)
+    rotary_emb = rotary_emb.to(DEVICE)
+    positions = torch.tensor([0, 7, 300], device=DEVICE)
+    expected = unfused(x, weight, positions, rotary_emb, 4, 2)
+    eager = method.apply_rope(layer, x, None, positions, rotary_emb, 6)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    in_graph = method.apply_rope(layer, x, None, positions, rotary_emb, 6)
+    assert calls == ([3] if fused else [])
+    torch.testing.assert_close(eager, expected, rtol=0, atol=0)
+    torch.testing.assert_close(in_graph, expected, **TOLERANCES[torch.float32])

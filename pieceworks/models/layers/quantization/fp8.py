@@ -39,7 +39,7 @@ from pieceworks.models.layers.quantization.base import (
     layer_tensor,
     small_m_gemv_enabled,
 )
-from pieceworks.models.layers.rotary_embedding import rotate_leading_heads
+from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, rotate_leading_heads
 from pieceworks.models.layers.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
 from pieceworks.models.layers.triton_gemv_rope import rope_epilogue, uses_rope_kernel
 
@@ -305,4 +305,31 @@ class Fp8LinearMethod(LinearMethod):
             self.native,
         )
         output = gated(*args)  # (T, I) float8_e4m3fn
+        return output.reshape(*x.shape[:-1], output.shape[-1])
+
+    def apply_rope(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary_emb: RotaryEmbedding,
+        num_rotary_heads: int,
+    ) -> torch.Tensor:
+        if bias is not None or not self.in_graph() or not rotary_emb.is_full_neox:
+            return super().apply_rope(layer, x, bias, positions, rotary_emb, num_rotary_heads)
+        x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
+        args = (
+            x_fp8,
+            weight,
+            input_scale,
+            weight_scale,
+            positions,
+            rotary_emb.cos_sin_cache,
+            rotary_emb.head_size,
+            num_rotary_heads,
+            output_dtype(layer),
+            self.native,
+        )
+        output = small_m_fp8_rope_linear_op()(*args)  # (T, (Hq + 2 Hkv) D)
         return output.reshape(*x.shape[:-1], output.shape[-1])
