@@ -195,6 +195,25 @@ def test_rope_op_falls_back_to_the_unfused_rotation_past_16_tokens(monkeypatch):
         small_m_rope_linear(x[:MAX_GEMV_TOKENS], weight, positions[:MAX_GEMV_TOKENS], *args[1:])
 
 
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fallback_rotation_is_one_in_place_kernel(dtype, monkeypatch):
+    """Past 16 tokens the rotation runs as one Triton launch on the GEMM's result (eager torch
+    ops would be about ten launches inside the opaque op): q and k heads rotated at each token's
+    position, v heads untouched, rounded once like the float64 reference."""
+    monkeypatch.setattr(triton_gemv_rope, "kernel_runs_on", lambda x: True)
+    num_tokens, num_heads, num_kv_heads, head_size = MAX_GEMV_TOKENS + 3, 4, 2, 32
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size).to(DEVICE, dtype)
+    rotary_emb, positions = rope_operands(num_tokens, head_size, dtype)
+    expected = reference(qkv.double(), positions, rotary_emb, num_heads + num_kv_heads)
+    rotated = triton_gemv_rope.rotate_qk_heads(
+        positions, qkv.clone(), rotary_emb.cos_sin_cache, head_size, num_heads + num_kv_heads
+    )
+    torch.testing.assert_close(rotated.double(), expected.to(dtype).double(), **TOLERANCES[dtype])
+    v_columns = (num_heads + num_kv_heads) * head_size
+    assert torch.equal(rotated[:, v_columns:], qkv[:, v_columns:])
+
+
 def test_rope_ops_never_launch_on_cpu_tensors(monkeypatch):
     monkeypatch.setattr(triton_gemv_rope, "launch_gemv", no_launch)
     monkeypatch.setattr(fp8, "launch_gemv", no_launch)

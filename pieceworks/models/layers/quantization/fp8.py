@@ -39,9 +39,13 @@ from pieceworks.models.layers.quantization.base import (
     layer_tensor,
     small_m_gemv_enabled,
 )
-from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, rotate_leading_heads
+from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 from pieceworks.models.layers.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
-from pieceworks.models.layers.triton_gemv_rope import rope_epilogue, uses_rope_kernel
+from pieceworks.models.layers.triton_gemv_rope import (
+    rope_epilogue,
+    rotate_qk_heads,
+    uses_rope_kernel,
+)
 
 # The static activation scale of every FP8 linear layer (see the module docstring).
 FP8_STATIC_INPUT_SCALE = 1.0
@@ -166,9 +170,7 @@ def small_m_fp8_rope_linear(
     rotation as its epilogue when ``uses_rope_kernel`` (``layers/triton_gemv_rope.py``)."""
     if not uses_rope_kernel(x_fp8, weight, cos_sin_cache, head_size, out_dtype, (FP8_DTYPE,)):
         qkv = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
-        return rotate_leading_heads(
-            positions, qkv, cos_sin_cache, head_size, num_rotary_heads, is_neox_style=True
-        )
+        return rotate_qk_heads(positions, qkv, cos_sin_cache, head_size, num_rotary_heads)
     rope = rope_epilogue(positions, cos_sin_cache, head_size, num_rotary_heads)
     scales = (input_scale, weight_scale)
     return launch_gemv(x_fp8, weight, scales=scales, rope=rope, out_dtype=out_dtype)
