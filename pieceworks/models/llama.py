@@ -94,7 +94,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """qkv projection -> rotary -> paged attention (custom op) -> output projection."""
+    """qkv projection -> rotary -> paged attention (custom op) -> output projection.
+
+    The qkv projection and the rotary of its q and k heads are one call to the layer's linear
+    method (``apply_rope``): in compiled decode graphs that is one GEMV with the rotation as its
+    epilogue where the rotary is neox style on every dim (Llama); otherwise the GEMM, then the
+    rotation.
+    """
 
     def __init__(
         self,
@@ -142,10 +148,17 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # (T, (Hq + 2 * Hkv) * D)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = self.rotary_emb.rotate_heads(positions, qk)  # q and k heads in one rotation
-        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+        # q and k heads rotated: in compiled decode graphs, by the qkv GEMV's epilogue
+        qkv_proj = self.qkv_proj
+        qkv = qkv_proj.quant_method.apply_rope(
+            qkv_proj,
+            hidden_states,
+            qkv_proj.bias,
+            positions,
+            self.rotary_emb,
+            self.num_heads + self.num_kv_heads,
+        )  # (T, (Hq + 2 * Hkv) * D)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         attn_output = self.attn(q, k, v)  # (T, Hq * D)
         return self.o_proj(attn_output)  # (T, hidden)
 

@@ -8,7 +8,9 @@ raises), adds a bias, and on a device the kernel is not built for (the CPU) alwa
 ``F.linear``; (3) the op ``pieceworks::small_m_linear`` traces under ``torch.compile(backend=
 "eager", fullgraph=True)`` with a dynamic token count, once for two token counts; (4) llama-tiny
 (float32, compiled with the eager backend) decodes the same greedy tokens with the GEMV as
-without, eager engines never call it, and the flag enters the compile-cache factors; (5) the GEMV
+without, eager engines never call it, the flag enters the compile-cache factors, and the qkv
+launch carries the rotary epilogue while the graph traces no rotation of its own (the kernel's
+rotary mode itself: ``test_gemv_rope.py``); (5) the GEMV
 is the default exactly where the platform runs pieceworks' Triton kernels, and the variable wins;
 (6) launch configs per shape class, fitted to the device's shared memory.
 
@@ -43,7 +45,7 @@ from pieceworks import envs  # noqa: E402
 from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
-from pieceworks.models.layers import triton_gemv  # noqa: E402
+from pieceworks.models.layers import triton_gemv, triton_gemv_rope  # noqa: E402
 from pieceworks.models.layers.activation import silu_and_mul  # noqa: E402
 from pieceworks.models.layers.quantization import fp8  # noqa: E402
 from pieceworks.models.layers.triton_gemv import (  # noqa: E402
@@ -96,11 +98,29 @@ def kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     EPILOGUES.clear()
     monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "launch_gemv", counted_launch)
+    monkeypatch.setattr(triton_gemv_rope, "launch_gemv", counted_launch)
     monkeypatch.setattr(fp8, "launch_gemv", counted_launch)
     return launches
 
 
 EPILOGUES: list[dict] = []  # kernel_on_cpu: the keyword arguments of every launch
+
+
+@pytest.fixture
+def traced_rotations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Collects one entry per rotation the model runs as torch ops (``rotate_leading_heads``, the
+    unfused path ``LinearMethod.apply_rope`` takes; compiled, the traced rotation kernel)."""
+    from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
+
+    rotations: list[int] = []
+    rotate = RotaryEmbedding.rotate_leading_heads
+
+    def counted_rotate(self, positions, qkv, num_rotary_heads):
+        rotations.append(num_rotary_heads)
+        return rotate(self, positions, qkv, num_rotary_heads)
+
+    monkeypatch.setattr(RotaryEmbedding, "rotate_leading_heads", counted_rotate)
+    return rotations
 
 
 @requires_triton
@@ -217,34 +237,46 @@ def greedy_decode(
 
 
 @requires_triton
-def test_llama_decodes_the_same_tokens_through_the_gemv(kernel_on_cpu, monkeypatch):
+def test_llama_decodes_the_same_tokens_through_the_gemv(
+    kernel_on_cpu, traced_rotations, monkeypatch
+):
     """Compiled (level 3, eager backend: Dynamo traces the op), the decode steps' linear layers
-    run the kernel and decode what cuBLAS decodes; eager (level 0) never calls it."""
+    run the kernel and decode what cuBLAS decodes; eager (level 0) never calls it. The qkv
+    launch rotates q and k in its epilogue, and the compiled graph holds no rotation of its own."""
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
     assert envs.compile_factors()["PIECEWORKS_SMALL_M_GEMV"] is False  # enters the cache hash
     tokens, logits = greedy_decode(num_tokens=4, level=3)
     assert kernel_on_cpu == []
+    assert traced_rotations  # without the GEMV the graph rotates q and k itself
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
     eager_tokens, _ = greedy_decode(num_tokens=4, level=0)
     assert kernel_on_cpu == []  # eager calls keep F.linear even when asked for the GEMV
     assert eager_tokens == tokens
+    traced_rotations.clear()
     gemv_tokens, gemv_logits = greedy_decode(num_tokens=4, level=3)
     # 2 layers x (qkv, o, gate_up, down) per forward of <= 16 tokens; the prefill (29) has none
     assert kernel_on_cpu and len(kernel_on_cpu) % 8 == 0
     assert all(num_tokens <= MAX_GEMV_TOKENS for num_tokens in kernel_on_cpu)
+    rope = [epilogue["rope"] for epilogue in EPILOGUES if epilogue.get("rope") is not None]
+    assert len(rope) == len(EPILOGUES) // 4  # qkv: one of the 4 launches per layer
+    assert all(epilogue.num_rotary_heads == 4 + 2 for epilogue in rope)  # llama-tiny's q and k
+    assert traced_rotations == []  # no rotation kernel left in the compiled graph
     assert gemv_tokens == tokens
     for actual, expected in zip(gemv_logits, logits, strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 @requires_triton
-def test_fp8_llama_decodes_through_the_fp8_gemv(kernel_on_cpu, monkeypatch):
-    """FP8 llama-tiny compiled: every decode step runs qkv, o and down as the FP8 GEMV and
-    gate_up as the gated GEMV that hands down_proj FP8 values; the logits are those of the
-    ``fp8_gemm`` path up to float32 accumulation order (same FP8 operands, same roundings)."""
+def test_fp8_llama_decodes_through_the_fp8_gemv(kernel_on_cpu, traced_rotations, monkeypatch):
+    """FP8 llama-tiny compiled: every decode step runs qkv (with the rotary epilogue), o and down
+    as the FP8 GEMV and gate_up as the gated GEMV that hands down_proj FP8 values; the logits are
+    those of the ``fp8_gemm`` path up to float32 accumulation order (same FP8 operands, same
+    roundings), and the compiled graph holds no rotation of its own."""
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
     tokens, logits = greedy_decode(num_tokens=4, level=3, quantization="fp8")
     assert kernel_on_cpu == []
+    assert traced_rotations  # without the GEMV the graph rotates q and k itself
+    traced_rotations.clear()
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
     gemv_tokens, gemv_logits = greedy_decode(num_tokens=4, level=3, quantization="fp8")
     assert kernel_on_cpu and len(kernel_on_cpu) % 8 == 0  # 2 layers x 4 launches per forward
@@ -252,6 +284,9 @@ def test_fp8_llama_decodes_through_the_fp8_gemv(kernel_on_cpu, monkeypatch):
     assert len(gated) == len(EPILOGUES) // 4  # one gated launch per MLP, with the FP8 output
     assert all(epilogue["out_scale"] is not None for epilogue in gated)
     assert all(epilogue["scales"] is not None for epilogue in EPILOGUES)
+    rope = [epilogue for epilogue in EPILOGUES if epilogue.get("rope") is not None]
+    assert len(rope) == len(EPILOGUES) // 4  # one qkv launch per layer, rotating q and k
+    assert traced_rotations == []
     assert gemv_tokens == tokens
     tolerance = 5e-3 if ON_GPU else 1e-4  # GPU: cuBLAS and the FP8 MMA each round their sums
     for actual, expected in zip(gemv_logits, logits, strict=True):

@@ -5,7 +5,10 @@ Owns the inverse-frequency schedules that HF transformers implements in ``modeli
 match HF bit for bit in float32. The cache is built once (on the CPU, then moved) and never written
 in ``forward``: the compiled graph only gathers rows by position. After a model is built on the
 ``meta`` device and materialised with ``to_empty``, the loader calls ``init_buffers()`` to rebuild
-it. Tokens are flattened: queries are ``(num_tokens, num_heads * head_size)``.
+it. Tokens are flattened: queries are ``(num_tokens, num_heads * head_size)``. The rotation
+itself is ``rotate_heads_by_cache``, a function of the cache alone, so that ops which receive the
+cache rather than the module (the qkv GEMV's fallback, ``layers/triton_gemv_rope.py``) rotate
+with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -90,6 +93,45 @@ def apply_rotary_emb(
     return torch.stack((o1, o2), dim=-1).flatten(-2)
 
 
+def rotate_heads_by_cache(
+    positions: torch.Tensor,
+    heads: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox_style: bool,
+) -> torch.Tensor:
+    """Every head of ``heads (T, H * D)`` with its first ``R = cos_sin_cache.shape[1]`` dims
+    rotated by the cache rows at ``positions (T,)``, the rest unchanged: ``(T, H * D)``.
+
+    cos and sin are cast to the heads' dtype first (the cache is stored in the model dtype).
+    """
+    rotary_dim = cos_sin_cache.shape[1]
+    cos_sin = cos_sin_cache.index_select(0, positions)  # (T, R)
+    cos, sin = cos_sin.to(heads.dtype).unsqueeze(1).chunk(2, dim=-1)  # (T, 1, R // 2) each
+    num_tokens = heads.shape[0]
+    x = heads.view(num_tokens, -1, head_size)  # (T, H, D)
+    x_rot = apply_rotary_emb(x[..., :rotary_dim], cos, sin, is_neox_style)
+    if rotary_dim < head_size:
+        x_rot = torch.cat((x_rot, x[..., rotary_dim:]), dim=-1)
+    return x_rot.reshape(num_tokens, -1)  # (T, H * D)
+
+
+def rotate_leading_heads(
+    positions: torch.Tensor,
+    qkv: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    num_rotary_heads: int,
+    is_neox_style: bool,
+) -> torch.Tensor:
+    """``qkv (T, H * D)`` with its first ``num_rotary_heads`` heads rotated by
+    ``rotate_heads_by_cache`` and the others as they are: ``(T, H * D)``."""
+    rotary_size = num_rotary_heads * head_size
+    heads, rest = qkv.split([rotary_size, qkv.shape[-1] - rotary_size], dim=-1)
+    rotated = rotate_heads_by_cache(positions, heads, cos_sin_cache, head_size, is_neox_style)
+    return torch.cat((rotated, rest), dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE on the first ``rotary_dim`` dims of every head; the rest pass through unchanged.
 
@@ -141,8 +183,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions (T,)``, ``query (T, Hq * D)``, ``key (T, Hkv * D)`` -> rotated q, k."""
-        cos, sin = self._cos_sin(positions, query.dtype)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        return self.rotate_heads(positions, query), self.rotate_heads(positions, key)
 
     def rotate_heads(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Every head of ``heads (T, H * D)`` rotated, as one new ``(T, H * D)`` tensor.
@@ -151,24 +192,28 @@ class RotaryEmbedding(nn.Module):
         compiled, that is one kernel per layer instead of one for q and one for k, and on a
         decode step each launch costs more than its bytes.
         """
-        cos, sin = self._cos_sin(positions, heads.dtype)
-        return self._rotate(heads, cos, sin)
+        return rotate_heads_by_cache(
+            positions, heads, self.cos_sin_cache, self.head_size, self.is_neox_style
+        )
 
-    def _cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and ``sin``, each ``(T, 1, R // 2)`` in ``dtype``, for ``positions (T,)``."""
-        cos_sin = self.cos_sin_cache.index_select(0, positions)  # (T, R)
-        cos, sin = cos_sin.to(dtype).unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+    def rotate_leading_heads(
+        self, positions: torch.Tensor, qkv: torch.Tensor, num_rotary_heads: int
+    ) -> torch.Tensor:
+        """``qkv (T, H * D)`` with its first ``num_rotary_heads`` heads (q and k) rotated by
+        ``rotate_heads`` and the others (v) as they are, as one new ``(T, H * D)`` tensor."""
+        return rotate_leading_heads(
+            positions,
+            qkv,
+            self.cos_sin_cache,
+            self.head_size,
+            num_rotary_heads,
+            self.is_neox_style,
+        )
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        x = x.view(num_tokens, -1, self.head_size)  # (T, H, D)
-        x_rot = apply_rotary_emb(x[..., : self.rotary_dim], cos, sin, self.is_neox_style)
-        if self.rotary_dim < self.head_size:
-            x_rot = torch.cat((x_rot, x[..., self.rotary_dim :]), dim=-1)
-        return x_rot.reshape(num_tokens, -1)  # (T, H * D)
+    @property
+    def is_full_neox(self) -> bool:
+        """Whether every dim of a head is rotated, neox style (what the qkv GEMV fuses)."""
+        return self.is_neox_style and self.rotary_dim == self.head_size
 
     def extra_repr(self) -> str:
         return (

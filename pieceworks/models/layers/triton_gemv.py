@@ -14,13 +14,18 @@ per-tensor scale each); the result is (M, N), accumulated in float32. Each progr
 coalesced along K and no two programs write the same output: no atomics, the result is
 deterministic. The M rows are padded to 16 (masked) so the product runs on tensor cores; it is
 computed as ``W x^T`` (W as the left operand), which leaves W in its natural K-major layout.
-Two epilogues, applied after the K loop so they cost the pipelined loads nothing
+Three epilogues, applied after the K loop so they cost the pipelined loads nothing
 (``docs/performance.md``, session 4, says why not before the ``tl.dot``):
 - gated: for a merged [gate; up] weight each program stacks the up rows of its columns under the
   gate rows (one ``tl.dot`` of a full tile; two half-height dots were 40% slower), splits the
   accumulator and stores ``silu(gate) * up``, so the (M, 2N) product never reaches memory;
+- rope: for a merged qkv weight each program owns ``block_n`` pairs (i, i + D/2) of one head and
+  stacks the first-half rows on their partners (the gated tile); the halves, rounded to the
+  output dtype as an unfused GEMM stores them, are rotated with the cos/sin cache at each token's
+  position (neox style, every dim, float32 math rounded once) for the q and k heads and stored
+  as they are for the v heads, in the natural column order (``triton_gemv_rope.py``);
 - static FP8 quantization of the result (the next FP8 layer's input), as
-  ``core.norm_quant.static_scaled_fp8_quant`` computes it.
+  ``core.norm_quant.static_scaled_fp8_quant`` computes it (not combined with rope).
 FP8 operands on Hopper: Triton's default lets the MMA add products in reduced precision over the
 whole K loop (FP8 "fast accumulation", as CUTLASS's FP8FastAccum kernels do). On an H200 that
 left errors up to 2e-3 on outputs near 1, below the bfloat16 rounding of the result; folding
@@ -33,8 +38,9 @@ choice is made inside the op at run time, because the token count is symbolic wh
 traces the op (inside a static graph it is fixed per capture size). Compiled graphs route
 unquantized linear layers here where the platform runs pieceworks' Triton kernels
 (``quantization/base.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides); eager calls keep ``F.linear``.
-``pieceworks::small_m_silu_and_mul_linear`` is the gated form (the MLP's gate/up projection), and
-``quantization/fp8.py`` registers the FP8 forms of both.
+``pieceworks::small_m_silu_and_mul_linear`` is the gated form (the MLP's gate/up projection),
+``pieceworks::small_m_rope_linear`` (``triton_gemv_rope.py``) the rope form (the attention's qkv
+projection), and ``quantization/fp8.py`` registers the FP8 forms of all three.
 """
 
 from __future__ import annotations
@@ -103,6 +109,8 @@ def gemv_config(
     down (down: 16.9 against 19.8 us for the bfloat16 rule's 32 x 1024), and with 4 on gate_up.
     ``gated`` (``n`` counts the gate and the up rows): a program stacks ``block_n`` rows of each,
     so ``block_n`` is halved to keep the rows per program (one tensor-core tile) of the plain one.
+    The rotary epilogue stacks the two halves of a head the same way and passes ``gated=True``
+    (``rope_config`` then narrows ``block_n`` to divide half a head).
     """
     num_stages = 4
     if element_size == 1:  # FP8: 64 x 256 everywhere, 6 stages except for gate_up
@@ -149,12 +157,17 @@ def _gemv_kernel(
     x_scale_ptr,
     weight_scale_ptr,
     out_scale_ptr,
+    positions_ptr,
+    cos_sin_ptr,
     num_tokens,
     out_features,
     in_features,
     stride_x,
     stride_weight,
     stride_out,
+    stride_cos_sin,
+    head_size,
+    num_rotary_heads,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -162,6 +175,7 @@ def _gemv_kernel(
     UPCAST: tl.constexpr,
     SCALED: tl.constexpr,
     GATED: tl.constexpr,
+    ROPE: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     PDL: tl.constexpr,
@@ -169,11 +183,18 @@ def _gemv_kernel(
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
     # gate rows of its BLOCK_N columns on their up rows, so one tl.dot of 2 * BLOCK_N rows (a
     # full tensor-core tile) serves both; the accumulator is split in the epilogue.
-    BLOCK_ROWS: tl.constexpr = 2 * BLOCK_N if GATED else BLOCK_N
+    # ROPE: the same stacking for the pairs (i, i + D/2) of one head of a merged qkv weight;
+    # "columns" count pairs, BLOCK_N of them per program, and BLOCK_N divides D/2.
+    BLOCK_ROWS: tl.constexpr = 2 * BLOCK_N if GATED or ROPE else BLOCK_N
     first_column = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_ROWS)
-    row_columns = first_column + rows % BLOCK_N  # the output column each weight row feeds
-    weight_rows = row_columns + (rows // BLOCK_N) * out_features  # up rows: out_features further
+    row_columns = first_column + rows % BLOCK_N  # the output column (ROPE: pair) of each row
+    if ROPE:  # pair c of head h = c // (D/2) is weight row h * D + c % (D/2), its partner D/2 on
+        half = head_size // 2
+        head = first_column // half
+        weight_rows = row_columns + head * half + (rows // BLOCK_N) * half
+    else:
+        weight_rows = row_columns + (rows // BLOCK_N) * out_features  # up: out_features further
     row_mask = row_columns < out_features
     tokens = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
@@ -219,11 +240,58 @@ def _gemv_kernel(
         acc = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK_N, BLOCK_M)
     if QUANT_OUT:  # static FP8 quantization, rounded as static_scaled_fp8_quant rounds
         acc = round_to_e4m3(acc / tl.load(out_scale_ptr), _FP8_MAX)
-    columns = first_column + tl.arange(0, BLOCK_N)
-    column_mask = columns < out_features
-    out = out_ptr + tokens.to(tl.int64)[None, :] * stride_out + columns[:, None]  # (N, M)
-    mask = column_mask[:, None] & token_mask[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out_rows = out_ptr + tokens.to(tl.int64)[None, :] * stride_out  # (1, M)
+    if ROPE:  # x1, x2 as the unfused GEMM stores them; q and k heads rotated, v heads as they are
+        x1, x2 = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+        x1 = round_to(x1, ROUND_DTYPE)
+        x2 = round_to(x2, ROUND_DTYPE)
+        pairs = first_column - head * half + tl.arange(0, BLOCK_N)  # within the head
+        if head < num_rotary_heads:
+            cos_sin = cos_sin_ptr + pairs[:, None]  # (N, 1)
+            x1, x2 = _rotate_pairs(
+                x1,
+                x2,
+                positions_ptr,
+                cos_sin,
+                stride_cos_sin,
+                half,
+                tokens,
+                token_mask,
+                ROUND_DTYPE,
+            )
+        columns = head * head_size + pairs  # x2's: half further
+        mask = token_mask[None, :]
+        tl.store(out_rows + columns[:, None], x1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_rows + columns[:, None] + half, x2.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        columns = first_column + tl.arange(0, BLOCK_N)
+        mask = (columns < out_features)[:, None] & token_mask[None, :]
+        tl.store(out_rows + columns[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_pairs(
+    x1,
+    x2,
+    positions_ptr,
+    cos_sin,
+    stride_cos_sin,
+    half,
+    tokens,
+    token_mask,
+    ROUND_DTYPE: tl.constexpr,
+):
+    """Neox rotary of the pairs ``x1, x2`` (N, M) at each token's position: ``x1 * cos - x2 *
+    sin`` and ``x2 * cos + x1 * sin`` in float32, rounded once to ``ROUND_DTYPE`` (as Inductor
+    computes the unfused rotation). ``cos_sin`` (N, 1): the pairs' cos columns of the cache row 0;
+    sin is ``half`` further. Pad tokens read no position and rotate by zeros (never stored)."""
+    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+    cos_ptrs = cos_sin + positions[None, :] * stride_cos_sin  # (N, M)
+    cos = tl.load(cos_ptrs, mask=token_mask[None, :], other=0.0).to(tl.float32)
+    sin = tl.load(cos_ptrs + half, mask=token_mask[None, :], other=0.0).to(tl.float32)
+    rotated1 = round_to(x1 * cos - x2 * sin, ROUND_DTYPE)
+    rotated2 = round_to(x2 * cos + x1 * sin, ROUND_DTYPE)
+    return rotated1, rotated2
 
 
 # Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
@@ -281,6 +349,82 @@ def silu_and_mul_epilogue(gate_up: torch.Tensor, out_scale: torch.Tensor | None)
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeEpilogue:
+    """The rotary epilogue's operands: ``positions (T,)``, one per token; ``cos_sin_cache (P, D)``
+    in the output dtype, cos in the first half of each row and sin in the second; the head size
+    D; and how many leading heads of the qkv weight (q and k) are rotated."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    head_size: int
+    num_rotary_heads: int
+
+
+MIN_ROPE_BLOCK_N = 8  # 2 x 8 stacked rows: the smallest tensor-core tile tl.dot takes
+
+
+def rope_config(config: GemvConfig, head_size: int) -> GemvConfig | None:
+    """``config`` for the rotary epilogue: the widest ``block_n`` up to its own that divides
+    ``head_size / 2``, so a program's pairs lie in one head; None where that is below 8 (a head
+    size that is not a multiple of 16)."""
+    block_n = config.block_n
+    while block_n >= MIN_ROPE_BLOCK_N and (head_size // 2) % block_n:
+        block_n //= 2
+    if head_size % 2 or block_n < MIN_ROPE_BLOCK_N:
+        return None
+    return dataclasses.replace(config, block_n=block_n)
+
+
+def _checked_rope_config(
+    config: GemvConfig, weight: torch.Tensor, rope: RopeEpilogue, num_tokens: int
+) -> GemvConfig:
+    """``rope_config`` for a merged qkv weight, or a ValueError saying what does not fit."""
+    head_size = rope.head_size
+    if weight.shape[0] % head_size or rope.cos_sin_cache.shape[1] != head_size:
+        raise ValueError(
+            f"the rotary epilogue needs whole heads of head_size={head_size} rotated on every dim: "
+            f"weight rows {weight.shape[0]}, cos_sin_cache width {rope.cos_sin_cache.shape[1]}; "
+            "rotate partial rotary after an unfused GEMM"
+        )
+    if rope.positions.shape != (num_tokens,):
+        raise ValueError(
+            f"positions {tuple(rope.positions.shape)} need one per token: {num_tokens}"
+        )
+    fitted = rope_config(config, head_size)
+    if fitted is None:
+        raise ValueError(
+            f"head_size={head_size} is not a multiple of 16: no tile of whole pairs fits; use "
+            "the unfused GEMM and rotation"
+        )
+    return fitted
+
+
+def _launch_config(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None,
+    stacked: bool,
+    rope: RopeEpilogue | None,
+) -> GemvConfig:
+    """``config``, else ``gemv_config``'s for these shapes (``stacked``: two weight rows per
+    program column), narrowed for the rotary epilogue; a ValueError if the tokens do not fit."""
+    num_tokens, in_features = x.shape
+    if num_tokens > MAX_KERNEL_TOKENS:
+        raise ValueError(f"the GEMV takes at most {MAX_KERNEL_TOKENS} tokens, got {num_tokens}")
+    if config is None:
+        shared = max_shared_bytes(x.device)
+        element_size = x.element_size()
+        config = gemv_config(
+            num_tokens, weight.shape[0], in_features, element_size, shared, stacked
+        )
+    if rope is not None:
+        config = _checked_rope_config(config, weight, rope, num_tokens)
+    if num_tokens > config.block_m:
+        raise ValueError(f"{num_tokens} tokens do not fit block_m={config.block_m}")
+    return config
+
+
 def launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -288,6 +432,7 @@ def launch_gemv(
     *,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     gated: bool = False,
+    rope: RopeEpilogue | None = None,
     out_dtype: torch.dtype | None = None,
     out_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -296,32 +441,27 @@ def launch_gemv(
     ``scales=(x_scale, weight_scale)`` (0-d float32): FP8 operands, the product times both
     scales. ``gated``: the weight is ``[gate; up]`` (2N, K) and the result ``silu(gate) * up``
     (M, N), the gate and up values rounded to ``out_dtype`` first, as an unfused GEMM stores
-    them. ``out_scale``: the result is quantized to float8_e4m3fn with that static scale.
-    ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
+    them. ``rope``: the weight is a merged qkv weight ((Hq + 2 Hkv) D, K) and the result (M, N)
+    has its first ``rope.num_rotary_heads`` heads rotated (neox, every dim), from values rounded
+    to ``out_dtype`` first. ``out_scale``: the result is quantized to float8_e4m3fn with that
+    static scale. ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
     """
     num_tokens, in_features = x.shape
-    out_features = weight.shape[0] // 2 if gated else weight.shape[0]
+    stacked = gated or rope is not None  # 2 weight rows per column (ROPE: per pair)
+    out_features = weight.shape[0] // 2 if stacked else weight.shape[0]
     if scales is not None and out_dtype is None:
         raise ValueError("FP8 operands (scales=...) need the out_dtype of the scaled product")
+    if rope is not None and (gated or out_scale is not None):
+        raise ValueError("the rotary epilogue takes neither gated=True nor out_scale")
     out_dtype = out_dtype or x.dtype
-    if num_tokens > MAX_KERNEL_TOKENS:
-        raise ValueError(f"the GEMV takes at most {MAX_KERNEL_TOKENS} tokens, got {num_tokens}")
-    if config is None:
-        config = gemv_config(
-            num_tokens,
-            weight.shape[0],
-            in_features,
-            x.element_size(),
-            max_shared_bytes(x.device),
-            gated,
-        )
-    if num_tokens > config.block_m:
-        raise ValueError(f"{num_tokens} tokens do not fit block_m={config.block_m}")
+    config = _launch_config(x, weight, config, stacked, rope)
     pdl = programmatic_launch(x.device)
     grid = (triton.cdiv(out_features, config.block_n),)
     store_dtype = FP8_DTYPE if out_scale is not None else out_dtype
-    out = torch.empty((num_tokens, out_features), dtype=store_dtype, device=x.device)
+    out_shape = (num_tokens, weight.shape[0] if rope is not None else out_features)
+    out = torch.empty(out_shape, dtype=store_dtype, device=x.device)
     x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED
+    positions, cos_sin = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
     _gemv_kernel[grid](
         x,
         weight,
@@ -329,12 +469,17 @@ def launch_gemv(
         x_scale,
         weight_scale,
         out_scale if out_scale is not None else x,
+        positions,
+        cos_sin,
         num_tokens,
         out_features,
         in_features,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        cos_sin.stride(0),
+        rope.head_size if rope is not None else 0,
+        rope.num_rotary_heads if rope is not None else 0,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -343,6 +488,7 @@ def launch_gemv(
         UPCAST=_INTERPRETED and x.dtype == torch.bfloat16,
         SCALED=scales is not None,
         GATED=gated,
+        ROPE=rope is not None,
         ROUND_DTYPE=_TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
         PDL=pdl,

@@ -9,7 +9,10 @@ Triton kernels (``PIECEWORKS_SMALL_M_GEMV`` overrides this, read when the method
 calls keep ``F.linear``: the op's dispatch and the Triton launch cost more host time than a
 cuBLAS call, and only a captured graph hides host time. ``apply_silu_and_mul`` is the MLP's
 gate/up projection followed by its activation; in compiled graphs it is one GEMV whose epilogue
-computes the activation (``pieceworks::small_m_silu_and_mul_linear``).
+computes the activation (``pieceworks::small_m_silu_and_mul_linear``). ``apply_rope`` is the
+attention's qkv projection followed by the rotary embedding of its q and k heads; in compiled
+graphs, for neox-style rotary on every dim, it is one GEMV whose epilogue rotates them
+(``pieceworks::small_m_rope_linear``, ``layers/triton_gemv_rope.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from torch import nn
 
 from pieceworks import envs
 from pieceworks.models.layers.activation import silu_and_mul
+from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 from pieceworks.models.layers.triton_gemv import (
     small_m_linear_op,
     small_m_silu_and_mul_linear_op,
 )
+from pieceworks.models.layers.triton_gemv_rope import small_m_rope_linear_op
 from pieceworks.platforms import current_platform
 
 
@@ -58,6 +63,20 @@ class LinearMethod:
         ``consumer``'s method wants (FP8: already quantized)."""
         return silu_and_mul(self.apply(layer, x, bias))  # (T, I)
 
+    def apply_rope(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary_emb: RotaryEmbedding,
+        num_rotary_heads: int,
+    ) -> torch.Tensor:
+        """``apply(layer, x, bias)`` for a merged qkv layer, its first ``num_rotary_heads`` heads
+        (q and k) rotated by ``rotary_emb`` at ``positions (T,)``: (T, (Hq + 2 Hkv) D)."""
+        qkv = self.apply(layer, x, bias)  # (T, (Hq + 2 Hkv) D)
+        return rotary_emb.rotate_leading_heads(positions, qkv, num_rotary_heads)
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """``y = x W^T (+ b)`` in the model dtype: ``F.linear``, or in compiled graphs the GEMV op."""
@@ -67,10 +86,15 @@ class UnquantizedLinearMethod(LinearMethod):
         if self.small_m_gemv:  # registered before Dynamo traces the first call
             small_m_linear_op()
             small_m_silu_and_mul_linear_op()
+            small_m_rope_linear_op()
+
+    def in_graph(self) -> bool:
+        """Whether this call is traced into a compiled graph that routes to the GEMV ops."""
+        return self.small_m_gemv and torch.compiler.is_compiling()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer_tensor(layer, "weight")
-        if not (self.small_m_gemv and torch.compiler.is_compiling()):
+        if not self.in_graph():
             return F.linear(x, weight, bias)  # (T, out)
         output = small_m_linear_op()(x.reshape(-1, x.shape[-1]), weight, bias)  # (T, out)
         return output.reshape(*x.shape[:-1], output.shape[-1])
@@ -78,8 +102,24 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply_silu_and_mul(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, consumer: nn.Module
     ) -> torch.Tensor:
-        if bias is not None or not (self.small_m_gemv and torch.compiler.is_compiling()):
+        if bias is not None or not self.in_graph():
             return super().apply_silu_and_mul(layer, x, bias, consumer)
         weight = layer_tensor(layer, "weight")
         output = small_m_silu_and_mul_linear_op()(x.reshape(-1, x.shape[-1]), weight)  # (T, I)
+        return output.reshape(*x.shape[:-1], output.shape[-1])
+
+    def apply_rope(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary_emb: RotaryEmbedding,
+        num_rotary_heads: int,
+    ) -> torch.Tensor:
+        if bias is not None or not self.in_graph() or not rotary_emb.is_full_neox:
+            return super().apply_rope(layer, x, bias, positions, rotary_emb, num_rotary_heads)
+        weight = layer_tensor(layer, "weight")
+        args = (positions, rotary_emb.cos_sin_cache, rotary_emb.head_size, num_rotary_heads)
+        output = small_m_rope_linear_op()(x.reshape(-1, x.shape[-1]), weight, *args)  # (T, qkv)
         return output.reshape(*x.shape[:-1], output.shape[-1])

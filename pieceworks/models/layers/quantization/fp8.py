@@ -18,8 +18,10 @@ In compiled graphs, where the small-M GEMV is on (``quantization/base.py``), the
 (``layers/triton_gemv.py``), ``fp8_gemm`` above that. The MLP's gate/up projection is
 ``pieceworks::small_m_fp8_silu_and_mul``: the GEMV with ``silu(gate) * up`` and the down
 projection's static quantization as its epilogue, so it hands ``down_proj`` FP8 values and the
-activation costs no kernel of its own. ``apply`` takes an input that is already FP8 as quantized
-with the layer's own ``input_scale``.
+activation costs no kernel of its own. The attention's qkv projection is
+``pieceworks::small_m_fp8_rope_linear``: the GEMV with the rotary embedding of the q and k heads
+as its epilogue (``layers/triton_gemv_rope.py``). ``apply`` takes an input that is already FP8 as
+quantized with the layer's own ``input_scale``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from pieceworks.models.layers.quantization.base import (
     layer_tensor,
     small_m_gemv_enabled,
 )
+from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 from pieceworks.models.layers.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
+from pieceworks.models.layers.triton_gemv_rope import (
+    rope_epilogue,
+    rotate_qk_heads,
+    uses_rope_kernel,
+)
 
 # The static activation scale of every FP8 linear layer (see the module docstring).
 FP8_STATIC_INPUT_SCALE = 1.0
@@ -145,6 +153,54 @@ def small_m_fp8_silu_and_mul_fake(
     return x_fp8.new_empty((x_fp8.shape[0], weight.shape[0] // 2))
 
 
+def small_m_fp8_rope_linear(
+    x_fp8: torch.Tensor,
+    weight: torch.Tensor,
+    input_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    num_rotary_heads: int,
+    out_dtype: torch.dtype,
+    native: bool,
+) -> torch.Tensor:
+    """``fp8_gemm`` for a merged qkv weight, its first ``num_rotary_heads`` heads rotated (neox,
+    every dim) at ``positions (T,)``: (T, (Hq + 2 Hkv) D) in ``out_dtype``; one GEMV with the
+    rotation as its epilogue when ``uses_rope_kernel`` (``layers/triton_gemv_rope.py``)."""
+    if not uses_rope_kernel(x_fp8, weight, cos_sin_cache, head_size, out_dtype, (FP8_DTYPE,)):
+        qkv = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
+        return rotate_qk_heads(positions, qkv, cos_sin_cache, head_size, num_rotary_heads)
+    rope = rope_epilogue(positions, cos_sin_cache, head_size, num_rotary_heads)
+    scales = (input_scale, weight_scale)
+    return launch_gemv(x_fp8, weight, scales=scales, rope=rope, out_dtype=out_dtype)
+
+
+def small_m_fp8_rope_linear_fake(
+    x_fp8: torch.Tensor,
+    weight: torch.Tensor,
+    input_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    num_rotary_heads: int,
+    out_dtype: torch.dtype,
+    native: bool,
+) -> torch.Tensor:
+    return x_fp8.new_empty((x_fp8.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+def small_m_fp8_rope_linear_op() -> Any:
+    """``torch.ops.pieceworks.small_m_fp8_rope_linear``, registered on first use."""
+    return direct_register_custom_op(
+        "small_m_fp8_rope_linear",
+        small_m_fp8_rope_linear,
+        mutates_args=[],
+        fake_impl=small_m_fp8_rope_linear_fake,
+    )
+
+
 def register_small_m_fp8_ops() -> tuple[Any, Any]:
     """``(small_m_fp8_linear, small_m_fp8_silu_and_mul)`` as ``torch.ops.pieceworks`` ops,
     registered on first use (before Dynamo traces the first FP8 layer)."""
@@ -182,6 +238,7 @@ class Fp8LinearMethod(LinearMethod):
         self.small_m_gemv = small_m_gemv_enabled()
         if self.small_m_gemv:
             register_small_m_fp8_ops()
+            small_m_fp8_rope_linear_op()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         from pieceworks.platforms import current_platform
@@ -250,4 +307,31 @@ class Fp8LinearMethod(LinearMethod):
             self.native,
         )
         output = gated(*args)  # (T, I) float8_e4m3fn
+        return output.reshape(*x.shape[:-1], output.shape[-1])
+
+    def apply_rope(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary_emb: RotaryEmbedding,
+        num_rotary_heads: int,
+    ) -> torch.Tensor:
+        if bias is not None or not self.in_graph() or not rotary_emb.is_full_neox:
+            return super().apply_rope(layer, x, bias, positions, rotary_emb, num_rotary_heads)
+        x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
+        args = (
+            x_fp8,
+            weight,
+            input_scale,
+            weight_scale,
+            positions,
+            rotary_emb.cos_sin_cache,
+            rotary_emb.head_size,
+            num_rotary_heads,
+            output_dtype(layer),
+            self.native,
+        )
+        output = small_m_fp8_rope_linear_op()(*args)  # (T, (Hq + 2 Hkv) D)
         return output.reshape(*x.shape[:-1], output.shape[-1])
