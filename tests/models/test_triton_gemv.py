@@ -17,12 +17,12 @@ is the default exactly where the platform runs pieceworks' Triton kernels, and t
 What runs where: where no GPU is visible the kernel runs in Triton's interpreter on CPU tensors
 (this module sets TRITON_INTERPRET=1 before the kernel is imported, like
 ``test_attention_kernels.py``). The engine itself never sends CPU tensors to the kernel, so (2)'s
-routing tests and (4) declare the CPU a kernel device (``kernel_runs_on`` patched to True): in
-(4) every decode step's linear layers (<= 16 tokens) then run the interpreted kernel inside the
-real engine, and the prefill step (29 tokens) runs ``F.linear``. The interpreter cannot multiply
-bfloat16 in ``tl.dot`` (triton-lang/triton#11584), so there the kernel widens bfloat16 operands to
-float32 first (exact) and its float32 -> bfloat16 store truncates instead of rounding: the
-bfloat16 tolerance is one bfloat16 step (2^-7 relative), not half of one. On a GPU machine
+routing tests and (4) declare the CPU a kernel device (``triton_launch.kernel_runs_on`` patched to
+True): in (4) every decode step's linear layers (<= 16 tokens) then run the interpreted kernel
+inside the real engine, and the prefill step (29 tokens) runs ``F.linear``. The interpreter cannot
+multiply bfloat16 in ``tl.dot`` (triton-lang/triton#11584), so there the kernel widens bfloat16
+operands to float32 first (exact) and its float32 -> bfloat16 store truncates instead of rounding:
+the bfloat16 tolerance is one bfloat16 step (2^-7 relative), not half of one. On a GPU machine
 (variable unset) the same tests run compiled, on the GPU.
 
 Run: TRITON_INTERPRET=1 python -m pytest -q tests/models/test_triton_gemv.py -p no:cacheprovider
@@ -45,7 +45,7 @@ from pieceworks import envs  # noqa: E402
 from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
-from pieceworks.models.layers import triton_gemv, triton_gemv_rope  # noqa: E402
+from pieceworks.models.layers import triton_gemv, triton_gemv_rope, triton_launch  # noqa: E402
 from pieceworks.models.layers.activation import silu_and_mul  # noqa: E402
 from pieceworks.models.layers.quantization import fp8  # noqa: E402
 from pieceworks.models.layers.triton_gemv import (  # noqa: E402
@@ -96,7 +96,7 @@ def kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return launch_gemv(x, weight, config, **epilogue)
 
     EPILOGUES.clear()
-    monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "launch_gemv", counted_launch)
     monkeypatch.setattr(triton_gemv_rope, "launch_gemv", counted_launch)
     monkeypatch.setattr(fp8, "launch_gemv", counted_launch)
@@ -179,7 +179,7 @@ def test_more_than_16_tokens_fall_back_to_f_linear(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("the kernel was launched for more than 16 tokens")
 
-    monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "launch_gemv", no_launch)
     x, weight = operands(MAX_GEMV_TOKENS + 1, 40, 64, torch.float32)
     assert torch.equal(small_m_linear(x, weight), F.linear(x, weight))
@@ -375,7 +375,7 @@ def test_fp8_gated_kernel_quantizes_like_the_unfused_layers(model_dtype, num_tok
 @pytest.mark.parametrize("quantize", [False, True])
 def test_silu_and_mul_epilogue_kernel_matches_torch(quantize, monkeypatch):
     """The gated GEMV's epilogue alone (more than 16 tokens): one kernel, the torch values."""
-    monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
     gate_up = torch.randn(MAX_GEMV_TOKENS + 3, 2 * 1100, device=DEVICE) * 3  # 2 column blocks
     out_scale = torch.tensor(0.02, device=DEVICE) if quantize else None
     output = triton_gemv.silu_and_mul_epilogue(gate_up, out_scale)
@@ -386,12 +386,12 @@ def test_silu_and_mul_epilogue_kernel_matches_torch(quantize, monkeypatch):
         assert output.dtype == FP8_DTYPE and same >= 0.99  # exp's last bit may round across
     rtol = 2**-3 if quantize else 1e-5  # quantized: one e4m3 step where the bytes differ
     torch.testing.assert_close(output.float(), expected.float(), rtol=rtol, atol=1e-5)
-    monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: False)
+    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: False)
     torch.testing.assert_close(triton_gemv.silu_and_mul_epilogue(gate_up, out_scale), expected)
 
 
 def test_fp8_ops_fall_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
-    monkeypatch.setattr(triton_gemv, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(fp8, "launch_gemv", lambda *a, **k: pytest.fail("kernel launched"))
     x_fp8, weight, x_scale, weight_scale = fp8_operands(MAX_GEMV_TOKENS + 1, 2 * 24, 64)
     args = (x_fp8, weight, x_scale, weight_scale)

@@ -45,8 +45,6 @@ projection), and ``quantization/fp8.py`` registers the FP8 forms of all three.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -55,98 +53,42 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
-from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
-from pieceworks.models.layers.activation import silu_and_mul
+from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX
+from pieceworks.models.layers import triton_launch
+from pieceworks.models.layers.triton_gemv_config import (
+    MAX_KERNEL_TOKENS,
+    MIN_ROPE_BLOCK_N,
+    GemvConfig,
+    RopeEpilogue,
+    gemv_config,
+    launch_config,
+    max_shared_bytes,
+    rope_config,
+)
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
 from pieceworks.models.layers.triton_rounding import round_to, round_to_e4m3
-from pieceworks.platforms import current_platform
+from pieceworks.models.layers.triton_silu_and_mul import silu_and_mul_epilogue
+
+__all__ = [  # the configuration names are re-exported: callers and tests import them from here
+    "MAX_GEMV_TOKENS",
+    "MAX_KERNEL_TOKENS",
+    "MIN_ROPE_BLOCK_N",
+    "GemvConfig",
+    "RopeEpilogue",
+    "gemv_config",
+    "launch_gemv",
+    "max_shared_bytes",
+    "rope_config",
+    "silu_and_mul_epilogue",
+    "small_m_linear",
+    "small_m_silu_and_mul_linear",
+    "uses_kernel",
+]
 
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
-MAX_KERNEL_TOKENS = 64  # what the kernel takes (benchmarks measure 32 and 64 against cuBLAS)
-MIN_BLOCK_M = 16  # tokens padded to at least the smallest tensor-core tile
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@dataclasses.dataclass(frozen=True)
-class GemvConfig:
-    """Launch configuration: padded tokens, output columns and K chunk per program, warps,
-    pipeline stages."""
-
-    block_m: int = MIN_BLOCK_M
-    block_n: int = 16
-    block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-@functools.lru_cache(maxsize=256)
-def gemv_config(
-    m: int,
-    n: int,
-    k: int,
-    element_size: int = 2,
-    max_shared_bytes: int | None = None,
-    gated: bool = False,
-) -> GemvConfig:
-    """The launch configuration for an (m, k) x (n, k)^T product, from shapes alone.
-
-    From H200 sweeps (``benchmarks/gemv_decode.py``, bfloat16, the four 8B shapes, M 1 to 16,
-    block_n 16/32/64 x block_k 128/256/512 x warps/stages 4x3, 4x4, 8x4, then the tiles again
-    inside a CUDA graph): 4 warps and 4 stages were best or within 5% of it on every shape, and
-    the tile depended on the shape, not on M:
-    - N >= 16384 (gate_up_proj, 28672 x 4096): 64 x 128;
-    - K >= 8192 (down_proj, 4096 x 14336): 32 x 512;
-    - otherwise (qkv_proj, o_proj): 64 x 256.
-    The first guess (16 columns per program) ran o_proj at half the speed of these. Tokens are
-    padded to ``block_m``, the next power of two from 16 (32 and 64 tokens: not swept yet).
-    Widths are for 16-bit types; float32 halves ``block_k`` to keep the bytes per chunk. A GPU
-    with less shared memory per SM than ``stages x (block_n + 16) x block_k`` elements (smaller
-    than an H200's 228 KiB) gets fewer stages, then narrower K chunks, instead of a launch error.
-    FP8 (one byte) was swept separately (H200, in a graph, m = 1, 64/32/16/128 columns x 256 to
-    1024 bytes of K x 3/4/6 stages): 64 x 256 with 6 stages was best or within 1% on qkv, o and
-    down (down: 16.9 against 19.8 us for the bfloat16 rule's 32 x 1024), and with 4 on gate_up.
-    ``gated`` (``n`` counts the gate and the up rows): a program stacks ``block_n`` rows of each,
-    so ``block_n`` is halved to keep the rows per program (one tensor-core tile) of the plain one.
-    The rotary epilogue stacks the two halves of a head the same way and passes ``gated=True``
-    (``rope_config`` then narrows ``block_n`` to divide half a head).
-    """
-    num_stages = 4
-    if element_size == 1:  # FP8: 64 x 256 everywhere, 6 stages except for gate_up
-        block_n, block_k = 64, 128
-        num_stages = 4 if n >= 16384 else 6
-    elif n >= 16384:
-        block_n, block_k = 64, 128
-    elif k >= 8192:
-        block_n, block_k = 32, 512
-    else:
-        block_n, block_k = 64, 256
-    weight_rows = block_n
-    if gated:
-        block_n //= 2
-    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(m))
-    block_k = min(block_k * 2 // element_size, max(triton.next_power_of_2(k), 16))
-    if max_shared_bytes is not None:
-        stage_bytes = lambda: (weight_rows + block_m) * block_k * element_size  # W and x chunks
-        while num_stages > 2 and num_stages * stage_bytes() > max_shared_bytes:
-            num_stages -= 1
-        while block_k > 16 and num_stages * stage_bytes() > max_shared_bytes:
-            block_k //= 2
-    return GemvConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=num_stages)
-
-
-def max_shared_bytes(device: torch.device) -> int | None:
-    """Shared memory per block on ``device``'s GPU, or None where Triton runs interpreted."""
-    if _INTERPRETED or device.type == "cpu":
-        return None
-    return _max_shared_bytes(device.index or 0)  # a GPU tensor's device always has its index
-
-
-@functools.lru_cache(maxsize=16)
-def _max_shared_bytes(device_index: int) -> int:
-    properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    return int(properties["max_shared_mem"])
 
 
 @triton.jit
@@ -300,131 +242,6 @@ def _rotate_pairs(
 _INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1
 
 
-@triton.jit
-def _silu_and_mul_kernel(
-    gate_up_ptr,
-    out_ptr,
-    out_scale_ptr,
-    out_features,
-    stride_in,
-    stride_out,
-    BLOCK: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = columns < out_features
-    row = gate_up_ptr + token * stride_in
-    gate = tl.load(row + columns, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + out_features + columns, mask=mask, other=0.0).to(tl.float32)
-    result = gate / (1.0 + tl.exp(-gate)) * up
-    if QUANT_OUT:
-        result = round_to_e4m3(result / tl.load(out_scale_ptr), _FP8_MAX)
-    tl.store(out_ptr + token * stride_out + columns, result.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_and_mul_epilogue(gate_up: torch.Tensor, out_scale: torch.Tensor | None) -> torch.Tensor:
-    """The gated GEMV's epilogue alone, for products the GEMV does not take (more than 16
-    tokens): ``silu_and_mul(gate_up)``, quantized with ``out_scale`` if given, in one kernel where
-    ``kernel_runs_on`` (inside the op Inductor cannot fuse it), else in torch."""
-    if not kernel_runs_on(gate_up) or gate_up.stride(1) != 1:
-        activated = silu_and_mul(gate_up.float() if out_scale is not None else gate_up)
-        return activated if out_scale is None else static_scaled_fp8_quant(activated, out_scale)
-    num_tokens, out_features = gate_up.shape[0], gate_up.shape[1] // 2
-    dtype = FP8_DTYPE if out_scale is not None else gate_up.dtype
-    out = torch.empty((num_tokens, out_features), dtype=dtype, device=gate_up.device)
-    if num_tokens == 0:
-        return out
-    block = 1024
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(out_features, block))](
-        gate_up,
-        out,
-        out_scale if out_scale is not None else gate_up,
-        out_features,
-        gate_up.stride(0),
-        out.stride(0),
-        BLOCK=block,
-        QUANT_OUT=out_scale is not None,
-    )
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeEpilogue:
-    """The rotary epilogue's operands: ``positions (T,)``, one per token; ``cos_sin_cache (P, D)``
-    in the output dtype, cos in the first half of each row and sin in the second; the head size
-    D; and how many leading heads of the qkv weight (q and k) are rotated."""
-
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    head_size: int
-    num_rotary_heads: int
-
-
-MIN_ROPE_BLOCK_N = 8  # 2 x 8 stacked rows: the smallest tensor-core tile tl.dot takes
-
-
-def rope_config(config: GemvConfig, head_size: int) -> GemvConfig | None:
-    """``config`` for the rotary epilogue: the widest ``block_n`` up to its own that divides
-    ``head_size / 2``, so a program's pairs lie in one head; None where that is below 8 (a head
-    size that is not a multiple of 16)."""
-    block_n = config.block_n
-    while block_n >= MIN_ROPE_BLOCK_N and (head_size // 2) % block_n:
-        block_n //= 2
-    if head_size % 2 or block_n < MIN_ROPE_BLOCK_N:
-        return None
-    return dataclasses.replace(config, block_n=block_n)
-
-
-def _checked_rope_config(
-    config: GemvConfig, weight: torch.Tensor, rope: RopeEpilogue, num_tokens: int
-) -> GemvConfig:
-    """``rope_config`` for a merged qkv weight, or a ValueError saying what does not fit."""
-    head_size = rope.head_size
-    if weight.shape[0] % head_size or rope.cos_sin_cache.shape[1] != head_size:
-        raise ValueError(
-            f"the rotary epilogue needs whole heads of head_size={head_size} rotated on every dim: "
-            f"weight rows {weight.shape[0]}, cos_sin_cache width {rope.cos_sin_cache.shape[1]}; "
-            "rotate partial rotary after an unfused GEMM"
-        )
-    if rope.positions.shape != (num_tokens,):
-        raise ValueError(
-            f"positions {tuple(rope.positions.shape)} need one per token: {num_tokens}"
-        )
-    fitted = rope_config(config, head_size)
-    if fitted is None:
-        raise ValueError(
-            f"head_size={head_size} is not a multiple of 16: no tile of whole pairs fits; use "
-            "the unfused GEMM and rotation"
-        )
-    return fitted
-
-
-def _launch_config(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    config: GemvConfig | None,
-    stacked: bool,
-    rope: RopeEpilogue | None,
-) -> GemvConfig:
-    """``config``, else ``gemv_config``'s for these shapes (``stacked``: two weight rows per
-    program column), narrowed for the rotary epilogue; a ValueError if the tokens do not fit."""
-    num_tokens, in_features = x.shape
-    if num_tokens > MAX_KERNEL_TOKENS:
-        raise ValueError(f"the GEMV takes at most {MAX_KERNEL_TOKENS} tokens, got {num_tokens}")
-    if config is None:
-        shared = max_shared_bytes(x.device)
-        element_size = x.element_size()
-        config = gemv_config(
-            num_tokens, weight.shape[0], in_features, element_size, shared, stacked
-        )
-    if rope is not None:
-        config = _checked_rope_config(config, weight, rope, num_tokens)
-    if num_tokens > config.block_m:
-        raise ValueError(f"{num_tokens} tokens do not fit block_m={config.block_m}")
-    return config
-
-
 def launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -454,7 +271,7 @@ def launch_gemv(
     if rope is not None and (gated or out_scale is not None):
         raise ValueError("the rotary epilogue takes neither gated=True nor out_scale")
     out_dtype = out_dtype or x.dtype
-    config = _launch_config(x, weight, config, stacked, rope)
+    config = launch_config(x, weight, config, stacked, rope)
     pdl = programmatic_launch(x.device)
     grid = (triton.cdiv(out_features, config.block_n),)
     store_dtype = FP8_DTYPE if out_scale is not None else out_dtype
@@ -499,13 +316,6 @@ def launch_gemv(
     return out
 
 
-def kernel_runs_on(x: torch.Tensor) -> bool:
-    """Whether ``x`` lives on the platform's device and the platform runs pieceworks' Triton
-    kernels (CUDA, ROCm)."""
-    platform = current_platform()
-    return platform.runs_triton_kernels() and x.device.type == platform.device_type
-
-
 def uses_kernel(
     x: torch.Tensor, weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
 ) -> bool:
@@ -516,7 +326,7 @@ def uses_kernel(
         and x.dtype in dtypes
         and x.stride(1) == 1
         and weight.stride(1) == 1
-        and kernel_runs_on(x)
+        and triton_launch.kernel_runs_on(x)
     )
 
 

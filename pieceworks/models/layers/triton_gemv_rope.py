@@ -27,12 +27,12 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
+from pieceworks.models.layers import triton_launch
 from pieceworks.models.layers.rotary_embedding import rotate_leading_heads
 from pieceworks.models.layers.triton_gemv import (
     MIN_ROPE_BLOCK_N,
     SUPPORTED_DTYPES,
     RopeEpilogue,
-    kernel_runs_on,
     launch_gemv,
     uses_kernel,
 )
@@ -78,7 +78,7 @@ def rotate_qk_heads(
     ``rotate_leading_heads``."""
     num_tokens = qkv.shape[0]
     if (
-        not kernel_runs_on(qkv)
+        not triton_launch.kernel_runs_on(qkv)
         or qkv.stride(1) != 1
         or cos_sin_cache.stride(1) != 1
         or cos_sin_cache.dtype != qkv.dtype  # the torch rotation casts the cache to qkv's

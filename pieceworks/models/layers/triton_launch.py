@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pieceworks.platforms import current_platform
 from pieceworks.platforms.programmatic_launch import programmatic_launch_enabled
 
 
@@ -44,3 +45,10 @@ def programmatic_launch(device: torch.device) -> bool:
 def launch_options(pdl: bool) -> dict[str, Any]:
     """The Triton launch options that go with a kernel's ``PDL`` constexpr."""
     return {"launch_pdl": True} if pdl else {}
+
+
+def kernel_runs_on(x: torch.Tensor) -> bool:
+    """Whether ``x`` lives on the platform's device and the platform runs pieceworks' Triton
+    kernels (CUDA, ROCm)."""
+    platform = current_platform()
+    return platform.runs_triton_kernels() and x.device.type == platform.device_type
