@@ -52,7 +52,7 @@ from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
 from pieceworks.models.layers.activation import silu_and_mul
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
-from pieceworks.models.layers.triton_rounding import round_to, round_to_e4m3
+from pieceworks.models.layers.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
 from pieceworks.platforms import current_platform
 
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
@@ -60,7 +60,6 @@ MAX_KERNEL_TOKENS = 64  # what the kernel takes (benchmarks measure 32 and 64 ag
 MIN_BLOCK_M = 16  # tokens padded to at least the smallest tensor-core tile
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MAX = tl.constexpr(FP8_MAX)
-_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +340,7 @@ def launch_gemv(
         UPCAST=_INTERPRETED and x.dtype == torch.bfloat16,
         SCALED=scales is not None,
         GATED=gated,
-        ROUND_DTYPE=_TRITON_DTYPES[out_dtype],
+        ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
         PDL=pdl,
         num_warps=config.num_warps,
