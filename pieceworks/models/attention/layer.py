@@ -151,6 +151,7 @@ class Attention(nn.Module):
 
     @property
     def quantizes_output(self) -> bool:
+        """Whether the output is float8_e4m3fn for a consumer (``quantize_output``)."""
         return self._output_consumer is not None
 
     def output_scale(self) -> torch.Tensor | None:
