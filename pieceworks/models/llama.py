@@ -6,10 +6,12 @@ op inside is attention, where the graph is split. ``LlamaForCausalLM`` adds the 
 ``compute_logits`` outside the graph, and ``load_weights``, which maps HF checkpoint names onto the
 merged ``qkv_proj`` / ``gate_up_proj`` weights. With ``quantization="fp8"`` the four linear layers
 of each decoder layer are FP8 (``layers/quantization/fp8.py``); embeddings, norms and the LM head
-stay in the model dtype. Per-step attention metadata (slot mapping, block
-tables) comes from the forward context, never from arguments. With tensor parallelism each rank
-holds ``num_attention_heads / tp`` query heads, ``max(1, num_key_value_heads / tp)`` KV heads and
-``intermediate_size / tp`` MLP columns; ``o_proj`` and ``down_proj`` all-reduce their outputs.
+stay in the model dtype, and the attention writes its output already quantized for ``o_proj``
+(``Attention.quantize_output``: no quantization kernel between the two). Per-step attention
+metadata (slot mapping, block tables) comes from the forward context, never from arguments.
+With tensor parallelism each rank holds ``num_attention_heads / tp`` query heads,
+``max(1, num_key_value_heads / tp)`` KV heads and ``intermediate_size / tp`` MLP columns;
+``o_proj`` and ``down_proj`` all-reduce their outputs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pieceworks.models.layers.linear import (
     divide,
     tensor_parallel_rank_and_size,
 )
-from pieceworks.models.layers.quantization import Fp8Config, get_quant_config
+from pieceworks.models.layers.quantization import Fp8Config, Fp8LinearMethod, get_quant_config
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pieceworks.models.layers.vocab_embedding import VocabParallelEmbedding
 
@@ -146,6 +148,8 @@ class LlamaAttention(nn.Module):
             config=config,
             prefix=f"{prefix}.attn",
         )
+        if isinstance(self.o_proj.quant_method, Fp8LinearMethod):
+            self.attn.quantize_output(self.o_proj)  # hands o_proj FP8 (T, Hq * D)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # q and k heads rotated: in compiled decode graphs, by the qkv GEMV's epilogue

@@ -5,7 +5,12 @@ without paging, for prefill, decode, mixed batches, GQA and shuffled block table
 `store_kv_cache` implementations write exactly the given slots and never a slot of -1; (3)
 `paged_attention_triton` (decode split-KV path and prefill/mixed path) equals the reference,
 including ragged lengths, context lengths off the block grid or shorter than one split, padded
-sequences, padded query rows, GQA ratios 1 and 4, block sizes 16 and 32, float32 and float16.
+sequences, padded query rows, GQA ratios 1 and 4, block sizes 16 and 32, float32 and float16;
+(4) with an FP8 output (`output_scale`), the decode reduce's epilogue writes exactly
+`static_scaled_fp8_quant` of what the unquantized kernels write (byte for byte, several splits,
+GQA, a padded sequence, saturated values; padded rows untouched), the prefill/mixed path too, and
+both stay within one e4m3 step of the quantized reference; a dtype that does not match the
+request raises.
 
 Where no GPU is visible the Triton kernels run in Triton's interpreter on CPU tensors: this module
 sets TRITON_INTERPRET=1 (unless already set) before it imports the kernels, because triton decides
@@ -28,6 +33,7 @@ if not torch.cuda.is_available():
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.models.attention.ops import (  # noqa: E402
     paged_attention_reference,
     paged_attention_triton,
@@ -390,3 +396,83 @@ def test_triton_decode_with_fused_kv_store(num_kv_splits, block_size):
     assert (output[real:] == SENTINEL).all()
     assert torch.equal(batch.key_cache, expected_keys)
     assert torch.equal(batch.value_cache, expected_values)
+
+
+# ---------------------------------------------------------------- FP8 output
+
+# Attention outputs here are mixes of randn V rows, up to about 3: with this scale the largest
+# saturate at 448 * scale = 1.34.
+OUTPUT_SCALE = 0.003
+
+
+def run_triton_fp8(batch: PagedBatch, max_query_len: int, **kwargs) -> torch.Tensor:
+    """The Triton attention with an FP8 output; rows start as NaN (no real row can be NaN)."""
+    output = torch.full_like(batch.query, float("nan")).to(FP8_DTYPE)
+    scale = torch.tensor(OUTPUT_SCALE, device=DEVICE)
+    paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, output,
+                           **batch.metadata(), max_query_len=max_query_len, output_scale=scale,
+                           **kwargs)  # fmt: skip
+    return output
+
+
+def assert_fp8_output(batch: PagedBatch, output: torch.Tensor, max_query_len: int, **kwargs):
+    """Real rows: byte for byte ``static_scaled_fp8_quant`` of the unquantized kernel's output,
+    and close to the quantized reference."""
+    scale = torch.tensor(OUTPUT_SCALE, device=DEVICE)
+    real = batch.num_real_tokens
+    unfused = static_scaled_fp8_quant(run_triton(batch, max_query_len, **kwargs), scale)[:real]
+    assert torch.equal(output[:real].view(torch.uint8), unfused.view(torch.uint8))
+    expected = static_scaled_fp8_quant(run_reference(batch), scale)[:real].float()
+    actual = output[:real].float()
+    assert (expected.abs() == FP8_MAX).any(), "no value saturates: choose a smaller scale"
+    # The kernel and the reference differ before quantization (float16: by TOLERANCES, as the
+    # kernel multiplies float16 probabilities); a value near an e4m3 rounding boundary then lands
+    # one e4m3 step away (2^-3 relative), and near zero the kernel's own error, scaled, remains.
+    same = (actual == expected).float().mean()
+    assert same >= 0.97, f"only {same:.3f} of the FP8 values equal the quantized reference"
+    atol = TOLERANCES[batch.query.dtype]["atol"] / OUTPUT_SCALE
+    torch.testing.assert_close(actual, expected, rtol=2**-3, atol=atol)
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", GQA)
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 8])
+def test_triton_decode_fp8_output_is_fused_quantization(dtype, num_heads, num_kv_heads,
+                                                        num_kv_splits):  # fmt: skip
+    # A padded sequence (seq_len 0, no query) and two padded rows, as a captured size leaves them.
+    seq_lens = [1, 15, 33, 100, 200, 0]
+    batch = make_batch(seq_lens, [1, 1, 1, 1, 1, 0], num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, dtype=dtype, num_padded_tokens=2)  # fmt: skip
+    output = run_triton_fp8(batch, max_query_len=1, num_kv_splits=num_kv_splits)
+    assert output.dtype == FP8_DTYPE
+    assert_fp8_output(batch, output, max_query_len=1, num_kv_splits=num_kv_splits)
+    real = batch.num_real_tokens
+    assert not output[:real].float().isnan().any(), "a real row was never written"
+    assert output[real:].float().isnan().all(), "a padded query row was written"
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["prefill", "mixed"])
+def test_triton_prefill_and_mixed_fp8_output(dtype, case):
+    seq_lens, query_lens = {"prefill": ([40, 7, 70], [40, 7, 70]),
+                            "mixed": ([50, 75, 19, 33], [1, 21, 19, 1])}[case]  # fmt: skip
+    batch = make_batch(seq_lens, query_lens, num_heads=8, num_kv_heads=2, dtype=dtype)
+    output = run_triton_fp8(batch, max_query_len=max(query_lens))
+    assert output.dtype == FP8_DTYPE
+    assert_fp8_output(batch, output, max_query_len=max(query_lens))
+
+
+@requires_triton
+@pytest.mark.parametrize("max_query_len", [1, 4])
+def test_output_dtype_must_match_the_quantization(max_query_len):
+    batch = make_batch([20, 9], [1, 1], num_heads=8, num_kv_heads=2)
+    scale = torch.tensor(OUTPUT_SCALE, device=DEVICE)
+    fp8_output = torch.empty_like(batch.query, dtype=FP8_DTYPE)
+    args = (batch.query, batch.key_cache, batch.value_cache)
+    with pytest.raises(ValueError, match="float8_e4m3fn exactly when"):
+        paged_attention_triton(*args, fp8_output, **batch.metadata(), max_query_len=max_query_len)
+    with pytest.raises(ValueError, match="float8_e4m3fn exactly when"):
+        paged_attention_triton(*args, torch.empty_like(batch.query), **batch.metadata(),
+                               max_query_len=max_query_len, output_scale=scale)  # fmt: skip

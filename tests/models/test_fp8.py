@@ -9,6 +9,10 @@
   its prefill logits stay within FP8's error of the unquantized model's; compiled with Inductor
   and the fusion pass (slow), every norm + quant pair is fused and the logits equal the eager
   FP8 run's.
+- The attention of FP8 Llama hands ``o_proj`` FP8 values (``Attention.quantize_output``): compiled
+  (eager backend) on the Triton attention backend, whose decode reduce quantizes in its epilogue
+  (interpreted on CPU), it decodes the same tokens with the same logits as with the quantization
+  left to ``o_proj``; a bfloat16 model's attention still hands ``o_proj`` bfloat16.
 Tolerances: e4m3 keeps 3 mantissa bits, so each weight carries a relative rounding error of up
 to 2^-4 (RMS about 2^-4 / sqrt(3), 3.6 %). Measured on llama-tiny (float32): weights alone give
 logits a relative RMS error of 3.4 %, weights and activations 4.1 % (max abs 0.032 at logit
@@ -31,8 +35,10 @@ from pieceworks.core.norm_quant import (
 )
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.models.attention.layer import Attention
+from pieceworks.models.attention.ops import DecodeLaunch
 from pieceworks.models.layers.linear import QKVParallelLinear
-from pieceworks.models.layers.quantization import Fp8Config
+from pieceworks.models.layers.quantization import Fp8Config, UnquantizedLinearMethod
 from pieceworks.models.layers.quantization.fp8 import (
     Fp8LinearMethod,
     fp8_gemm,
@@ -286,3 +292,68 @@ def test_fp8_amplifies_gemm_rounding_differences(tmp_path):
           f"fp8 {moved['fp8']:.4f}")  # fmt: skip
     assert moved[None] < 0.02  # bf16: about what was put in, a little amplified
     assert moved["fp8"] > 3 * moved[None]  # fp8: rounding-boundary jumps
+
+
+def decode_recording_o_proj_inputs(
+    monkeypatch: pytest.MonkeyPatch, quantization: str | None, dtype: str, level: int
+) -> tuple[list[list[int]], list[torch.Tensor], set[torch.dtype], list[Attention]]:
+    """Greedy tokens of three prompts, every step's logits, the dtypes ``o_proj`` was given (when
+    traced, at least once per trace) and the model's attention layers (plans kept)."""
+    seen: set[torch.dtype] = set()
+    for cls in (UnquantizedLinearMethod, Fp8LinearMethod):
+
+        def spy(method, layer, x, bias, apply=cls.apply):
+            if layer.prefix.endswith("o_proj"):
+                seen.add(x.dtype)
+            return apply(method, layer, x, bias)
+
+        monkeypatch.setattr(cls, "apply", spy)
+    llm = LLM(
+        "llama-tiny",
+        compilation_config={"level": level, "backend": "eager"},
+        dtype=dtype,
+        max_num_seqs=4,
+        quantization=quantization,
+        max_model_len=128,  # 2 decode splits, and a short warm-up: the interpreter is slow
+        max_num_batched_tokens=64,
+    )
+    model = llm.engine.runner.model
+    recorded = record_logits(model)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    layers = [module for module in model.modules() if isinstance(module, Attention)]
+    llm.shutdown()
+    return [output.outputs[0].token_ids for output in outputs], recorded, seen, layers
+
+
+def test_fp8_attention_hands_o_proj_fp8_and_decodes_the_same(monkeypatch):
+    triton_backend = "pieceworks.models.attention.backends.TritonAttentionBackend"
+    monkeypatch.setattr(current_platform(), "attention_backend_qualname", triton_backend)
+    with monkeypatch.context() as unfused:  # the attention output left to o_proj to quantize
+        unfused.setattr(Attention, "quantize_output", lambda layer, consumer: None)
+        tokens, logits, seen, _ = decode_recording_o_proj_inputs(unfused, "fp8", "float32", 3)
+    assert seen == {torch.float32}
+    fused_tokens, fused_logits, fused_seen, layers = decode_recording_o_proj_inputs(
+        monkeypatch, "fp8", "float32", 3
+    )
+    assert fused_seen == {FP8_DTYPE}
+    assert layers and all(layer.quantizes_output for layer in layers)
+    for layer in layers:  # the decode steps ran the reduce with its quantizing epilogue
+        launches = [plan.attend for plan in layer._plans.values()]
+        assert any(isinstance(launch, DecodeLaunch) and launch.quantizes_output
+                   for launch in launches)  # fmt: skip
+    assert fused_tokens == tokens
+    assert len(fused_logits) == len(logits) == 4  # one prefill step, three decode steps
+    # The same FP8 values reach o_proj (float32 model: the quantization reads the same float32
+    # attention result); only float32 accumulation order may differ.
+    for actual, expected in zip(fused_logits, logits, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_attention_output_stays_bf16(monkeypatch):
+    _, logits, seen, layers = decode_recording_o_proj_inputs(monkeypatch, None, "bfloat16", 0)
+    assert seen == {torch.bfloat16}
+    assert layers and not any(layer.quantizes_output for layer in layers)
+    assert len(logits) == 4 and all(step.isfinite().all() for step in logits)

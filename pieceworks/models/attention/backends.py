@@ -6,6 +6,11 @@ backend's ``plan`` returned the first time the layer saw this shape signature (t
 it). A backend with nothing to precompute keeps the defaults: no plan, and ``run`` calls
 ``store_kv`` then ``forward`` on (T, H, D) views. Both take the step's ``AttentionMetadata`` and
 write into tensors they are given.
+
+A layer with an FP8 output (``Attention.quantize_output``) hands ``run`` a float8_e4m3fn output;
+``layer.output_scale()`` is its static scale. The Triton decode plan quantizes in its reduce
+kernel; every other path attends into a scratch tensor of the query dtype and writes
+``static_scaled_fp8_quant(scratch, scale)``, as the FP8 ``o_proj`` would have quantized it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pieceworks.core.norm_quant import static_scaled_fp8_quant
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.attention.ops import (
     DecodeLaunch,
@@ -67,9 +73,14 @@ class AttentionBackend:
     ) -> None:
         """One call on the layer's flat (T, H * D) tensors: store K/V, then attend."""
         key_cache, value_cache = layer.bound_kv_cache()
-        query, key, value, output = head_views(layer, query, key, value, output)
+        output_scale = layer.output_scale()
+        # FP8 output: attend into a scratch tensor of the query dtype, then quantize it
+        result = output if output_scale is None else query.new_empty(query.shape)  # (T, Hq * D)
+        query, key, value, result_heads = head_views(layer, query, key, value, result)
         cls.store_kv(key, value, key_cache, value_cache, metadata)
-        cls.forward(query, key_cache, value_cache, output, metadata, layer.scale)
+        cls.forward(query, key_cache, value_cache, result_heads, metadata, layer.scale)
+        if output_scale is not None:
+            output.copy_(static_scaled_fp8_quant(result, output_scale))
 
 
 def head_views(layer: Attention, query, key, value, output) -> tuple[torch.Tensor, ...]:
@@ -148,6 +159,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=metadata.max_query_len,
             workspace=layer.workspace,
             new_kv=(key, value),  # a decode plan stores them itself: one launch fewer
+            quantize_output=layer.quantizes_output,  # a decode plan quantizes in its reduce
         )
         # Planned either way: it checks the K/V and slot layouts for both paths.
         store = plan_store_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
@@ -165,7 +177,9 @@ class TritonAttentionBackend(AttentionBackend):
             return
         args = (query, plan.key_cache, plan.value_cache, output, metadata.query_start_loc,
                 metadata.seq_lens, metadata.block_tables)  # fmt: skip
+        output_scale = layer.output_scale()  # read per call: a plan keeps no tensor value
+        quantized = {} if output_scale is None else {"output_scale": output_scale}
         if plan.stores_kv:
-            plan.attend(*args, new_kv=(key, value, metadata.slot_mapping))
+            plan.attend(*args, new_kv=(key, value, metadata.slot_mapping), **quantized)
         else:
-            plan.attend(*args)
+            plan.attend(*args, **quantized)

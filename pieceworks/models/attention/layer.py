@@ -6,6 +6,11 @@ and the step's metadata in the forward context at run time. The op stores K/V in
 paged cache and writes attention into ``output`` in place; its fake implementation does nothing,
 so tracing never runs a kernel. The layer keeps what the backend derives from shapes (checks,
 launch grids, split count, scratch) per shape signature, so a repeated shape costs only launches.
+
+For an FP8 output projection the model calls ``quantize_output(o_proj)``: ``forward`` then
+allocates a float8_e4m3fn output and the op writes ``static_scaled_fp8_quant(attention, scale)``
+with ``o_proj``'s static input scale, which ``o_proj`` takes as already quantized. The op's
+signature does not change; the layer reads the scale when the op runs.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch import nn
 
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.forward_context import get_forward_context
+from pieceworks.core.norm_quant import FP8_DTYPE
 from pieceworks.models.attention.backends import AttentionBackend
 from pieceworks.models.attention.ops import DecodeWorkspace
 from pieceworks.platforms import current_platform
@@ -70,9 +76,9 @@ class Attention(nn.Module):
     KV cache the runner binds: ``(num_blocks, block_size, num_kv_heads, head_size)``.
 
     ``attend`` (the op's body) keeps the backend's plan per shape signature: every shape and
-    stride the plan is built from, plus ``max_query_len``. The first call of a signature checks
-    the layouts and binds the launches (and raises there if they are wrong); later calls only
-    launch. Binding a KV cache forgets every plan.
+    stride the plan is built from, the output dtype, plus ``max_query_len``. The first call of a
+    signature checks the layouts and binds the launches (and raises there if they are wrong);
+    later calls only launch. Binding a KV cache forgets every plan.
     """
 
     def __init__(
@@ -99,6 +105,8 @@ class Attention(nn.Module):
         self.workspace = DecodeWorkspace()
         self._plans: dict[tuple, Any] = {}
         self._kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.output_dtype: torch.dtype | None = None  # None: the query's; FP8: quantize_output
+        self._output_consumer: nn.Module | None = None
         self.op = attention_op()
         config.compilation_config.register_layer(prefix, self)
 
@@ -134,8 +142,39 @@ class Attention(nn.Module):
             )
         return self._kv_cache
 
+    def quantize_output(self, consumer: nn.Module) -> None:
+        """Write float8_e4m3fn for ``consumer``, an FP8 linear layer that takes its input already
+        quantized with its own static ``input_scale`` (``Fp8LinearMethod.quantized_operands``)."""
+        # In __dict__, not registered as a submodule: o_proj's parameters stay o_proj's alone.
+        vars(self)["_output_consumer"] = consumer
+        self.output_dtype = FP8_DTYPE
+
+    @property
+    def quantizes_output(self) -> bool:
+        """Whether the output is float8_e4m3fn for a consumer (``quantize_output``)."""
+        return self._output_consumer is not None
+
+    def output_scale(self) -> torch.Tensor | None:
+        """The consumer's input scale (0-d float32), or None when the output is not quantized.
+
+        Looked up on every call, never kept: loading replaces the consumer's ``input_scale``
+        Parameter after construction (``process_weights_after_loading``), so a tensor kept from
+        then would be stale. The current one is the tensor the consumer itself reads, and the one
+        a captured graph holds the address of (graphs are captured after loading).
+        """
+        consumer = self._output_consumer
+        if consumer is None:
+            return None
+        scale = getattr(consumer, "input_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            raise RuntimeError(
+                f"{self.layer_name}: its FP8 output needs {type(consumer).__name__}.input_scale, "
+                "set by process_weights_after_loading; load the weights before the first forward"
+            )
+        return scale
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        output = torch.empty_like(query)  # (T, Hq * D)
+        output = torch.empty_like(query, dtype=self.output_dtype)  # (T, Hq * D)
         self.op(query, key, value, output, self.layer_name)
         return output
 
@@ -151,8 +190,8 @@ class Attention(nn.Module):
         block_tables = metadata.block_tables
         signature = (
             query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
-            output.shape, output.stride(), metadata.slot_mapping.shape, block_tables.shape,
-            block_tables.stride(), metadata.max_query_len,
+            output.shape, output.stride(), output.dtype, metadata.slot_mapping.shape,
+            block_tables.shape, block_tables.stride(), metadata.max_query_len,
         )  # fmt: skip
         try:
             plan = self._plans[signature]
@@ -163,6 +202,12 @@ class Attention(nn.Module):
     def _new_plan(self, signature: tuple, query, key, value, output, metadata) -> Any:
         """Check and plan a shape signature seen for the first time (raises if it is invalid)."""
         self.bound_kv_cache()
+        if (output.dtype == FP8_DTYPE) != self.quantizes_output:
+            raise ValueError(
+                f"{self.layer_name}: output dtype {output.dtype}, but the layer "
+                f"{'quantizes its output to' if self.quantizes_output else 'does not quantize to'}"
+                f" {FP8_DTYPE}; allocate the output as Attention.forward does"
+            )
         if len(self._plans) >= MAX_CACHED_PLANS:
             self._plans.clear()
         plan = self.backend.plan(self, query, key, value, output, metadata)

@@ -66,7 +66,7 @@ from pieceworks.models.layers.triton_gemv_config import (
     rope_config,
 )
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
-from pieceworks.models.layers.triton_rounding import round_to, round_to_e4m3
+from pieceworks.models.layers.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
 from pieceworks.models.layers.triton_silu_and_mul import silu_and_mul_epilogue
 
 __all__ = [  # the configuration names are re-exported: callers and tests import them from here
@@ -88,7 +88,6 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MAX = tl.constexpr(FP8_MAX)
-_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -306,7 +305,7 @@ def launch_gemv(
         SCALED=scales is not None,
         GATED=gated,
         ROPE=rope is not None,
-        ROUND_DTYPE=_TRITON_DTYPES[out_dtype],
+        ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
         PDL=pdl,
         num_warps=config.num_warps,

@@ -4,13 +4,18 @@ A kernel that rounds with these before its final cast makes the cast itself exac
 equal torch's under the Triton interpreter as on a GPU: the interpreter truncates float32 ->
 bfloat16, and its float8 cast rounds half up and loses the carry into the exponent (7.96 becomes
 4, 1.98 becomes 1). Used by the fused RMSNorm + FP8 quant kernel
-(``quantization/triton_norm_quant.py``) and the GEMV's epilogues (``triton_gemv.py``).
+(``quantization/triton_norm_quant.py``), the GEMV's epilogues (``triton_gemv.py``) and the decode
+attention's FP8 output (``attention/ops/triton_attention.py``). ``TRITON_DTYPES`` names the model
+dtypes for ``round_to``'s constexpr.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit

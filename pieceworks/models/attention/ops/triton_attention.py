@@ -16,6 +16,11 @@ sequences, causal positions `seq_lens[s] - q_s + i`, GQA, padded sequences skipp
   row is one (query token, q head) pair of the kv head's group, so decode rows in a mixed batch
   waste little of the tile.
 
+FP8 output (`output_scale`, for an FP8 `o_proj`): the result is written as
+`static_scaled_fp8_quant(result in the query dtype, output_scale)`. The decode reduce does it in
+its epilogue (no kernel of its own); the prefill / mixed path attends into a scratch tensor of
+the query dtype and quantizes that with torch (`QuantizedOutputLaunch`): correct, not fused.
+
 Both read all metadata from device tensors: no `.item()`, no host sync, grids and workspace sized
 from shapes and the host int `max_query_len`, so a decode step can be captured into a graph and
 replayed with new values in the same buffers. Because of that, `plan_paged_attention` can do all
@@ -31,9 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
 from pieceworks.models.attention.ops.launch import KernelLaunch
 from pieceworks.models.attention.ops.workspace import DecodeWorkspace
 from pieceworks.models.layers.triton_launch import launch_options, pdl_start, programmatic_launch
+from pieceworks.models.layers.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
 
 # Decode split heuristic: aim for this many programs in flight (a few per SM on a large GPU) ...
 TARGET_DECODE_PROGRAMS = 512
@@ -50,6 +57,7 @@ PREFILL_NUM_STAGES = 2
 LOG2_E = 1.4426950408889634
 # Finite stand-in for -inf as the running max: exp2(-inf - NEG_LARGE) is 0, never NaN.
 NEG_LARGE = tl.constexpr(-1.0e30)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -144,9 +152,10 @@ def _decode_split_kv_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     partial_out_ptr, partial_lse_ptr, output_ptr, query_start_loc_ptr,
+    output_scale_ptr,  # read only with QUANT_OUT
     stride_o_t, stride_o_h,
     HEAD_SIZE: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program: merge the splits of sequence `seq`, q head `head` into its output row.
     if PDL:  # launched early: wait for the split kernel
@@ -168,6 +177,8 @@ def _decode_reduce_kernel(
                           mask=is_used[:, None], other=0.0)  # fmt: skip
     out = tl.sum(weights[:, None] * partial_out, axis=0)  # (D,)
     out = out / tl.maximum(tl.sum(weights, axis=0), 1e-30)  # no key at all: zeros, not NaN
+    if QUANT_OUT:  # the result in the model dtype, quantized as static_scaled_fp8_quant does
+        out = round_to_e4m3(round_to(out, ROUND_DTYPE) / tl.load(output_scale_ptr), _FP8_MAX)
     out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
     tl.store(output_ptr + out_offsets, out.to(output_ptr.dtype.element_ty))
 
@@ -291,17 +302,23 @@ def paged_attention_triton(
     max_query_len: int,
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    output_scale: torch.Tensor | None = None,  # 0-d float32: output is float8_e4m3fn
 ) -> None:
     """Causal paged attention; `max_query_len` (host int, >= every query length) picks the path.
 
-    Decode scratch comes from `workspace` when given, else is allocated for this call.
+    Decode scratch comes from `workspace` when given, else is allocated for this call. With
+    `output_scale` the FP8 `output` gets the result statically quantized (module docstring).
     """
     launch = plan_paged_attention(
         query, key_cache, value_cache, output, block_tables=block_tables, scale=scale,
         max_query_len=max_query_len, num_kv_splits=num_kv_splits, workspace=workspace,
+        quantize_output=output_scale is not None,
     )  # fmt: skip
-    if launch is not None:
-        launch(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables)
+    if launch is None:
+        return
+    quantized = {} if output_scale is None else {"output_scale": output_scale}
+    launch(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_tables,
+           **quantized)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +327,8 @@ class DecodeLaunch:
 
     With ``stores_kv`` the split kernel also writes the step's new K/V into the cache (one launch
     fewer than a separate store); the call then takes ``new_kv=(key, value, slot_mapping)``.
+    With ``quantizes_output`` the reduce writes FP8 (its epilogue quantizes); the call then takes
+    ``output_scale``, a tensor read at run time, so one plan serves any scale at a fixed address.
     """
 
     split: KernelLaunch
@@ -317,20 +336,40 @@ class DecodeLaunch:
     partial_out: torch.Tensor  # (S, Hq, splits, D) float32
     partial_lse: torch.Tensor  # (S, Hq, splits) float32
     stores_kv: bool = False
+    quantizes_output: bool = False
 
     def __call__(self, query, key_cache, value_cache, output, query_start_loc, seq_lens,
-                 block_tables, new_kv=None) -> None:  # fmt: skip
+                 block_tables, new_kv=None, output_scale=None) -> None:  # fmt: skip
         if self.stores_kv != (new_kv is not None):
             raise ValueError("pass new_kv=(key, value, slot_mapping) exactly when planned to store")
+        if self.quantizes_output != (output_scale is not None):
+            raise ValueError("pass output_scale exactly when planned to quantize the output")
         key, value, slot_mapping = new_kv or (query, query, seq_lens)  # unread without a store
         self.split(query, key_cache, value_cache, self.partial_out, self.partial_lse,
                    query_start_loc, seq_lens, block_tables, key, value, slot_mapping)  # fmt: skip
-        self.reduce(self.partial_out, self.partial_lse, output, query_start_loc)
+        self.reduce(self.partial_out, self.partial_lse, output, query_start_loc,
+                    output if output_scale is None else output_scale)  # fmt: skip
 
 
-# Either launch is called as launch(query, key_cache, value_cache, output, query_start_loc,
-# seq_lens, block_tables): the prefill kernel takes exactly these tensors, in this order.
-PagedAttentionLaunch = DecodeLaunch | KernelLaunch
+@dataclasses.dataclass(frozen=True)
+class QuantizedOutputLaunch:
+    """A prefill launch planned on a contiguous scratch tensor of the query dtype; each call
+    attends into a new one, then writes ``static_scaled_fp8_quant(scratch, output_scale)`` into
+    the FP8 ``output`` (every row: rows no sequence owns hold whatever the scratch held)."""
+
+    launch: KernelLaunch
+
+    def __call__(self, query, key_cache, value_cache, output, query_start_loc, seq_lens,
+                 block_tables, output_scale) -> None:  # fmt: skip
+        result = torch.empty(output.shape, dtype=query.dtype, device=output.device)
+        self.launch(query, key_cache, value_cache, result, query_start_loc, seq_lens, block_tables)
+        output.copy_(static_scaled_fp8_quant(result, output_scale))
+
+
+# Every launch is called as launch(query, key_cache, value_cache, output, query_start_loc,
+# seq_lens, block_tables): the prefill kernel takes exactly these tensors, in this order. A plan
+# that quantizes its output also takes output_scale=.
+PagedAttentionLaunch = DecodeLaunch | KernelLaunch | QuantizedOutputLaunch
 
 
 def plan_paged_attention(
@@ -345,6 +384,7 @@ def plan_paged_attention(
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # (T, Hkv, D) each
+    quantize_output: bool = False,
 ) -> PagedAttentionLaunch | None:
     """Check the layouts and bind the launches for these shapes; None when there is no work.
 
@@ -352,18 +392,24 @@ def plan_paged_attention(
     so the launch serves any tensors of the same shapes and strides (graph replay included).
     With ``new_kv`` (the step's key and value, for their layout) a decode plan also stores them
     into the cache (``DecodeLaunch.stores_kv``); a prefill plan ignores it (store separately).
+    With ``quantize_output`` the output is float8_e4m3fn and every call passes ``output_scale``:
+    a decode plan quantizes in its reduce, a prefill plan is a ``QuantizedOutputLaunch``.
     """
-    _check_attention_inputs(query, key_cache, value_cache, output, block_tables)
+    _check_attention_inputs(query, key_cache, value_cache, output, block_tables, quantize_output)
     if block_tables.shape[0] == 0 or query.shape[0] == 0:
         return None
     if max_query_len <= 1:
         return _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
-                            workspace, new_kv)  # fmt: skip
-    return _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len)
+                            workspace, new_kv, quantize_output)  # fmt: skip
+    if not quantize_output:
+        return _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len)
+    scratch = torch.empty(output.shape, dtype=query.dtype, device="meta")  # its layout only
+    launch = _plan_prefill(query, key_cache, scratch, block_tables, scale, max_query_len)
+    return QuantizedOutputLaunch(launch)
 
 
 def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
-                 workspace, new_kv=None) -> DecodeLaunch:  # fmt: skip
+                 workspace, new_kv=None, quantize_output=False) -> DecodeLaunch:  # fmt: skip
     """Split-KV decode: partials per (seq, kv head, split), then one reduce per (seq, q head)."""
     num_seqs, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_size = key_cache.shape
@@ -402,10 +448,12 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
         (num_seqs, num_heads),
         (output.stride(0), output.stride(1)),
         dict(HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
-             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), PDL=pdl, num_warps=4,
-             **launch_options(pdl)),
+             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits),
+             ROUND_DTYPE=TRITON_DTYPES[query.dtype], QUANT_OUT=quantize_output, PDL=pdl,
+             num_warps=4, **launch_options(pdl)),
     )  # fmt: skip
-    return DecodeLaunch(split, reduce, partial_out, partial_lse, stores_kv=new_kv is not None)
+    return DecodeLaunch(split, reduce, partial_out, partial_lse, stores_kv=new_kv is not None,
+                        quantizes_output=quantize_output)  # fmt: skip
 
 
 def _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len) -> KernelLaunch:
@@ -443,8 +491,15 @@ def _check_new_kv(new_kv, query, key_cache) -> None:
             )
 
 
-def _check_attention_inputs(query, key_cache, value_cache, output, block_tables) -> None:
+def _check_attention_inputs(query, key_cache, value_cache, output, block_tables,
+                            quantize_output=False) -> None:  # fmt: skip
     """Reject layouts the kernels cannot address (they assume unit stride along D)."""
+    if (output.dtype == FP8_DTYPE) != quantize_output or query.dtype not in TRITON_DTYPES:
+        raise ValueError(
+            f"output dtype {output.dtype} with query dtype {query.dtype}: the output must be "
+            "float8_e4m3fn exactly when it is quantized (output_scale given), and the query one "
+            f"of {list(TRITON_DTYPES)}"
+        )
     num_heads, head_size = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads != 0:
