@@ -21,9 +21,10 @@ from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)
 
-# On an H200 (docs/benchmarks.md, session 6) 8B decode at batch 1 was 4.4% faster in FP8 and
-# 0.7% in bfloat16 with PDL, batch 64 0.1 to 0.7% faster.
-PDL_BY_DEFAULT = True
+# Off: on an H200 (docs/benchmarks.md, session 6) PDL made FP8 8B decode 4.4% faster at batch 1
+# before the rotary and output-quant fusions, and 1.7% slower after them (2.867 against 2.819
+# ms); bfloat16 PIECEWISE batch 1 ran 4.843 ms with it on, against 4.573 in session 5.
+PDL_BY_DEFAULT = False
 
 
 @functools.lru_cache(maxsize=1)

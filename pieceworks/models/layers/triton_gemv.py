@@ -143,19 +143,9 @@ def _gemv_kernel(
     weight_ptrs = weight_ptr + weight_rows.to(tl.int64)[:, None] * stride_weight  # (ROWS, 1)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
-    k_begin = 0
-    if PDL:  # launched early, while the kernel before (x's producer) may still run: W does
-        # not depend on it, so the first W chunk is loaded before the wait and its HBM latency
-        # overlaps that kernel (never interpreted, so no UPCAST here)
-        first_mask = ks < in_features
-        w = tl.load(
-            weight_ptrs + ks[None, :], mask=row_mask[:, None] & first_mask[None, :], other=0.0
-        )
+    if PDL:  # launched early, while the kernel before (x's producer) may still run
         tl.extra.cuda.gdc_wait()
-        x = tl.load(x_rows + ks[None, :], mask=token_mask[:, None] & first_mask[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
-        k_begin = BLOCK_K
-    for k_start in range(k_begin, in_features, BLOCK_K):
+    for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
             weight_ptrs + (k_start + ks)[None, :],
