@@ -38,27 +38,34 @@ from pieceworks.models.layers.triton_gemv import (
 )
 from pieceworks.models.layers.triton_rounding import round_to
 
+ROTATE_BLOCK_TOKENS = 16  # tokens per program of the in-place rotation
+
 
 @triton.jit
 def _rotate_qk_heads_kernel(
     qkv_ptr,
     positions_ptr,
     cos_sin_ptr,
+    num_tokens,
     stride_qkv,
     stride_cos_sin,
     HEAD_SIZE: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # One program: head tl.program_id(1) of token tl.program_id(0), rotated in place (neox,
-    # every dim), in float32 and rounded once, as Inductor computes the unfused rotation.
-    token = tl.program_id(0).to(tl.int64)
+    # One program: head tl.program_id(1) of BLOCK_TOKENS tokens, rotated in place (neox, every
+    # dim), in float32 and rounded once, as Inductor computes the unfused rotation.
+    tokens = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
+    token_mask = tokens < num_tokens
     half = HEAD_SIZE // 2
     pairs = tl.arange(0, BLOCK)
-    mask = pairs < half
-    x1_ptrs = qkv_ptr + token * stride_qkv + tl.program_id(1) * HEAD_SIZE + pairs
+    mask = token_mask[:, None] & (pairs < half)[None, :]  # (BLOCK_TOKENS, BLOCK)
+    rows = qkv_ptr + tokens.to(tl.int64)[:, None] * stride_qkv + tl.program_id(1) * HEAD_SIZE
+    x1_ptrs = rows + pairs[None, :]
     x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
-    cos_ptrs = cos_sin_ptr + tl.load(positions_ptr + token).to(tl.int64) * stride_cos_sin + pairs
+    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+    cos_ptrs = cos_sin_ptr + positions[:, None] * stride_cos_sin + pairs[None, :]
     cos = tl.load(cos_ptrs, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(cos_ptrs + half, mask=mask, other=0.0).to(tl.float32)
     dtype: tl.constexpr = qkv_ptr.dtype.element_ty
@@ -87,13 +94,16 @@ def rotate_qk_heads(
         return rotate_leading_heads(
             positions, qkv, cos_sin_cache, head_size, num_rotary_heads, is_neox_style=True
         )
-    _rotate_qk_heads_kernel[(num_tokens, num_rotary_heads)](
+    grid = (triton.cdiv(num_tokens, ROTATE_BLOCK_TOKENS), num_rotary_heads)
+    _rotate_qk_heads_kernel[grid](
         qkv,
         positions.contiguous(),
         cos_sin_cache,
+        num_tokens,
         qkv.stride(0),
         cos_sin_cache.stride(0),
         HEAD_SIZE=head_size,
+        BLOCK_TOKENS=ROTATE_BLOCK_TOKENS,
         BLOCK=triton.next_power_of_2(head_size // 2),
     )
     return qkv
