@@ -13,6 +13,8 @@ stays in L2 from one product to the next; microseconds per product):
 - ``prefetch+gemv`` and ``prefetch``: whether a prefetch kernel ends before its lines arrive.
 
 Run (CUDA machine): PYTHONPATH=. python benchmarks/l2_prefetch_probe.py --out probe.json
+(the session-6 numbers in docs/benchmarks.md came from commit df110a8, which timed the graph with
+a copy of ``gemv_decode.graph_time_us``).
 """
 
 import argparse
@@ -21,6 +23,7 @@ import json
 import torch
 import triton
 import triton.language as tl
+from gemv_decode import graph_time_us  # benchmarks/ is on sys.path when run as a script
 
 from pieceworks.models.layers.triton_gemv import launch_gemv
 
@@ -67,26 +70,6 @@ def prefetch(weight: torch.Tensor, fraction: float) -> None:
     _prefetch_kernel[grid](weight, num_bytes, LINES=LINES_PER_PROGRAM, LINE_BYTES=L2_LINE_BYTES)
 
 
-def graph_us(steps: list, replays: int = 50) -> float:
-    """Device time per entry of ``steps`` (callables run in turn) inside one CUDA graph."""
-    for step in steps:
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for step in steps:
-            step()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(steps))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -120,7 +103,7 @@ def main() -> None:
                 f for w in weights for f in (pre(w), spin, gemv(w))
             ]
         for case, steps in cases.items():
-            per_step = graph_us(steps)
+            per_step = graph_time_us(steps, replays=50)
             per_product = per_step * len(steps) / len(weights)  # the whole sequence, per weight
             rows.append({"weight": name, "case": case, "us_per_product": round(per_product, 2)})
             print(f"{name:13s} {case:26s} {per_product:8.2f} us", flush=True)
