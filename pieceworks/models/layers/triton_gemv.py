@@ -40,7 +40,10 @@ unquantized linear layers here where the platform runs pieceworks' Triton kernel
 (``quantization/base.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides); eager calls keep ``F.linear``.
 ``pieceworks::small_m_silu_and_mul_linear`` is the gated form (the MLP's gate/up projection),
 ``pieceworks::small_m_rope_linear`` (``triton_gemv_rope.py``) the rope form (the attention's qkv
-projection), and ``quantization/fp8.py`` registers the FP8 forms of all three.
+projection), and ``quantization/fp8.py`` registers the FP8 forms of all three. Beside this
+module: the launch configurations (``triton_gemv_config.py``), the gated epilogue as a kernel of
+its own for more than 16 tokens (``triton_silu_and_mul.py``) and programmatic dependent launch
+(``triton_launch.py``; the kernel waits before its K loop and releases the next after it).
 """
 
 from __future__ import annotations
