@@ -168,17 +168,13 @@ def _gemv_kernel(
     if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
         acc = acc * (tl.load(x_scale_ptr) * tl.load(weight_scale_ptr))
     if GATED:  # silu(gate) * up, from gate and up as the unfused GEMM would have stored them
-        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-        gate = round_to(gate, ROUND_DTYPE)
-        up = round_to(up, ROUND_DTYPE)
+        gate, up = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
         acc = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK_N, BLOCK_M)
     if QUANT_OUT:  # static FP8 quantization, rounded as static_scaled_fp8_quant rounds
         acc = round_to_e4m3(acc / tl.load(out_scale_ptr), _FP8_MAX)
     out_rows = out_ptr + tokens.to(tl.int64)[None, :] * stride_out  # (1, M)
     if ROPE:  # x1, x2 as the unfused GEMM stores them; q and k heads rotated, v heads as they are
-        x1, x2 = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-        x1 = round_to(x1, ROUND_DTYPE)
-        x2 = round_to(x2, ROUND_DTYPE)
+        x1, x2 = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
         pairs = first_column - head * half + tl.arange(0, BLOCK_N)  # within the head
         if head < num_rotary_heads:
             cos_sin = cos_sin_ptr + pairs[:, None]  # (N, 1)
@@ -204,6 +200,14 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _stacked_halves(acc, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ROUND_DTYPE: tl.constexpr):
+    """The two stacked row blocks of ``acc`` (2 * BLOCK_N, BLOCK_M), each (BLOCK_N, BLOCK_M) and
+    rounded to ``ROUND_DTYPE`` as an unfused GEMM would have stored them."""
+    first, second = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+    return round_to(first, ROUND_DTYPE), round_to(second, ROUND_DTYPE)
+
+
+@triton.jit
 def _rotate_pairs(
     x1,
     x2,
@@ -226,12 +230,6 @@ def _rotate_pairs(
     rotated1 = round_to(x1 * cos - x2 * sin, ROUND_DTYPE)
     rotated2 = round_to(x2 * cos + x1 * sin, ROUND_DTYPE)
     return rotated1, rotated2
-
-
-# Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
-# (triton-lang/triton#11584, "not supported yet"): there the kernel widens them to float32 first.
-# Exact (bfloat16 -> float32 loses nothing), so only the accumulation order can differ from a GPU.
-_INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1
 
 
 def launch_gemv(
@@ -294,7 +292,9 @@ def launch_gemv(
         BLOCK_K=config.block_k,
         # float32 stays float32 (as F.linear by default), not TF32; 16-bit: the backend default
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        UPCAST=_INTERPRETED and x.dtype == torch.bfloat16,
+        # Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
+        # (triton-lang/triton#11584): there the kernel widens them to float32 first, exactly
+        UPCAST=triton_launch.INTERPRETED and x.dtype == torch.bfloat16,
         SCALED=scales is not None,
         GATED=gated,
         ROPE=rope is not None,

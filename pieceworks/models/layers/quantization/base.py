@@ -49,6 +49,17 @@ def small_m_gemv_enabled() -> bool:
 class LinearMethod:
     """Interface: ``apply(layer, x, bias) -> y`` and ``process_weights_after_loading(layer)``."""
 
+    small_m_gemv = False  # methods that route compiled graphs to the GEMV ops set it
+
+    def in_graph(self) -> bool:
+        """Whether this call is traced into a compiled graph that routes to the GEMV ops."""
+        return self.small_m_gemv and torch.compiler.is_compiling()
+
+    def fuses_rope(self, bias: torch.Tensor | None, rotary_emb: RotaryEmbedding) -> bool:
+        """Whether ``apply_rope`` runs as one GEMV with the rotation as its epilogue: in a
+        compiled graph, no bias, neox rotary on every dim."""
+        return bias is None and self.in_graph() and rotary_emb.is_full_neox
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Rewrite ``layer``'s parameters once the checkpoint is loaded (default: nothing)."""
 
@@ -88,10 +99,6 @@ class UnquantizedLinearMethod(LinearMethod):
             small_m_silu_and_mul_linear_op()
             small_m_rope_linear_op()
 
-    def in_graph(self) -> bool:
-        """Whether this call is traced into a compiled graph that routes to the GEMV ops."""
-        return self.small_m_gemv and torch.compiler.is_compiling()
-
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer_tensor(layer, "weight")
         if not self.in_graph():
@@ -117,7 +124,7 @@ class UnquantizedLinearMethod(LinearMethod):
         rotary_emb: RotaryEmbedding,
         num_rotary_heads: int,
     ) -> torch.Tensor:
-        if bias is not None or not self.in_graph() or not rotary_emb.is_full_neox:
+        if not self.fuses_rope(bias, rotary_emb):
             return super().apply_rope(layer, x, bias, positions, rotary_emb, num_rotary_heads)
         weight = layer_tensor(layer, "weight")
         args = (positions, rotary_emb.cos_sin_cache, rotary_emb.head_size, num_rotary_heads)

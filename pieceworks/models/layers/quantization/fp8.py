@@ -267,10 +267,6 @@ class Fp8LinearMethod(LinearMethod):
         x_fp8 = x_2d if x.dtype == FP8_DTYPE else static_scaled_fp8_quant(x_2d, input_scale)
         return x_fp8, weight, input_scale, layer_tensor(layer, "weight_scale")
 
-    def in_graph(self) -> bool:
-        """Whether this call is traced into a compiled graph that routes to the GEMV ops."""
-        return self.small_m_gemv and torch.compiler.is_compiling()
-
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
         out_dtype = output_dtype(layer)
@@ -318,7 +314,7 @@ class Fp8LinearMethod(LinearMethod):
         rotary_emb: RotaryEmbedding,
         num_rotary_heads: int,
     ) -> torch.Tensor:
-        if bias is not None or not self.in_graph() or not rotary_emb.is_full_neox:
+        if not self.fuses_rope(bias, rotary_emb):
             return super().apply_rope(layer, x, bias, positions, rotary_emb, num_rotary_heads)
         x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
         args = (
