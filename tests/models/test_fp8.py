@@ -239,6 +239,41 @@ def test_llama_fp8_compiled_with_fusion_equals_eager_fp8(eager_logits, monkeypat
     torch.testing.assert_close(logits, eager_logits["fp8"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.inductor
+def test_llama_fp8_norms_fold_into_the_gemvs(eager_logits, monkeypatch):
+    """With the small-M GEMV ops in the graph (forced on; on CPU they run their torch paths),
+    fusion folds every residual-form norm into the GEMV after it and the logits stay the same."""
+    from pieceworks.core.passes.pass_manager import PostGradPassManager
+    from tests.core.passes.graph_backend import op_counts
+
+    after: list = []
+    original_call = PostGradPassManager.__call__
+
+    def spy(manager, graph):
+        original_call(manager, graph)
+        after.append(op_counts(graph))
+
+    monkeypatch.setattr(PostGradPassManager, "__call__", spy)
+    monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
+    compilation = {
+        "backend": "inductor",
+        "pass_config": {"enable_fusion": True},
+        "inductor_compile_config": {"fx_graph_cache": False},  # the passes must really run
+    }
+    logits = prefill_logits("fp8", compilation)
+    folded = [counts["pieceworks.small_m_fp8_add_rms_norm_linear.default"] for counts in after]
+    fused_left = [
+        counts["pieceworks.rms_norm_static_fp8_quant.default"]
+        + counts["pieceworks.fused_add_rms_norm_static_fp8_quant.default"]
+        for counts in after
+    ]
+    # Pieces: [embedding, first norm (no residual: not folded), qkv], [o_proj, post-attention
+    # norm -> gate_up, down, next input norm -> qkv], [o_proj, norm -> gate_up, down, final norm
+    # (feeds the bfloat16 LM head: not FP8)].
+    assert (folded, fused_left) == ([0, 2, 1], [1, 0, 0])
+    torch.testing.assert_close(logits, eager_logits["fp8"], rtol=1e-5, atol=1e-5)
+
+
 # On the H200, FP8 through torch._scaled_mm and through the reference GEMM differ by 7e-4
 # relative RMS per GEMM (tests/models/test_fp8_gpu.py), yet by 0.075 in the logits of a two-layer
 # model of the 8B widths. This reproduces that on the CPU: the same relative perturbation of every

@@ -7,10 +7,11 @@ passes and before it reinplaces and decomposes functionalized ops) and
 ``enable_auto_functionalized_v2=False`` where torch has that flag, so mutating custom ops arrive
 as v1 ``auto_functionalized`` nodes, the form ``FixFunctionalizationPass`` rewrites.
 
-Order: no-op elimination (exposes adjacent patterns), fusion, then fix-functionalization, always
-and always last (fusion itself emits functionalized ops). ``uuid()`` hashes this file, each pass's
-uuid and the ``PassConfig``: Inductor keys its cache by it, and it enters pieceworks' compile-cache
-key (``InductorAdaptor.compute_hash_factors``).
+Order: no-op elimination (exposes adjacent patterns), fusion, the fold of fused norms into the
+FP8 GEMVs that read them (part of fusion, ``fold_norm_into_gemv``), then fix-functionalization,
+always and always last (fusion itself emits functionalized ops). ``uuid()`` hashes this file,
+each pass's uuid and the ``PassConfig``: Inductor keys its cache by it, and it enters pieceworks'
+compile-cache key (``InductorAdaptor.compute_hash_factors``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.fx
 from pieceworks.core.config import PassConfig
 from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
+from pieceworks.core.passes.gemv_norm_fold import GemvNormFoldPass
 from pieceworks.core.passes.inductor_pass import InductorPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
 
@@ -38,6 +40,8 @@ class PostGradPassManager(InductorPass):
             self.passes.append(NoOpEliminationPass())
         if pass_config.enable_fusion:
             self.passes.append(RMSNormQuantFusionPass())
+            if pass_config.fold_norm_into_gemv:
+                self.passes.append(GemvNormFoldPass())
         self.passes.append(FixFunctionalizationPass())
 
     def __call__(self, graph: torch.fx.Graph) -> None:
