@@ -63,7 +63,7 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 def profile_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     llm = LLM(
         args.model,
-        compilation_config=compilation_for_mode(mode),
+        compilation_config=compilation_for_mode(mode, args.compilation_config),
         max_num_seqs=max(args.batch_size, 8),
         quantization=args.quantization,
     )
@@ -149,6 +149,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--modes", default="piecewise,full_and_piecewise")
     parser.add_argument("--quantization", default=None)
+    parser.add_argument(
+        "--compilation-config", type=json.loads, default=None, help="CompilationConfig fields"
+    )
     parser.add_argument("--out-dir", default="prof")
     args = parser.parse_args()
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)

@@ -207,3 +207,53 @@ def test_llama_8b_shape_fp8_native_matches_reference_path(monkeypatch):
         f"tokens {native_tokens} vs {reference_tokens}"
     )
     assert error < MAX_NATIVE_VS_REFERENCE_8B
+
+
+def decode_with_fold(model: str, fold: bool, prompts: list[list[int]], monkeypatch):
+    """Greedy tokens, every step's logits, and how many GEMV launches ran the norm prologue."""
+    from pieceworks.models.layers.quantization import fp8_norm_linear
+
+    launches: list[bool] = []
+    launch = fp8_norm_linear.launch_gemv
+
+    def recorded_launch(x, weight, config=None, **kwargs):
+        launches.append(kwargs.get("norm") is not None)
+        return launch(x, weight, config, **kwargs)
+
+    monkeypatch.setattr(fp8_norm_linear, "launch_gemv", recorded_launch)
+    pass_config = {"enable_fusion": True, "fold_norm_into_gemv": fold}
+    llm = LLM(
+        model,
+        compilation_config=compilation_for_mode("full_and_piecewise", {"pass_config": pass_config}),
+        dtype="bfloat16",
+        max_num_seqs=8,
+        quantization="fp8",
+    )
+    recorded = record_logits(llm.engine.runner.model)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    llm.shutdown()
+    del llm
+    gc.collect()
+    current_platform().empty_cache()
+    return tokens, torch.cat([step.float() for step in recorded[1:]]), sum(launches)
+
+
+def test_norm_folded_into_the_gemv_decodes_like_the_unfolded_graph(monkeypatch):
+    """FULL_AND_PIECEWISE FP8 llama-125m with the fused norms folded into the GEMVs (decode
+    steps: the kernel's prologue, captured in the graphs) against the same with the fused norm
+    kernels: the same values up to the mean square's summation order."""
+    prompts = prompts_for(50272)
+    tokens, logits, prologue_launches = decode_with_fold("llama-125m", True, prompts, monkeypatch)
+    ref_tokens, ref_logits, ref_launches = decode_with_fold(
+        "llama-125m", False, prompts, monkeypatch
+    )
+    error = relative_rms(logits, ref_logits)
+    print(
+        f"llama-125m fp8 decode, norms folded vs not: relative RMS {error:.2e} over "
+        f"{logits.shape[0]} rows; {prologue_launches} prologue launches; tokens {tokens} vs "
+        f"{ref_tokens}"
+    )
+    assert prologue_launches > 0 and ref_launches == 0
+    assert error < 0.05  # FP8 amplifies a flipped rounding; a wrong prologue gives ~1
+    assert tokens == ref_tokens
