@@ -29,20 +29,12 @@ from pieceworks.core.passes.inductor_pass import InductorPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
 
 
-class PostGradPassManager(InductorPass):
-    """Runs the passes ``PassConfig`` enables, in order, on a post-grad graph."""
+class PassSequence(InductorPass):
+    """Passes run in order on one graph, as one of Inductor's custom-pass slots."""
 
-    def __init__(self, pass_config: PassConfig) -> None:
+    def __init__(self, passes: list[InductorPass]) -> None:
         super().__init__()
-        self.pass_config = pass_config
-        self.passes: list[InductorPass] = []
-        if pass_config.enable_noop:
-            self.passes.append(NoOpEliminationPass())
-        if pass_config.enable_fusion:
-            self.passes.append(RMSNormQuantFusionPass())
-            if pass_config.fold_norm_into_gemv:
-                self.passes.append(GemvNormFoldPass())
-        self.passes.append(FixFunctionalizationPass())
+        self.passes = passes
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for graph_pass in self.passes:
@@ -50,16 +42,41 @@ class PostGradPassManager(InductorPass):
         self.num_rewrites = sum(graph_pass.num_rewrites for graph_pass in self.passes)
 
     def config_factors(self) -> dict[str, Any]:
-        return {
-            "pass_config": dataclasses.asdict(self.pass_config),
-            "passes": [graph_pass.uuid() for graph_pass in self.passes],
-        }
+        return {"passes": [graph_pass.uuid() for graph_pass in self.passes]}
+
+
+class PostGradPassManager(PassSequence):
+    """Runs the passes ``PassConfig`` enables, in order, on a post-grad graph; with fusion, also
+    no-op elimination and fusion on the joint graph first (``joint_passes``, see below)."""
+
+    def __init__(self, pass_config: PassConfig) -> None:
+        noop = [NoOpEliminationPass()] if pass_config.enable_noop else []
+        fusion: list[InductorPass] = [RMSNormQuantFusionPass()] if pass_config.enable_fusion else []
+        fold: list[InductorPass] = (
+            [GemvNormFoldPass()] if pass_config.enable_fusion and pass_config.fold_norm_into_gemv
+            else []
+        )  # fmt: skip
+        super().__init__([*noop, *fusion, *fold, FixFunctionalizationPass()])
+        self.pass_config = pass_config
+        # Fusion must see the residual stream rounded to the model dtype between two norms:
+        # torch 2.11's joint-graph pattern `pointless_convert` folds the float32 -> bfloat16 ->
+        # float32 round trip away (2.13 keeps it), after which no residual-form norm of a piece
+        # matches. So fusion runs on the joint graph too, before Inductor's own joint patterns;
+        # in the post-grad graph it then finds nothing left (or what only appears there).
+        self.joint_passes = PassSequence([*noop, *fusion]) if fusion else None
+
+    def config_factors(self) -> dict[str, Any]:
+        joint = self.joint_passes.uuid() if self.joint_passes is not None else None
+        return {"pass_config": dataclasses.asdict(self.pass_config), **super().config_factors(),
+                "joint": joint}  # fmt: skip
 
     def config_patches(self) -> dict[str, Any]:
         """The Inductor config entries that install this manager for one compile."""
         from torch._inductor import config
 
         patches: dict[str, Any] = {"post_grad_custom_post_pass": self}
+        if self.joint_passes is not None:
+            patches["joint_custom_pre_pass"] = self.joint_passes
         if hasattr(config, "enable_auto_functionalized_v2"):
             patches["enable_auto_functionalized_v2"] = False
         return patches

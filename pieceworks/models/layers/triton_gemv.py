@@ -162,7 +162,7 @@ def _gemv_kernel(
         tl.extra.cuda.gdc_wait()
     if NORM:  # x is this program's slot of a scratch: fill it with quant(rms_norm(input)) first
         x_ptr += (tl.program_id(0) % NORM_SLOTS) * num_tokens * stride_x
-        for token in range(num_tokens):
+        for token in range(0, num_tokens):
             rms_norm_quant_row(
                 norm_input_ptr,
                 norm_residual_ptr,

@@ -21,6 +21,7 @@ from pieceworks.core.compiler_interface import EagerAdaptor, InductorAdaptor, ma
 from pieceworks.core.config import CompilationConfig, PassConfig
 from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
+from pieceworks.core.passes.gemv_norm_fold import GemvNormFoldPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
 from pieceworks.core.passes.pass_manager import PostGradPassManager
 from pieceworks.utils import hash_factors
@@ -36,8 +37,27 @@ def test_pass_config_selects_passes_and_fix_functionalization_runs_last():
     assert pass_types(PassConfig(enable_fusion=True)) == [
         NoOpEliminationPass,
         RMSNormQuantFusionPass,
+        GemvNormFoldPass,
         FixFunctionalizationPass,
     ]
+    assert pass_types(PassConfig(enable_fusion=True, fold_norm_into_gemv=False)) == [
+        NoOpEliminationPass,
+        RMSNormQuantFusionPass,
+        FixFunctionalizationPass,
+    ]
+
+
+def test_fusion_also_runs_on_the_joint_graph():
+    """Before Inductor's joint-graph patterns (torch 2.11 folds the residual's bfloat16 round
+    trip there), in the slot Inductor calls first; its uuid enters the manager's."""
+    assert PostGradPassManager(PassConfig()).joint_passes is None
+    manager = PostGradPassManager(PassConfig(enable_fusion=True))
+    assert manager.joint_passes is not None
+    joint = [type(graph_pass) for graph_pass in manager.joint_passes.passes]
+    assert joint == [NoOpEliminationPass, RMSNormQuantFusionPass]
+    assert manager.config_patches()["joint_custom_pre_pass"] is manager.joint_passes
+    assert "joint_custom_pre_pass" not in PostGradPassManager(PassConfig()).config_patches()
+    assert manager.config_factors()["joint"] == manager.joint_passes.uuid()
 
 
 def test_fusion_without_noop_warns(caplog):
