@@ -56,16 +56,12 @@ for section in $sections; do
                run ${section}_$pdl env PIECEWORKS_PDL=$pdl pieceworks bench latency --model llama-3.1-8b $quant --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_${section}_$pdl.json"
              done ;;
     attnsplits) run attnsplits python3 benchmarks/attention_decode.py --batch-sizes 1 --context-lens 1088 --max-model-len 8192 --num-kv-splits 0 4 8 17 32 64 --out "$OUT/attention_splits.json" ;;
-    foldtests) run foldtests python3 -m pytest tests/models/test_fp8_norm_linear.py tests/models/test_triton_gemv.py tests/models/test_gemv_rope.py "tests/models/test_fp8_gpu.py::test_norm_folded_into_the_gemv_decodes_like_the_unfolded_graph" -q -s -p no:cacheprovider ;;
-    foldfp8) # FP8 8B: Inductor's norm kernels (fusion off), the fused norm op (fusion on, no fold),
-             # the norm folded into the GEMVs (fusion on, the fold's default)
-             for variant in nofusion:false:true fusion:true:false fold:true:true; do
-               IFS=: read -r name fusion fold <<<"$variant"
-               run foldfp8_$name pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config "{\"pass_config\": {\"enable_fusion\": $fusion, \"fold_norm_into_gemv\": $fold}}" --output-json "$OUT/bench_llama8b_fp8_$name.json"
-             done ;;
-    profilefold) PROF=$(mktemp -d)
-                 run profilefold python3 benchmarks/profile_decode.py --model llama-3.1-8b --quantization fp8 --batch-size 1 --modes full_and_piecewise --compilation-config '{"pass_config": {"enable_fusion": true}}' --out-dir "$PROF"
-                 tar -czf "$OUT/profilefold.tgz" -C "$PROF" . ;;
+    fusionfp8) # FP8 8B: Inductor's own norm + quant kernels against the fused op's (enable_fusion)
+               for fusion in false true; do
+                 run fusionfp8_$fusion pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config "{\"pass_config\": {\"enable_fusion\": $fusion}}" --output-json "$OUT/bench_llama8b_fp8_fusion_$fusion.json"
+               done ;;
+    fusiontests) # the fusion on the device's torch (its joint-graph patterns differ from 2.13's)
+                 run fusiontests python3 -m pytest tests/models/test_fp8.py tests/core/passes -q -p no:cacheprovider -k "fusion or passes" ;;
     testspdl) run testspdl env PIECEWORKS_PDL=1 python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
     kerneltestspdl) run kerneltestspdl env PIECEWORKS_PDL=1 python3 -m pytest tests/models/test_attention_kernels_gpu.py tests/models/test_triton_gemv.py tests/models/test_fp8_gpu.py tests/platforms/test_programmatic_launch.py -q -p no:cacheprovider ;;
     profilefp8pdl) PROF=$(mktemp -d)

@@ -25,15 +25,6 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 # back into an in-place call (``FixFunctionalizationPass``) can never clobber a live tensor.
 RMS_NORM_QUANT_OP = "rms_norm_static_fp8_quant"
 FUSED_ADD_RMS_NORM_QUANT_OP = "fused_add_rms_norm_static_fp8_quant"
-# The small-M FP8 GEMV ops whose input the residual form can fold into (``GemvNormFoldPass``),
-# each with the epilogue name the folded op takes, and the folded op
-# (``models/layers/quantization/fp8_norm_linear.py``).
-GEMV_EPILOGUE_OPS = {
-    "small_m_fp8_linear": "linear",
-    "small_m_fp8_silu_and_mul": "silu_and_mul",
-    "small_m_fp8_rope_linear": "rope",
-}
-GEMV_NORM_OP = "small_m_fp8_add_rms_norm_linear"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:

@@ -49,6 +49,10 @@ from pieceworks.platforms import current_platform
 
 MAX_RELATIVE_RMS_ERROR = 0.08  # see the module docstring
 PROMPT_LENGTHS = (3, 9, 17)
+# bfloat16 FP8 llama-tiny, compiled with fusion against eager: 1.5e-2 measured (torch 2.13 and
+# 2.11, CPU): Inductor rounds to bfloat16 in other places than eager, and FP8 amplifies that
+# (see test_fp8_amplifies_gemm_rounding_differences); a wrong fusion gives ~1.
+BF16_COMPILED_VS_EAGER = 0.05
 
 
 def relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -176,12 +180,14 @@ def record_logits(model: torch.nn.Module) -> list[torch.Tensor]:
     return recorded
 
 
-def prefill_logits(quantization: str | None, compilation_config: dict) -> torch.Tensor:
-    """Float32 logits of the last prompt token of each prompt, through the engine."""
+def prefill_logits(
+    quantization: str | None, compilation_config: dict, dtype: str = "float32"
+) -> torch.Tensor:
+    """Logits of the last prompt token of each prompt, through the engine."""
     llm = LLM(
         "llama-tiny",
         compilation_config=compilation_config,
-        dtype="float32",
+        dtype=dtype,
         max_num_seqs=4,
         quantization=quantization,
     )
@@ -240,9 +246,10 @@ def test_llama_fp8_compiled_with_fusion_equals_eager_fp8(eager_logits, monkeypat
 
 
 @pytest.mark.inductor
-def test_llama_fp8_norms_fold_into_the_gemvs(eager_logits, monkeypatch):
-    """With the small-M GEMV ops in the graph (forced on; on CPU they run their torch paths),
-    fusion folds every residual-form norm into the GEMV after it and the logits stay the same."""
+def test_llama_fp8_bf16_fuses_the_residual_form_too(monkeypatch):
+    """In a bfloat16 model the residual stream is rounded to bfloat16 between two norms; torch
+    2.11's joint-graph patterns drop that round trip before the post-grad passes, which hid every
+    residual-form norm of a piece from the fusion until it ran on the joint graph as well."""
     from pieceworks.core.passes.pass_manager import PostGradPassManager
     from tests.core.passes.graph_backend import op_counts
 
@@ -254,24 +261,21 @@ def test_llama_fp8_norms_fold_into_the_gemvs(eager_logits, monkeypatch):
         after.append(op_counts(graph))
 
     monkeypatch.setattr(PostGradPassManager, "__call__", spy)
-    monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
     compilation = {
         "backend": "inductor",
         "pass_config": {"enable_fusion": True},
-        "inductor_compile_config": {"fx_graph_cache": False},  # the passes must really run
+        "inductor_compile_config": {"fx_graph_cache": False},
     }
-    logits = prefill_logits("fp8", compilation)
-    folded = [counts["pieceworks.small_m_fp8_add_rms_norm_linear.default"] for counts in after]
-    fused_left = [
-        counts["pieceworks.rms_norm_static_fp8_quant.default"]
-        + counts["pieceworks.fused_add_rms_norm_static_fp8_quant.default"]
-        for counts in after
+    logits = prefill_logits("fp8", compilation, dtype="bfloat16")
+    plain = [counts["pieceworks.rms_norm_static_fp8_quant.default"] for counts in after]
+    residual_form = [
+        counts["pieceworks.fused_add_rms_norm_static_fp8_quant.default"] for counts in after
     ]
-    # Pieces: [embedding, first norm (no residual: not folded), qkv], [o_proj, post-attention
-    # norm -> gate_up, down, next input norm -> qkv], [o_proj, norm -> gate_up, down, final norm
-    # (feeds the bfloat16 LM head: not FP8)].
-    assert (folded, fused_left) == ([0, 2, 1], [1, 0, 0])
-    torch.testing.assert_close(logits, eager_logits["fp8"], rtol=1e-5, atol=1e-5)
+    assert (plain, residual_form) == ([1, 0, 0], [0, 2, 1])
+    eager = prefill_logits("fp8", {"level": 0}, dtype="bfloat16")
+    error = relative_rms(logits.float(), eager.float())
+    print(f"bfloat16 FP8 llama-tiny, compiled with fusion vs eager: relative RMS {error:.2e}")
+    assert error < BF16_COMPILED_VS_EAGER
 
 
 # On the H200, FP8 through torch._scaled_mm and through the reference GEMM differ by 7e-4

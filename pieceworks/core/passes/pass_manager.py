@@ -7,9 +7,10 @@ passes and before it reinplaces and decomposes functionalized ops) and
 ``enable_auto_functionalized_v2=False`` where torch has that flag, so mutating custom ops arrive
 as v1 ``auto_functionalized`` nodes, the form ``FixFunctionalizationPass`` rewrites.
 
-Order: no-op elimination (exposes adjacent patterns), fusion, the fold of fused norms into the
-FP8 GEMVs that read them (part of fusion, ``fold_norm_into_gemv``), then fix-functionalization,
-always and always last (fusion itself emits functionalized ops). ``uuid()`` hashes this file,
+Order: no-op elimination (exposes adjacent patterns), fusion, then fix-functionalization, always
+and always last (fusion itself emits functionalized ops). With fusion, no-op elimination and
+fusion also run on the joint graph, before Inductor's own joint-graph patterns
+(``joint_custom_pre_pass``; ``PostGradPassManager`` says why). ``uuid()`` hashes this file,
 each pass's uuid and the ``PassConfig``: Inductor keys its cache by it, and it enters pieceworks'
 compile-cache key (``InductorAdaptor.compute_hash_factors``).
 """
@@ -24,7 +25,6 @@ import torch.fx
 from pieceworks.core.config import PassConfig
 from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
-from pieceworks.core.passes.gemv_norm_fold import GemvNormFoldPass
 from pieceworks.core.passes.inductor_pass import InductorPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
 
@@ -52,11 +52,7 @@ class PostGradPassManager(PassSequence):
     def __init__(self, pass_config: PassConfig) -> None:
         noop = [NoOpEliminationPass()] if pass_config.enable_noop else []
         fusion: list[InductorPass] = [RMSNormQuantFusionPass()] if pass_config.enable_fusion else []
-        fold: list[InductorPass] = (
-            [GemvNormFoldPass()] if pass_config.enable_fusion and pass_config.fold_norm_into_gemv
-            else []
-        )  # fmt: skip
-        super().__init__([*noop, *fusion, *fold, FixFunctionalizationPass()])
+        super().__init__([*noop, *fusion, FixFunctionalizationPass()])
         self.pass_config = pass_config
         # Fusion must see the residual stream rounded to the model dtype between two norms:
         # torch 2.11's joint-graph pattern `pointless_convert` folds the float32 -> bfloat16 ->

@@ -61,18 +61,14 @@ from pieceworks.models.layers import triton_launch
 from pieceworks.models.layers.triton_gemv_config import (
     MAX_KERNEL_TOKENS,
     MIN_ROPE_BLOCK_N,
-    NORM_SLOTS,
     GemvConfig,
-    NormPrologue,
     RopeEpilogue,
-    check_norm_prologue,
     gemv_config,
     launch_config,
     max_shared_bytes,
     rope_config,
 )
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
-from pieceworks.models.layers.triton_rms_norm import rms_norm_quant_row
 from pieceworks.models.layers.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
 from pieceworks.models.layers.triton_silu_and_mul import silu_and_mul_epilogue
 
@@ -81,7 +77,6 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
     "MAX_KERNEL_TOKENS",
     "MIN_ROPE_BLOCK_N",
     "GemvConfig",
-    "NormPrologue",
     "RopeEpilogue",
     "gemv_config",
     "launch_gemv",
@@ -108,11 +103,6 @@ def _gemv_kernel(
     out_scale_ptr,
     positions_ptr,
     cos_sin_ptr,
-    norm_input_ptr,
-    norm_residual_ptr,
-    norm_weight_ptr,
-    residual_out_ptr,
-    norm_epsilon,
     num_tokens,
     out_features,
     in_features,
@@ -132,10 +122,6 @@ def _gemv_kernel(
     ROPE: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_RESIDUAL: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    NORM_SLOTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
@@ -158,29 +144,10 @@ def _gemv_kernel(
     ks = tl.arange(0, BLOCK_K)
     token_mask = tokens < num_tokens
     weight_ptrs = weight_ptr + weight_rows.to(tl.int64)[:, None] * stride_weight  # (ROWS, 1)
-    if PDL:  # launched early, while the kernel before (x's producer) may still run
-        tl.extra.cuda.gdc_wait()
-    if NORM:  # x is this program's slot of a scratch: fill it with quant(rms_norm(input)) first
-        x_ptr += (tl.program_id(0) % NORM_SLOTS) * num_tokens * stride_x
-        for token in range(0, num_tokens):
-            rms_norm_quant_row(
-                norm_input_ptr,
-                norm_residual_ptr,
-                norm_weight_ptr,
-                x_scale_ptr,
-                x_ptr,
-                residual_out_ptr,
-                token,
-                in_features,
-                norm_epsilon,
-                _FP8_MAX,
-                NORM_BLOCK,
-                NORM_RESIDUAL,
-                tl.program_id(0) == 0,  # one program stores the residual sum
-            )
-        tl.debug_barrier()  # the whole slot is written before the K loop reads it
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
+    if PDL:  # launched early, while the kernel before (x's producer) may still run
+        tl.extra.cuda.gdc_wait()
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
@@ -266,7 +233,7 @@ def _rotate_pairs(
 
 
 def launch_gemv(
-    x: torch.Tensor | None,
+    x: torch.Tensor,
     weight: torch.Tensor,
     config: GemvConfig | None = None,
     *,
@@ -275,7 +242,6 @@ def launch_gemv(
     rope: RopeEpilogue | None = None,
     out_dtype: torch.dtype | None = None,
     out_scale: torch.Tensor | None = None,
-    norm: NormPrologue | None = None,
 ) -> torch.Tensor:
     """``x @ weight^T`` by the kernel, (M, N); x (M <= 64, K), weight (N, K).
 
@@ -286,20 +252,7 @@ def launch_gemv(
     has its first ``rope.num_rotary_heads`` heads rotated (neox, every dim), from values rounded
     to ``out_dtype`` first. ``out_scale``: the result is quantized to float8_e4m3fn with that
     static scale. ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
-    ``norm`` (FP8 weights and ``scales`` only; x is None): the kernel computes x itself from the
-    norm's input, ``quant(rms_norm(...), x_scale)``, and stores the residual sum.
     """
-    if (norm is None) == (x is None):
-        raise ValueError("pass either x or norm=NormPrologue(...), not both")
-    if norm is not None:
-        if scales is None or weight.dtype != FP8_DTYPE:
-            raise ValueError("the norm prologue quantizes x: it needs FP8 weights and scales")
-        check_norm_prologue(norm, weight)
-        scratch = torch.empty(
-            (NORM_SLOTS, *norm.input.shape), dtype=FP8_DTYPE, device=weight.device
-        )
-        x = scratch[0]  # a program's slot; the kernel offsets the pointer by its slot
-    assert x is not None
     num_tokens, in_features = x.shape
     stacked = gated or rope is not None  # 2 weight rows per column (ROPE: per pair)
     out_features = weight.shape[0] // 2 if stacked else weight.shape[0]
@@ -325,7 +278,6 @@ def launch_gemv(
         out_scale if out_scale is not None else x,
         positions,
         cos_sin,
-        *_norm_arguments(norm, x),
         num_tokens,
         out_features,
         in_features,
@@ -348,25 +300,12 @@ def launch_gemv(
         ROPE=rope is not None,
         ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
-        NORM=norm is not None,
-        NORM_RESIDUAL=norm is not None and norm.residual is not None,
-        NORM_BLOCK=triton.next_power_of_2(in_features) if norm is not None else 1,
-        NORM_SLOTS=NORM_SLOTS,
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
     )
     return out
-
-
-def _norm_arguments(norm: NormPrologue | None, x: torch.Tensor) -> tuple[Any, ...]:
-    """The kernel's (input, residual, weight, residual_out, epsilon); x stands in, unread."""
-    if norm is None:
-        return x, x, x, x, 0.0
-    if norm.residual is None or norm.residual_out is None:
-        return norm.input, norm.input, norm.weight, norm.input, norm.epsilon
-    return norm.input, norm.residual, norm.weight, norm.residual_out, norm.epsilon
 
 
 def uses_kernel(

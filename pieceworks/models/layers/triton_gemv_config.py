@@ -111,43 +111,6 @@ class RopeEpilogue:
     num_rotary_heads: int
 
 
-@dataclasses.dataclass(frozen=True)
-class NormPrologue:
-    """The norm prologue's operands (FP8 GEMV only): instead of FP8 activations the kernel takes
-    ``input (T, K)`` (and ``residual``), both contiguous in the model dtype, and each program
-    computes ``quant(rms_norm(input (+ residual), weight, epsilon), x_scale)`` itself before its
-    K loop; with a residual, one program stores ``input + residual`` to ``residual_out (T, K)``."""
-
-    input: torch.Tensor
-    residual: torch.Tensor | None
-    weight: torch.Tensor
-    epsilon: float
-    residual_out: torch.Tensor | None  # given exactly when residual is
-
-
-# Scratch slots of the norm prologue's FP8 rows: program p writes slot p % NORM_SLOTS, so no
-# more than a few programs write the same bytes (every slot holds the same values).
-NORM_SLOTS = 16
-
-
-def check_norm_prologue(norm: NormPrologue, weight: torch.Tensor) -> None:
-    """A ValueError unless ``norm``'s tensors are contiguous rows of ``weight``'s in_features."""
-    num_tokens, in_features = norm.input.shape
-    if (norm.residual is None) != (norm.residual_out is None):
-        raise ValueError("the norm prologue takes residual_out exactly when it adds a residual")
-    rows = [t for t in (norm.input, norm.residual, norm.residual_out) if t is not None]
-    if in_features != weight.shape[1] or norm.weight.shape != (in_features,):
-        raise ValueError(
-            f"the norm prologue normalises {in_features} features with a norm weight of shape "
-            f"{tuple(norm.weight.shape)} for a GEMV over {weight.shape[1]}"
-        )
-    if any(t.shape != (num_tokens, in_features) or not t.is_contiguous() for t in rows):
-        raise ValueError(
-            "the norm prologue needs input, residual and residual_out as contiguous "
-            f"({num_tokens}, {in_features}) rows"
-        )
-
-
 MIN_ROPE_BLOCK_N = 8  # 2 x 8 stacked rows: the smallest tensor-core tile tl.dot takes
 
 

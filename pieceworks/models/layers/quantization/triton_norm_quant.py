@@ -20,7 +20,7 @@ import triton.language as tl
 
 from pieceworks.core.norm_quant import FP8_MAX
 from pieceworks.models.layers.triton_launch import launch_options, pdl_start, programmatic_launch
-from pieceworks.models.layers.triton_rms_norm import rms_norm_quant_row
+from pieceworks.models.layers.triton_rounding import round_to, round_to_e4m3
 
 
 @triton.jit
@@ -40,21 +40,23 @@ def _rms_norm_quant_kernel(
 ):
     if PDL:  # launched early (programmatic dependent launch): wait for the input's producer
         pdl_start()
-    rms_norm_quant_row(
-        input_ptr,
-        residual_ptr,
-        weight_ptr,
-        scale_ptr,
-        result_ptr,
-        residual_out_ptr,
-        tl.program_id(0),
-        hidden_size,
-        epsilon,
-        fp8_max,
-        BLOCK_SIZE,
-        HAS_RESIDUAL,
-        True,
-    )
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_SIZE)
+    mask = cols < hidden_size
+    offsets = row * hidden_size + cols
+    x = tl.load(input_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        residual_dtype: tl.constexpr = residual_out_ptr.dtype.element_ty
+        residual_out = round_to(x, residual_dtype).to(residual_dtype)
+        tl.store(residual_out_ptr + offsets, residual_out, mask=mask)
+    variance = tl.sum(x * x, axis=0) / hidden_size
+    activation_dtype: tl.constexpr = input_ptr.dtype.element_ty
+    normed = round_to(x * tl.rsqrt(variance + epsilon), activation_dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = round_to(normed * weight, activation_dtype)  # (x.to(dtype) * weight) in the dtype
+    y = round_to_e4m3(y / tl.load(scale_ptr), fp8_max)
+    tl.store(result_ptr + offsets, y.to(result_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(
