@@ -63,6 +63,7 @@ for section in $sections; do
     fusiontests) # the fusion on the device's torch (its joint-graph patterns differ from 2.13's)
                  run fusiontests python3 -m pytest tests/models/test_fp8.py tests/core/passes -q -p no:cacheprovider -k "fusion or passes" ;;
     testspdl) run testspdl env PIECEWORKS_PDL=1 python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
+    kerneltests) run kerneltests python3 -m pytest tests/models/test_attention_kernels_gpu.py tests/models/test_triton_gemv.py tests/models/test_gemv_rope.py tests/models/test_fp8_gpu.py -q -p no:cacheprovider ;;
     kerneltestspdl) run kerneltestspdl env PIECEWORKS_PDL=1 python3 -m pytest tests/models/test_attention_kernels_gpu.py tests/models/test_triton_gemv.py tests/models/test_fp8_gpu.py tests/platforms/test_programmatic_launch.py -q -p no:cacheprovider ;;
     profilefp8pdl) PROF=$(mktemp -d)
                    run profilefp8pdl env PIECEWORKS_PDL=1 python3 benchmarks/profile_decode.py --model llama-3.1-8b --quantization fp8 --batch-size 1 --modes full_and_piecewise --out-dir "$PROF"
