@@ -80,6 +80,7 @@ for section in $sections; do
     autotune8b) # one batch size per run: compile_sizes must be capture sizes of that run
                 run autotune8b_b1 pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config '{"compile_sizes": [1]}' --output-json "$OUT/bench_llama8b_autotune_b1.json"
                 run autotune8b_b64 pieceworks bench latency --model llama-3.1-8b --batch-size 64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config '{"compile_sizes": [64]}' --output-json "$OUT/bench_llama8b_autotune_b64.json" ;;
+    autotunefp8) run autotunefp8_b1 pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config '{"compile_sizes": [1]}' --output-json "$OUT/bench_llama8b_fp8_autotune_b1.json" ;;
     profilebamba) PROF=$(mktemp -d)
                   run profilebamba python3 benchmarks/profile_decode.py --model bamba-9b --batch-size 1 --input-len 128 --modes full_and_piecewise --out-dir "$PROF"
                   tar -czf "$OUT/profilebamba.tgz" -C "$PROF" . ;;
