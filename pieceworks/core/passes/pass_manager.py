@@ -59,12 +59,16 @@ class PostGradPassManager(PassSequence):
         # float32 round trip away (2.13 keeps it), after which no residual-form norm of a piece
         # matches. So fusion runs on the joint graph too, before Inductor's own joint patterns;
         # in the post-grad graph it then finds nothing left (or what only appears there).
-        self.joint_passes = PassSequence([*noop, *fusion]) if fusion else None
+        # (Instances of their own: a pass's num_rewrites tells what its last call did.)
+        self.joint_passes: PassSequence | None = None
+        if pass_config.enable_fusion:
+            joint_noop = [NoOpEliminationPass()] if pass_config.enable_noop else []
+            self.joint_passes = PassSequence([*joint_noop, RMSNormQuantFusionPass()])
 
     def config_factors(self) -> dict[str, Any]:
         joint = self.joint_passes.uuid() if self.joint_passes is not None else None
-        return {"pass_config": dataclasses.asdict(self.pass_config), **super().config_factors(),
-                "joint": joint}  # fmt: skip
+        factors = {"pass_config": dataclasses.asdict(self.pass_config), "joint": joint}
+        return {**factors, **super().config_factors()}
 
     def config_patches(self) -> dict[str, Any]:
         """The Inductor config entries that install this manager for one compile."""
