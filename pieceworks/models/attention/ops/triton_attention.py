@@ -78,13 +78,10 @@ def _decode_split_kv_kernel(
     if PDL:  # launched early (programmatic dependent launch): wait for q/k/v's producer
         pdl_start()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # Both loads are issued before either is needed (an early return between them would wait
-    # for the first): one memory round trip, not two, before the block table.
     query_start = tl.load(query_start_loc_ptr + seq)
-    query_end = tl.load(query_start_loc_ptr + seq + 1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    if query_end == query_start:  # padded sequence
+    if tl.load(query_start_loc_ptr + seq + 1) == query_start:  # padded sequence
         return
+    seq_len = tl.load(seq_lens_ptr + seq)
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
     kv_start = split * tokens_per_split
     kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
@@ -164,24 +161,20 @@ def _decode_reduce_kernel(
     if PDL:  # launched early: wait for the split kernel
         pdl_start()
     seq, head = tl.program_id(0), tl.program_id(1)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == query_start:  # padded sequence
+        return
     splits = tl.arange(0, BLOCK_SPLITS)
     dims = tl.arange(0, HEAD_SIZE)
     workspace_row = (seq * tl.num_programs(1) + head) * NUM_KV_SPLITS + splits  # (BLOCK_SPLITS,)
-    in_range = splits < NUM_KV_SPLITS
-    # Every load is issued before any is needed: the padding check, the lse values and the
-    # partial outputs do not wait for one another (one memory round trip instead of three).
-    query_start = tl.load(query_start_loc_ptr + seq)
-    query_end = tl.load(query_start_loc_ptr + seq + 1)
-    lse = tl.load(partial_lse_ptr + workspace_row, mask=in_range, other=float("-inf"))
-    partial_out = tl.load(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
-                          mask=in_range[:, None], other=0.0)  # fmt: skip
-    if query_end == query_start:  # padded sequence: its splits wrote nothing
-        return
-    is_used = lse > float("-inf")  # an empty split's partial output is not used (nor trusted)
-    partial_out = tl.where(is_used[:, None], partial_out, 0.0)
+    lse = tl.load(partial_lse_ptr + workspace_row, mask=splits < NUM_KV_SPLITS,
+                  other=float("-inf"))  # fmt: skip
+    is_used = lse > float("-inf")  # empty splits never wrote their partial output: never read it
     lse_max = tl.max(lse, axis=0)
     lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # all splits empty: avoid -inf - -inf
     weights = tl.where(is_used, tl.exp2(lse - lse_max), 0.0)  # (BLOCK_SPLITS,)
+    partial_out = tl.load(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
+                          mask=is_used[:, None], other=0.0)  # fmt: skip
     out = tl.sum(weights[:, None] * partial_out, axis=0)  # (D,)
     out = out / tl.maximum(tl.sum(weights, axis=0), 1e-30)  # no key at all: zeros, not NaN
     if QUANT_OUT:  # the result in the model dtype, quantized as static_scaled_fp8_quant does
