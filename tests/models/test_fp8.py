@@ -212,8 +212,9 @@ def test_llama_fp8_logits_stay_close_to_unquantized(eager_logits):
     assert float((fp8 - reference).abs().max()) < 0.1 * float(reference.abs().max())
 
 
-@pytest.mark.inductor
-def test_llama_fp8_compiled_with_fusion_equals_eager_fp8(eager_logits, monkeypatch):
+def fused_prefill_logits(monkeypatch, dtype: str = "float32") -> tuple[torch.Tensor, list]:
+    """FP8 prefill logits compiled by Inductor with fusion on, and each piece's op counts after
+    the post-grad passes (one entry per compiled piece)."""
     from pieceworks.core.passes.pass_manager import PostGradPassManager
     from tests.core.passes.graph_backend import op_counts
 
@@ -230,7 +231,12 @@ def test_llama_fp8_compiled_with_fusion_equals_eager_fp8(eager_logits, monkeypat
         "pass_config": {"enable_fusion": True},
         "inductor_compile_config": {"fx_graph_cache": False},  # the passes must really run
     }
-    logits = prefill_logits("fp8", compilation)
+    return prefill_logits("fp8", compilation, dtype=dtype), after
+
+
+@pytest.mark.inductor
+def test_llama_fp8_compiled_with_fusion_equals_eager_fp8(eager_logits, monkeypatch):
+    logits, after = fused_prefill_logits(monkeypatch)
     fused = sum(
         counts["pieceworks.rms_norm_static_fp8_quant.default"]
         + counts["pieceworks.fused_add_rms_norm_static_fp8_quant.default"]
@@ -250,23 +256,7 @@ def test_llama_fp8_bf16_fuses_the_residual_form_too(monkeypatch):
     """In a bfloat16 model the residual stream is rounded to bfloat16 between two norms; torch
     2.11's joint-graph patterns drop that round trip before the post-grad passes, which hid every
     residual-form norm of a piece from the fusion until it ran on the joint graph as well."""
-    from pieceworks.core.passes.pass_manager import PostGradPassManager
-    from tests.core.passes.graph_backend import op_counts
-
-    after: list = []
-    original_call = PostGradPassManager.__call__
-
-    def spy(manager, graph):
-        original_call(manager, graph)
-        after.append(op_counts(graph))
-
-    monkeypatch.setattr(PostGradPassManager, "__call__", spy)
-    compilation = {
-        "backend": "inductor",
-        "pass_config": {"enable_fusion": True},
-        "inductor_compile_config": {"fx_graph_cache": False},
-    }
-    logits = prefill_logits("fp8", compilation, dtype="bfloat16")
+    logits, after = fused_prefill_logits(monkeypatch, dtype="bfloat16")
     plain = [counts["pieceworks.rms_norm_static_fp8_quant.default"] for counts in after]
     residual_form = [
         counts["pieceworks.fused_add_rms_norm_static_fp8_quant.default"] for counts in after
