@@ -7,8 +7,9 @@ passes and before it reinplaces and decomposes functionalized ops) and
 ``enable_auto_functionalized_v2=False`` where torch has that flag, so mutating custom ops arrive
 as v1 ``auto_functionalized`` nodes, the form ``FixFunctionalizationPass`` rewrites.
 
-Order: no-op elimination (exposes adjacent patterns), fusion, then fix-functionalization, always
-and always last (fusion itself emits functionalized ops). With fusion, no-op elimination and
+Order: no-op elimination (exposes adjacent patterns), fusion, the norm split (part of fusion,
+``enable_norm_split``: it needs the fused ops), then fix-functionalization, always and always
+last (fusion itself emits functionalized ops). With fusion, no-op elimination and
 fusion also run on the joint graph, before Inductor's own joint-graph patterns
 (``joint_custom_pre_pass``; ``PostGradPassManager`` says why). ``uuid()`` hashes this file,
 each pass's uuid and the ``PassConfig``: Inductor keys its cache by it, and it enters pieceworks'
@@ -27,6 +28,7 @@ from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPas
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
 from pieceworks.core.passes.inductor_pass import InductorPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
+from pieceworks.core.passes.norm_split import NormSplitPass
 
 
 class PassSequence(InductorPass):
@@ -51,7 +53,11 @@ class PostGradPassManager(PassSequence):
 
     def __init__(self, pass_config: PassConfig) -> None:
         noop = [NoOpEliminationPass()] if pass_config.enable_noop else []
-        fusion: list[InductorPass] = [RMSNormQuantFusionPass()] if pass_config.enable_fusion else []
+        fusion: list[InductorPass] = []
+        if pass_config.enable_fusion:
+            fusion.append(RMSNormQuantFusionPass())
+            if pass_config.enable_norm_split:
+                fusion.append(NormSplitPass())
         super().__init__([*noop, *fusion, FixFunctionalizationPass()])
         self.pass_config = pass_config
         # Fusion must see the residual stream rounded to the model dtype between two norms:

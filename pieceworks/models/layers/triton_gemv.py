@@ -48,6 +48,7 @@ its own for more than 16 tokens (``triton_silu_and_mul.py``) and programmatic de
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -56,7 +57,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
-from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX
+from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, NORM_PARTIAL_WIDTH
 from pieceworks.models.layers import triton_launch
 from pieceworks.models.layers.triton_gemv_config import (
     MAX_KERNEL_TOKENS,
@@ -67,6 +68,14 @@ from pieceworks.models.layers.triton_gemv_config import (
     launch_config,
     max_shared_bytes,
     rope_config,
+)
+from pieceworks.models.layers.triton_gemv_norm import (
+    AddResidual,
+    InputNorm,
+    add_residual,
+    inverse_rms,
+    load_residual,
+    normed_chunk,
 )
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
 from pieceworks.models.layers.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
@@ -103,6 +112,12 @@ def _gemv_kernel(
     out_scale_ptr,
     positions_ptr,
     cos_sin_ptr,
+    residual_ptr,
+    sums_ptr,
+    partials_ptr,
+    norm_weight_ptr,
+    epsilon,
+    num_partials,
     num_tokens,
     out_features,
     in_features,
@@ -122,6 +137,11 @@ def _gemv_kernel(
     ROPE: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+    NORM_IN: tl.constexpr,
+    NORM_ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    EXACT_CASTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
@@ -148,6 +168,15 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
     if PDL:  # launched early, while the kernel before (x's producer) may still run
         tl.extra.cuda.gdc_wait()
+    if ADD_RESIDUAL:  # loaded before the K loop, so its latency hides behind it
+        residual = load_residual(
+            residual_ptr, first_column, out_features, tokens, token_mask, stride_out, BLOCK_N
+        )
+    if NORM_IN:  # x holds float32 sums; each token's 1 / rms from the producer's partial sums
+        inv_rms = inverse_rms(
+            partials_ptr, num_partials, num_tokens, in_features, epsilon, NORM_ROWS, BLOCK_P
+        )
+        x_scale = tl.load(x_scale_ptr)
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
@@ -155,11 +184,29 @@ def _gemv_kernel(
             mask=row_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # (BLOCK_ROWS, BLOCK_K)
-        x = tl.load(
-            x_rows + (k_start + ks)[None, :],
-            mask=token_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )  # (BLOCK_M, BLOCK_K)
+        if NORM_IN:  # the chunk normalised and quantized here, for the real rows only
+            x = normed_chunk(
+                x_ptr,
+                norm_weight_ptr,
+                inv_rms,
+                x_scale,
+                k_start + ks,
+                k_mask,
+                num_tokens,
+                stride_x,
+                NORM_ROWS,
+                BLOCK_M,
+                BLOCK_K,
+                ROUND_DTYPE,
+                EXACT_CASTS,
+                _FP8_MAX,
+            )
+        else:
+            x = tl.load(
+                x_rows + (k_start + ks)[None, :],
+                mask=token_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_K)
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
@@ -172,6 +219,21 @@ def _gemv_kernel(
         acc = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK_N, BLOCK_M)
     if QUANT_OUT:  # static FP8 quantization, rounded as static_scaled_fp8_quant rounds
         acc = round_to_e4m3(acc / tl.load(out_scale_ptr), _FP8_MAX)
+    if ADD_RESIDUAL:  # out <- y + residual; the float32 sums and their squares' partial sums
+        acc = add_residual(
+            acc,
+            residual,
+            sums_ptr,
+            partials_ptr,
+            first_column,
+            out_features,
+            tokens,
+            token_mask,
+            stride_out,
+            num_partials,
+            ROUND_DTYPE,
+            BLOCK_N,
+        )
     out_rows = out_ptr + tokens.to(tl.int64)[None, :] * stride_out  # (1, M)
     if ROPE:  # x1, x2 as the unfused GEMM stores them; q and k heads rotated, v heads as they are
         x1, x2 = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
@@ -242,6 +304,8 @@ def launch_gemv(
     rope: RopeEpilogue | None = None,
     out_dtype: torch.dtype | None = None,
     out_scale: torch.Tensor | None = None,
+    residual: AddResidual | None = None,
+    norm: InputNorm | None = None,
 ) -> torch.Tensor:
     """``x @ weight^T`` by the kernel, (M, N); x (M <= 64, K), weight (N, K).
 
@@ -252,6 +316,9 @@ def launch_gemv(
     has its first ``rope.num_rotary_heads`` heads rotated (neox, every dim), from values rounded
     to ``out_dtype`` first. ``out_scale``: the result is quantized to float8_e4m3fn with that
     static scale. ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
+    ``residual``: the result plus ``residual.residual`` (the norm split's producer,
+    ``triton_gemv_norm.py``); ``norm``: x is the producer's float32 sums, normalised and
+    quantized with ``scales[0]`` chunk by chunk (its consumer; FP8 weights only).
     """
     num_tokens, in_features = x.shape
     stacked = gated or rope is not None  # 2 weight rows per column (ROPE: per pair)
@@ -260,8 +327,14 @@ def launch_gemv(
         raise ValueError("FP8 operands (scales=...) need the out_dtype of the scaled product")
     if rope is not None and (gated or out_scale is not None):
         raise ValueError("the rotary epilogue takes neither gated=True nor out_scale")
+    if residual is not None and (stacked or out_scale is not None):
+        raise ValueError("the residual epilogue takes neither a stacked weight nor out_scale")
+    if norm is not None and (scales is None or x.dtype != torch.float32):
+        raise ValueError("the input norm needs FP8 weights (scales=...) and float32 sums as x")
     out_dtype = out_dtype or x.dtype
     config = launch_config(x, weight, config, stacked, rope)
+    if residual is not None:  # one partial sum per program and token
+        config = dataclasses.replace(config, block_n=NORM_PARTIAL_WIDTH)
     pdl = programmatic_launch(x.device)
     grid = (triton.cdiv(out_features, config.block_n),)
     store_dtype = FP8_DTYPE if out_scale is not None else out_dtype
@@ -269,6 +342,10 @@ def launch_gemv(
     out = torch.empty(out_shape, dtype=store_dtype, device=x.device)
     x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED
     positions, cos_sin = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
+    residual_in, sums = (residual.residual, residual.sums) if residual is not None else (x, x)
+    split = residual or norm  # the norm split's partial sums, written or read
+    partials = split.partials if split is not None else x
+    num_partials = partials.shape[1] if split is not None else 0
     _gemv_kernel[grid](
         x,
         weight,
@@ -278,6 +355,12 @@ def launch_gemv(
         out_scale if out_scale is not None else x,
         positions,
         cos_sin,
+        residual_in,
+        sums,
+        partials,
+        norm.weight if norm is not None else x,
+        norm.epsilon if norm is not None else 0.0,
+        num_partials,
         num_tokens,
         out_features,
         in_features,
@@ -300,6 +383,11 @@ def launch_gemv(
         ROPE=rope is not None,
         ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
+        ADD_RESIDUAL=residual is not None,
+        NORM_IN=norm is not None,
+        NORM_ROWS=triton.next_power_of_2(num_tokens),
+        BLOCK_P=triton.next_power_of_2(max(num_partials, 1)),
+        EXACT_CASTS=triton_launch.INTERPRETED,
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

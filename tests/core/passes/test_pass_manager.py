@@ -22,6 +22,7 @@ from pieceworks.core.config import CompilationConfig, PassConfig
 from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
+from pieceworks.core.passes.norm_split import NormSplitPass
 from pieceworks.core.passes.pass_manager import PostGradPassManager
 from pieceworks.utils import hash_factors
 
@@ -34,6 +35,12 @@ def test_pass_config_selects_passes_and_fix_functionalization_runs_last():
     assert pass_types(PassConfig(enable_noop=False)) == [FixFunctionalizationPass]
     assert pass_types(PassConfig()) == [NoOpEliminationPass, FixFunctionalizationPass]
     assert pass_types(PassConfig(enable_fusion=True)) == [
+        NoOpEliminationPass,
+        RMSNormQuantFusionPass,
+        NormSplitPass,
+        FixFunctionalizationPass,
+    ]
+    assert pass_types(PassConfig(enable_fusion=True, enable_norm_split=False)) == [
         NoOpEliminationPass,
         RMSNormQuantFusionPass,
         FixFunctionalizationPass,
