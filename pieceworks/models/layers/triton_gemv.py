@@ -74,6 +74,7 @@ from pieceworks.models.layers.triton_gemv_norm import (
     InputNorm,
     add_residual,
     inverse_rms,
+    load_norm_chunk,
     load_residual,
     normed_chunk,
 )
@@ -177,6 +178,10 @@ def _gemv_kernel(
             partials_ptr, num_partials, num_tokens, in_features, epsilon, NORM_ROWS, BLOCK_P
         )
         x_scale = tl.load(x_scale_ptr)
+        # the sums and norm weight are loaded one chunk ahead: their latency is not the loop's
+        next_sums, next_norm_weight = load_norm_chunk(
+            x_ptr, norm_weight_ptr, ks, num_tokens, in_features, stride_x, NORM_ROWS
+        )
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
@@ -185,15 +190,21 @@ def _gemv_kernel(
             other=0.0,
         )  # (BLOCK_ROWS, BLOCK_K)
         if NORM_IN:  # the chunk normalised and quantized here, for the real rows only
-            x = normed_chunk(
+            sums, norm_weight = next_sums, next_norm_weight
+            next_sums, next_norm_weight = load_norm_chunk(
                 x_ptr,
                 norm_weight_ptr,
+                k_start + BLOCK_K + ks,
+                num_tokens,
+                in_features,
+                stride_x,
+                NORM_ROWS,
+            )
+            x = normed_chunk(
+                sums,
+                norm_weight,
                 inv_rms,
                 x_scale,
-                k_start + ks,
-                k_mask,
-                num_tokens,
-                stride_x,
                 NORM_ROWS,
                 BLOCK_M,
                 BLOCK_K,

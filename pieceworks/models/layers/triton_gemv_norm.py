@@ -117,15 +117,26 @@ def inverse_rms(
 
 
 @triton.jit
+def load_norm_chunk(
+    sums_ptr, norm_weight_ptr, k_offsets, num_tokens, in_features, stride, NORM_ROWS: tl.constexpr
+):
+    """One K chunk of the float32 sums (NORM_ROWS, BLOCK_K) and of the norm weight (BLOCK_K,);
+    zeros past ``in_features`` (the K loop loads one chunk ahead)."""
+    rows = tl.arange(0, NORM_ROWS)
+    k_mask = k_offsets < in_features
+    mask = (rows < num_tokens)[:, None] & k_mask[None, :]
+    offsets = rows.to(tl.int64)[:, None] * stride + k_offsets[None, :]
+    sums = tl.load(sums_ptr + offsets, mask=mask, other=0.0)
+    weight = tl.load(norm_weight_ptr + k_offsets, mask=k_mask, other=0.0).to(tl.float32)
+    return sums, weight
+
+
+@triton.jit
 def normed_chunk(
-    sums_ptr,
-    norm_weight_ptr,
+    sums,
+    weight,
     inv_rms,
     x_scale,
-    k_offsets,
-    k_mask,
-    num_tokens,
-    stride,
     NORM_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -133,16 +144,10 @@ def normed_chunk(
     EXACT_CASTS: tl.constexpr,
     fp8_max,
 ):
-    """One K chunk of the normalised, quantized input, (BLOCK_M, BLOCK_K) float8_e4m3fn: the
-    ``NORM_ROWS`` real rows computed, repeated down the tile. ``EXACT_CASTS`` (the interpreter):
-    round to e4m3 in float32 arithmetic first; a GPU's cast rounds to nearest even and
-    saturates at +-448 itself."""
-    rows = tl.arange(0, NORM_ROWS)
-    mask = (rows < num_tokens)[:, None] & k_mask[None, :]
-    sums = tl.load(
-        sums_ptr + rows.to(tl.int64)[:, None] * stride + k_offsets[None, :], mask=mask, other=0.0
-    )  # (NORM_ROWS, BLOCK_K) float32
-    weight = tl.load(norm_weight_ptr + k_offsets, mask=k_mask, other=0.0).to(tl.float32)
+    """One K chunk of the normalised, quantized input, (BLOCK_M, BLOCK_K) float8_e4m3fn, from
+    ``load_norm_chunk``'s: the ``NORM_ROWS`` real rows computed, repeated down the tile.
+    ``EXACT_CASTS`` (the interpreter): round to e4m3 in float32 arithmetic first; a GPU's cast
+    rounds to nearest even and saturates at +-448 itself."""
     normed = round_to(sums * inv_rms[:, None], ROUND_DTYPE)
     scaled = round_to(normed * weight[None, :], ROUND_DTYPE) / x_scale
     if EXACT_CASTS:
