@@ -91,7 +91,11 @@ def test_producer_adds_the_residual_and_sums_squares(kernels_on_cpu, num_tokens)
         out_dtype=torch.float32,
     )
     expected = output + args["residual"]
-    assert torch.equal(sums, expected) and torch.equal(residual_out, expected)
+    if INTERPRETED:
+        assert torch.equal(sums, expected) and torch.equal(residual_out, expected)
+    else:  # the GPU may fuse the scale's multiply and the residual's add into one FMA
+        torch.testing.assert_close(sums, expected, rtol=1e-6, atol=1e-6)
+        assert torch.equal(residual_out, sums)
     assert partials.shape == (num_tokens, num_partials(HIDDEN))
     by_column_block = (expected * expected).view(num_tokens, -1, 64).sum(dim=-1)
     torch.testing.assert_close(partials, by_column_block, rtol=1e-6, atol=0)
@@ -105,8 +109,9 @@ def test_producer_rounds_the_output_before_the_add(kernels_on_cpu, num_tokens):
     operands = (args["x_fp8"], args["weight"], args["input_scale"], args["weight_scale"])
     output = fp8_gemm(*operands, torch.bfloat16, None, False)  # rounded as cuBLAS stores it
     expected = fp8_norm_split.residual_sums(output, args["residual"])
-    # the kernel adds its products in another order: at most a bfloat16 rounding apart
-    tolerance = dict(rtol=2**-8, atol=2**-8)
+    # the kernel adds its products in another order (on Hopper in reduced precision): at most a
+    # bfloat16 rounding of the output apart, which the residual's larger values round again
+    tolerance = dict(rtol=2**-7, atol=2**-6)
     torch.testing.assert_close(residual_out.float(), expected[0].float(), **tolerance)
     torch.testing.assert_close(sums, expected[1], **tolerance)
     torch.testing.assert_close(partials, expected[2], rtol=1e-2, atol=0)
