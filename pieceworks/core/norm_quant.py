@@ -25,19 +25,12 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 # back into an in-place call (``FixFunctionalizationPass``) can never clobber a live tensor.
 RMS_NORM_QUANT_OP = "rms_norm_static_fp8_quant"
 FUSED_ADD_RMS_NORM_QUANT_OP = "fused_add_rms_norm_static_fp8_quant"
-# The norm split (``core/passes/norm_split.py``): the FP8 GEMV before a fused residual-form norm
-# (the producer, ``PRODUCER_OP``) and the one after it (the consumer, one of ``CONSUMER_OPS``,
-# by the epilogue name the split consumer takes) become ``LINEAR_ADD_OP`` and
-# ``NORMED_LINEAR_OP`` (``models/layers/quantization/fp8_norm_split.py``). The producer sums the
-# squares of each ``NORM_PARTIAL_WIDTH`` columns of the new residual: ``num_partials`` per token.
+# The FP8 GEMV before a fused residual-form norm (``PRODUCER_OP``) and the norm, folded into one
+# op (``LINEAR_NORM_OP``, ``models/layers/quantization/fp8_linear_norm.py``) by
+# ``core/passes/linear_norm_fold.py``. Its GEMV programs sum the squares of each
+# ``NORM_PARTIAL_WIDTH`` columns of the new residual: ``num_partials`` per token.
 PRODUCER_OP = "small_m_fp8_linear"
-CONSUMER_OPS = {
-    "small_m_fp8_linear": "linear",
-    "small_m_fp8_silu_and_mul": "silu_and_mul",
-    "small_m_fp8_rope_linear": "rope",
-}
-LINEAR_ADD_OP = "small_m_fp8_linear_add"
-NORMED_LINEAR_OP = "small_m_fp8_normed_linear"
+LINEAR_NORM_OP = "small_m_fp8_linear_add_rms_norm"
 NORM_PARTIAL_WIDTH = 64
 
 

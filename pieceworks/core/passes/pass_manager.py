@@ -7,13 +7,13 @@ passes and before it reinplaces and decomposes functionalized ops) and
 ``enable_auto_functionalized_v2=False`` where torch has that flag, so mutating custom ops arrive
 as v1 ``auto_functionalized`` nodes, the form ``FixFunctionalizationPass`` rewrites.
 
-Order: no-op elimination (exposes adjacent patterns), fusion, the norm split (part of fusion,
-``enable_norm_split``: it needs the fused ops), then fix-functionalization, always and always
-last (fusion itself emits functionalized ops). With fusion, no-op elimination and
-fusion also run on the joint graph, before Inductor's own joint-graph patterns
-(``joint_custom_pre_pass``; ``PostGradPassManager`` says why). ``uuid()`` hashes this file,
-each pass's uuid and the ``PassConfig``: Inductor keys its cache by it, and it enters pieceworks'
-compile-cache key (``InductorAdaptor.compute_hash_factors``).
+Order: no-op elimination (exposes adjacent patterns), fusion, the fold of fused norms into the FP8
+GEMVs before them (part of fusion, ``fold_norm_into_gemv``: it needs the fused ops), then
+fix-functionalization, always and always last (fusion itself emits functionalized ops). With
+fusion, no-op elimination and fusion also run on the joint graph, before Inductor's own joint-graph
+patterns (``joint_custom_pre_pass``; ``PostGradPassManager`` says why). ``uuid()`` hashes this
+file, each pass's uuid and the ``PassConfig``: Inductor keys its cache by it, and it enters
+pieceworks' compile-cache key (``InductorAdaptor.compute_hash_factors``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pieceworks.core.config import PassConfig
 from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
 from pieceworks.core.passes.inductor_pass import InductorPass
+from pieceworks.core.passes.linear_norm_fold import LinearNormFoldPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
-from pieceworks.core.passes.norm_split import NormSplitPass
 
 
 class PassSequence(InductorPass):
@@ -56,8 +56,8 @@ class PostGradPassManager(PassSequence):
         fusion: list[InductorPass] = []
         if pass_config.enable_fusion:
             fusion.append(RMSNormQuantFusionPass())
-            if pass_config.enable_norm_split:
-                fusion.append(NormSplitPass())
+            if pass_config.fold_norm_into_gemv:
+                fusion.append(LinearNormFoldPass())
         super().__init__([*noop, *fusion, FixFunctionalizationPass()])
         self.pass_config = pass_config
         # Fusion must see the residual stream rounded to the model dtype between two norms:

@@ -70,13 +70,11 @@ from pieceworks.models.layers.triton_gemv_config import (
     rope_config,
 )
 from pieceworks.models.layers.triton_gemv_norm import (
-    AddResidual,
-    InputNorm,
+    ResidualNorm,
     add_residual,
-    inverse_rms,
-    load_norm_chunk,
     load_residual,
-    normed_chunk,
+    norm_tail,
+    residual_arguments,
 )
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
 from pieceworks.models.layers.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
@@ -117,6 +115,8 @@ def _gemv_kernel(
     sums_ptr,
     partials_ptr,
     norm_weight_ptr,
+    result_ptr,
+    counter_ptr,
     epsilon,
     num_partials,
     num_tokens,
@@ -139,10 +139,9 @@ def _gemv_kernel(
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
-    NORM_IN: tl.constexpr,
-    NORM_ROWS: tl.constexpr,
+    NORM_TAIL: tl.constexpr,
+    BLOCK_HIDDEN: tl.constexpr,
     BLOCK_P: tl.constexpr,
-    EXACT_CASTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
@@ -173,15 +172,6 @@ def _gemv_kernel(
         residual = load_residual(
             residual_ptr, first_column, out_features, tokens, token_mask, stride_out, BLOCK_N
         )
-    if NORM_IN:  # x holds float32 sums; each token's 1 / rms from the producer's partial sums
-        inv_rms = inverse_rms(
-            partials_ptr, num_partials, num_tokens, in_features, epsilon, NORM_ROWS, BLOCK_P
-        )
-        x_scale = tl.load(x_scale_ptr)
-        # the sums and norm weight are loaded one chunk ahead: their latency is not the loop's
-        next_sums, next_norm_weight = load_norm_chunk(
-            x_ptr, norm_weight_ptr, ks, num_tokens, in_features, stride_x, NORM_ROWS
-        )
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
@@ -189,35 +179,11 @@ def _gemv_kernel(
             mask=row_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # (BLOCK_ROWS, BLOCK_K)
-        if NORM_IN:  # the chunk normalised and quantized here, for the real rows only
-            sums, norm_weight = next_sums, next_norm_weight
-            next_sums, next_norm_weight = load_norm_chunk(
-                x_ptr,
-                norm_weight_ptr,
-                k_start + BLOCK_K + ks,
-                num_tokens,
-                in_features,
-                stride_x,
-                NORM_ROWS,
-            )
-            x = normed_chunk(
-                sums,
-                norm_weight,
-                inv_rms,
-                x_scale,
-                NORM_ROWS,
-                BLOCK_M,
-                BLOCK_K,
-                ROUND_DTYPE,
-                EXACT_CASTS,
-                _FP8_MAX,
-            )
-        else:
-            x = tl.load(
-                x_rows + (k_start + ks)[None, :],
-                mask=token_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )  # (BLOCK_M, BLOCK_K)
+        x = tl.load(
+            x_rows + (k_start + ks)[None, :],
+            mask=token_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_K)
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
@@ -270,6 +236,24 @@ def _gemv_kernel(
         columns = first_column + tl.arange(0, BLOCK_N)
         mask = (columns < out_features)[:, None] & token_mask[None, :]
         tl.store(out_rows + columns[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if NORM_TAIL:  # the last program to finish normalises and quantizes the sums
+        norm_tail(
+            sums_ptr,
+            partials_ptr,
+            norm_weight_ptr,
+            result_ptr,
+            out_scale_ptr,
+            counter_ptr,
+            num_tokens,
+            out_features,
+            num_partials,
+            epsilon,
+            stride_out,
+            ROUND_DTYPE,
+            BLOCK_HIDDEN,
+            BLOCK_P,
+            _FP8_MAX,
+        )
 
 
 @triton.jit
@@ -315,8 +299,7 @@ def launch_gemv(
     rope: RopeEpilogue | None = None,
     out_dtype: torch.dtype | None = None,
     out_scale: torch.Tensor | None = None,
-    residual: AddResidual | None = None,
-    norm: InputNorm | None = None,
+    residual: ResidualNorm | None = None,
 ) -> torch.Tensor:
     """``x @ weight^T`` by the kernel, (M, N); x (M <= 64, K), weight (N, K).
 
@@ -327,9 +310,8 @@ def launch_gemv(
     has its first ``rope.num_rotary_heads`` heads rotated (neox, every dim), from values rounded
     to ``out_dtype`` first. ``out_scale``: the result is quantized to float8_e4m3fn with that
     static scale. ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
-    ``residual``: the result plus ``residual.residual`` (the norm split's producer,
-    ``triton_gemv_norm.py``); ``norm``: x is the producer's float32 sums, normalised and
-    quantized with ``scales[0]`` chunk by chunk (its consumer; FP8 weights only).
+    ``residual``: the result plus ``residual.residual``, and with ``residual.norm_weight`` its
+    RMSNorm quantized into ``residual.result`` by the last program (``triton_gemv_norm.py``).
     """
     num_tokens, in_features = x.shape
     stacked = gated or rope is not None  # 2 weight rows per column (ROPE: per pair)
@@ -340,8 +322,6 @@ def launch_gemv(
         raise ValueError("the rotary epilogue takes neither gated=True nor out_scale")
     if residual is not None and (stacked or out_scale is not None):
         raise ValueError("the residual epilogue takes neither a stacked weight nor out_scale")
-    if norm is not None and (scales is None or x.dtype != torch.float32):
-        raise ValueError("the input norm needs FP8 weights (scales=...) and float32 sums as x")
     out_dtype = out_dtype or x.dtype
     config = launch_config(x, weight, config, stacked, rope)
     if residual is not None:  # one partial sum per program and token
@@ -353,25 +333,19 @@ def launch_gemv(
     out = torch.empty(out_shape, dtype=store_dtype, device=x.device)
     x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED
     positions, cos_sin = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
-    residual_in, sums = (residual.residual, residual.sums) if residual is not None else (x, x)
-    split = residual or norm  # the norm split's partial sums, written or read
-    partials = split.partials if split is not None else x
-    num_partials = partials.shape[1] if split is not None else 0
+    norm = residual_arguments(residual, x)  # pointers the kernel reads only in those modes
     _gemv_kernel[grid](
         x,
         weight,
         out,
         x_scale,
         weight_scale,
-        out_scale if out_scale is not None else x,
+        out_scale if out_scale is not None else norm.scale,
         positions,
         cos_sin,
-        residual_in,
-        sums,
-        partials,
-        norm.weight if norm is not None else x,
-        norm.epsilon if norm is not None else 0.0,
-        num_partials,
+        *norm.pointers,
+        norm.epsilon,
+        norm.num_partials,
         num_tokens,
         out_features,
         in_features,
@@ -395,10 +369,9 @@ def launch_gemv(
         ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
         ADD_RESIDUAL=residual is not None,
-        NORM_IN=norm is not None,
-        NORM_ROWS=triton.next_power_of_2(num_tokens),
-        BLOCK_P=triton.next_power_of_2(max(num_partials, 1)),
-        EXACT_CASTS=triton_launch.INTERPRETED,
+        NORM_TAIL=norm.tail,
+        BLOCK_HIDDEN=triton.next_power_of_2(out_features) if norm.tail else 1,
+        BLOCK_P=triton.next_power_of_2(max(norm.num_partials, 1)),
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
