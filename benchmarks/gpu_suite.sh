@@ -60,16 +60,6 @@ for section in $sections; do
                for fusion in false true; do
                  run fusionfp8_$fusion pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config "{\"pass_config\": {\"enable_fusion\": $fusion}}" --output-json "$OUT/bench_llama8b_fp8_fusion_$fusion.json"
                done ;;
-    normtail) # FP8 8B: the norm as the tail of the GEMV before it (fusion on) against fusion without
-              # the fold and against the default (no fusion: Inductor's own norm + quant kernels)
-              for spec in 'tail|{"pass_config": {"enable_fusion": true}}' 'fusedonly|{"pass_config": {"enable_fusion": true, "fold_norm_into_gemv": false}}' 'default|{}'; do
-                name=${spec%%|*} config=${spec#*|}
-                run normtail_$name pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config "$config" --output-json "$OUT/bench_llama8b_fp8_normtail_$name.json"
-              done ;;
-    normtailtests) run normtailtests python3 -m pytest tests/models/test_fp8_linear_norm.py tests/models/test_fp8.py -q -s -p no:cacheprovider -k "norm_tail or tail_tokens or folds_its_norms or residual_form or compiled_with_fusion" ;;
-    profiletail) PROF=$(mktemp -d)
-                 run profiletail python3 benchmarks/profile_decode.py --model llama-3.1-8b --quantization fp8 --batch-size 1 --modes full_and_piecewise --compilation-config '{"pass_config": {"enable_fusion": true}}' --out-dir "$PROF"
-                 tar -czf "$OUT/profiletail.tgz" -C "$PROF" . ;;
     fusiontests) # the fusion on the device's torch (its joint-graph patterns differ from 2.13's);
                  # the other pass tests are CPU tests (their ops run on CPU tensors)
                  run fusiontests python3 -m pytest tests/models/test_fp8.py -q -s -p no:cacheprovider -k "residual_form or compiled_with_fusion" ;;

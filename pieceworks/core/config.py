@@ -69,8 +69,6 @@ class PassConfig:
 
     enable_noop: bool = True  # remove reshapes/slices that do nothing
     enable_fusion: bool = False  # RMSNorm (+ residual add) -> static FP8 quant fused into one op
-    # with fusion: each fused residual-form norm folded into the small-M FP8 GEMV before it
-    fold_norm_into_gemv: bool = True
 
     def __post_init__(self) -> None:
         if self.enable_fusion and not self.enable_noop:

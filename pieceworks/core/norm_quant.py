@@ -25,18 +25,6 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 # back into an in-place call (``FixFunctionalizationPass``) can never clobber a live tensor.
 RMS_NORM_QUANT_OP = "rms_norm_static_fp8_quant"
 FUSED_ADD_RMS_NORM_QUANT_OP = "fused_add_rms_norm_static_fp8_quant"
-# The FP8 GEMV before a fused residual-form norm (``PRODUCER_OP``) and the norm, folded into one
-# op (``LINEAR_NORM_OP``, ``models/layers/quantization/fp8_linear_norm.py``) by
-# ``core/passes/linear_norm_fold.py``. Its GEMV programs sum the squares of each
-# ``NORM_PARTIAL_WIDTH`` columns of the new residual: ``num_partials`` per token.
-PRODUCER_OP = "small_m_fp8_linear"
-LINEAR_NORM_OP = "small_m_fp8_linear_add_rms_norm"
-NORM_PARTIAL_WIDTH = 64
-
-
-def num_partials(hidden_size: int) -> int:
-    """Partial sums of squares per token from a producer of a ``hidden_size``-wide row."""
-    return -(-hidden_size // NORM_PARTIAL_WIDTH)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:

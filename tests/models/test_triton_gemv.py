@@ -214,16 +214,12 @@ def test_op_traces_with_dynamic_token_count():
 
 
 def greedy_decode(
-    num_tokens: int,
-    level: int,
-    quantization: str | None = None,
-    compilation_config: dict | None = None,
+    num_tokens: int, level: int, quantization: str | None = None
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens of three prompts, and every step's logits (llama-tiny, float32); the eager
-    backend unless ``compilation_config`` says otherwise."""
+    """Greedy tokens of three prompts, and every step's logits (llama-tiny, float32)."""
     llm = LLM(
         "llama-tiny",
-        compilation_config={"level": level, "backend": "eager", **(compilation_config or {})},
+        compilation_config={"level": level, "backend": "eager"},
         dtype="float32",
         max_num_seqs=4,
         quantization=quantization,

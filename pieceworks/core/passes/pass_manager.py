@@ -7,13 +7,12 @@ passes and before it reinplaces and decomposes functionalized ops) and
 ``enable_auto_functionalized_v2=False`` where torch has that flag, so mutating custom ops arrive
 as v1 ``auto_functionalized`` nodes, the form ``FixFunctionalizationPass`` rewrites.
 
-Order: no-op elimination (exposes adjacent patterns), fusion, the fold of fused norms into the FP8
-GEMVs before them (part of fusion, ``fold_norm_into_gemv``: it needs the fused ops), then
-fix-functionalization, always and always last (fusion itself emits functionalized ops). With
-fusion, no-op elimination and fusion also run on the joint graph, before Inductor's own joint-graph
-patterns (``joint_custom_pre_pass``; ``PostGradPassManager`` says why). ``uuid()`` hashes this
-file, each pass's uuid and the ``PassConfig``: Inductor keys its cache by it, and it enters
-pieceworks' compile-cache key (``InductorAdaptor.compute_hash_factors``).
+Order: no-op elimination (exposes adjacent patterns), fusion, then fix-functionalization, always
+and always last (fusion itself emits functionalized ops). With fusion, no-op elimination and
+fusion also run on the joint graph, before Inductor's own joint-graph patterns
+(``joint_custom_pre_pass``; ``PostGradPassManager`` says why). ``uuid()`` hashes this file,
+each pass's uuid and the ``PassConfig``: Inductor keys its cache by it, and it enters pieceworks'
+compile-cache key (``InductorAdaptor.compute_hash_factors``).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from pieceworks.core.config import PassConfig
 from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
 from pieceworks.core.passes.inductor_pass import InductorPass
-from pieceworks.core.passes.linear_norm_fold import LinearNormFoldPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
 
 
@@ -53,11 +51,7 @@ class PostGradPassManager(PassSequence):
 
     def __init__(self, pass_config: PassConfig) -> None:
         noop = [NoOpEliminationPass()] if pass_config.enable_noop else []
-        fusion: list[InductorPass] = []
-        if pass_config.enable_fusion:
-            fusion.append(RMSNormQuantFusionPass())
-            if pass_config.fold_norm_into_gemv:
-                fusion.append(LinearNormFoldPass())
+        fusion: list[InductorPass] = [RMSNormQuantFusionPass()] if pass_config.enable_fusion else []
         super().__init__([*noop, *fusion, FixFunctionalizationPass()])
         self.pass_config = pass_config
         # Fusion must see the residual stream rounded to the model dtype between two norms:

@@ -48,7 +48,6 @@ its own for more than 16 tokens (``triton_silu_and_mul.py``) and programmatic de
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -57,7 +56,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
-from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, NORM_PARTIAL_WIDTH
+from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX
 from pieceworks.models.layers import triton_launch
 from pieceworks.models.layers.triton_gemv_config import (
     MAX_KERNEL_TOKENS,
@@ -68,13 +67,6 @@ from pieceworks.models.layers.triton_gemv_config import (
     launch_config,
     max_shared_bytes,
     rope_config,
-)
-from pieceworks.models.layers.triton_gemv_norm import (
-    ResidualNorm,
-    add_residual,
-    load_residual,
-    norm_tail,
-    residual_arguments,
 )
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
 from pieceworks.models.layers.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
@@ -111,14 +103,6 @@ def _gemv_kernel(
     out_scale_ptr,
     positions_ptr,
     cos_sin_ptr,
-    residual_ptr,
-    sums_ptr,
-    partials_ptr,
-    norm_weight_ptr,
-    result_ptr,
-    counter_ptr,
-    epsilon,
-    num_partials,
     num_tokens,
     out_features,
     in_features,
@@ -138,10 +122,6 @@ def _gemv_kernel(
     ROPE: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
-    NORM_TAIL: tl.constexpr,
-    BLOCK_HIDDEN: tl.constexpr,
-    BLOCK_P: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
@@ -168,10 +148,6 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
     if PDL:  # launched early, while the kernel before (x's producer) may still run
         tl.extra.cuda.gdc_wait()
-    if ADD_RESIDUAL:  # loaded before the K loop, so its latency hides behind it
-        residual = load_residual(
-            residual_ptr, first_column, out_features, tokens, token_mask, stride_out, BLOCK_N
-        )
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
@@ -196,21 +172,6 @@ def _gemv_kernel(
         acc = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK_N, BLOCK_M)
     if QUANT_OUT:  # static FP8 quantization, rounded as static_scaled_fp8_quant rounds
         acc = round_to_e4m3(acc / tl.load(out_scale_ptr), _FP8_MAX)
-    if ADD_RESIDUAL:  # out <- y + residual; the float32 sums and their squares' partial sums
-        acc = add_residual(
-            acc,
-            residual,
-            sums_ptr,
-            partials_ptr,
-            first_column,
-            out_features,
-            tokens,
-            token_mask,
-            stride_out,
-            num_partials,
-            ROUND_DTYPE,
-            BLOCK_N,
-        )
     out_rows = out_ptr + tokens.to(tl.int64)[None, :] * stride_out  # (1, M)
     if ROPE:  # x1, x2 as the unfused GEMM stores them; q and k heads rotated, v heads as they are
         x1, x2 = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
@@ -236,24 +197,6 @@ def _gemv_kernel(
         columns = first_column + tl.arange(0, BLOCK_N)
         mask = (columns < out_features)[:, None] & token_mask[None, :]
         tl.store(out_rows + columns[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    if NORM_TAIL:  # the last program to finish normalises and quantizes the sums
-        norm_tail(
-            sums_ptr,
-            partials_ptr,
-            norm_weight_ptr,
-            result_ptr,
-            out_scale_ptr,
-            counter_ptr,
-            num_tokens,
-            out_features,
-            num_partials,
-            epsilon,
-            stride_out,
-            ROUND_DTYPE,
-            BLOCK_HIDDEN,
-            BLOCK_P,
-            _FP8_MAX,
-        )
 
 
 @triton.jit
@@ -299,7 +242,6 @@ def launch_gemv(
     rope: RopeEpilogue | None = None,
     out_dtype: torch.dtype | None = None,
     out_scale: torch.Tensor | None = None,
-    residual: ResidualNorm | None = None,
 ) -> torch.Tensor:
     """``x @ weight^T`` by the kernel, (M, N); x (M <= 64, K), weight (N, K).
 
@@ -310,8 +252,6 @@ def launch_gemv(
     has its first ``rope.num_rotary_heads`` heads rotated (neox, every dim), from values rounded
     to ``out_dtype`` first. ``out_scale``: the result is quantized to float8_e4m3fn with that
     static scale. ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
-    ``residual``: the result plus ``residual.residual``, and with ``residual.norm_weight`` its
-    RMSNorm quantized into ``residual.result`` by the last program (``triton_gemv_norm.py``).
     """
     num_tokens, in_features = x.shape
     stacked = gated or rope is not None  # 2 weight rows per column (ROPE: per pair)
@@ -320,12 +260,8 @@ def launch_gemv(
         raise ValueError("FP8 operands (scales=...) need the out_dtype of the scaled product")
     if rope is not None and (gated or out_scale is not None):
         raise ValueError("the rotary epilogue takes neither gated=True nor out_scale")
-    if residual is not None and (stacked or out_scale is not None):
-        raise ValueError("the residual epilogue takes neither a stacked weight nor out_scale")
     out_dtype = out_dtype or x.dtype
     config = launch_config(x, weight, config, stacked, rope)
-    if residual is not None:  # one partial sum per program and token
-        config = dataclasses.replace(config, block_n=NORM_PARTIAL_WIDTH)
     pdl = programmatic_launch(x.device)
     grid = (triton.cdiv(out_features, config.block_n),)
     store_dtype = FP8_DTYPE if out_scale is not None else out_dtype
@@ -333,19 +269,15 @@ def launch_gemv(
     out = torch.empty(out_shape, dtype=store_dtype, device=x.device)
     x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED
     positions, cos_sin = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
-    norm = residual_arguments(residual, x)  # pointers the kernel reads only in those modes
     _gemv_kernel[grid](
         x,
         weight,
         out,
         x_scale,
         weight_scale,
-        out_scale if out_scale is not None else norm.scale,
+        out_scale if out_scale is not None else x,
         positions,
         cos_sin,
-        *norm.pointers,
-        norm.epsilon,
-        norm.num_partials,
         num_tokens,
         out_features,
         in_features,
@@ -368,10 +300,6 @@ def launch_gemv(
         ROPE=rope is not None,
         ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
-        ADD_RESIDUAL=residual is not None,
-        NORM_TAIL=norm.tail,
-        BLOCK_HIDDEN=triton.next_power_of_2(out_features) if norm.tail else 1,
-        BLOCK_P=triton.next_power_of_2(max(norm.num_partials, 1)),
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

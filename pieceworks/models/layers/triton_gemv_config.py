@@ -164,7 +164,7 @@ def launch_config(
         raise ValueError(f"the GEMV takes at most {MAX_KERNEL_TOKENS} tokens, got {num_tokens}")
     if config is None:
         shared = max_shared_bytes(x.device)
-        element_size = weight.element_size()  # x: float32 sums under the input norm
+        element_size = x.element_size()
         config = gemv_config(
             num_tokens, weight.shape[0], in_features, element_size, shared, stacked
         )

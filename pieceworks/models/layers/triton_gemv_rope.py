@@ -118,15 +118,9 @@ def uses_rope_kernel(
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
 ) -> bool:
     """Whether the rope ops run the kernel for these operands (else their fallback)."""
-    return uses_kernel(x, weight, dtypes) and rope_fits(weight, cos_sin_cache, head_size, out_dtype)
-
-
-def rope_fits(
-    weight: torch.Tensor, cos_sin_cache: torch.Tensor, head_size: int, out_dtype: torch.dtype
-) -> bool:
-    """Whether the rotary epilogue takes this merged qkv weight and cache."""
     return (
-        head_size % (2 * MIN_ROPE_BLOCK_N) == 0  # a tile of whole pairs fits a head
+        uses_kernel(x, weight, dtypes)
+        and head_size % (2 * MIN_ROPE_BLOCK_N) == 0  # a tile of whole pairs fits a head
         and weight.shape[0] % head_size == 0
         and cos_sin_cache.shape[1] == head_size  # every dim rotated
         and cos_sin_cache.dtype == out_dtype  # what the unfused rotation casts it to

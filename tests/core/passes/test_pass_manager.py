@@ -21,7 +21,6 @@ from pieceworks.core.compiler_interface import EagerAdaptor, InductorAdaptor, ma
 from pieceworks.core.config import CompilationConfig, PassConfig
 from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
-from pieceworks.core.passes.linear_norm_fold import LinearNormFoldPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
 from pieceworks.core.passes.pass_manager import PostGradPassManager
 from pieceworks.utils import hash_factors
@@ -35,12 +34,6 @@ def test_pass_config_selects_passes_and_fix_functionalization_runs_last():
     assert pass_types(PassConfig(enable_noop=False)) == [FixFunctionalizationPass]
     assert pass_types(PassConfig()) == [NoOpEliminationPass, FixFunctionalizationPass]
     assert pass_types(PassConfig(enable_fusion=True)) == [
-        NoOpEliminationPass,
-        RMSNormQuantFusionPass,
-        LinearNormFoldPass,
-        FixFunctionalizationPass,
-    ]
-    assert pass_types(PassConfig(enable_fusion=True, fold_norm_into_gemv=False)) == [
         NoOpEliminationPass,
         RMSNormQuantFusionPass,
         FixFunctionalizationPass,

@@ -237,13 +237,8 @@ class Fp8LinearMethod(LinearMethod):
         register_norm_quant_ops()  # the fusion pass replaces RMSNorm -> quant with these
         self.small_m_gemv = small_m_gemv_enabled()
         if self.small_m_gemv:
-            from pieceworks.models.layers.quantization.fp8_linear_norm import (
-                small_m_fp8_linear_add_rms_norm_op,
-            )
-
             register_small_m_fp8_ops()
             small_m_fp8_rope_linear_op()
-            small_m_fp8_linear_add_rms_norm_op()  # what LinearNormFoldPass rewrites into
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         from pieceworks.platforms import current_platform
