@@ -60,6 +60,7 @@ for section in $sections; do
                for fusion in false true; do
                  run fusionfp8_$fusion pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config "{\"pass_config\": {\"enable_fusion\": $fusion}}" --output-json "$OUT/bench_llama8b_fp8_fusion_$fusion.json"
                done ;;
+    chainprobe) run chainprobe python3 benchmarks/kernel_chain_probe.py --out "$OUT/kernel_chain_probe.json" ;;
     tmaprobe) run tmaprobe python3 benchmarks/gemv_tma_probe.py --out "$OUT/gemv_tma_probe.json" ;;
     fusiontests) # the fusion on the device's torch (its joint-graph patterns differ from 2.13's);
                  # the other pass tests are CPU tests (their ops run on CPU tensors)
