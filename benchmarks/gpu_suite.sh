@@ -60,6 +60,7 @@ for section in $sections; do
                for fusion in false true; do
                  run fusionfp8_$fusion pieceworks bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --compilation-config "{\"pass_config\": {\"enable_fusion\": $fusion}}" --output-json "$OUT/bench_llama8b_fp8_fusion_$fusion.json"
                done ;;
+    normprobe) run normprobe python3 benchmarks/norm_kernel_probe.py --out "$OUT/norm_kernel_probe.json" ;;
     chainprobe) run chainprobe python3 benchmarks/kernel_chain_probe.py --out "$OUT/kernel_chain_probe.json" ;;
     tmaprobe) run tmaprobe python3 benchmarks/gemv_tma_probe.py --out "$OUT/gemv_tma_probe.json" ;;
     fusiontests) # the fusion on the device's torch (its joint-graph patterns differ from 2.13's);
@@ -96,7 +97,7 @@ for section in $sections; do
     profilegemv) PROF=$(mktemp -d)
                  run profilegemv env PIECEWORKS_SMALL_M_GEMV=1 python3 benchmarks/profile_decode.py --model llama-3.1-8b --batch-size 1 --modes full_and_piecewise --out-dir "$PROF"
                  tar -czf "$OUT/profilegemv.tgz" -C "$PROF" . ;;
-    kerneltests) run kerneltests python3 -m pytest tests/models/test_attention_kernels_gpu.py tests/models/test_attention_layer.py tests/models/test_triton_gemv.py tests/models/test_gemv_rope.py tests/models/test_llama_layers.py -q -p no:cacheprovider ;;
+    kerneltests) run kerneltests python3 -m pytest tests/models/test_triton_rounding.py tests/models/test_attention_kernels_gpu.py tests/models/test_attention_layer.py tests/models/test_triton_gemv.py tests/models/test_gemv_rope.py tests/models/test_llama_layers.py -q -p no:cacheprovider ;;
     bench8bcublas) run bench8bcublas env PIECEWORKS_SMALL_M_GEMV=0 pieceworks bench latency --model llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_cublas.json" ;;
     tpllama) run tpllama python3 -m pytest -m "gpu or platform_agnostic" tests/distributed/test_tp_gpu.py tests/distributed/test_executor.py -q -s -p no:cacheprovider -k "all_reduce or llama" ;;
     tpbamba) run tpbamba python3 -m pytest -m gpu tests/distributed/test_tp_gpu.py -q -s -p no:cacheprovider -k bamba ;;
