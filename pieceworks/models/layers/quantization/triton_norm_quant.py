@@ -4,10 +4,11 @@ One program per token row: load the row once, optionally add the residual (and s
 reduce the mean square in float32, normalise, round to the activation dtype and multiply by the
 weight exactly as ``core.norm_quant.rms_norm`` does, divide by the static scale, saturate to
 +-448 and store ``float8_e4m3fn``. The whole row fits one block (``hidden_size`` up to 64K).
-Every rounding is done in float32 arithmetic (round to nearest even) before the cast, so the cast
-itself is exact on every backend: the Triton interpreter truncates float32 -> bfloat16 and its
-float8 cast rounds half up and loses the carry into the exponent (7.96 becomes 4); with this the
-kernel's bytes equal torch's there as on a GPU (the helpers: ``layers/triton_rounding.py``).
+Every rounding goes through ``layers/triton_rounding.py`` (round to nearest even): on a GPU the
+hardware conversions, under the Triton interpreter float32 arithmetic (its own casts truncate to
+bfloat16 and round float8 half up), so the kernel's bytes equal torch's on both. On an H200, at
+one 4096-wide token, the hardware conversions made the kernel 1.8 against 2.7 µs
+(``benchmarks/norm_kernel_probe.py``, ``docs/benchmarks.md`` session 8).
 Tested on CPU under ``TRITON_INTERPRET=1`` against the torch reference; on GPUs it is the
 implementation of the ops (``norm_quant_ops.py``).
 """
