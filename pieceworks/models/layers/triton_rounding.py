@@ -63,5 +63,7 @@ def round_to_e4m3_arithmetic(y, fp8_max):
     step = tl.math.exp2(exponent - 3.0)
     # magnitude / step <= 16: adding and removing 1.5 * 2^23 rounds it to an integer (nearest even)
     magnitude = ((magnitude / step + 12582912.0) - 12582912.0) * step
-    negative = y.to(tl.int32, bitcast=True) < 0  # keeps the sign of -0.0 too
-    return tl.where(negative, -magnitude, magnitude)
+    # y's sign bit on the magnitude's bits: keeps -0.0 where a value rounds to zero (triton 3.6's
+    # interpreter negates as 0 - x, which loses it)
+    sign = y.to(tl.uint32, bitcast=True) & 0x80000000
+    return (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
