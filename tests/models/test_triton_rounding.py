@@ -46,8 +46,8 @@ def cases() -> torch.Tensor:
     e4m3 = e4m3[torch.isfinite(e4m3)].unique()
     e4m3_ties = (e4m3[1:] + e4m3[:-1]) / 2  # exactly halfway between neighbours
     bf16 = torch.randn(2048, generator=generator).bfloat16().float()
-    bf16_step = bf16.abs() * 2**-8
-    bf16_ties = torch.cat([bf16 + bf16_step / 2, bf16 - bf16_step / 2])
+    bf16_ulp = torch.exp2(torch.floor(torch.log2(bf16.abs())) - 7)  # 8 significant bits
+    bf16_ties = torch.cat([bf16 + bf16_ulp / 2, bf16 - bf16_ulp / 2])  # exactly halfway
     nudged = torch.cat([e4m3_ties * (1 + 2**-20), e4m3_ties * (1 - 2**-20)])
     magnitudes = 10 ** (torch.rand(4096, generator=generator) * 12 - 6)
     signs = torch.where(torch.rand(4096, generator=generator) < 0.5, -1.0, 1.0)
