@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -56,6 +57,8 @@ def cases() -> torch.Tensor:
 
 
 @requires_triton
+# the interpreter's float16 cast of 1e30 warns on its way to inf, which is torch's value too
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 def test_rounding_equals_torch_casts():
     y = cases().to(DEVICE)
     bf16, fp16, e4m3 = (torch.empty_like(y) for _ in range(3))
