@@ -72,18 +72,18 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=64)
     args = parser.parse_args()
     torch.manual_seed(0)
-    n = args.launches
-    inputs = torch.randn(n, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    residuals = torch.randn(n, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    num_launches = args.launches
+    inputs = torch.randn(num_launches, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    residuals = torch.randn(num_launches, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
     weight = (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).to(torch.bfloat16)
     scale = torch.tensor(0.02, device="cuda")
-    results = torch.empty(n, 1, HIDDEN, device="cuda", dtype=FP8_DTYPE)
+    results = torch.empty(num_launches, 1, HIDDEN, device="cuda", dtype=FP8_DTYPE)
     residual_outs = torch.empty_like(inputs)
     block = triton.next_power_of_2(HIDDEN)
 
     def production(warps: int):
         def run() -> None:
-            for i in range(n):
+            for i in range(num_launches):
                 _rms_norm_quant_kernel[(1,)](
                     inputs[i], residuals[i], weight, scale, results[i], residual_outs[i], HIDDEN,
                     EPS, FP8_MAX, BLOCK_SIZE=block, HAS_RESIDUAL=True, PDL=False, num_warps=warps,
@@ -93,7 +93,7 @@ def main() -> None:
 
     def arithmetic(warps: int):
         def run() -> None:
-            for i in range(n):
+            for i in range(num_launches):
                 _arithmetic_norm_kernel[(1,)](
                     inputs[i], residuals[i], weight, scale, results[i], residual_outs[i], HIDDEN,
                     EPS, FP8_MAX, BLOCK_SIZE=block, num_warps=warps,
@@ -111,8 +111,8 @@ def main() -> None:
         )
         row = {
             "warps": warps,
-            "hardware_us": graph_us(production(warps), n),
-            "arithmetic_us": graph_us(arithmetic(warps), n),
+            "hardware_us": graph_us(production(warps), num_launches),
+            "arithmetic_us": graph_us(arithmetic(warps), num_launches),
             "same_bytes": same,
         }
         print(json.dumps(row), flush=True)
