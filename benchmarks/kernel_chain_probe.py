@@ -11,11 +11,13 @@ Run (CUDA machine): python benchmarks/kernel_chain_probe.py --out kernel_chain.j
 """
 
 import argparse
+import functools
 import json
 
 import torch
 import triton
 import triton.language as tl
+from gemv_decode import graph_time_us  # benchmarks/ is on sys.path when run as a script
 
 BLOCK = 1024  # float32 per program: 4 KB
 
@@ -29,26 +31,12 @@ def _hop_kernel(src_ptr, dst_ptr, READ: tl.constexpr, BLOCK: tl.constexpr):
 
 def per_launch_us(num_programs: int, read: bool, kernels: int, replays: int) -> float:
     buffers = [torch.zeros(num_programs * BLOCK, device="cuda") for _ in range(2)]
-
-    def chain() -> None:
-        for index in range(kernels):
-            source, target = buffers[index % 2], buffers[1 - index % 2]
-            _hop_kernel[(num_programs,)](source, target, READ=read, BLOCK=BLOCK, num_warps=4)
-
-    chain()  # compile outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * kernels)
+    launch = _hop_kernel[(num_programs,)]
+    fns = [  # launch i reads what launch i - 1 wrote
+        functools.partial(launch, buffers[i % 2], buffers[1 - i % 2], READ=read, BLOCK=BLOCK)
+        for i in range(kernels)
+    ]
+    return graph_time_us(fns, replays)
 
 
 def main() -> None:

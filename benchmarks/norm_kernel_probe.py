@@ -12,11 +12,13 @@ Run (CUDA machine): python benchmarks/norm_kernel_probe.py --out norm_kernel.jso
 """
 
 import argparse
+import functools
 import json
 
 import torch
 import triton
 import triton.language as tl
+from gemv_decode import graph_time_us  # benchmarks/ is on sys.path when run as a script
 
 from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX
 from pieceworks.models.layers.quantization.triton_norm_quant import _rms_norm_quant_kernel
@@ -26,6 +28,7 @@ from pieceworks.models.layers.triton_rounding import (
 )
 
 HIDDEN, EPS = 4096, 1e-5
+REPLAYS = 50
 
 
 @triton.jit
@@ -49,23 +52,6 @@ def _arithmetic_norm_kernel(
     tl.store(result_ptr + offsets, y.to(result_ptr.dtype.element_ty), mask=mask)
 
 
-def graph_us(fn, launches: int, replays: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * launches)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -81,38 +67,41 @@ def main() -> None:
     residual_outs = torch.empty_like(inputs)
     block = triton.next_power_of_2(HIDDEN)
 
-    def production(warps: int):
-        def run() -> None:
-            for i in range(num_launches):
-                _rms_norm_quant_kernel[(1,)](
-                    inputs[i], residuals[i], weight, scale, results[i], residual_outs[i], HIDDEN,
-                    EPS, FP8_MAX, BLOCK_SIZE=block, HAS_RESIDUAL=True, PDL=False, num_warps=warps,
-                )  # fmt: skip
+    def production(warps: int) -> list:
+        return [
+            functools.partial(
+                _rms_norm_quant_kernel[(1,)], inputs[i], residuals[i], weight, scale, results[i],
+                residual_outs[i], HIDDEN, EPS, FP8_MAX, BLOCK_SIZE=block, HAS_RESIDUAL=True,
+                PDL=False, num_warps=warps,
+            )
+            for i in range(num_launches)
+        ]  # fmt: skip
 
-        return run
+    def arithmetic(warps: int) -> list:
+        return [
+            functools.partial(
+                _arithmetic_norm_kernel[(1,)], inputs[i], residuals[i], weight, scale, results[i],
+                residual_outs[i], HIDDEN, EPS, FP8_MAX, BLOCK_SIZE=block, num_warps=warps,
+            )
+            for i in range(num_launches)
+        ]  # fmt: skip
 
-    def arithmetic(warps: int):
-        def run() -> None:
-            for i in range(num_launches):
-                _arithmetic_norm_kernel[(1,)](
-                    inputs[i], residuals[i], weight, scale, results[i], residual_outs[i], HIDDEN,
-                    EPS, FP8_MAX, BLOCK_SIZE=block, num_warps=warps,
-                )  # fmt: skip
-
-        return run
+    def run(launches: list) -> None:
+        for launch in launches:
+            launch()
 
     rows = []
     for warps in (4, 8, 16):
-        production(warps)()
+        run(production(warps))
         expected = results.clone(), residual_outs.clone()
-        arithmetic(warps)()
+        run(arithmetic(warps))
         same = torch.equal(results.view(torch.uint8), expected[0].view(torch.uint8)) and (
             torch.equal(residual_outs, expected[1])
         )
         row = {
             "warps": warps,
-            "hardware_us": graph_us(production(warps), num_launches),
-            "arithmetic_us": graph_us(arithmetic(warps), num_launches),
+            "hardware_us": graph_time_us(production(warps), REPLAYS),
+            "arithmetic_us": graph_time_us(arithmetic(warps), REPLAYS),
             "same_bytes": same,
         }
         print(json.dumps(row), flush=True)
