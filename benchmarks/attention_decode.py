@@ -7,20 +7,29 @@ median of `triton.testing.do_bench`, L2 flushed between runs) and reports the by
 must move (K and V read + q read + output written), the achieved GB/s and its fraction of the
 copy bandwidth. Each configuration is also checked once against `paged_attention_reference`.
 
+With `--graph-layers N` each configuration instead runs N decode calls on N separate caches in one
+graph (as a decode step runs one per layer, each cache read from HBM, not L2) and reports the
+time per call over many replays, without flushing L2 between calls. `--merge kernel reduce` times
+both ways of merging the splits (inside the split kernel, or with the reduce kernel after it).
+
 Run (CUDA machine): PYTHONPATH=. python benchmarks/attention_decode.py --out decode.json
 """
 
 import argparse
+import itertools
 import json
 
 import torch
 import triton
+from gemv_decode import graph_time_us  # benchmarks/ is on sys.path when run as a script
 from triton.testing import do_bench
 
+from pieceworks.core.norm_quant import FP8_DTYPE
 from pieceworks.models.attention.ops import (
     choose_num_kv_splits,
     paged_attention_reference,
     paged_attention_triton,
+    triton_attention,
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +58,12 @@ def parse_args() -> argparse.Namespace:
         default=[0],
         help="splits to time; 0 means the built-in heuristic",
     )
+    parser.add_argument(
+        "--merge", nargs="+", choices=["kernel", "reduce"], default=["kernel"],
+        help="how the splits are merged: in the split kernel, or by the reduce kernel",
+    )  # fmt: skip
+    parser.add_argument("--graph-layers", type=int, default=0, help="calls per graph (0: one)")
+    parser.add_argument("--fp8-output", action="store_true", help="FP8 output (for o_proj)")
     parser.add_argument("--copy-mib", type=int, default=2048, help="copy-bandwidth buffer size")
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time")
     parser.add_argument("--no-graph", action="store_true", help="time eager launches instead")
@@ -80,9 +95,11 @@ def make_decode_batch(args, batch_size: int, context_len: int, device: torch.dev
         batch_size, blocks_per_seq
     )
     query_shape = (batch_size, args.num_heads, args.head_size)
+    output_dtype = FP8_DTYPE if args.fp8_output else dtype
     return dict(
         query=torch.randn(query_shape, dtype=dtype, device=device),
-        output=torch.empty(query_shape, dtype=dtype, device=device),
+        output=torch.empty(query_shape, dtype=output_dtype, device=device),
+        output_scale=torch.tensor(0.01, device=device) if args.fp8_output else None,
         key_cache=torch.randn(cache_shape, dtype=dtype, device=device),
         value_cache=torch.randn(cache_shape, dtype=dtype, device=device),
         query_start_loc=torch.arange(batch_size + 1, dtype=torch.int32, device=device),
@@ -106,6 +123,7 @@ def decode_step(batch: dict, scale: float, num_kv_splits: int | None):
             scale=scale,
             max_query_len=1,
             num_kv_splits=num_kv_splits,
+            output_scale=batch["output_scale"],
         )
 
     return step
@@ -138,6 +156,8 @@ def check_against_reference(batch: dict, scale: float) -> float:
         block_tables=batch["block_tables"],
         scale=scale,
     )
+    if batch["output_scale"] is not None:  # compare in the quantized domain's units
+        expected = (expected / batch["output_scale"]).clamp(-448, 448).to(FP8_DTYPE)
     return (batch["output"].float() - expected.float()).abs().max().item()
 
 
@@ -149,20 +169,31 @@ def required_bytes(args, batch_size: int, context_len: int) -> int:
     return kv + query_and_output
 
 
-def bench_config(args, batch_size, context_len, splits_arg, copy_gbps, device) -> dict:
-    """Time one (batch, context, splits) configuration; returns one result row."""
+def bench_config(args, batch_size, context_len, splits_arg, merge, copy_gbps, device) -> dict:
+    """Time one (batch, context, splits, merge) configuration; returns one result row."""
+    triton_attention.MERGE_IN_SPLIT_KERNEL = merge == "kernel"  # read when a call plans
     batch = make_decode_batch(args, batch_size, context_len, device)
     scale = args.head_size**-0.5
     num_kv_splits = splits_arg or choose_num_kv_splits(
         batch_size, args.num_kv_heads, batch["block_tables"].shape[1] * args.block_size
     )
     step = decode_step(batch, scale, num_kv_splits)
-    if args.no_graph:
+    if args.graph_layers:
+        layers = [step] + [
+            decode_step(
+                make_decode_batch(args, batch_size, context_len, device), scale, num_kv_splits
+            )  # fmt: skip
+            for _ in range(args.graph_layers - 1)
+        ]
+        ms = graph_time_us(layers, replays=200) / 1e3
+        target = step
+    elif args.no_graph:
         step()
         target = step
     else:
         target = capture(step).replay
-    ms = do_bench(target, rep=args.rep_ms, return_mode="median")
+    if not args.graph_layers:
+        ms = do_bench(target, rep=args.rep_ms, return_mode="median")
     num_bytes = required_bytes(args, batch_size, context_len)
     gbps = num_bytes / (ms * 1e-3) / 1e9
     target()
@@ -172,6 +203,7 @@ def bench_config(args, batch_size, context_len, splits_arg, copy_gbps, device) -
         batch_size=batch_size,
         context_len=context_len,
         num_kv_splits=num_kv_splits,
+        merge=merge,
         time_us=ms * 1e3,
         bytes=num_bytes,
         gbps=gbps,
@@ -183,13 +215,14 @@ def bench_config(args, batch_size, context_len, splits_arg, copy_gbps, device) -
 def print_table(copy_gbps: float, rows: list[dict]) -> None:
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     print(
-        f"{'batch':>5} {'context':>7} {'splits':>6} {'time_us':>9} {'MB':>8} {'GB/s':>7} "
-        f"{'of copy':>7} {'max_err':>8}"
+        f"{'batch':>5} {'context':>7} {'splits':>6} {'merge':>6} {'time_us':>9} {'MB':>8} "
+        f"{'GB/s':>7} {'of copy':>7} {'max_err':>8}"
     )
     for row in rows:
         err = "-" if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
         print(
             f"{row['batch_size']:>5} {row['context_len']:>7} {row['num_kv_splits']:>6} "
+            f"{row['merge']:>6} "
             f"{row['time_us']:>9.1f} {row['bytes'] / 1e6:>8.2f} {row['gbps']:>7.0f} "
             f"{row['fraction_of_copy']:>7.1%} {err:>8}"
         )
@@ -205,10 +238,10 @@ def main() -> None:
     rows = []
     for batch_size in args.batch_sizes:
         for context_len in args.context_lens:
-            for splits_arg in args.num_kv_splits:
+            for splits_arg, merge in itertools.product(args.num_kv_splits, args.merge):
                 rows.append(
                     bench_config(
-                        args, batch_size, context_len, splits_arg or None, copy_gbps, device
+                        args, batch_size, context_len, splits_arg or None, merge, copy_gbps, device
                     )
                 )
     print_table(copy_gbps, rows)

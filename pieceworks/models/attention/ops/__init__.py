@@ -17,7 +17,6 @@ from pieceworks.models.attention.ops.reference import paged_attention_reference
 from pieceworks.models.attention.ops.triton_attention import (
     DecodeLaunch,
     PagedAttentionLaunch,
-    allocate_decode_workspace,
     choose_num_kv_splits,
     paged_attention_triton,
     plan_paged_attention,
@@ -29,7 +28,6 @@ __all__ = [
     "DecodeWorkspace",
     "KernelLaunch",
     "PagedAttentionLaunch",
-    "allocate_decode_workspace",
     "choose_num_kv_splits",
     "paged_attention_reference",
     "paged_attention_triton",

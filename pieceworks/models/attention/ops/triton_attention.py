@@ -52,6 +52,9 @@ DECODE_BLOCK_N = 64
 # stages 2-4 at BLOCK_N 64, and prefill ~10% below its best (BLOCK_N 128, 3 stages); these
 # smaller settings also fit the shared memory of smaller GPUs.
 DECODE_NUM_WARPS, DECODE_NUM_STAGES = 4, 2
+# Merge the splits inside the split kernel (the last program of a (seq, kv head) to finish)
+# instead of launching the reduce kernel after it.
+MERGE_IN_SPLIT_KERNEL = True
 PREFILL_BLOCK_N = 64
 PREFILL_NUM_STAGES = 2
 LOG2_E = 1.4426950408889634
@@ -62,27 +65,36 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 
 @triton.jit
 def _decode_split_kv_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, partial_out_ptr, partial_lse_ptr,
+    query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
+    partial_out_ptr, partial_lse_ptr, counters_ptr,  # used only with several splits
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     key_ptr, value_ptr, slot_mapping_ptr,  # the step's new K/V; read only with STORE_KV
+    output_scale_ptr,  # read only with QUANT_OUT
     qk_scale,  # softmax scale * log2(e): scores live in base 2
-    stride_q_t, stride_q_h,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_cache_block, stride_cache_offset, stride_cache_h,
     stride_block_tables,
     stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    STORE_KV: tl.constexpr, PDL: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, STORE_KV: tl.constexpr, MERGE: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
     if PDL:  # launched early (programmatic dependent launch): wait for q/k/v's producer
         pdl_start()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # The three loads are independent: issued together, not one after another's branch.
     query_start = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == query_start:  # padded sequence
-        return
+    query_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
+    if query_end == query_start:  # padded sequence
+        return
+    # Whole tiles per split; the used splits come first (one, empty, without any key).
+    tokens_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N), 1) * BLOCK_N
+    num_used = tl.maximum(tl.cdiv(seq_len, tokens_per_split), 1)
+    if MERGE and split >= num_used:  # an empty split: the merge never reads it
+        return
     kv_start = split * tokens_per_split
     kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
     dims = tl.arange(0, HEAD_SIZE)
@@ -141,12 +153,36 @@ def _decode_split_kv_kernel(
                 tl.store(value_cache_ptr + cache_offsets, v_new)
 
     # Partial result of this split, normalised; an empty split reports lse = -inf.
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
     partial_out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (BLOCK_H, D)
+    if MERGE and NUM_KV_SPLITS == 1:  # the only split: its result is the output
+        out_offsets = (query_start.to(tl.int64) * stride_o_t + heads[:, None] * stride_o_h
+                       + dims[None, :])  # fmt: skip
+        _store_output(output_ptr + out_offsets, partial_out, output_scale_ptr, row_mask[:, None],
+                      ROUND_DTYPE, QUANT_OUT)  # fmt: skip
+        return
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
     workspace_row = (seq * NUM_QUERIES_PER_KV * tl.num_programs(1) + heads) * NUM_KV_SPLITS + split
     tl.store(partial_lse_ptr + workspace_row, lse, mask=row_mask)
     tl.store(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :], partial_out,
              mask=row_mask[:, None])  # fmt: skip
+    if MERGE:
+        # The last of the used splits of (seq, kv head) to finish merges them all: every
+        # program's stores are issued before its ticket releases them, and the merging
+        # program's ticket acquires the others'.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_used - 1:
+            num_heads = NUM_QUERIES_PER_KV * tl.num_programs(1)
+            for g in tl.static_range(NUM_QUERIES_PER_KV):
+                head = kv_head * NUM_QUERIES_PER_KV + g
+                out = _merge_splits(partial_out_ptr, partial_lse_ptr,
+                                    (seq * num_heads + head) * NUM_KV_SPLITS, num_used, dims,
+                                    HEAD_SIZE, BLOCK_SPLITS, ".cg")  # fmt: skip
+                out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
+                _store_output(output_ptr + out_offsets, out, output_scale_ptr, True,
+                              ROUND_DTYPE, QUANT_OUT)  # fmt: skip
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
 @triton.jit
@@ -164,23 +200,42 @@ def _decode_reduce_kernel(
     query_start = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == query_start:  # padded sequence
         return
-    splits = tl.arange(0, BLOCK_SPLITS)
     dims = tl.arange(0, HEAD_SIZE)
-    workspace_row = (seq * tl.num_programs(1) + head) * NUM_KV_SPLITS + splits  # (BLOCK_SPLITS,)
-    lse = tl.load(partial_lse_ptr + workspace_row, mask=splits < NUM_KV_SPLITS,
-                  other=float("-inf"))  # fmt: skip
+    out = _merge_splits(partial_out_ptr, partial_lse_ptr,
+                        (seq * tl.num_programs(1) + head) * NUM_KV_SPLITS, NUM_KV_SPLITS, dims,
+                        HEAD_SIZE, BLOCK_SPLITS, "")  # fmt: skip
+    out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
+    _store_output(output_ptr + out_offsets, out, output_scale_ptr, True, ROUND_DTYPE, QUANT_OUT)
+
+
+@triton.jit
+def _merge_splits(partial_out_ptr, partial_lse_ptr, first_row, num_splits, dims,
+                  HEAD_SIZE: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                  CACHE: tl.constexpr):  # fmt: skip
+    """One q head's output (D,) from its first `num_splits` partials at workspace rows
+    `first_row + split`; splits that saw no key (lse = -inf) weigh nothing."""
+    splits = tl.arange(0, BLOCK_SPLITS)
+    workspace_row = first_row + splits  # (BLOCK_SPLITS,)
+    lse = tl.load(partial_lse_ptr + workspace_row, mask=splits < num_splits,
+                  other=float("-inf"), cache_modifier=CACHE)  # fmt: skip
     is_used = lse > float("-inf")  # empty splits never wrote their partial output: never read it
     lse_max = tl.max(lse, axis=0)
     lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # all splits empty: avoid -inf - -inf
     weights = tl.where(is_used, tl.exp2(lse - lse_max), 0.0)  # (BLOCK_SPLITS,)
     partial_out = tl.load(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
-                          mask=is_used[:, None], other=0.0)  # fmt: skip
+                          mask=is_used[:, None], other=0.0, cache_modifier=CACHE)  # fmt: skip
     out = tl.sum(weights[:, None] * partial_out, axis=0)  # (D,)
-    out = out / tl.maximum(tl.sum(weights, axis=0), 1e-30)  # no key at all: zeros, not NaN
-    if QUANT_OUT:  # the result in the model dtype, quantized as static_scaled_fp8_quant does
+    return out / tl.maximum(tl.sum(weights, axis=0), 1e-30)  # no key at all: zeros, not NaN
+
+
+@triton.jit
+def _store_output(pointers, out, output_scale_ptr, mask, ROUND_DTYPE: tl.constexpr,
+                  QUANT_OUT: tl.constexpr):  # fmt: skip
+    """Store attention results; with QUANT_OUT as static_scaled_fp8_quant of the result in the
+    model dtype."""
+    if QUANT_OUT:
         out = round_to_e4m3(round_to(out, ROUND_DTYPE) / tl.load(output_scale_ptr), _FP8_MAX)
-    out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
-    tl.store(output_ptr + out_offsets, out.to(output_ptr.dtype.element_ty))
+    tl.store(pointers, out.to(pointers.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -276,19 +331,6 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int)
     return max(1, min(wanted, useful, MAX_KV_SPLITS))
 
 
-def allocate_decode_workspace(
-    num_seqs: int, num_heads: int, head_size: int, num_kv_splits: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV scratch, sized from shapes only: partial outputs and their log-sum-exps."""
-    partial_out = torch.empty(
-        (num_seqs, num_heads, num_kv_splits, head_size), dtype=torch.float32, device=device
-    )
-    partial_lse = torch.empty(
-        (num_seqs, num_heads, num_kv_splits), dtype=torch.float32, device=device
-    )
-    return partial_out, partial_lse
-
-
 def paged_attention_triton(
     query: torch.Tensor,  # (T, Hq, D)
     key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
@@ -323,18 +365,20 @@ def paged_attention_triton(
 
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
-    """Split-KV decode bound for one shape: partials into its workspace, then the reduce.
+    """Split-KV decode bound for one shape: one kernel, or partials then the reduce kernel.
 
     With ``stores_kv`` the split kernel also writes the step's new K/V into the cache (one launch
     fewer than a separate store); the call then takes ``new_kv=(key, value, slot_mapping)``.
-    With ``quantizes_output`` the reduce writes FP8 (its epilogue quantizes); the call then takes
-    ``output_scale``, a tensor read at run time, so one plan serves any scale at a fixed address.
+    With ``quantizes_output`` the output is FP8 (quantized where it is written); the call then
+    takes ``output_scale``, a tensor read at run time, so one plan serves any scale at a fixed
+    address. Without ``reduce`` the split kernel merges the splits itself (module docstring).
     """
 
     split: KernelLaunch
-    reduce: KernelLaunch
+    reduce: KernelLaunch | None
     partial_out: torch.Tensor  # (S, Hq, splits, D) float32
     partial_lse: torch.Tensor  # (S, Hq, splits) float32
+    counters: torch.Tensor  # (S, Hkv) int32, zero between launches
     stores_kv: bool = False
     quantizes_output: bool = False
 
@@ -345,10 +389,12 @@ class DecodeLaunch:
         if self.quantizes_output != (output_scale is not None):
             raise ValueError("pass output_scale exactly when planned to quantize the output")
         key, value, slot_mapping = new_kv or (query, query, seq_lens)  # unread without a store
-        self.split(query, key_cache, value_cache, self.partial_out, self.partial_lse,
-                   query_start_loc, seq_lens, block_tables, key, value, slot_mapping)  # fmt: skip
-        self.reduce(self.partial_out, self.partial_lse, output, query_start_loc,
-                    output if output_scale is None else output_scale)  # fmt: skip
+        scale = output if output_scale is None else output_scale  # unread without quantizing
+        self.split(query, key_cache, value_cache, output, self.partial_out, self.partial_lse,
+                   self.counters, query_start_loc, seq_lens, block_tables, key, value,
+                   slot_mapping, scale)  # fmt: skip
+        if self.reduce is not None:
+            self.reduce(self.partial_out, self.partial_lse, output, query_start_loc, scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,42 +464,43 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_blocks * block_size)
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-    if workspace is None:
-        partial_out, partial_lse = allocate_decode_workspace(
-            num_seqs, num_heads, head_size, num_kv_splits, query.device
-        )
+    merge = MERGE_IN_SPLIT_KERNEL
+    if merge and num_kv_splits == 1:  # no partials: the kernel writes the output itself
+        partial_out = partial_lse = counters = output  # unread
     else:
+        workspace = workspace or DecodeWorkspace()
         partial_out, partial_lse = workspace.get(
             num_seqs, num_heads, num_kv_splits, head_size, query.device
         )
+        counters = workspace.counters(num_seqs, num_kv_heads, query.device) if merge else output
     num_queries_per_kv = num_heads // num_kv_heads
     if new_kv is not None:
         _check_new_kv(new_kv, query, key_cache)
     key, value = new_kv or (query, query)  # strides unused without a store
     pdl = programmatic_launch(query.device)
+    output_options = dict(ROUND_DTYPE=TRITON_DTYPES[query.dtype], QUANT_OUT=quantize_output,
+                          PDL=pdl, **launch_options(pdl))  # fmt: skip
     split = KernelLaunch(
         _decode_split_kv_kernel,
         (num_seqs, num_kv_heads, num_kv_splits),
-        (scale * LOG2_E, query.stride(0), query.stride(1),
+        (scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
          key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
          key.stride(0), key.stride(1), value.stride(0), value.stride(1)),
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-             NUM_KV_SPLITS=num_kv_splits,
+             NUM_KV_SPLITS=num_kv_splits, BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits),
              BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
-             STORE_KV=new_kv is not None, PDL=pdl,
-             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, **launch_options(pdl)),
+             STORE_KV=new_kv is not None, MERGE=merge, num_warps=DECODE_NUM_WARPS,
+             num_stages=DECODE_NUM_STAGES, **output_options),
     )  # fmt: skip
-    reduce = KernelLaunch(
+    reduce = None if merge else KernelLaunch(
         _decode_reduce_kernel,
         (num_seqs, num_heads),
         (output.stride(0), output.stride(1)),
         dict(HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
-             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits),
-             ROUND_DTYPE=TRITON_DTYPES[query.dtype], QUANT_OUT=quantize_output, PDL=pdl,
-             num_warps=4, **launch_options(pdl)),
+             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4, **output_options),
     )  # fmt: skip
-    return DecodeLaunch(split, reduce, partial_out, partial_lse, stores_kv=new_kv is not None,
-                        quantizes_output=quantize_output)  # fmt: skip
+    return DecodeLaunch(split, reduce, partial_out, partial_lse, counters,
+                        stores_kv=new_kv is not None, quantizes_output=quantize_output)  # fmt: skip
 
 
 def _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len) -> KernelLaunch:
