@@ -145,7 +145,7 @@ def capture(step) -> torch.cuda.CUDAGraph:
 
 def check_against_reference(batch: dict, scale: float) -> float:
     """Max abs difference between the kernel's last output and the reference."""
-    expected = torch.empty_like(batch["output"])
+    expected = torch.empty_like(batch["query"])
     paged_attention_reference(
         batch["query"],
         batch["key_cache"],

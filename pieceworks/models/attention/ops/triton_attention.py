@@ -159,30 +159,44 @@ def _decode_split_kv_kernel(
                        + dims[None, :])  # fmt: skip
         _store_output(output_ptr + out_offsets, partial_out, output_scale_ptr, row_mask[:, None],
                       ROUND_DTYPE, QUANT_OUT)  # fmt: skip
-        return
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-    workspace_row = (seq * NUM_QUERIES_PER_KV * tl.num_programs(1) + heads) * NUM_KV_SPLITS + split
-    tl.store(partial_lse_ptr + workspace_row, lse, mask=row_mask)
-    tl.store(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :], partial_out,
-             mask=row_mask[:, None])  # fmt: skip
-    if MERGE:
-        # The last of the used splits of (seq, kv head) to finish merges them all: every
-        # program's stores are issued before its ticket releases them, and the merging
-        # program's ticket acquires the others'.
-        tl.debug_barrier()
-        counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if ticket == num_used - 1:
-            num_heads = NUM_QUERIES_PER_KV * tl.num_programs(1)
-            for g in tl.static_range(NUM_QUERIES_PER_KV):
-                head = kv_head * NUM_QUERIES_PER_KV + g
-                out = _merge_splits(partial_out_ptr, partial_lse_ptr,
-                                    (seq * num_heads + head) * NUM_KV_SPLITS, num_used, dims,
-                                    HEAD_SIZE, BLOCK_SPLITS, ".cg")  # fmt: skip
-                out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
-                _store_output(output_ptr + out_offsets, out, output_scale_ptr, True,
-                              ROUND_DTYPE, QUANT_OUT)  # fmt: skip
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+    else:  # (a constexpr branch: not compiled for one split, whose scratch is a dummy)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        workspace_row = (seq * NUM_QUERIES_PER_KV * tl.num_programs(1) + heads) * NUM_KV_SPLITS
+        workspace_row += split
+        tl.store(partial_lse_ptr + workspace_row, lse, mask=row_mask)
+        tl.store(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
+                 partial_out, mask=row_mask[:, None])  # fmt: skip
+        if MERGE:
+            _merge_if_last(partial_out_ptr, partial_lse_ptr, counters_ptr, output_ptr,
+                           output_scale_ptr, seq, kv_head, query_start, num_used, dims,
+                           stride_o_t, stride_o_h, NUM_QUERIES_PER_KV, HEAD_SIZE, NUM_KV_SPLITS,
+                           BLOCK_SPLITS, ROUND_DTYPE, QUANT_OUT)  # fmt: skip
+
+
+@triton.jit
+def _merge_if_last(partial_out_ptr, partial_lse_ptr, counters_ptr, output_ptr, output_scale_ptr,
+                   seq, kv_head, query_start, num_used, dims, stride_o_t, stride_o_h,
+                   NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                   NUM_KV_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                   ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr):  # fmt: skip
+    """After a split stored its partials: the last of the `num_used` splits of (seq, kv head) to
+    get here merges them all into the output rows of the kv head's q heads. Every program's
+    stores are issued before its ticket releases them; the last ticket acquires them all."""
+    tl.debug_barrier()
+    counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_used - 1:
+        num_heads = NUM_QUERIES_PER_KV * tl.num_programs(1)
+        for g in tl.static_range(NUM_QUERIES_PER_KV):
+            head = kv_head * NUM_QUERIES_PER_KV + g
+            # .cg: from L2, where the other programs' stores are (never this SM's L1)
+            out = _merge_splits(partial_out_ptr, partial_lse_ptr,
+                                (seq * num_heads + head) * NUM_KV_SPLITS, num_used, dims,
+                                HEAD_SIZE, BLOCK_SPLITS, ".cg")  # fmt: skip
+            out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
+            _store_output(output_ptr + out_offsets, out, output_scale_ptr, True, ROUND_DTYPE,
+                          QUANT_OUT)  # fmt: skip
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
 @triton.jit
