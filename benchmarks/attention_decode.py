@@ -9,14 +9,12 @@ copy bandwidth. Each configuration is also checked once against `paged_attention
 
 With `--graph-layers N` each configuration instead runs N decode calls on N separate caches in one
 graph (as a decode step runs one per layer, each cache read from HBM, not L2) and reports the
-time per call over many replays, without flushing L2 between calls. `--merge kernel reduce` times
-both ways of merging the splits (inside the split kernel, or with the reduce kernel after it).
+time per call over many replays, without flushing L2 between calls.
 
 Run (CUDA machine): PYTHONPATH=. python benchmarks/attention_decode.py --out decode.json
 """
 
 import argparse
-import itertools
 import json
 
 import torch
@@ -29,7 +27,6 @@ from pieceworks.models.attention.ops import (
     choose_num_kv_splits,
     paged_attention_reference,
     paged_attention_triton,
-    triton_attention,
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,10 +55,6 @@ def parse_args() -> argparse.Namespace:
         default=[0],
         help="splits to time; 0 means the built-in heuristic",
     )
-    parser.add_argument(
-        "--merge", nargs="+", choices=["kernel", "reduce"], default=["kernel"],
-        help="how the splits are merged: in the split kernel, or by the reduce kernel",
-    )  # fmt: skip
     parser.add_argument("--graph-layers", type=int, default=0, help="calls per graph (0: one)")
     parser.add_argument("--fp8-output", action="store_true", help="FP8 output (for o_proj)")
     parser.add_argument("--copy-mib", type=int, default=2048, help="copy-bandwidth buffer size")
@@ -169,16 +162,16 @@ def required_bytes(args, batch_size: int, context_len: int) -> int:
     return kv + query_and_output
 
 
-def bench_config(args, batch_size, context_len, splits_arg, merge, copy_gbps, device) -> dict:
-    """Time one (batch, context, splits, merge) configuration; returns one result row."""
-    triton_attention.MERGE_IN_SPLIT_KERNEL = merge == "kernel"  # read when a call plans
+def bench_config(args, batch_size, context_len, splits_arg, copy_gbps, device) -> dict:
+    """Time one (batch, context, splits) configuration; returns one result row."""
     batch = make_decode_batch(args, batch_size, context_len, device)
     scale = args.head_size**-0.5
     num_kv_splits = splits_arg or choose_num_kv_splits(
         batch_size, args.num_kv_heads, batch["block_tables"].shape[1] * args.block_size
     )
     step = decode_step(batch, scale, num_kv_splits)
-    if args.graph_layers:
+    target = step
+    if args.graph_layers:  # one call per layer, each on its own caches, many replays
         layers = [step] + [
             decode_step(
                 make_decode_batch(args, batch_size, context_len, device), scale, num_kv_splits
@@ -186,13 +179,11 @@ def bench_config(args, batch_size, context_len, splits_arg, merge, copy_gbps, de
             for _ in range(args.graph_layers - 1)
         ]
         ms = graph_time_us(layers, replays=200) / 1e3
-        target = step
-    elif args.no_graph:
-        step()
-        target = step
     else:
-        target = capture(step).replay
-    if not args.graph_layers:
+        if args.no_graph:
+            step()
+        else:
+            target = capture(step).replay
         ms = do_bench(target, rep=args.rep_ms, return_mode="median")
     num_bytes = required_bytes(args, batch_size, context_len)
     gbps = num_bytes / (ms * 1e-3) / 1e9
@@ -203,7 +194,6 @@ def bench_config(args, batch_size, context_len, splits_arg, merge, copy_gbps, de
         batch_size=batch_size,
         context_len=context_len,
         num_kv_splits=num_kv_splits,
-        merge=merge,
         time_us=ms * 1e3,
         bytes=num_bytes,
         gbps=gbps,
@@ -215,14 +205,13 @@ def bench_config(args, batch_size, context_len, splits_arg, merge, copy_gbps, de
 def print_table(copy_gbps: float, rows: list[dict]) -> None:
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     print(
-        f"{'batch':>5} {'context':>7} {'splits':>6} {'merge':>6} {'time_us':>9} {'MB':>8} "
+        f"{'batch':>5} {'context':>7} {'splits':>6} {'time_us':>9} {'MB':>8} "
         f"{'GB/s':>7} {'of copy':>7} {'max_err':>8}"
     )
     for row in rows:
         err = "-" if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
         print(
             f"{row['batch_size']:>5} {row['context_len']:>7} {row['num_kv_splits']:>6} "
-            f"{row['merge']:>6} "
             f"{row['time_us']:>9.1f} {row['bytes'] / 1e6:>8.2f} {row['gbps']:>7.0f} "
             f"{row['fraction_of_copy']:>7.1%} {err:>8}"
         )
@@ -238,10 +227,10 @@ def main() -> None:
     rows = []
     for batch_size in args.batch_sizes:
         for context_len in args.context_lens:
-            for splits_arg, merge in itertools.product(args.num_kv_splits, args.merge):
+            for splits_arg in args.num_kv_splits:
                 rows.append(
                     bench_config(
-                        args, batch_size, context_len, splits_arg or None, merge, copy_gbps, device
+                        args, batch_size, context_len, splits_arg or None, copy_gbps, device
                     )
                 )
     print_table(copy_gbps, rows)

@@ -6,8 +6,8 @@ without paging, for prefill, decode, mixed batches, GQA and shuffled block table
 `paged_attention_triton` (decode split-KV path and prefill/mixed path) equals the reference,
 including ragged lengths, context lengths off the block grid or shorter than one split, padded
 sequences, padded query rows, GQA ratios 1 and 4, block sizes 16 and 32, float32 and float16;
-(4) a decode plan called again and again with one workspace leaves the merge's counters at zero;
-(5) with an FP8 output (`output_scale`), the decode merge writes exactly
+(4) a decode with one split writes its output without the reduce and without scratch; (5) with an
+FP8 output (`output_scale`), the decode kernel that writes the output writes exactly
 `static_scaled_fp8_quant` of what the unquantized kernels write (byte for byte, several splits,
 GQA, a padded sequence, saturated values; padded rows untouched), the prefill/mixed path too, and
 both stay within one e4m3 step of the quantized reference; a dtype that does not match the
@@ -353,25 +353,23 @@ def test_triton_decode_rereads_metadata_in_place():
 
 
 @requires_triton
-def test_triton_decode_plan_reused_with_one_workspace():
-    # A graph replays one plan with one workspace: the split kernel's merge counters must be
-    # back at zero after every call, whatever number of splits each sequence used.
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_triton_decode_single_split_writes_the_output_itself(num_kv_splits):
+    # One split per (seq, kv head) is the whole result: no reduce launch and no scratch.
     from pieceworks.models.attention.ops import DecodeWorkspace, plan_paged_attention
 
-    batch = make_batch([200, 200], [1, 1], num_heads=8, num_kv_heads=2)
+    batch = make_batch([200, 70], [1, 1], num_heads=8, num_kv_heads=2)
     workspace = DecodeWorkspace()
     output = torch.full_like(batch.query, SENTINEL)
     launch = plan_paged_attention(batch.query, batch.key_cache, batch.value_cache, output,
                                   block_tables=batch.block_tables, scale=HEAD_SIZE**-0.5,
-                                  max_query_len=1, num_kv_splits=4, workspace=workspace)  # fmt: skip
-    for seq_lens in ([200, 70], [1, 150], [129, 64]):  # 4 and 2, 1 and 3, 3 and 1 splits used
-        # (shorter than the blocks the sequences own: the tables stay valid)
-        batch.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
-        launch(batch.query, batch.key_cache, batch.value_cache, output, batch.query_start_loc,
-               batch.seq_lens, batch.block_tables)  # fmt: skip
-        assert_matches_reference(batch, output)
-        assert launch.reduce is None and (launch.counters == 0).all()
-        assert launch.counters.shape == (2, 2)
+                                  max_query_len=1, num_kv_splits=num_kv_splits,
+                                  workspace=workspace)  # fmt: skip
+    launch(batch.query, batch.key_cache, batch.value_cache, output, batch.query_start_loc,
+           batch.seq_lens, batch.block_tables)  # fmt: skip
+    assert_matches_reference(batch, output)
+    assert (launch.reduce is None) == (num_kv_splits == 1)
+    assert (workspace._views == {}) == (num_kv_splits == 1)
 
 
 @requires_triton

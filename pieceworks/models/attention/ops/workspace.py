@@ -1,19 +1,18 @@
 """``DecodeWorkspace``: the split-KV decode scratch, allocated once and shared by every layer.
 
 The split-KV decode writes one partial output and one log-sum-exp per (sequence, q head, split),
-and the last program of each (sequence, kv head) reads them back; it learns that it is the last
-from a counter per (sequence, kv head), which it resets to zero for the next launch. Allocating
-that scratch per call costs host time on every layer of every step; this object hands out views
-of one float32 buffer (and of one int32 counter buffer) instead, the same views for the same
-shape every time, so a captured graph and a later eager call agree on the address.
+and its reduce kernel reads them back at once. Allocating that scratch per call costs host time on
+every layer of every step; this object hands out views of one float32 buffer instead, the same
+views for the same shape every time, so a captured graph and a later eager call agree on the
+address.
 
-Sharing the buffers between layers (and between shapes) is safe because every kernel that
-touches them runs on one stream, in order: a layer's merge has read the scratch and reset its
-counters before the next layer's split kernel writes them, and two graphs never replay at once.
-The buffers only grow: when a shape needs more than one holds, a buffer at least twice as large
-replaces it for new shapes, and the old one stays alive through the views already handed out (a
-graph captured with them keeps using valid memory). Graphs are captured largest batch first, so
-the first buffer usually fits every later shape.
+Sharing one buffer between layers (and between shapes) is safe because every kernel that touches
+it runs on one stream, in order: a layer's reduce has read the scratch before the next layer's
+split kernel writes it, and two graphs never replay at once. The buffer only grows: when a shape
+needs more than it holds, a buffer at least twice as large replaces it for new shapes, and the
+old one stays alive through the views already handed out (a graph captured with them keeps
+reading valid memory). Graphs are captured largest batch first, so the first buffer usually
+fits every later shape.
 Hardware-neutral: plain torch, no kernels; the Triton decode path is its only user.
 """
 
@@ -30,15 +29,6 @@ class DecodeWorkspace:
     def __init__(self) -> None:
         self._buffers: dict[torch.device, torch.Tensor] = {}
         self._views: dict[WorkspaceKey, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._counters: dict[torch.device, torch.Tensor] = {}
-
-    def counters(self, num_seqs: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
-        """(S, Hkv) int32 counters, zero between launches; one grow-only buffer per device."""
-        buffer = self._counters.get(device)
-        if buffer is None or buffer.numel() < num_seqs * num_kv_heads:
-            numel = max(num_seqs * num_kv_heads, 0 if buffer is None else 2 * buffer.numel())
-            buffer = self._counters[device] = torch.zeros(numel, dtype=torch.int32, device=device)
-        return buffer[: num_seqs * num_kv_heads].view(num_seqs, num_kv_heads)
 
     def get(
         self,
