@@ -9,12 +9,14 @@ copy bandwidth. Each configuration is also checked once against `paged_attention
 
 With `--graph-layers N` each configuration instead runs N decode calls on N separate caches in one
 graph (as a decode step runs one per layer, each cache read from HBM, not L2) and reports the
-time per call over many replays, without flushing L2 between calls.
+time per call over many replays, without flushing L2 between calls. `--reduce-launch early late`
+times the split-KV reduce launched with PDL (the default where the device has it) and without.
 
 Run (CUDA machine): PYTHONPATH=. python benchmarks/attention_decode.py --out decode.json
 """
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -27,6 +29,7 @@ from pieceworks.models.attention.ops import (
     choose_num_kv_splits,
     paged_attention_reference,
     paged_attention_triton,
+    triton_attention,
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,6 +58,10 @@ def parse_args() -> argparse.Namespace:
         default=[0],
         help="splits to time; 0 means the built-in heuristic",
     )
+    parser.add_argument(
+        "--reduce-launch", nargs="+", choices=["early", "late"], default=["early"],
+        help="launch the split-KV reduce with PDL (early, where supported) or after the split",
+    )  # fmt: skip
     parser.add_argument("--graph-layers", type=int, default=0, help="calls per graph (0: one)")
     parser.add_argument("--fp8-output", action="store_true", help="FP8 output (for o_proj)")
     parser.add_argument("--copy-mib", type=int, default=2048, help="copy-bandwidth buffer size")
@@ -162,8 +169,9 @@ def required_bytes(args, batch_size: int, context_len: int) -> int:
     return kv + query_and_output
 
 
-def bench_config(args, batch_size, context_len, splits_arg, copy_gbps, device) -> dict:
-    """Time one (batch, context, splits) configuration; returns one result row."""
+def bench_config(args, batch_size, context_len, splits_arg, launch, copy_gbps, device) -> dict:
+    """Time one (batch, context, splits, reduce launch) configuration; returns one result row."""
+    triton_attention.LAUNCH_REDUCE_EARLY = launch == "early"  # read when a call plans
     batch = make_decode_batch(args, batch_size, context_len, device)
     scale = args.head_size**-0.5
     num_kv_splits = splits_arg or choose_num_kv_splits(
@@ -194,6 +202,7 @@ def bench_config(args, batch_size, context_len, splits_arg, copy_gbps, device) -
         batch_size=batch_size,
         context_len=context_len,
         num_kv_splits=num_kv_splits,
+        reduce_launch=launch,
         time_us=ms * 1e3,
         bytes=num_bytes,
         gbps=gbps,
@@ -205,13 +214,14 @@ def bench_config(args, batch_size, context_len, splits_arg, copy_gbps, device) -
 def print_table(copy_gbps: float, rows: list[dict]) -> None:
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     print(
-        f"{'batch':>5} {'context':>7} {'splits':>6} {'time_us':>9} {'MB':>8} "
+        f"{'batch':>5} {'context':>7} {'splits':>6} {'reduce':>6} {'time_us':>9} {'MB':>8} "
         f"{'GB/s':>7} {'of copy':>7} {'max_err':>8}"
     )
     for row in rows:
         err = "-" if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
         print(
             f"{row['batch_size']:>5} {row['context_len']:>7} {row['num_kv_splits']:>6} "
+            f"{row['reduce_launch']:>6} "
             f"{row['time_us']:>9.1f} {row['bytes'] / 1e6:>8.2f} {row['gbps']:>7.0f} "
             f"{row['fraction_of_copy']:>7.1%} {err:>8}"
         )
@@ -227,10 +237,10 @@ def main() -> None:
     rows = []
     for batch_size in args.batch_sizes:
         for context_len in args.context_lens:
-            for splits_arg in args.num_kv_splits:
+            for splits_arg, launch in itertools.product(args.num_kv_splits, args.reduce_launch):
                 rows.append(
                     bench_config(
-                        args, batch_size, context_len, splits_arg or None, copy_gbps, device
+                        args, batch_size, context_len, splits_arg or None, launch, copy_gbps, device
                     )
                 )
     print_table(copy_gbps, rows)

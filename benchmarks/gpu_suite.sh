@@ -57,7 +57,7 @@ for section in $sections; do
              done ;;
     attngraph) # decode attention, 32 layers' caches in one graph, bf16 and FP8 output, the 8B bench's shape
                for out in bf16 fp8; do
-                 run attngraph_$out python3 benchmarks/attention_decode.py --batch-sizes 1 64 --context-lens 1088 --max-model-len 8192 --graph-layers 32 $([ $out = fp8 ] && echo --fp8-output) --out "$OUT/attention_graph_$out.json"
+                 run attngraph_$out python3 benchmarks/attention_decode.py --batch-sizes 1 64 --context-lens 1088 --max-model-len 8192 --graph-layers 32 --reduce-launch early late $([ $out = fp8 ] && echo --fp8-output) --out "$OUT/attention_graph_$out.json"
                done ;;
     attntests) run attntests python3 -m pytest tests/models/test_attention_kernels_gpu.py tests/models/test_attention_kernels.py tests/models/test_attention_layer.py -q -p no:cacheprovider ;;
     bench8bfull) run bench8bfull pieceworks bench latency --model llama-3.1-8b --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_full.json" ;;

@@ -42,6 +42,13 @@ def programmatic_launch(device: torch.device) -> bool:
     return programmatic_launch_enabled()
 
 
+def programmatic_launch_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched with PDL (whatever the process chose)."""
+    if INTERPRETED or device.type == "cpu":
+        return False
+    return current_platform().supports_programmatic_launch()
+
+
 def launch_options(pdl: bool) -> dict[str, Any]:
     """The Triton launch options that go with a kernel's ``PDL`` constexpr."""
     return {"launch_pdl": True} if pdl else {}

@@ -5,12 +5,14 @@ sequences, causal positions `seq_lens[s] - q_s + i`, GQA, padded sequences skipp
 
 - decode (`max_query_len == 1`): split-KV ("flash-decoding"). The grid is (seq, kv_head, split);
   each program attends all the q heads of one kv head (GQA packing, one tile row per q head) over
-  one slice of the context, and writes a normalised partial output and its log-sum-exp to a
-  workspace; `_decode_reduce_kernel` then merges the splits per (seq, q head). With one split
-  (large batches) the split kernel writes the output itself and no reduce runs (3.4 us less per
-  layer at batch 64 on the H200). The number of splits comes from shapes only; each sequence
-  cuts its own length into that many slices (rounded up to whole tiles), so short sequences
-  leave trailing splits empty (lse = -inf).
+  its share of the context, and writes a normalised partial output and its log-sum-exp to a
+  workspace; `_decode_reduce_kernel` then merges the splits per (seq, q head). The number of
+  splits comes from shapes only; tiles of `DECODE_BLOCK_N` positions go round-robin to the
+  splits, so short sequences leave trailing splits empty (lse = -inf), and a split's first tile
+  is known before the sequence's length (its block ids load together with the metadata).
+  Where the device has programmatic dependent launch the reduce is launched early and waits for
+  the split kernel inside. With one split (large batches) the split kernel writes the output
+  itself and no reduce runs (3.4 us less per layer at batch 64 on the H200).
   Planned with `new_kv`, the split kernel also stores the step's K/V (the split holding the last
   position uses them from registers and writes them at its end), saving the separate store
   launch; the attention backend does this for every decode step.
@@ -42,7 +44,12 @@ import triton.language as tl
 from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
 from pieceworks.models.attention.ops.launch import KernelLaunch
 from pieceworks.models.attention.ops.workspace import DecodeWorkspace
-from pieceworks.models.layers.triton_launch import launch_options, pdl_start, programmatic_launch
+from pieceworks.models.layers.triton_launch import (
+    launch_options,
+    pdl_start,
+    programmatic_launch,
+    programmatic_launch_supported,
+)
 from pieceworks.models.layers.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
 
 # Decode split heuristic: aim for this many programs in flight (a few per SM on a large GPU) ...
@@ -55,6 +62,8 @@ DECODE_BLOCK_N = 64
 # stages 2-4 at BLOCK_N 64, and prefill ~10% below its best (BLOCK_N 128, 3 stages); these
 # smaller settings also fit the shared memory of smaller GPUs.
 DECODE_NUM_WARPS, DECODE_NUM_STAGES = 4, 2
+# Launch the decode reduce with PDL where the device supports it (see _plan_decode).
+LAUNCH_REDUCE_EARLY = True
 PREFILL_BLOCK_N = 64
 PREFILL_NUM_STAGES = 2
 LOG2_E = 1.4426950408889634
@@ -73,35 +82,41 @@ def _decode_split_kv_kernel(
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_cache_block, stride_cache_offset, stride_cache_h,
-    stride_block_tables,
+    stride_block_tables, max_context_len,  # the block table's width in positions
     stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, STORE_KV: tl.constexpr,
     ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
+    LAUNCH_REDUCE_EARLY: tl.constexpr,
 ):  # fmt: skip
-    # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
+    # One program: sequence `seq`, the q heads of kv head `kv_head`, the context tiles `split`,
+    # `split + NUM_KV_SPLITS`, ... (tiles of BLOCK_N positions go round-robin to the splits).
     if PDL:  # launched early (programmatic dependent launch): wait for q/k/v's producer
         pdl_start()
+    elif LAUNCH_REDUCE_EARLY:  # the reduce may be scheduled now; it waits for this kernel
+        tl.extra.cuda.gdc_launch_dependents()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # The three loads are independent: issued together, not one after another's branch.
+    # A split's first tile does not depend on the sequence's length: its block ids are loaded
+    # together with the metadata (one memory round trip fewer before the first K/V load).
+    block_table = block_tables_ptr + seq * stride_block_tables
+    first_pos = split * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    first_block_ids = tl.load(block_table + first_pos // BLOCK_SIZE,
+                              mask=first_pos < max_context_len, other=0)  # fmt: skip
     query_start = tl.load(query_start_loc_ptr + seq)
     query_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
     if query_end == query_start:  # padded sequence
         return
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
-    kv_start = split * tokens_per_split
-    kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
     dims = tl.arange(0, HEAD_SIZE)
     last = seq_len - 1  # the position of this step's token
-    cache_end = kv_end
+    cache_end = seq_len  # positions [0, cache_end) are read from the cache
     if STORE_KV:
         # This step's K/V come from the inputs, not the cache: the tiles stop before the last
         # position, and the split holding it folds the new token in from registers and writes
         # it to the cache at its end, for later steps; no program reads a row this launch writes.
         # (The tile loop stays the plain one, so its loads still pipeline.)
-        cache_end = tl.minimum(kv_end, last)
+        cache_end = last
         token = query_start.to(tl.int64)
         cache_dtype = key_cache_ptr.dtype.element_ty  # attend to what later steps will read
         k_new = tl.load(key_ptr + token * stride_k_t + kv_head * stride_k_h + dims)
@@ -117,20 +132,24 @@ def _decode_split_kv_kernel(
     m_i = tl.full([BLOCK_H], NEG_LARGE, tl.float32)  # running max (base-2 scores)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_H, HEAD_SIZE], tl.float32)  # running sum of p @ V
-    block_table = block_tables_ptr + seq * stride_block_tables
-    for tile_start in range(kv_start, cache_end, BLOCK_N):
+    # The first tile, from the block ids loaded above (all masked in a split past the context).
+    kv_mask = first_pos < cache_end
+    kv_offsets = (first_block_ids.to(tl.int64) * stride_cache_block
+                  + (first_pos % BLOCK_SIZE) * stride_cache_offset
+                  + kv_head * stride_cache_h)  # fmt: skip
+    m_i, l_i, acc = _attend_tile(q, key_cache_ptr, value_cache_ptr, kv_offsets, dims, kv_mask,
+                                 qk_scale, m_i, l_i, acc)  # fmt: skip
+    tile_stride = NUM_KV_SPLITS * BLOCK_N
+    for tile_start in range(split * BLOCK_N + tile_stride, cache_end, tile_stride):
         kv_pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         kv_mask = kv_pos < cache_end
         kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
                                     stride_cache_offset, stride_cache_h, BLOCK_SIZE)  # fmt: skip
-        k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
-        v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
-        scores = tl.where(kv_mask[None, :], scores, float("-inf"))  # (BLOCK_H, BLOCK_N)
-        m_i, l_i, acc = _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
+        m_i, l_i, acc = _attend_tile(q, key_cache_ptr, value_cache_ptr, kv_offsets, dims,
+                                     kv_mask, qk_scale, m_i, l_i, acc)  # fmt: skip
 
     if STORE_KV:
-        if (kv_start <= last) & (last < kv_end):
+        if (last // BLOCK_N) % NUM_KV_SPLITS == split:
             # One more column of scores, the new token's, folded in as a tile of width one.
             k_last = k_new.to(q.dtype).to(tl.float32)
             score = tl.sum(q.to(tl.float32) * k_last[None, :], axis=1) * qk_scale  # (BLOCK_H,)
@@ -173,23 +192,28 @@ def _decode_reduce_kernel(
     ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program: merge the splits of sequence `seq`, q head `head` into its output row.
+    seq, head = tl.program_id(0), tl.program_id(1)
+    # The runner writes the metadata before the step runs, the split kernel never: it is read
+    # before the wait of a reduce launched early.
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_end = tl.load(query_start_loc_ptr + seq + 1)
     if PDL:  # launched early: wait for the split kernel
         pdl_start()
-    seq, head = tl.program_id(0), tl.program_id(1)
-    query_start = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == query_start:  # padded sequence
-        return
     splits = tl.arange(0, BLOCK_SPLITS)
     dims = tl.arange(0, HEAD_SIZE)
     workspace_row = (seq * tl.num_programs(1) + head) * NUM_KV_SPLITS + splits  # (BLOCK_SPLITS,)
+    # Every split of a real sequence wrote its row (an empty one: lse -inf, zeros), so both loads
+    # go out together; a padded sequence's rows are read and never used.
     lse = tl.load(partial_lse_ptr + workspace_row, mask=splits < NUM_KV_SPLITS,
                   other=float("-inf"))  # fmt: skip
-    is_used = lse > float("-inf")  # empty splits never wrote their partial output: never read it
+    partial_out = tl.load(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
+                          mask=(splits < NUM_KV_SPLITS)[:, None], other=0.0)  # fmt: skip
+    if query_end == query_start:  # padded sequence
+        return
+    is_used = lse > float("-inf")
     lse_max = tl.max(lse, axis=0)
     lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # all splits empty: avoid -inf - -inf
     weights = tl.where(is_used, tl.exp2(lse - lse_max), 0.0)  # (BLOCK_SPLITS,)
-    partial_out = tl.load(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
-                          mask=is_used[:, None], other=0.0)  # fmt: skip
     out = tl.sum(weights[:, None] * partial_out, axis=0)  # (D,)
     out = out / tl.maximum(tl.sum(weights, axis=0), 1e-30)  # no key at all: zeros, not NaN
     out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
@@ -279,6 +303,17 @@ def _load_tile(cache_ptr, kv_offsets, dims, kv_mask):
     return tl.load(
         cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask[:, None], other=0.0
     )
+
+
+@triton.jit
+def _attend_tile(q, key_cache_ptr, value_cache_ptr, kv_offsets, dims, kv_mask, qk_scale,
+                 m_i, l_i, acc):  # fmt: skip
+    """Fold one (BLOCK_N, D) tile of keys and values at `kv_offsets` into (m_i, l_i, acc)."""
+    k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
+    v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+    scores = tl.where(kv_mask[None, :], scores, float("-inf"))  # (BLOCK_H, BLOCK_N)
+    return _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
 
 
 @triton.jit
@@ -444,26 +479,31 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
         _check_new_kv(new_kv, query, key_cache)
     key, value = new_kv or (query, query)  # strides unused without a store
     pdl = programmatic_launch(query.device)
-    output_options = dict(ROUND_DTYPE=TRITON_DTYPES[query.dtype], QUANT_OUT=quantize_output,
-                          PDL=pdl, **launch_options(pdl))  # fmt: skip
+    # The reduce is launched early (PDL) wherever the device can, whatever the process-wide
+    # choice for the other kernels: it waits for the split kernel, and its launch overlaps it.
+    reduce_early = (num_kv_splits > 1 and LAUNCH_REDUCE_EARLY
+                    and programmatic_launch_supported(query.device))  # fmt: skip
+    output_options = dict(ROUND_DTYPE=TRITON_DTYPES[query.dtype], QUANT_OUT=quantize_output)
     split = KernelLaunch(
         _decode_split_kv_kernel,
         (num_seqs, num_kv_heads, num_kv_splits),
         (scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
          key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-         key.stride(0), key.stride(1), value.stride(0), value.stride(1)),
+         max_blocks * block_size, key.stride(0), key.stride(1), value.stride(0), value.stride(1)),
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
              NUM_KV_SPLITS=num_kv_splits,
              BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
-             STORE_KV=new_kv is not None, num_warps=DECODE_NUM_WARPS,
-             num_stages=DECODE_NUM_STAGES, **output_options),
+             STORE_KV=new_kv is not None, LAUNCH_REDUCE_EARLY=reduce_early and not pdl,
+             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, PDL=pdl,
+             **launch_options(pdl), **output_options),
     )  # fmt: skip
     reduce = None if num_kv_splits == 1 else KernelLaunch(
         _decode_reduce_kernel,
         (num_seqs, num_heads),
         (output.stride(0), output.stride(1)),
         dict(HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
-             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4, **output_options),
+             BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4,
+             PDL=pdl or reduce_early, **launch_options(pdl or reduce_early), **output_options),
     )  # fmt: skip
     return DecodeLaunch(split, reduce, partial_out, partial_lse,
                         stores_kv=new_kv is not None, quantizes_output=quantize_output)  # fmt: skip
