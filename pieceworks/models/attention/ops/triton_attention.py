@@ -5,14 +5,13 @@ sequences, causal positions `seq_lens[s] - q_s + i`, GQA, padded sequences skipp
 
 - decode (`max_query_len == 1`): split-KV ("flash-decoding"). The grid is (seq, kv_head, split);
   each program attends all the q heads of one kv head (GQA packing, one tile row per q head) over
-  its share of the context, and writes a normalised partial output and its log-sum-exp to a
-  workspace; `_decode_reduce_kernel` then merges the splits per (seq, q head). The number of
-  splits comes from shapes only; tiles of `DECODE_BLOCK_N` positions go round-robin to the
-  splits, so short sequences leave trailing splits empty (lse = -inf), and a split's first tile
-  is known before the sequence's length (its block ids load together with the metadata).
-  Where the device has programmatic dependent launch the reduce is launched early and waits for
-  the split kernel inside. With one split (large batches) the split kernel writes the output
-  itself and no reduce runs (3.4 us less per layer at batch 64 on the H200).
+  one slice of the context, and writes a normalised partial output and its log-sum-exp to a
+  workspace; `_decode_reduce_kernel` then merges the splits per (seq, q head). Where the device
+  has programmatic dependent launch the reduce is launched early and waits for the split kernel
+  inside. With one split (large batches) the split kernel writes the output itself and no reduce
+  runs (3.4 us less per layer at batch 64 on the H200). The number of splits comes from shapes
+  only; each sequence cuts its own length into that many slices (rounded up to whole tiles), so
+  short sequences leave trailing splits empty (lse = -inf).
   Planned with `new_kv`, the split kernel also stores the step's K/V (the split holding the last
   position uses them from registers and writes them at its end), saving the separate store
   launch; the attention backend does this for every decode step.
@@ -82,7 +81,7 @@ def _decode_split_kv_kernel(
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_cache_block, stride_cache_offset, stride_cache_h,
-    stride_block_tables, max_context_len,  # the block table's width in positions
+    stride_block_tables,
     stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -90,33 +89,30 @@ def _decode_split_kv_kernel(
     ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
     LAUNCH_REDUCE_EARLY: tl.constexpr,
 ):  # fmt: skip
-    # One program: sequence `seq`, the q heads of kv head `kv_head`, the context tiles `split`,
-    # `split + NUM_KV_SPLITS`, ... (tiles of BLOCK_N positions go round-robin to the splits).
+    # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
     if PDL:  # launched early (programmatic dependent launch): wait for q/k/v's producer
         pdl_start()
     elif LAUNCH_REDUCE_EARLY:  # the reduce may be scheduled now; it waits for this kernel
         tl.extra.cuda.gdc_launch_dependents()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # A split's first tile does not depend on the sequence's length: its block ids are loaded
-    # together with the metadata (one memory round trip fewer before the first K/V load).
-    block_table = block_tables_ptr + seq * stride_block_tables
-    first_pos = split * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    first_block_ids = tl.load(block_table + first_pos // BLOCK_SIZE,
-                              mask=first_pos < max_context_len, other=0)  # fmt: skip
+    # The three loads are independent: issued together, not one after another's branch.
     query_start = tl.load(query_start_loc_ptr + seq)
     query_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
     if query_end == query_start:  # padded sequence
         return
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
+    kv_start = split * tokens_per_split
+    kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
     dims = tl.arange(0, HEAD_SIZE)
     last = seq_len - 1  # the position of this step's token
-    cache_end = seq_len  # positions [0, cache_end) are read from the cache
+    cache_end = kv_end
     if STORE_KV:
         # This step's K/V come from the inputs, not the cache: the tiles stop before the last
         # position, and the split holding it folds the new token in from registers and writes
         # it to the cache at its end, for later steps; no program reads a row this launch writes.
         # (The tile loop stays the plain one, so its loads still pipeline.)
-        cache_end = last
+        cache_end = tl.minimum(kv_end, last)
         token = query_start.to(tl.int64)
         cache_dtype = key_cache_ptr.dtype.element_ty  # attend to what later steps will read
         k_new = tl.load(key_ptr + token * stride_k_t + kv_head * stride_k_h + dims)
@@ -132,24 +128,20 @@ def _decode_split_kv_kernel(
     m_i = tl.full([BLOCK_H], NEG_LARGE, tl.float32)  # running max (base-2 scores)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_H, HEAD_SIZE], tl.float32)  # running sum of p @ V
-    # The first tile, from the block ids loaded above (all masked in a split past the context).
-    kv_mask = first_pos < cache_end
-    kv_offsets = (first_block_ids.to(tl.int64) * stride_cache_block
-                  + (first_pos % BLOCK_SIZE) * stride_cache_offset
-                  + kv_head * stride_cache_h)  # fmt: skip
-    m_i, l_i, acc = _attend_tile(q, key_cache_ptr, value_cache_ptr, kv_offsets, dims, kv_mask,
-                                 qk_scale, m_i, l_i, acc)  # fmt: skip
-    tile_stride = NUM_KV_SPLITS * BLOCK_N
-    for tile_start in range(split * BLOCK_N + tile_stride, cache_end, tile_stride):
+    block_table = block_tables_ptr + seq * stride_block_tables
+    for tile_start in range(kv_start, cache_end, BLOCK_N):
         kv_pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         kv_mask = kv_pos < cache_end
         kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
                                     stride_cache_offset, stride_cache_h, BLOCK_SIZE)  # fmt: skip
-        m_i, l_i, acc = _attend_tile(q, key_cache_ptr, value_cache_ptr, kv_offsets, dims,
-                                     kv_mask, qk_scale, m_i, l_i, acc)  # fmt: skip
+        k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
+        v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+        scores = tl.where(kv_mask[None, :], scores, float("-inf"))  # (BLOCK_H, BLOCK_N)
+        m_i, l_i, acc = _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
 
     if STORE_KV:
-        if (last // BLOCK_N) % NUM_KV_SPLITS == split:
+        if (kv_start <= last) & (last < kv_end):
             # One more column of scores, the new token's, folded in as a tile of width one.
             k_last = k_new.to(q.dtype).to(tl.float32)
             score = tl.sum(q.to(tl.float32) * k_last[None, :], axis=1) * qk_scale  # (BLOCK_H,)
@@ -303,17 +295,6 @@ def _load_tile(cache_ptr, kv_offsets, dims, kv_mask):
     return tl.load(
         cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask[:, None], other=0.0
     )
-
-
-@triton.jit
-def _attend_tile(q, key_cache_ptr, value_cache_ptr, kv_offsets, dims, kv_mask, qk_scale,
-                 m_i, l_i, acc):  # fmt: skip
-    """Fold one (BLOCK_N, D) tile of keys and values at `kv_offsets` into (m_i, l_i, acc)."""
-    k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
-    v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
-    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
-    scores = tl.where(kv_mask[None, :], scores, float("-inf"))  # (BLOCK_H, BLOCK_N)
-    return _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
 
 
 @triton.jit
@@ -489,7 +470,7 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
         (num_seqs, num_kv_heads, num_kv_splits),
         (scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
          key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-         max_blocks * block_size, key.stride(0), key.stride(1), value.stride(0), value.stride(1)),
+         key.stride(0), key.stride(1), value.stride(0), value.stride(1)),
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
              NUM_KV_SPLITS=num_kv_splits,
              BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
