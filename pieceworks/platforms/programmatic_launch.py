@@ -9,6 +9,10 @@ from this decision (``core/compiler_interface.py``), so a whole decode graph is 
 The decision is the platform's capability (``Platform.supports_programmatic_launch``) and
 ``PIECEWORKS_PDL``: unset means ``PDL_BY_DEFAULT``; 1 asks for it (a warning where the platform
 has none), 0 turns it off. Resolved once per process.
+
+One kernel pair measured faster with PDL even while the rest stays off: the decode attention's
+split kernel and its reduce (``models/attention/ops/triton_attention.py``). It uses
+``programmatic_launch_allowed``: wherever the platform supports PDL, unless ``PIECEWORKS_PDL=0``.
 """
 
 from __future__ import annotations
@@ -40,3 +44,9 @@ def programmatic_launch_enabled() -> bool:
             platform.name,
         )
     return supported and (PDL_BY_DEFAULT if requested is None else requested)
+
+
+def programmatic_launch_allowed() -> bool:
+    """Whether a kernel pair that gains from PDL by itself may use it: the platform supports it
+    and ``PIECEWORKS_PDL`` is not 0 (unset counts as allowed, whatever ``PDL_BY_DEFAULT``)."""
+    return current_platform().supports_programmatic_launch() and envs.PIECEWORKS_PDL is not False
