@@ -1,16 +1,17 @@
-"""The attention kernels compile for an sm_90 GPU, checked on the CPU.
+"""pieceworks' decode kernels compile for an sm_90 GPU, checked on the CPU.
 
 The CPU suite runs Triton kernels under the interpreter (TRITON_INTERPRET=1), which executes them
 as Python and never compiles them, so code that only the compiler rejects passes on the CPU and
 fails on the GPU (session 9: atomics compiled against the dummy pointers of a one-split launch).
-Triton's compiler itself needs no GPU. This test records the launches the attention ops make for
-a set of shapes (decode with one split and with several, with and without the fused KV store,
-bfloat16 and FP8 output; prefill; the KV store), and compiles each kernel for CUDA sm_90 with
-exactly the arguments the launch passes, once as planned on the CPU and once with every
-programmatic-dependent-launch switch it has turned on. The compiles run in a subprocess without
-TRITON_INTERPRET, because the kernels in the test process may be interpreted. Skipped where this
-Triton has no CUDA backend. Not covered: the GEMV and norm kernels (their launches are not
-``KernelLaunch`` objects).
+Triton's compiler itself needs no GPU. This test records the kernel launches (`kernel[grid](...)`)
+that the ops make for a set of shapes: paged attention (decode with one split and with several,
+with and without the fused KV store, bfloat16 and FP8 output; prefill) and the KV store; the GEMV
+(bfloat16 and FP8, plain, gated, with the rotary epilogue, with FP8 output); RMSNorm + FP8 quant
+(plain and residual form); the SiLU-and-mul and rotary kernels that follow a GEMM past 16 tokens.
+It compiles each kernel for CUDA sm_90 with exactly the arguments the launch passes, once as
+planned on the CPU and once with its programmatic-dependent-launch switches on. The compiles run
+in a subprocess without TRITON_INTERPRET, because the kernels in the test process may be
+interpreted. Skipped where this Triton has no CUDA backend. Not covered: the Mamba2 kernels.
 
 Run: PYTHONPATH=. python -m pytest tests/models/test_kernels_compile.py -q
 """
@@ -58,16 +59,20 @@ def test_attention_kernels_compile_for_sm90():
 
 @contextlib.contextmanager
 def recording_launches():
-    """Replace ``KernelLaunch.__call__`` so that launches are recorded, not run."""
-    from pieceworks.models.attention.ops.launch import KernelLaunch
+    """Record ``kernel[grid](*args, **kwargs)`` launches instead of running them."""
+    from triton.runtime.jit import JITFunction
 
-    recorded: list[tuple[KernelLaunch, tuple[torch.Tensor, ...]]] = []
-    original = KernelLaunch.__call__
-    KernelLaunch.__call__ = lambda self, *tensors: recorded.append((self, tensors))  # type: ignore[method-assign]
+    recorded: list[tuple[JITFunction, tuple, dict]] = []
+    original = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        recorded.append((self, args, kwargs))
+
+    JITFunction.run = record  # type: ignore[method-assign]
     try:
         yield recorded
     finally:
-        KernelLaunch.__call__ = original  # type: ignore[method-assign]
+        JITFunction.run = original  # type: ignore[method-assign]
 
 
 def argument_type(value) -> str:
@@ -79,16 +84,16 @@ def argument_type(value) -> str:
     return "i32" if -(2**31) <= value < 2**31 else "i64"
 
 
-def compile_launch(launch, tensors, **overrides) -> None:
-    """Compile ``launch.kernel`` for TARGET with the launch's arguments and constexprs."""
+def compile_kernel(kernel, args, kwargs, **overrides) -> None:
+    """Compile ``kernel`` for TARGET with a launch's positional arguments and its keyword
+    constexprs and options (every constexpr in pieceworks is passed by keyword)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = launch.kernel
-    options = {**launch.options, **overrides}
+    options = {**kwargs, **overrides}
     constexprs = {k: v for k, v in options.items() if k not in LAUNCH_OPTIONS}
-    values = iter((*tensors, *launch.scalars))
+    values = iter(args)
     signature = {
         name: "constexpr" if name in constexprs else argument_type(next(values))
         for name in kernel.arg_names
@@ -103,8 +108,8 @@ def compile_launch(launch, tensors, **overrides) -> None:
     triton.compile(source, target=GPUTarget(*TARGET), options=compile_options)
 
 
-def attention_launches() -> list:
-    """Every kernel launch of the attention ops over a set of shapes, recorded on the CPU."""
+def record_attention() -> None:
+    """The attention ops' launches over a set of shapes (inside ``recording_launches``)."""
     from pieceworks.models.attention.ops import plan_paged_attention, plan_store_kv_cache
 
     num_seqs, num_heads, num_kv_heads, head_size, block_size = 2, 32, 8, 128, 16
@@ -113,40 +118,83 @@ def attention_launches() -> list:
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
     seq_lens = torch.full((num_seqs,), 20, dtype=torch.int32)
     scale = torch.tensor(0.5)
-    with recording_launches() as recorded:
-        for max_query_len, splits, store, fp8 in [
-            (1, 1, False, False), (1, 1, True, True), (1, 4, False, False), (1, 4, True, False),
-            (1, 4, True, True), (4, None, False, False), (4, None, False, True),
-        ]:  # fmt: skip
-            num_tokens = num_seqs * max_query_len
-            query = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.bfloat16)
-            key = torch.zeros(num_tokens, num_kv_heads, head_size, dtype=torch.bfloat16)
-            output = torch.zeros_like(query, dtype=torch.float8_e4m3fn if fp8 else query.dtype)
-            launch = plan_paged_attention(
-                query, key_cache, key_cache, output, block_tables=block_tables,
-                scale=head_size**-0.5, max_query_len=max_query_len, num_kv_splits=splits,
-                new_kv=(key, key) if store else None, quantize_output=fp8,
-            )  # fmt: skip
-            args = (query, key_cache, key_cache, output, query_start_loc, seq_lens, block_tables)
-            extra = {"output_scale": scale} if fp8 else {}
-            if store and max_query_len == 1:
-                extra["new_kv"] = (key, key, torch.zeros(num_tokens, dtype=torch.int64))
-            launch(*args, **extra)
-        key = torch.zeros(num_seqs, num_kv_heads, head_size, dtype=torch.bfloat16)
-        slot_mapping = torch.zeros(num_seqs, dtype=torch.int64)  # (T,), -1 = padded token
-        plan_store_kv_cache(key, key, key_cache, key_cache, slot_mapping)(
-            key, key, key_cache, key_cache, slot_mapping
-        )
-    return recorded
+    for max_query_len, splits, store, fp8 in [
+        (1, 1, False, False), (1, 1, True, True), (1, 4, False, False), (1, 4, True, False),
+        (1, 4, True, True), (4, None, False, False), (4, None, False, True),
+    ]:  # fmt: skip
+        num_tokens = num_seqs * max_query_len
+        query = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.bfloat16)
+        key = torch.zeros(num_tokens, num_kv_heads, head_size, dtype=torch.bfloat16)
+        output = torch.zeros_like(query, dtype=torch.float8_e4m3fn if fp8 else query.dtype)
+        launch = plan_paged_attention(
+            query, key_cache, key_cache, output, block_tables=block_tables,
+            scale=head_size**-0.5, max_query_len=max_query_len, num_kv_splits=splits,
+            new_kv=(key, key) if store else None, quantize_output=fp8,
+        )  # fmt: skip
+        args = (query, key_cache, key_cache, output, query_start_loc, seq_lens, block_tables)
+        extra = {"output_scale": scale} if fp8 else {}
+        if store and max_query_len == 1:
+            extra["new_kv"] = (key, key, torch.zeros(num_tokens, dtype=torch.int64))
+        launch(*args, **extra)
+    key = torch.zeros(num_seqs, num_kv_heads, head_size, dtype=torch.bfloat16)
+    slot_mapping = torch.zeros(num_seqs, dtype=torch.int64)  # (T,), -1 = padded token
+    plan_store_kv_cache(key, key, key_cache, key_cache, slot_mapping)(
+        key, key, key_cache, key_cache, slot_mapping
+    )
+
+
+def record_linear_and_norm() -> None:
+    """The GEMV's, the norm + quant's and the past-16-token epilogues' launches."""
+    from pieceworks.models.layers import triton_launch
+    from pieceworks.models.layers.quantization.triton_norm_quant import (
+        fused_add_rms_norm_static_fp8_quant,
+        rms_norm_static_fp8_quant,
+    )
+    from pieceworks.models.layers.triton_gemv import launch_gemv
+    from pieceworks.models.layers.triton_gemv_config import RopeEpilogue
+    from pieceworks.models.layers.triton_gemv_rope import rotate_qk_heads
+    from pieceworks.models.layers.triton_silu_and_mul import silu_and_mul_epilogue
+
+    triton_launch.kernel_runs_on = lambda x: True  # the tensors are CPU tensors; nothing runs
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    hidden, head_size, num_heads, num_kv_heads = 256, 32, 4, 2
+    scale = torch.tensor(0.5)
+    qkv_rows = (num_heads + 2 * num_kv_heads) * head_size
+    cos_sin = torch.zeros(16, head_size, dtype=bf16)
+    for num_tokens in (1, 16):
+        positions = torch.zeros(num_tokens, dtype=torch.int64)
+        rope = RopeEpilogue(positions, cos_sin, head_size, num_heads + num_kv_heads)
+        for dtype in (bf16, fp8):
+            x = torch.zeros(num_tokens, hidden, dtype=dtype)
+            weight = torch.zeros(2 * hidden, hidden, dtype=dtype)
+            qkv_weight = torch.zeros(qkv_rows, hidden, dtype=dtype)
+            fp8_args = {"scales": (scale, scale), "out_dtype": bf16} if dtype == fp8 else {}
+            launch_gemv(x, weight, **fp8_args)
+            launch_gemv(x, weight, gated=True, **fp8_args)
+            launch_gemv(x, qkv_weight, rope=rope, **fp8_args)
+            launch_gemv(x, weight, gated=True, out_scale=scale, **fp8_args)
+        normed = torch.zeros(num_tokens, hidden, dtype=fp8)
+        rows = [torch.zeros(num_tokens, hidden, dtype=bf16) for _ in range(3)]
+        rms_norm_static_fp8_quant(normed, rows[0], rows[1][0], scale, 1e-5)
+        fused_add_rms_norm_static_fp8_quant(normed, rows[2], rows[0], rows[1], rows[1][0], scale,
+                                            1e-5)  # fmt: skip
+    gate_up = torch.zeros(20, 2 * hidden, dtype=bf16)
+    silu_and_mul_epilogue(gate_up, None)
+    silu_and_mul_epilogue(gate_up, scale)
+    qkv = torch.zeros(20, qkv_rows, dtype=bf16)
+    rotate_qk_heads(torch.zeros(20, dtype=torch.int64), qkv, cos_sin, head_size, num_heads + 2)
 
 
 def main() -> None:
+    with recording_launches() as recorded:
+        record_attention()
+        record_linear_and_norm()
     count = 0
-    for launch, tensors in attention_launches():
-        switches = {k: True for k in ("PDL", "LAUNCH_REDUCE_EARLY") if k in launch.options}
+    for kernel, args, kwargs in recorded:
+        switches = {k: True for k in ("PDL", "LAUNCH_REDUCE_EARLY") if k in kwargs}
         variants = [{}, {**switches, "launch_pdl": True}] if switches else [{}]
         for overrides in variants:
-            compile_launch(launch, tensors, **overrides)
+            compile_kernel(kernel, args, kwargs, **overrides)
             count += 1
     print(f"compiled {count} kernel variants for {TARGET}")
 
