@@ -7,11 +7,12 @@ Triton's compiler itself needs no GPU. This test records the kernel launches (`k
 that the ops make for a set of shapes: paged attention (decode with one split and with several,
 with and without the fused KV store, bfloat16 and FP8 output; prefill) and the KV store; the GEMV
 (bfloat16 and FP8, plain, gated, with the rotary epilogue, with FP8 output); RMSNorm + FP8 quant
-(plain and residual form); the SiLU-and-mul and rotary kernels that follow a GEMM past 16 tokens.
-It compiles each kernel for CUDA sm_90 with exactly the arguments the launch passes, once as
-planned on the CPU and once with its programmatic-dependent-launch switches on. The compiles run
-in a subprocess without TRITON_INTERPRET, because the kernels in the test process may be
-interpreted. Skipped where this Triton has no CUDA backend. Not covered: the Mamba2 kernels.
+(plain and residual form); the SiLU-and-mul and rotary kernels that follow a GEMM past 16 tokens;
+the Mamba2 mixer's conv1d, chunked scan and state update. It compiles each kernel for CUDA sm_90
+with exactly the arguments the launch passes, once as planned on the CPU and once with its
+programmatic-dependent-launch switches on. The compiles run in a subprocess without
+TRITON_INTERPRET, because the kernels in the test process may be interpreted. Skipped where this
+Triton has no CUDA backend.
 
 Run: PYTHONPATH=. python -m pytest tests/models/test_kernels_compile.py -q
 """
@@ -35,6 +36,7 @@ POINTER_TYPES = {
     torch.int32: "*i32",
     torch.int64: "*i64",
     torch.float8_e4m3fn: "*fp8e4nv",
+    torch.bool: "*i1",
 }
 
 
@@ -94,10 +96,15 @@ def compile_kernel(kernel, args, kwargs, **overrides) -> None:
     options = {**kwargs, **overrides}
     constexprs = {k: v for k, v in options.items() if k not in LAUNCH_OPTIONS}
     values = iter(args)
-    signature = {
-        name: "constexpr" if name in constexprs else argument_type(next(values))
-        for name in kernel.arg_names
-    }
+    signature = {}
+    for name in kernel.arg_names:
+        if name not in constexprs:
+            value = next(values)
+            if value is None:  # an absent optional operand: Triton makes it a constexpr
+                constexprs[name] = None
+            else:
+                signature[name] = argument_type(value)
+        signature.setdefault(name, "constexpr")
     assert next(values, None) is None, f"{kernel.__name__}: more arguments than parameters"
     source = ASTSource(
         kernel,
@@ -185,10 +192,44 @@ def record_linear_and_norm() -> None:
     rotate_qk_heads(torch.zeros(20, dtype=torch.int64), qkv, cos_sin, head_size, num_heads + 2)
 
 
+def record_mamba() -> None:
+    """The Mamba2 mixer's kernels: prefill conv and scan, decode conv and state update."""
+    from pieceworks.models.mamba.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+    from pieceworks.models.mamba.ops.selective_state_update import selective_state_update
+    from pieceworks.models.mamba.ops.ssd_scan import mamba_chunk_scan_varlen
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    num_heads, head_dim, dstate, d_conv, num_seqs, num_tokens = 4, 16, 16, 4, 2, 8
+    conv_dim = num_heads * head_dim + 2 * dstate  # x, B and C of one group
+    conv_weight, conv_bias = torch.zeros(conv_dim, d_conv, dtype=bf16), torch.zeros(conv_dim)
+    conv_state = torch.zeros(4, conv_dim, d_conv - 1, dtype=bf16)
+    ssm_state = torch.zeros(4, num_heads, head_dim, dstate, dtype=f32)
+    query_start_loc = torch.tensor([0, 3, num_tokens], dtype=torch.int32)
+    slots = torch.arange(num_seqs, dtype=torch.int32)
+    has_initial_state = torch.ones(num_seqs, dtype=torch.bool)
+    A, D, dt_bias = torch.zeros(num_heads), torch.zeros(num_heads), torch.zeros(num_heads)
+    for bias in (conv_bias, None):
+        xBC = torch.zeros(num_tokens, conv_dim, dtype=bf16)
+        causal_conv1d_varlen(xBC, conv_weight, bias, conv_state, query_start_loc, slots,
+                             has_initial_state)  # fmt: skip
+        causal_conv1d_update(xBC[:num_seqs], conv_state, conv_weight, bias, slots)
+    for rows in (num_tokens, num_seqs):
+        x = torch.zeros(rows, num_heads, head_dim, dtype=bf16)
+        dt = torch.zeros(rows, num_heads, dtype=bf16)
+        B = C = torch.zeros(rows, 1, dstate, dtype=bf16)
+        if rows == num_tokens:
+            mamba_chunk_scan_varlen(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc,
+                                    slots, has_initial_state, chunk_size=16)  # fmt: skip
+        else:
+            selective_state_update(ssm_state, x, dt, A, B, C, D, dt_bias, slots)
+            selective_state_update(ssm_state, x, dt, A, B, C, None, None, slots)
+
+
 def main() -> None:
     with recording_launches() as recorded:
         record_attention()
         record_linear_and_norm()
+        record_mamba()
     count = 0
     for kernel, args, kwargs in recorded:
         switches = {k: True for k in ("PDL", "LAUNCH_REDUCE_EARLY") if k in kwargs}
