@@ -47,7 +47,7 @@ def _has_cuda_backend() -> bool:
 
 
 @pytest.mark.skipif(not _has_cuda_backend(), reason="this Triton has no CUDA backend")
-def test_attention_kernels_compile_for_sm90():
+def test_decode_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
@@ -81,6 +81,8 @@ def argument_type(value) -> str:
     """Triton's signature type of one launch argument."""
     if isinstance(value, torch.Tensor):
         return POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
     if isinstance(value, float):
         return "fp32"
     return "i32" if -(2**31) <= value < 2**31 else "i64"
