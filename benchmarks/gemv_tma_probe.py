@@ -24,6 +24,7 @@ import triton.language as tl
 from gemv_decode import SHAPES, graph_time_us  # benchmarks/ is on sys.path when run as a script
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from pieceworks.engine.benchmark import measure_copy_bandwidth
 from pieceworks.models.layers.triton_gemv import launch_gemv
 
 
@@ -76,20 +77,6 @@ def tma_gemv(x, weight, scale, block_n, block_k, stages, warps, descriptor) -> t
     return out
 
 
-def copy_tbps() -> float:
-    """Device copy bandwidth (read + write bytes / time) of a 2 GiB copy, TB/s."""
-    source = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    target.copy_(source)
-    start.record()
-    for _ in range(10):
-        target.copy_(source)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * source.numel() * 10 / (start.elapsed_time(end) * 1e-3) / 1e12
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -98,7 +85,11 @@ def main() -> None:
     args = parser.parse_args()
     fp8 = torch.float8_e4m3fn
     scale = torch.tensor(1.0, device="cuda")
-    results: dict = {"device": torch.cuda.get_device_name(), "copy_tbps": copy_tbps(), "rows": []}
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "copy_tbps": measure_copy_bandwidth() / 1e12,
+        "rows": [],
+    }
     print(f"copy bandwidth {results['copy_tbps']:.2f} TB/s", flush=True)
     for name, (n, k) in SHAPES.items():
         x = torch.randn(1, k, device="cuda").to(fp8)
