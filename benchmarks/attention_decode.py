@@ -9,8 +9,10 @@ copy bandwidth. Each configuration is also checked once against `paged_attention
 
 With `--graph-layers N` each configuration instead runs N decode calls on N separate caches in one
 graph (as a decode step runs one per layer, each cache read from HBM, not L2) and reports the
-time per call over many replays, without flushing L2 between calls. `--reduce-launch early late`
-times the split-KV reduce launched with PDL (the default where the device has it) and without.
+time per call over many replays, without flushing L2 between calls. `--launch early reduce late`
+times the kernels launched as by default where the device has PDL (early: the split kernel loads
+its first K/V tile before it waits, and the reduce is scheduled at the split's start), with only
+the reduce launched early (session 9's default), and with neither.
 
 Run (CUDA machine): PYTHONPATH=. python benchmarks/attention_decode.py --out decode.json
 """
@@ -31,6 +33,7 @@ from pieceworks.models.attention.ops import (
     paged_attention_triton,
     triton_attention,
 )
+from pieceworks.models.layers import triton_launch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,8 +62,9 @@ def parse_args() -> argparse.Namespace:
         help="splits to time; 0 means the built-in heuristic",
     )
     parser.add_argument(
-        "--reduce-launch", nargs="+", choices=["early", "late"], default=["early"],
-        help="launch the split-KV reduce with PDL (early, where supported) or after the split",
+        "--launch", nargs="+", choices=["early", "reduce", "late"], default=["early"],
+        help="PDL (where supported) for the split kernel and the reduce (early), for the reduce "
+        "only (reduce), or for neither (late)",
     )  # fmt: skip
     parser.add_argument("--graph-layers", type=int, default=0, help="calls per graph (0: one)")
     parser.add_argument("--fp8-output", action="store_true", help="FP8 output (for o_proj)")
@@ -170,8 +174,9 @@ def required_bytes(args, batch_size: int, context_len: int) -> int:
 
 
 def bench_config(args, batch_size, context_len, splits_arg, launch, copy_gbps, device) -> dict:
-    """Time one (batch, context, splits, reduce launch) configuration; returns one result row."""
-    triton_attention.LAUNCH_REDUCE_EARLY = launch == "early"  # read when a call plans
+    """Time one (batch, context, splits, launch) configuration; returns one result row."""
+    triton_launch.ATTENTION_EARLY = launch == "early"  # both read when a call plans
+    triton_attention.LAUNCH_REDUCE_EARLY = launch in ("early", "reduce")
     batch = make_decode_batch(args, batch_size, context_len, device)
     scale = args.head_size**-0.5
     num_kv_splits = splits_arg or choose_num_kv_splits(
@@ -202,7 +207,7 @@ def bench_config(args, batch_size, context_len, splits_arg, launch, copy_gbps, d
         batch_size=batch_size,
         context_len=context_len,
         num_kv_splits=num_kv_splits,
-        reduce_launch=launch,
+        launch=launch,
         time_us=ms * 1e3,
         bytes=num_bytes,
         gbps=gbps,
@@ -214,14 +219,14 @@ def bench_config(args, batch_size, context_len, splits_arg, launch, copy_gbps, d
 def print_table(copy_gbps: float, rows: list[dict]) -> None:
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     print(
-        f"{'batch':>5} {'context':>7} {'splits':>6} {'reduce':>6} {'time_us':>9} {'MB':>8} "
+        f"{'batch':>5} {'context':>7} {'splits':>6} {'launch':>6} {'time_us':>9} {'MB':>8} "
         f"{'GB/s':>7} {'of copy':>7} {'max_err':>8}"
     )
     for row in rows:
         err = "-" if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
         print(
             f"{row['batch_size']:>5} {row['context_len']:>7} {row['num_kv_splits']:>6} "
-            f"{row['reduce_launch']:>6} "
+            f"{row['launch']:>6} "
             f"{row['time_us']:>9.1f} {row['bytes'] / 1e6:>8.2f} {row['gbps']:>7.0f} "
             f"{row['fraction_of_copy']:>7.1%} {err:>8}"
         )
@@ -237,7 +242,7 @@ def main() -> None:
     rows = []
     for batch_size in args.batch_sizes:
         for context_len in args.context_lens:
-            for splits_arg, launch in itertools.product(args.num_kv_splits, args.reduce_launch):
+            for splits_arg, launch in itertools.product(args.num_kv_splits, args.launch):
                 rows.append(
                     bench_config(
                         args, batch_size, context_len, splits_arg or None, launch, copy_gbps, device

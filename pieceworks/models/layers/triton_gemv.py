@@ -123,12 +123,15 @@ def _gemv_kernel(
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     PDL: tl.constexpr,
+    RELEASE_AT_START: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
     # gate rows of its BLOCK_N columns on their up rows, so one tl.dot of 2 * BLOCK_N rows (a
     # full tensor-core tile) serves both; the accumulator is split in the epilogue.
     # ROPE: the same stacking for the pairs (i, i + D/2) of one head of a merged qkv weight;
     # "columns" count pairs, BLOCK_N of them per program, and BLOCK_N divides D/2.
+    if RELEASE_AT_START:  # the next kernel (decode attention) may be scheduled now: it loads its
+        tl.extra.cuda.gdc_launch_dependents()  # K/V while this GEMV streams, and waits for it
     BLOCK_ROWS: tl.constexpr = 2 * BLOCK_N if GATED or ROPE else BLOCK_N
     first_column = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_ROWS)
@@ -163,8 +166,8 @@ def _gemv_kernel(
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
-    if PDL:  # W is streamed: the next kernel may be scheduled now (it waits for this one)
-        tl.extra.cuda.gdc_launch_dependents()
+    if PDL and not RELEASE_AT_START:  # W is streamed: the next kernel may be scheduled now
+        tl.extra.cuda.gdc_launch_dependents()  # (it waits for this one)
     if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
         acc = acc * (tl.load(x_scale_ptr) * tl.load(weight_scale_ptr))
     if GATED:  # silu(gate) * up, from gate and up as the unfused GEMM would have stored them
@@ -301,6 +304,9 @@ def launch_gemv(
         ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
         PDL=pdl,
+        # the rotary qkv GEMV comes right before decode attention, whose split kernel is
+        # launched early to load its K/V meanwhile (triton_launch.attention_launched_early)
+        RELEASE_AT_START=rope is not None and triton_launch.attention_launched_early(x.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),

@@ -44,6 +44,7 @@ from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_qua
 from pieceworks.models.attention.ops.launch import KernelLaunch
 from pieceworks.models.attention.ops.workspace import DecodeWorkspace
 from pieceworks.models.layers.triton_launch import (
+    attention_launched_early,
     launch_options,
     pdl_start,
     programmatic_launch,
@@ -90,9 +91,10 @@ def _decode_split_kv_kernel(
     LAUNCH_REDUCE_EARLY: tl.constexpr,
 ):  # fmt: skip
     # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
-    if PDL:  # launched early (programmatic dependent launch): wait for q/k/v's producer
-        pdl_start()
-    elif LAUNCH_REDUCE_EARLY:  # the reduce may be scheduled now; it waits for this kernel
+    # Launched early (PDL), it is scheduled while q/k/v's producer may still run and reads, before
+    # its wait, only what that kernel cannot write: the metadata (the runner writes it before the
+    # step) and cache rows of earlier steps, so its first tile's K/V load during the wait.
+    if LAUNCH_REDUCE_EARLY and not PDL:  # the reduce may be scheduled now; it waits for this one
         tl.extra.cuda.gdc_launch_dependents()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # The three loads are independent: issued together, not one after another's branch.
@@ -106,13 +108,24 @@ def _decode_split_kv_kernel(
     kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
     dims = tl.arange(0, HEAD_SIZE)
     last = seq_len - 1  # the position of this step's token
+    # With STORE_KV this step's K/V come from the inputs, not the cache: the tiles stop before
+    # the last position, and the split holding it folds the new token in from registers and
+    # writes it to the cache at its end, for later steps; no program reads a row this launch
+    # writes.
     cache_end = kv_end
     if STORE_KV:
-        # This step's K/V come from the inputs, not the cache: the tiles stop before the last
-        # position, and the split holding it folds the new token in from registers and writes
-        # it to the cache at its end, for later steps; no program reads a row this launch writes.
-        # (The tile loop stays the plain one, so its loads still pipeline.)
         cache_end = tl.minimum(kv_end, last)
+    block_table = block_tables_ptr + seq * stride_block_tables
+    first_pos = kv_start + tl.arange(0, BLOCK_N)  # the first tile, peeled off the loop
+    first_mask = first_pos < cache_end
+    first_offsets = _paged_offsets(block_table, first_pos, first_mask, kv_head,
+                                   stride_cache_block, stride_cache_offset, stride_cache_h,
+                                   BLOCK_SIZE)  # fmt: skip
+    k_first = _load_tile(key_cache_ptr, first_offsets, dims, first_mask)
+    v_first = _load_tile(value_cache_ptr, first_offsets, dims, first_mask)
+    if PDL:  # now wait for q/k/v's producer
+        pdl_start()
+    if STORE_KV:
         token = query_start.to(tl.int64)
         cache_dtype = key_cache_ptr.dtype.element_ty  # attend to what later steps will read
         k_new = tl.load(key_ptr + token * stride_k_t + kv_head * stride_k_h + dims)
@@ -128,17 +141,15 @@ def _decode_split_kv_kernel(
     m_i = tl.full([BLOCK_H], NEG_LARGE, tl.float32)  # running max (base-2 scores)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_H, HEAD_SIZE], tl.float32)  # running sum of p @ V
-    block_table = block_tables_ptr + seq * stride_block_tables
-    for tile_start in range(kv_start, cache_end, BLOCK_N):
+    m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_mask, qk_scale, m_i, l_i, acc)
+    for tile_start in range(kv_start + BLOCK_N, cache_end, BLOCK_N):
         kv_pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         kv_mask = kv_pos < cache_end
         kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
                                     stride_cache_offset, stride_cache_h, BLOCK_SIZE)  # fmt: skip
         k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
         v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
-        scores = tl.where(kv_mask[None, :], scores, float("-inf"))  # (BLOCK_H, BLOCK_N)
-        m_i, l_i, acc = _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
+        m_i, l_i, acc = _attend_tile(q, k, v, kv_mask, qk_scale, m_i, l_i, acc)
 
     if STORE_KV:
         if (kv_start <= last) & (last < kv_end):
@@ -295,6 +306,14 @@ def _load_tile(cache_ptr, kv_offsets, dims, kv_mask):
     return tl.load(
         cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask[:, None], other=0.0
     )
+
+
+@triton.jit
+def _attend_tile(q, k, v, kv_mask, qk_scale, m_i, l_i, acc):
+    """Fold one K/V tile (BLOCK_N, D), masked rows excluded, into the running state of q."""
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
+    scores = tl.where(kv_mask[None, :], scores, float("-inf"))  # (BLOCK_H, BLOCK_N)
+    return _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
 
 
 @triton.jit
@@ -465,6 +484,9 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
     # kernel inside, and its launch overlaps it (H200, batch 1: 7.7 against 8.8 us per layer).
     reduce_early = (num_kv_splits > 1 and LAUNCH_REDUCE_EARLY
                     and programmatic_launch_allowed_on(query.device))  # fmt: skip
+    # The split kernel too: the rotary qkv GEMV before it releases it at its own start, and it
+    # loads its metadata and first K/V tile before it waits for q (attention_launched_early).
+    split_early = pdl or attention_launched_early(query.device)
     output_options = dict(ROUND_DTYPE=TRITON_DTYPES[query.dtype], QUANT_OUT=quantize_output)
     split = KernelLaunch(
         _decode_split_kv_kernel,
@@ -475,9 +497,9 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
              NUM_KV_SPLITS=num_kv_splits,
              BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
-             STORE_KV=new_kv is not None, LAUNCH_REDUCE_EARLY=reduce_early and not pdl,
-             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, PDL=pdl,
-             **launch_options(pdl), **output_options),
+             STORE_KV=new_kv is not None, LAUNCH_REDUCE_EARLY=reduce_early and not split_early,
+             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, PDL=split_early,
+             **launch_options(split_early), **output_options),
     )  # fmt: skip
     reduce = None if num_kv_splits == 1 else KernelLaunch(
         _decode_reduce_kernel,
