@@ -75,9 +75,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PIECEWORKS_SMALL_M_GEMV": _optional_flag("PIECEWORKS_SMALL_M_GEMV"),
     # Programmatic dependent launch for pieceworks' decode kernels and Inductor's (a kernel may
     # start while the one before it ends, and waits for it inside), where the platform supports
-    # it (NVIDIA Hopper and newer): 1 on; 0 or unset off (PDL_BY_DEFAULT in
-    # pieceworks/platforms/programmatic_launch.py; measured in docs/benchmarks.md, session 6).
-    # The decode attention's reduce uses it unless this is 0 (session 9).
+    # it (NVIDIA Hopper and newer): 1 or unset on, 0 off (PDL_BY_DEFAULT in
+    # pieceworks/platforms/programmatic_launch.py; measured in docs/benchmarks.md, session 10).
     "PIECEWORKS_PDL": _optional_flag("PIECEWORKS_PDL"),
 }
 

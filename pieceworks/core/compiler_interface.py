@@ -136,6 +136,8 @@ class InductorAdaptor(CompilerInterface):
             "python": platform.python_version(),
             "device": current_platform().device_name(),
             "inductor_config": _inductor_config_hash(),
+            # patched per compile, so not in the config above; PDL's default is not an env value
+            "launch_options": inductor_launch_options(),
             "static_size_options": STATIC_SIZE_OPTIONS,
             "pass_manager_uuid": self.pass_manager.uuid(),
             "auto_functionalized_v2": False,  # turned off for every piece (config_patches)

@@ -25,10 +25,11 @@ from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)
 
-# Off: on an H200 (docs/benchmarks.md, session 6) PDL made FP8 8B decode 4.4% faster at batch 1
-# before the rotary and output-quant fusions, and 1.7% slower after them (2.867 against 2.819
-# ms); bfloat16 PIECEWISE batch 1 ran 4.843 ms with it on, against 4.573 in session 5.
-PDL_BY_DEFAULT = False
+# On: on an H200 in session 10 (docs/benchmarks.md), with decode attention launched early, PDL
+# made 8B decode faster at batch 1 (FP8 2.720 against 2.830 ms, bfloat16 4.300 against 4.430,
+# bfloat16 PIECEWISE 4.421 against 4.565) and changed batch 64 by about 1% (FP8 5.364 against
+# 5.302, bfloat16 7.147 against 7.130). In session 6, before that, it lost 1.7% at FP8 batch 1.
+PDL_BY_DEFAULT = True
 
 
 @functools.lru_cache(maxsize=1)
