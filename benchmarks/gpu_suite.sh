@@ -63,10 +63,6 @@ for section in $sections; do
               for early in True False; do
                 run earlyfp8_$early python3 -c "import sys; from pieceworks.models.layers import triton_launch; triton_launch.ATTENTION_EARLY = $early; from pieceworks.engine.cli import main; sys.exit(main(sys.argv[1:]))" bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_fp8_early_$early.json"
               done ;;
-    preloadfp8) # FP8 8B: the GEMV's last two W chunks loaded before its PDL wait (the default) or not
-                for preload in True False; do
-                  run preloadfp8_$preload python3 -c "import sys; from pieceworks.models.layers import triton_gemv; triton_gemv.PRELOAD_UNDER_PDL = $preload; from pieceworks.engine.cli import main; sys.exit(main(sys.argv[1:]))" bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_fp8_preload_$preload.json"
-                done ;;
     attntests) run attntests python3 -m pytest tests/models/test_attention_kernels_gpu.py tests/models/test_attention_kernels.py tests/models/test_attention_layer.py -q -p no:cacheprovider ;;
     bench8bfull) run bench8bfull pieceworks bench latency --model llama-3.1-8b --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_full.json" ;;
     attnsplits) run attnsplits python3 benchmarks/attention_decode.py --batch-sizes 1 --context-lens 1088 --max-model-len 8192 --num-kv-splits 0 4 8 17 32 64 --out "$OUT/attention_splits.json" ;;

@@ -9,10 +9,11 @@ with and without the fused KV store, bfloat16 and FP8 output; prefill) and the K
 (bfloat16 and FP8, plain, gated, with the rotary epilogue, with FP8 output); RMSNorm + FP8 quant
 (plain and residual form); the SiLU-and-mul and rotary kernels that follow a GEMM past 16 tokens;
 the Mamba2 mixer's conv1d, chunked scan and state update. It compiles each kernel for CUDA sm_90
-with exactly the arguments the launch passes, once as planned on the CPU and once with its
-programmatic-dependent-launch switches on. The compiles run in a subprocess without
-TRITON_INTERPRET, because the kernels in the test process may be interpreted. Skipped where this
-Triton has no CUDA backend.
+with exactly the arguments the launch passes (those divisible by 16 specialized as a launch does),
+once as planned on the CPU and once with its programmatic-dependent-launch switches on, and
+checks that it fits sm_90's shared memory (a kernel over it compiles but fails at launch: session
+10's GEMV variant). The compiles run in a subprocess without TRITON_INTERPRET, because the kernels
+in the test process may be interpreted. Skipped where this Triton has no CUDA backend.
 
 Run: PYTHONPATH=. python -m pytest tests/models/test_kernels_compile.py -q
 """
@@ -28,6 +29,7 @@ import pytest
 import torch
 
 TARGET = ("cuda", 90, 32)  # backend, compute capability (H100/H200), warp size
+MAX_SHARED_BYTES = 232448  # shared memory one block may use on sm_90 (227 KiB)
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 POINTER_TYPES = {
     torch.bfloat16: "*bf16",
@@ -88,6 +90,14 @@ def argument_type(value) -> str:
     return "i32" if -(2**31) <= value < 2**31 else "i64"
 
 
+def divisible_by_16(value) -> bool:
+    """Whether a launch would specialize this argument as divisible by 16 (an aligned pointer,
+    an integer multiple of 16)."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 def compile_kernel(kernel, args, kwargs, **overrides) -> None:
     """Compile ``kernel`` for TARGET with a launch's positional arguments and its keyword
     constexprs and options (every constexpr in pieceworks is passed by keyword)."""
@@ -98,23 +108,31 @@ def compile_kernel(kernel, args, kwargs, **overrides) -> None:
     options = {**kwargs, **overrides}
     constexprs = {k: v for k, v in options.items() if k not in LAUNCH_OPTIONS}
     values = iter(args)
-    signature = {}
-    for name in kernel.arg_names:
+    signature, attrs = {}, {}
+    for index, name in enumerate(kernel.arg_names):
         if name not in constexprs:
             value = next(values)
             if value is None:  # an absent optional operand: Triton makes it a constexpr
                 constexprs[name] = None
             else:
                 signature[name] = argument_type(value)
+                if divisible_by_16(value):  # as a launch specializes it (pipelining needs it)
+                    attrs[(index,)] = [["tt.divisibility", 16]]
         signature.setdefault(name, "constexpr")
     assert next(values, None) is None, f"{kernel.__name__}: more arguments than parameters"
     source = ASTSource(
         kernel,
         signature,
         constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
     )
     compile_options = {k: options[k] for k in LAUNCH_OPTIONS if k in options}
-    triton.compile(source, target=GPUTarget(*TARGET), options=compile_options)
+    compiled = triton.compile(source, target=GPUTarget(*TARGET), options=compile_options)
+    shared = compiled.metadata.shared
+    assert shared <= MAX_SHARED_BYTES, (
+        f"{kernel.__name__} {overrides}: {shared} bytes of shared memory, more than sm_90's "
+        f"{MAX_SHARED_BYTES}; it would fail at launch (OutOfResources)"
+    )
 
 
 def record_attention() -> None:
@@ -154,7 +172,7 @@ def record_attention() -> None:
 
 def record_linear_and_norm() -> None:
     """The GEMV's, the norm + quant's and the past-16-token epilogues' launches."""
-    from pieceworks.models.layers import triton_launch
+    from pieceworks.models.layers import triton_gemv_config, triton_launch
     from pieceworks.models.layers.quantization.triton_norm_quant import (
         fused_add_rms_norm_static_fp8_quant,
         rms_norm_static_fp8_quant,
@@ -165,6 +183,8 @@ def record_linear_and_norm() -> None:
     from pieceworks.models.layers.triton_silu_and_mul import silu_and_mul_epilogue
 
     triton_launch.kernel_runs_on = lambda x: True  # the tensors are CPU tensors; nothing runs
+    # tiles as on an sm_90 GPU, whose shared memory bounds the GEMV's stages
+    triton_gemv_config.max_shared_bytes = lambda device: MAX_SHARED_BYTES
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     hidden, head_size, num_heads, num_kv_heads = 256, 32, 4, 2
     scale = torch.tensor(0.5)
@@ -235,9 +255,7 @@ def main() -> None:
     count = 0
     for kernel, args, kwargs in recorded:
         switches = {
-            k: True
-            for k in ("PDL", "LAUNCH_REDUCE_EARLY", "RELEASE_AT_START", "PRELOAD")
-            if k in kwargs
+            k: True for k in ("PDL", "LAUNCH_REDUCE_EARLY", "RELEASE_AT_START") if k in kwargs
         }
         variants = [{}, {**switches, "launch_pdl": True}] if switches else [{}]
         for overrides in variants:

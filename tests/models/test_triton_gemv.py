@@ -330,36 +330,6 @@ def test_fp8_kernel_matches_the_reference_gemm(
 
 
 @requires_triton
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize(
-    "in_features,block_k", [(200, 64), (256, 64), (128, 64), (64, 64), (40, 64), (96, 64)]
-)
-def test_preloaded_tail_chunks_give_the_same_sums(monkeypatch, fp8, gated, in_features, block_k):
-    # Under PDL the kernel loads its last two W chunks before the wait and multiplies them after
-    # the loop: the chunks are added in the same order, so the result is the same, bit for bit,
-    # for a partial last chunk, whole chunks, two chunks, and a single (partial or whole) one.
-    # (The switch is forced here: PDL itself never runs interpreted.)
-    real = triton_gemv._gemv_kernel
-
-    class Forced:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: real[grid](*args, **{**kwargs, "PRELOAD": True})
-
-    out_features = 2 * 40 if gated else 40
-    config = GemvConfig(block_n=16, block_k=block_k)
-    if fp8:
-        x, weight, x_scale, weight_scale = fp8_operands(3, out_features, in_features)
-        options = dict(scales=(x_scale, weight_scale), out_dtype=torch.bfloat16, gated=gated)
-    else:
-        x, weight = operands(3, out_features, in_features, torch.bfloat16)
-        options = dict(gated=gated)
-    expected = launch_gemv(x, weight, config, **options)
-    monkeypatch.setattr(triton_gemv, "_gemv_kernel", Forced())
-    assert torch.equal(launch_gemv(x, weight, config, **options), expected)
-
-
-@requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 7])
 def test_gated_kernel_is_silu_and_mul_of_the_product(dtype, num_tokens):

@@ -88,8 +88,6 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
     "uses_kernel",
 ]
 
-# Under PDL the kernel loads its last two W chunks before it waits for x; benchmarks switch it off.
-PRELOAD_UNDER_PDL = True
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -126,7 +124,6 @@ def _gemv_kernel(
     QUANT_OUT: tl.constexpr,
     PDL: tl.constexpr,
     RELEASE_AT_START: tl.constexpr,
-    PRELOAD: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
     # gate rows of its BLOCK_N columns on their up rows, so one tl.dot of 2 * BLOCK_N rows (a
@@ -152,19 +149,9 @@ def _gemv_kernel(
     weight_ptrs = weight_ptr + weight_rows.to(tl.int64)[:, None] * stride_weight  # (ROWS, 1)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
-    loop_end = in_features
-    if PRELOAD:  # W is no kernel's output: its last two chunks load before the wait, into
-        # registers, and are multiplied after the loop (the chunk order, and so the sums, stay)
-        tail = (tl.cdiv(in_features, BLOCK_K) - 2) * BLOCK_K  # < 0: a single chunk
-        w_tail = _tail_chunk(weight_ptrs, tail, ks, in_features, row_mask)
-        w_last = _tail_chunk(weight_ptrs, tail + BLOCK_K, ks, in_features, row_mask)
-        loop_end = tl.maximum(tail, 0)
     if PDL:  # launched early, while the kernel before (x's producer) may still run
         tl.extra.cuda.gdc_wait()
-    if PRELOAD:  # their x chunks: issued now, used after the loop
-        x_tail = _tail_chunk(x_rows, tail, ks, in_features, token_mask)
-        x_last = _tail_chunk(x_rows, tail + BLOCK_K, ks, in_features, token_mask)
-    for k_start in range(0, loop_end, BLOCK_K):
+    for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
             weight_ptrs + (k_start + ks)[None, :],
@@ -179,12 +166,6 @@ def _gemv_kernel(
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
-    if PRELOAD:
-        if UPCAST:
-            w_tail, x_tail = w_tail.to(tl.float32), x_tail.to(tl.float32)
-            w_last, x_last = w_last.to(tl.float32), x_last.to(tl.float32)
-        acc = tl.dot(w_tail, tl.trans(x_tail), acc, input_precision=INPUT_PRECISION)
-        acc = tl.dot(w_last, tl.trans(x_last), acc, input_precision=INPUT_PRECISION)
     if PDL and not RELEASE_AT_START:  # W is streamed: the next kernel may be scheduled now
         tl.extra.cuda.gdc_launch_dependents()  # (it waits for this one)
     if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
@@ -219,15 +200,6 @@ def _gemv_kernel(
         columns = first_column + tl.arange(0, BLOCK_N)
         mask = (columns < out_features)[:, None] & token_mask[None, :]
         tl.store(out_rows + columns[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _tail_chunk(row_ptrs, k_start, ks, in_features, row_mask):
-    """Columns ``k_start + ks`` of the rows at ``row_ptrs`` (ROWS, 1); zeros outside ``row_mask``,
-    past ``in_features``, and everywhere for a ``k_start`` below 0."""
-    columns = k_start + ks
-    mask = row_mask[:, None] & ((columns >= 0) & (columns < in_features))[None, :]
-    return tl.load(row_ptrs + columns[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
@@ -335,7 +307,6 @@ def launch_gemv(
         # the rotary qkv GEMV comes right before decode attention, whose split kernel is
         # launched early to load its K/V meanwhile (triton_launch.attention_launched_early)
         RELEASE_AT_START=rope is not None and triton_launch.attention_launched_early(x.device),
-        PRELOAD=pdl and PRELOAD_UNDER_PDL,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
