@@ -372,6 +372,37 @@ def test_triton_decode_single_split_writes_the_output_itself(num_kv_splits):
     assert (workspace._views == {}) == (num_kv_splits == 1)
 
 
+@requires_triton
+@pytest.mark.parametrize("num_kv_splits", [1, 3, 16])
+def test_triton_decode_peeled_first_tile_gives_the_same_bytes(num_kv_splits):
+    # Launched early, the split kernel loads its first tile before its wait and attends it before
+    # the loop (PEEL_FIRST_TILE): the same tiles in the same order as the plain loop, so the same
+    # output, bit for bit, with splits of several tiles, of one, of less than one, and empty ones.
+    # (Forced here without PDL, which never runs interpreted.)
+    import dataclasses
+
+    from pieceworks.models.attention.ops import DecodeWorkspace, plan_paged_attention
+
+    batch = make_batch([200, 70, 1, 64], [1, 1, 1, 1], num_heads=8, num_kv_heads=2)
+    outputs = []
+    for peel in (False, True):
+        output = torch.full_like(batch.query, SENTINEL)
+        launch = plan_paged_attention(batch.query, batch.key_cache, batch.value_cache, output,
+                                      block_tables=batch.block_tables, scale=HEAD_SIZE**-0.5,
+                                      max_query_len=1, num_kv_splits=num_kv_splits,
+                                      workspace=DecodeWorkspace())  # fmt: skip
+        assert launch.split.options["PEEL_FIRST_TILE"] is False  # planned on the CPU: no PDL
+        options = {**launch.split.options, "PEEL_FIRST_TILE": peel}
+        launch = dataclasses.replace(
+            launch, split=dataclasses.replace(launch.split, options=options)
+        )
+        launch(batch.query, batch.key_cache, batch.value_cache, output, batch.query_start_loc,
+               batch.seq_lens, batch.block_tables)  # fmt: skip
+        outputs.append(output)
+    assert_matches_reference(batch, outputs[1])
+    assert torch.equal(outputs[0], outputs[1])
+
+
 @pytest.mark.parametrize("allowed", [True, False])
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
 def test_triton_decode_launches_early_where_allowed(monkeypatch, allowed, num_kv_splits):
@@ -389,6 +420,7 @@ def test_triton_decode_launches_early_where_allowed(monkeypatch, allowed, num_kv
                                   workspace=DecodeWorkspace())  # fmt: skip
     split = launch.split.options
     assert split["PDL"] is allowed and split.get("launch_pdl", False) is allowed
+    assert split["PEEL_FIRST_TILE"] is allowed  # its first tile loads before the wait
     assert split["LAUNCH_REDUCE_EARLY"] is False  # an early split releases the reduce at its wait
     if num_kv_splits > 1:
         assert launch.reduce.options["PDL"] is allowed

@@ -255,7 +255,9 @@ def main() -> None:
     count = 0
     for kernel, args, kwargs in recorded:
         switches = {
-            k: True for k in ("PDL", "LAUNCH_REDUCE_EARLY", "RELEASE_AT_START") if k in kwargs
+            k: True
+            for k in ("PDL", "LAUNCH_REDUCE_EARLY", "RELEASE_AT_START", "PEEL_FIRST_TILE")
+            if k in kwargs
         }
         variants = [{}, {**switches, "launch_pdl": True}] if switches else [{}]
         for overrides in variants:

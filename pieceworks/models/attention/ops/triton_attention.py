@@ -88,7 +88,7 @@ def _decode_split_kv_kernel(
     NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, STORE_KV: tl.constexpr,
     ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
-    LAUNCH_REDUCE_EARLY: tl.constexpr,
+    LAUNCH_REDUCE_EARLY: tl.constexpr, PEEL_FIRST_TILE: tl.constexpr,
 ):  # fmt: skip
     # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
     # Launched early (PDL), it is scheduled while q/k/v's producer may still run and reads, before
@@ -116,13 +116,16 @@ def _decode_split_kv_kernel(
     if STORE_KV:
         cache_end = tl.minimum(kv_end, last)
     block_table = block_tables_ptr + seq * stride_block_tables
-    first_pos = kv_start + tl.arange(0, BLOCK_N)  # the first tile, peeled off the loop
-    first_mask = first_pos < cache_end
-    first_offsets = _paged_offsets(block_table, first_pos, first_mask, kv_head,
-                                   stride_cache_block, stride_cache_offset, stride_cache_h,
-                                   BLOCK_SIZE)  # fmt: skip
-    k_first = _load_tile(key_cache_ptr, first_offsets, dims, first_mask)
-    v_first = _load_tile(value_cache_ptr, first_offsets, dims, first_mask)
+    loop_start = kv_start
+    if PEEL_FIRST_TILE:  # (planned with PDL) the first tile loads before the wait
+        first_pos = kv_start + tl.arange(0, BLOCK_N)
+        first_mask = first_pos < cache_end
+        first_offsets = _paged_offsets(block_table, first_pos, first_mask, kv_head,
+                                       stride_cache_block, stride_cache_offset, stride_cache_h,
+                                       BLOCK_SIZE)  # fmt: skip
+        k_first = _load_tile(key_cache_ptr, first_offsets, dims, first_mask)
+        v_first = _load_tile(value_cache_ptr, first_offsets, dims, first_mask)
+        loop_start += BLOCK_N
     if PDL:  # now wait for q/k/v's producer
         pdl_start()
     if STORE_KV:
@@ -141,8 +144,9 @@ def _decode_split_kv_kernel(
     m_i = tl.full([BLOCK_H], NEG_LARGE, tl.float32)  # running max (base-2 scores)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_H, HEAD_SIZE], tl.float32)  # running sum of p @ V
-    m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_mask, qk_scale, m_i, l_i, acc)
-    for tile_start in range(kv_start + BLOCK_N, cache_end, BLOCK_N):
+    if PEEL_FIRST_TILE:
+        m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_mask, qk_scale, m_i, l_i, acc)
+    for tile_start in range(loop_start, cache_end, BLOCK_N):
         kv_pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         kv_mask = kv_pos < cache_end
         kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
@@ -499,6 +503,8 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
              BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
              STORE_KV=new_kv is not None, LAUNCH_REDUCE_EARLY=reduce_early and not split_early,
              num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, PDL=split_early,
+             # without PDL the plain loop: the peeled tile measured slower there (session 10)
+             PEEL_FIRST_TILE=split_early,
              **launch_options(split_early), **output_options),
     )  # fmt: skip
     reduce = None if num_kv_splits == 1 else KernelLaunch(
