@@ -36,6 +36,11 @@ from pieceworks.models.attention.ops import (
 from pieceworks.models.layers import triton_launch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+PROGRAMMATIC_LAUNCH = triton_attention.programmatic_launch
+
+
+def no_pdl(device: torch.device) -> bool:
+    return False
 
 
 def parse_args() -> argparse.Namespace:
@@ -175,8 +180,11 @@ def required_bytes(args, batch_size: int, context_len: int) -> int:
 
 def bench_config(args, batch_size, context_len, splits_arg, launch, copy_gbps, device) -> dict:
     """Time one (batch, context, splits, launch) configuration; returns one result row."""
-    triton_launch.ATTENTION_EARLY = launch == "early"  # both read when a call plans
+    # all three read when a call plans; the process-wide PDL (on by default) launches the split
+    # kernel early too, so the other rows plan as without it
+    triton_launch.ATTENTION_EARLY = launch == "early"
     triton_attention.LAUNCH_REDUCE_EARLY = launch in ("early", "reduce")
+    triton_attention.programmatic_launch = PROGRAMMATIC_LAUNCH if launch == "early" else no_pdl
     batch = make_decode_batch(args, batch_size, context_len, device)
     scale = args.head_size**-0.5
     num_kv_splits = splits_arg or choose_num_kv_splits(
