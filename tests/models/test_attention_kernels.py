@@ -391,7 +391,6 @@ def test_triton_decode_peeled_first_tile_gives_the_same_bytes(num_kv_splits):
                                       block_tables=batch.block_tables, scale=HEAD_SIZE**-0.5,
                                       max_query_len=1, num_kv_splits=num_kv_splits,
                                       workspace=DecodeWorkspace())  # fmt: skip
-        assert launch.split.options["PEEL_FIRST_TILE"] is False  # planned on the CPU: no PDL
         options = {**launch.split.options, "PEEL_FIRST_TILE": peel}
         launch = dataclasses.replace(
             launch, split=dataclasses.replace(launch.split, options=options)
@@ -407,10 +406,12 @@ def test_triton_decode_peeled_first_tile_gives_the_same_bytes(num_kv_splits):
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
 def test_triton_decode_launches_early_where_allowed(monkeypatch, allowed, num_kv_splits):
     # Where PDL is allowed the split kernel is launched early (it loads its first K/V tile, then
-    # waits for q) and lets the reduce be scheduled as it waits; the reduce is launched early too.
-    # Elsewhere both launch after their producer. (Planning only: PDL never runs on the CPU.)
+    # waits for q) and lets the reduce be scheduled as it waits; the reduce is launched early too,
+    # even where the process-wide choice for the other kernels is off (as here). Elsewhere both
+    # launch after their producer. (Planning only: PDL never runs on the CPU.)
     from pieceworks.models.attention.ops import DecodeWorkspace, plan_paged_attention
 
+    monkeypatch.setattr(triton_attention, "programmatic_launch", lambda device: False)  # for all
     monkeypatch.setattr(triton_attention, "programmatic_launch_allowed_on", lambda device: allowed)
     monkeypatch.setattr(triton_attention, "attention_launched_early", lambda device: allowed)
     batch = make_batch([200, 70], [1, 1], num_heads=8, num_kv_heads=2)
