@@ -10,8 +10,9 @@ The decision is the platform's capability (``Platform.supports_programmatic_laun
 ``PIECEWORKS_PDL``: unset means ``PDL_BY_DEFAULT``; 1 asks for it (a warning where the platform
 has none), 0 turns it off. Resolved once per process.
 
-One kernel pair measured faster with PDL even while the rest stays off: the decode attention's
-split kernel and its reduce (``models/attention/ops/triton_attention.py``). It uses
+Two kernel pairs take PDL whatever ``PDL_BY_DEFAULT`` says (each measured faster alone): decode
+attention's split kernel and its reduce, and the rotary qkv GEMV and the split kernel after it
+(``models/attention/ops/triton_attention.py``, ``models/layers/triton_launch.py``). They use
 ``programmatic_launch_allowed``: wherever the platform supports PDL, unless ``PIECEWORKS_PDL=0``.
 """
 

@@ -43,7 +43,8 @@ unquantized linear layers here where the platform runs pieceworks' Triton kernel
 projection), and ``quantization/fp8.py`` registers the FP8 forms of all three. Beside this
 module: the launch configurations (``triton_gemv_config.py``), the gated epilogue as a kernel of
 its own for more than 16 tokens (``triton_silu_and_mul.py``) and programmatic dependent launch
-(``triton_launch.py``; the kernel waits before its K loop and releases the next after it).
+(``triton_launch.py``; the kernel waits before its K loop and releases the next after it, but
+the rotary form releases decode attention at its start).
 """
 
 from __future__ import annotations

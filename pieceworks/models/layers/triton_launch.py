@@ -11,10 +11,10 @@ The kernels that take part: the GEMV, the fused RMSNorm + FP8 quant, decode atte
 and reduce (and Inductor's, through its own switch).
 
 Two kernel pairs use PDL even where the process-wide choice is off
-(``programmatic_launch_allowed_on``), each measured faster alone: decode attention's split kernel
-and its reduce, and the rotary qkv GEMV and the split kernel after it (``attention_launched_early``:
-the GEMV lets the split kernel be scheduled at the GEMV's start, and the split kernel loads its
-metadata and first K/V tile before it waits for q).
+(``programmatic_launch_allowed_on``), each measured faster alone on an H200: decode attention's
+split kernel and its reduce (session 9), and the rotary qkv GEMV and the split kernel after it
+(``attention_launched_early``, session 10: the GEMV lets the split kernel be scheduled at the
+GEMV's start, and the split kernel loads its metadata and first K/V tile before it waits for q).
 """
 
 from __future__ import annotations
