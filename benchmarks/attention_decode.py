@@ -9,10 +9,10 @@ copy bandwidth. Each configuration is also checked once against `paged_attention
 
 With `--graph-layers N` each configuration instead runs N decode calls on N separate caches in one
 graph (as a decode step runs one per layer, each cache read from HBM, not L2) and reports the
-time per call over many replays, without flushing L2 between calls. `--launch early reduce late`
-times the kernels launched as by default where the device has PDL (early: the split kernel loads
-its first K/V tile before it waits, and the reduce is scheduled at the split's start), with only
-the reduce launched early (session 9's default), and with neither.
+time per call over many replays, without flushing L2 between calls. `--launch early late` times
+the kernels launched as by default where the device has PDL (early: the split kernel loads its
+first K/V tile before it waits, and the reduce is scheduled at the split's wait) and planned as
+without PDL (late: each kernel launched after the one before it ends).
 
 Run (CUDA machine): PYTHONPATH=. python benchmarks/attention_decode.py --out decode.json
 """
@@ -33,7 +33,6 @@ from pieceworks.models.attention.ops import (
     paged_attention_triton,
     triton_attention,
 )
-from pieceworks.models.layers import triton_launch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 PROGRAMMATIC_LAUNCH = triton_attention.programmatic_launch
@@ -67,9 +66,8 @@ def parse_args() -> argparse.Namespace:
         help="splits to time; 0 means the built-in heuristic",
     )
     parser.add_argument(
-        "--launch", nargs="+", choices=["early", "reduce", "late"], default=["early"],
-        help="PDL (where supported) for the split kernel and the reduce (early), for the reduce "
-        "only (reduce), or for neither (late)",
+        "--launch", nargs="+", choices=["early", "late"], default=["early"],
+        help="plan the kernels with PDL where supported (early) or without it (late)",
     )  # fmt: skip
     parser.add_argument("--graph-layers", type=int, default=0, help="calls per graph (0: one)")
     parser.add_argument("--fp8-output", action="store_true", help="FP8 output (for o_proj)")
@@ -180,10 +178,7 @@ def required_bytes(args, batch_size: int, context_len: int) -> int:
 
 def bench_config(args, batch_size, context_len, splits_arg, launch, copy_gbps, device) -> dict:
     """Time one (batch, context, splits, launch) configuration; returns one result row."""
-    # all three read when a call plans; the process-wide PDL (on by default) launches the split
-    # kernel early too, so the other rows plan as without it
-    triton_launch.ATTENTION_EARLY = launch == "early"
-    triton_attention.LAUNCH_REDUCE_EARLY = launch in ("early", "reduce")
+    # read when a call plans
     triton_attention.programmatic_launch = PROGRAMMATIC_LAUNCH if launch == "early" else no_pdl
     batch = make_decode_batch(args, batch_size, context_len, device)
     scale = args.head_size**-0.5

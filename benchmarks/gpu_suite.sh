@@ -57,12 +57,8 @@ for section in $sections; do
              done ;;
     attngraph) # decode attention, 32 layers' caches in one graph, bf16 and FP8 output, the 8B bench's shape
                for out in bf16 fp8; do
-                 run attngraph_$out python3 benchmarks/attention_decode.py --batch-sizes 1 64 --context-lens 1088 --max-model-len 8192 --graph-layers 32 --launch early reduce late $([ $out = fp8 ] && echo --fp8-output) --out "$OUT/attention_graph_$out.json"
+                 run attngraph_$out python3 benchmarks/attention_decode.py --batch-sizes 1 64 --context-lens 1088 --max-model-len 8192 --graph-layers 32 --launch early late $([ $out = fp8 ] && echo --fp8-output) --out "$OUT/attention_graph_$out.json"
                done ;;
-    earlyfp8) # FP8 8B batch 1: decode attention launched early (the default) and as in session 9
-              for early in True False; do
-                run earlyfp8_$early python3 -c "import sys; from pieceworks.models.layers import triton_launch; triton_launch.ATTENTION_EARLY = $early; from pieceworks.engine.cli import main; sys.exit(main(sys.argv[1:]))" bench latency --model llama-3.1-8b --quantization fp8 --batch-size 1 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_fp8_early_$early.json"
-              done ;;
     attntests) run attntests python3 -m pytest tests/models/test_attention_kernels_gpu.py tests/models/test_attention_kernels.py tests/models/test_attention_layer.py -q -p no:cacheprovider ;;
     bench8bfull) run bench8bfull pieceworks bench latency --model llama-3.1-8b --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_full.json" ;;
     attnsplits) run attnsplits python3 benchmarks/attention_decode.py --batch-sizes 1 --context-lens 1088 --max-model-len 8192 --num-kv-splits 0 4 8 17 32 64 --out "$OUT/attention_splits.json" ;;

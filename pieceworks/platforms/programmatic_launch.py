@@ -9,11 +9,6 @@ from this decision (``core/compiler_interface.py``), so a whole decode graph is 
 The decision is the platform's capability (``Platform.supports_programmatic_launch``) and
 ``PIECEWORKS_PDL``: unset means ``PDL_BY_DEFAULT``; 1 asks for it (a warning where the platform
 has none), 0 turns it off. Resolved once per process.
-
-Two kernel pairs take PDL whatever ``PDL_BY_DEFAULT`` says (each measured faster alone): decode
-attention's split kernel and its reduce, and the rotary qkv GEMV and the split kernel after it
-(``models/attention/ops/triton_attention.py``, ``models/layers/triton_launch.py``). They use
-``programmatic_launch_allowed``: wherever the platform supports PDL, unless ``PIECEWORKS_PDL=0``.
 """
 
 from __future__ import annotations
@@ -46,9 +41,3 @@ def programmatic_launch_enabled() -> bool:
             platform.name,
         )
     return supported and (PDL_BY_DEFAULT if requested is None else requested)
-
-
-def programmatic_launch_allowed() -> bool:
-    """Whether a kernel pair that gains from PDL by itself may use it: the platform supports it
-    and ``PIECEWORKS_PDL`` is not 0 (unset counts as allowed, whatever ``PDL_BY_DEFAULT``)."""
-    return current_platform().supports_programmatic_launch() and envs.PIECEWORKS_PDL is not False

@@ -402,30 +402,26 @@ def test_triton_decode_peeled_first_tile_gives_the_same_bytes(num_kv_splits):
     assert torch.equal(outputs[0], outputs[1])
 
 
-@pytest.mark.parametrize("allowed", [True, False])
+@pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("num_kv_splits", [1, 4])
-def test_triton_decode_launches_early_where_allowed(monkeypatch, allowed, num_kv_splits):
-    # Where PDL is allowed the split kernel is launched early (it loads its first K/V tile, then
-    # waits for q) and lets the reduce be scheduled as it waits; the reduce is launched early too,
-    # even where the process-wide choice for the other kernels is off (as here). Elsewhere both
-    # launch after their producer. (Planning only: PDL never runs on the CPU.)
+def test_triton_decode_launches_early_under_pdl(monkeypatch, pdl, num_kv_splits):
+    # Under PDL the split kernel is launched early (it loads its first K/V tile, then waits for
+    # q) and lets the reduce be scheduled as it waits; the reduce is launched early too.
+    # Without it both launch after their producer. (Planning only: PDL never runs on the CPU.)
     from pieceworks.models.attention.ops import DecodeWorkspace, plan_paged_attention
 
-    monkeypatch.setattr(triton_attention, "programmatic_launch", lambda device: False)  # for all
-    monkeypatch.setattr(triton_attention, "programmatic_launch_allowed_on", lambda device: allowed)
-    monkeypatch.setattr(triton_attention, "attention_launched_early", lambda device: allowed)
+    monkeypatch.setattr(triton_attention, "programmatic_launch", lambda device: pdl)
     batch = make_batch([200, 70], [1, 1], num_heads=8, num_kv_heads=2)
     launch = plan_paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.query,
                                   block_tables=batch.block_tables, scale=HEAD_SIZE**-0.5,
                                   max_query_len=1, num_kv_splits=num_kv_splits,
                                   workspace=DecodeWorkspace())  # fmt: skip
     split = launch.split.options
-    assert split["PDL"] is allowed and split.get("launch_pdl", False) is allowed
-    assert split["PEEL_FIRST_TILE"] is allowed  # its first tile loads before the wait
-    assert split["LAUNCH_REDUCE_EARLY"] is False  # an early split releases the reduce at its wait
+    assert split["PDL"] is pdl and split.get("launch_pdl", False) is pdl
+    assert split["PEEL_FIRST_TILE"] is pdl  # its first tile loads before the wait
     if num_kv_splits > 1:
-        assert launch.reduce.options["PDL"] is allowed
-        assert launch.reduce.options.get("launch_pdl", False) is allowed
+        assert launch.reduce.options["PDL"] is pdl
+        assert launch.reduce.options.get("launch_pdl", False) is pdl
 
 
 @requires_triton

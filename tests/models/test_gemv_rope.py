@@ -121,10 +121,10 @@ def test_rope_kernel_matches_float64_reference(
     check_rope_kernel(output, stored, positions, rotary_emb, num_heads, num_kv_heads)
 
 
-@pytest.mark.parametrize("allowed", [True, False])
-def test_rope_gemv_releases_decode_attention_at_its_start_where_allowed(monkeypatch, allowed):
-    # The rotary GEMV comes right before decode attention: where the split kernel is launched
-    # early it lets it be scheduled at its own start; the other GEMVs never do.
+@pytest.mark.parametrize("pdl", [True, False])
+def test_rope_gemv_releases_decode_attention_at_its_start_under_pdl(monkeypatch, pdl):
+    # The rotary GEMV comes right before decode attention: under PDL it lets the split kernel be
+    # scheduled at its own start; the other GEMVs release the next kernel after their K loop.
     from pieceworks.models.layers import triton_gemv
 
     launches: list[dict] = []
@@ -134,13 +134,14 @@ def test_rope_gemv_releases_decode_attention_at_its_start_where_allowed(monkeypa
             return lambda *args, **kwargs: launches.append(kwargs)
 
     monkeypatch.setattr(triton_gemv, "_gemv_kernel", Recorder())
-    monkeypatch.setattr(triton_launch, "attention_launched_early", lambda device: allowed)
+    monkeypatch.setattr(triton_gemv, "programmatic_launch", lambda device: pdl)
     x, weight = operands(1, 4 * 64, 96, torch.float32)
     rotary_emb, positions = rope_operands(1, 64, torch.float32)
     launch_gemv(x, weight, rope=RopeEpilogue(positions, rotary_emb.cos_sin_cache, 64, 3))
     launch_gemv(x, weight)
     launch_gemv(x, weight, gated=True)
-    assert [launch["RELEASE_AT_START"] for launch in launches] == [allowed, False, False]
+    assert [launch["RELEASE_AT_START"] for launch in launches] == [pdl, False, False]
+    assert [launch["PDL"] for launch in launches] == [pdl, pdl, pdl]
 
 
 @requires_triton

@@ -254,11 +254,7 @@ def main() -> None:
         record_mamba()
     count = 0
     for kernel, args, kwargs in recorded:
-        switches = {
-            k: True
-            for k in ("PDL", "LAUNCH_REDUCE_EARLY", "RELEASE_AT_START", "PEEL_FIRST_TILE")
-            if k in kwargs
-        }
+        switches = {k: True for k in ("PDL", "RELEASE_AT_START", "PEEL_FIRST_TILE") if k in kwargs}
         variants = [{}, {**switches, "launch_pdl": True}] if switches else [{}]
         for overrides in variants:
             compile_kernel(kernel, args, kwargs, **overrides)

@@ -58,18 +58,6 @@ def test_kernels_never_use_it_on_the_cpu_or_interpreted(monkeypatch, platform_wi
     assert triton_launch.launch_options(False) == {}
 
 
-def test_the_decode_reduce_may_use_it_unless_switched_off(monkeypatch, platform_with_pdl):
-    # Allowed where supported whatever the default; PIECEWORKS_PDL=0 turns it off too.
-    monkeypatch.delenv("PIECEWORKS_PDL", raising=False)
-    assert pdl.programmatic_launch_allowed() is True
-    monkeypatch.setenv("PIECEWORKS_PDL", "0")
-    assert pdl.programmatic_launch_allowed() is False
-    monkeypatch.setenv("PIECEWORKS_PDL", "1")
-    assert triton_launch.programmatic_launch_allowed_on(torch.device("cpu")) is False
-    monkeypatch.setattr(platform_with_pdl, "supports_programmatic_launch", lambda self: False)
-    assert pdl.programmatic_launch_allowed() is False
-
-
 def test_inductor_kernels_follow_the_decision(monkeypatch, platform_with_pdl):
     from torch._inductor import config as inductor_config
 

@@ -305,9 +305,9 @@ def launch_gemv(
         ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
         PDL=pdl,
-        # the rotary qkv GEMV comes right before decode attention, whose split kernel is
-        # launched early to load its K/V meanwhile (triton_launch.attention_launched_early)
-        RELEASE_AT_START=rope is not None and triton_launch.attention_launched_early(x.device),
+        # the rotary qkv GEMV comes right before decode attention, whose split kernel loads
+        # its K/V while this GEMV streams (triton_attention.py)
+        RELEASE_AT_START=pdl and rope is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),

@@ -8,13 +8,9 @@ with ``pdl_start``, which also lets the kernel after them be scheduled at once. 
 before its K loop and lets the next kernel be scheduled only after it (``triton_gemv.py``): a
 GEMV scheduled while another still streams its weights would compete for the same bandwidth.
 The kernels that take part: the GEMV, the fused RMSNorm + FP8 quant, decode attention's split
-and reduce (and Inductor's, through its own switch).
-
-Two kernel pairs use PDL even where the process-wide choice is off
-(``programmatic_launch_allowed_on``), each measured faster alone on an H200: decode attention's
-split kernel and its reduce (session 9), and the rotary qkv GEMV and the split kernel after it
-(``attention_launched_early``, session 10: the GEMV lets the split kernel be scheduled at the
-GEMV's start, and the split kernel loads its metadata and first K/V tile before it waits for q).
+and reduce (and Inductor's, through its own switch). Two of them start earlier still: the rotary
+qkv GEMV lets decode attention's split kernel be scheduled at the GEMV's start, and the split
+kernel loads its metadata and first K/V tile before it waits for q (H200, session 10).
 """
 
 from __future__ import annotations
@@ -26,10 +22,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.platforms import current_platform
-from pieceworks.platforms.programmatic_launch import (
-    programmatic_launch_allowed,
-    programmatic_launch_enabled,
-)
+from pieceworks.platforms.programmatic_launch import programmatic_launch_enabled
 
 
 @triton.jit
@@ -49,27 +42,6 @@ def programmatic_launch(device: torch.device) -> bool:
     if INTERPRETED or device.type == "cpu":
         return False
     return programmatic_launch_enabled()
-
-
-def programmatic_launch_allowed_on(device: torch.device) -> bool:
-    """Whether a kernel pair on ``device`` that gains from PDL by itself may use it even where
-    the process-wide choice is off (``programmatic_launch_allowed``); never on the CPU or when
-    interpreted."""
-    if INTERPRETED or device.type == "cpu":
-        return False
-    return programmatic_launch_allowed()
-
-
-# The rotary qkv GEMV releases decode attention's split kernel at its start (both sides read
-# this through ``attention_launched_early``); benchmarks switch it off.
-ATTENTION_EARLY = True
-
-
-def attention_launched_early(device: torch.device) -> bool:
-    """Whether decode attention's split kernel on ``device`` is launched with PDL, and the rotary
-    qkv GEMV before it lets it be scheduled at the GEMV's start: ``ATTENTION_EARLY`` and
-    ``programmatic_launch_allowed_on``."""
-    return ATTENTION_EARLY and programmatic_launch_allowed_on(device)
 
 
 def launch_options(pdl: bool) -> dict[str, Any]:

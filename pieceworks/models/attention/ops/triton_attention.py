@@ -45,13 +45,7 @@ import triton.language as tl
 from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
 from pieceworks.models.attention.ops.launch import KernelLaunch
 from pieceworks.models.attention.ops.workspace import DecodeWorkspace
-from pieceworks.models.layers.triton_launch import (
-    attention_launched_early,
-    launch_options,
-    pdl_start,
-    programmatic_launch,
-    programmatic_launch_allowed_on,
-)
+from pieceworks.models.layers.triton_launch import launch_options, pdl_start, programmatic_launch
 from pieceworks.models.layers.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
 
 # Decode split heuristic: aim for this many programs in flight (a few per SM on a large GPU) ...
@@ -64,8 +58,6 @@ DECODE_BLOCK_N = 64
 # stages 2-4 at BLOCK_N 64, and prefill ~10% below its best (BLOCK_N 128, 3 stages); these
 # smaller settings also fit the shared memory of smaller GPUs.
 DECODE_NUM_WARPS, DECODE_NUM_STAGES = 4, 2
-# Launch the decode reduce with PDL where allowed (see _plan_decode); benchmarks switch it off.
-LAUNCH_REDUCE_EARLY = True
 PREFILL_BLOCK_N = 64
 PREFILL_NUM_STAGES = 2
 LOG2_E = 1.4426950408889634
@@ -90,14 +82,12 @@ def _decode_split_kv_kernel(
     NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, STORE_KV: tl.constexpr,
     ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
-    LAUNCH_REDUCE_EARLY: tl.constexpr, PEEL_FIRST_TILE: tl.constexpr,
+    PEEL_FIRST_TILE: tl.constexpr,
 ):  # fmt: skip
     # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
     # Launched early (PDL), it is scheduled while q/k/v's producer may still run and reads, before
     # its wait, only what that kernel cannot write: the metadata (the runner writes it before the
     # step) and cache rows of earlier steps, so its first tile's K/V load during the wait.
-    if LAUNCH_REDUCE_EARLY and not PDL:  # the reduce may be scheduled now; it waits for this one
-        tl.extra.cuda.gdc_launch_dependents()
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # The three loads are independent: issued together, not one after another's branch.
     query_start = tl.load(query_start_loc_ptr + seq)
@@ -128,7 +118,7 @@ def _decode_split_kv_kernel(
         k_first = _load_tile(key_cache_ptr, first_offsets, dims, first_mask)
         v_first = _load_tile(value_cache_ptr, first_offsets, dims, first_mask)
         loop_start += BLOCK_N
-    if PDL:  # now wait for q/k/v's producer
+    if PDL:  # now let the reduce be scheduled, and wait for q/k/v's producer
         pdl_start()
     if STORE_KV:
         token = query_start.to(tl.int64)
@@ -484,15 +474,10 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
     if new_kv is not None:
         _check_new_kv(new_kv, query, key_cache)
     key, value = new_kv or (query, query)  # strides unused without a store
+    # Under PDL the rotary qkv GEMV releases the split kernel at its own start, the split kernel
+    # loads its metadata and first K/V tile before it waits for q, and the reduce is scheduled at
+    # the split's wait (H200, batch 1: 7.0 us per layer, against 8.9 launched after each other).
     pdl = programmatic_launch(query.device)
-    # The reduce is launched early (PDL) wherever the device can, even where the process-wide
-    # choice for the other kernels is off (not with PIECEWORKS_PDL=0): it waits for the split
-    # kernel inside, and its launch overlaps it (H200, batch 1: 7.7 against 8.8 us per layer).
-    reduce_early = (num_kv_splits > 1 and LAUNCH_REDUCE_EARLY
-                    and programmatic_launch_allowed_on(query.device))  # fmt: skip
-    # The split kernel too: the rotary qkv GEMV before it releases it at its own start, and it
-    # loads its metadata and first K/V tile before it waits for q (attention_launched_early).
-    split_early = pdl or attention_launched_early(query.device)
     output_options = dict(ROUND_DTYPE=TRITON_DTYPES[query.dtype], QUANT_OUT=quantize_output)
     split = KernelLaunch(
         _decode_split_kv_kernel,
@@ -503,11 +488,11 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
              NUM_KV_SPLITS=num_kv_splits,
              BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
-             STORE_KV=new_kv is not None, LAUNCH_REDUCE_EARLY=reduce_early and not split_early,
-             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, PDL=split_early,
+             STORE_KV=new_kv is not None,
+             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, PDL=pdl,
              # without PDL the plain loop: the peeled tile measured slower there (session 10)
-             PEEL_FIRST_TILE=split_early,
-             **launch_options(split_early), **output_options),
+             PEEL_FIRST_TILE=pdl,
+             **launch_options(pdl), **output_options),
     )  # fmt: skip
     reduce = None if num_kv_splits == 1 else KernelLaunch(
         _decode_reduce_kernel,
@@ -515,7 +500,7 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
         (output.stride(0), output.stride(1)),
         dict(HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
              BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4,
-             PDL=pdl or reduce_early, **launch_options(pdl or reduce_early), **output_options),
+             PDL=pdl, **launch_options(pdl), **output_options),
     )  # fmt: skip
     return DecodeLaunch(split, reduce, partial_out, partial_lse,
                         stores_kv=new_kv is not None, quantizes_output=quantize_output)  # fmt: skip
