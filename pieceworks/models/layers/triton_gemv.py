@@ -92,11 +92,6 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MAX = tl.constexpr(FP8_MAX)
-# EXPERIMENT (session 11, to be decided by the H200 and removed): where the GEMV waits for x
-import os  # noqa: E402
-
-_EXPERIMENT = os.environ.get("PW_EXP_GEMV", "loop")
-WAIT_IN_LOOP = _EXPERIMENT != "off"
 
 
 @triton.jit
@@ -130,7 +125,6 @@ def _gemv_kernel(
     QUANT_OUT: tl.constexpr,
     PDL: tl.constexpr,
     RELEASE_AT_START: tl.constexpr,
-    WAIT_IN_LOOP: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
     # gate rows of its BLOCK_N columns on their up rows, so one tl.dot of 2 * BLOCK_N rows (a
@@ -156,7 +150,7 @@ def _gemv_kernel(
     weight_ptrs = weight_ptr + weight_rows.to(tl.int64)[:, None] * stride_weight  # (ROWS, 1)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
-    if PDL and not WAIT_IN_LOOP:  # launched early, while x's producer may still run
+    if PDL:  # launched early, while the kernel before (x's producer) may still run
         tl.extra.cuda.gdc_wait()
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
@@ -165,13 +159,9 @@ def _gemv_kernel(
             mask=row_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # (BLOCK_ROWS, BLOCK_K)
-        if PDL and WAIT_IN_LOOP:  # x's loads depend on the wait, W's do not: the pipeline's
-            x_mask = token_mask[:, None] & k_mask[None, :] & _wait_for_producer(k_start)  # first W
-        else:  # chunk is issued before it
-            x_mask = token_mask[:, None] & k_mask[None, :]
         x = tl.load(
             x_rows + (k_start + ks)[None, :],
-            mask=x_mask,
+            mask=token_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # (BLOCK_M, BLOCK_K)
         if UPCAST:
@@ -211,19 +201,6 @@ def _gemv_kernel(
         columns = first_column + tl.arange(0, BLOCK_N)
         mask = (columns < out_features)[:, None] & token_mask[None, :]
         tl.store(out_rows + columns[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _wait_for_producer(k_start):
-    """``griddepcontrol.wait``, then True: a load masked by the result cannot be issued before
-    the wait retires, whatever order the software pipeline gives the loads. The asm is marked
-    pure (a repeated or speculated wait is harmless) so the pipeliner may place it in any
-    stage; taking ``k_start`` keeps each iteration's from being merged."""
-    waited = tl.inline_asm_elementwise(
-        "griddepcontrol.wait; mov.u32 $0, $1;", "=r,r", [k_start], dtype=tl.int32, is_pure=True,
-        pack=1,
-    )
-    return waited >= 0
 
 
 @triton.jit
@@ -331,7 +308,6 @@ def launch_gemv(
         # the rotary qkv GEMV comes right before decode attention, whose split kernel loads
         # its K/V while this GEMV streams (triton_attention.py)
         RELEASE_AT_START=pdl and rope is not None,
-        WAIT_IN_LOOP=WAIT_IN_LOOP,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),

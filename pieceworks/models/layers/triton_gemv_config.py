@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
@@ -67,10 +66,6 @@ def gemv_config(
     if element_size == 1:  # FP8: 64 x 256 everywhere, 6 stages except for gate_up
         block_n, block_k = 64, 128
         num_stages = 4 if n >= 16384 else 6
-        if os.environ.get("PW_EXP_GEMV") == "loop2x":  # EXPERIMENT: twice the chunk, half the stages
-            block_k, num_stages = 256, 2 if n >= 16384 else 3
-        if os.environ.get("PW_EXP_GEMV") == "loop4x":  # EXPERIMENT: 1 KB chunks, two stages
-            block_k, num_stages = 512, 2
     elif n >= 16384:
         block_n, block_k = 64, 128
     elif k >= 8192:
