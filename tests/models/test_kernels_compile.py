@@ -106,7 +106,9 @@ def compile_kernel(kernel, args, kwargs, **overrides) -> None:
     from triton.compiler import ASTSource
 
     options = {**kwargs, **overrides}
-    constexprs = {k: v for k, v in options.items() if k not in LAUNCH_OPTIONS}
+    constexprs = {  # a Gluon kernel may take num_warps as a parameter too
+        k: v for k, v in options.items() if k not in LAUNCH_OPTIONS or k in kernel.arg_names
+    }
     values = iter(args)
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
@@ -120,7 +122,10 @@ def compile_kernel(kernel, args, kwargs, **overrides) -> None:
                     attrs[(index,)] = [["tt.divisibility", 16]]
         signature.setdefault(name, "constexpr")
     assert next(values, None) is None, f"{kernel.__name__}: more arguments than parameters"
-    source = ASTSource(
+    source_class = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source_class
+    source = source_class(
         kernel,
         signature,
         constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
@@ -177,6 +182,7 @@ def record_linear_and_norm() -> None:
         fused_add_rms_norm_static_fp8_quant,
         rms_norm_static_fp8_quant,
     )
+    from pieceworks.models.layers.resident_gemv import launch_resident_gemv
     from pieceworks.models.layers.triton_gemv import launch_gemv
     from pieceworks.models.layers.triton_gemv_config import RopeEpilogue
     from pieceworks.models.layers.triton_gemv_rope import rotate_qk_heads
@@ -207,6 +213,9 @@ def record_linear_and_norm() -> None:
         rms_norm_static_fp8_quant(normed, rows[0], rows[1][0], scale, 1e-5)
         fused_add_rms_norm_static_fp8_quant(normed, rows[2], rows[0], rows[1], rows[1][0], scale,
                                             1e-5)  # fmt: skip
+    for num_tokens, in_features in ((1, 4096), (16, 512)):  # 4 of 16 chunks streamed; none
+        x = torch.zeros(num_tokens, in_features, dtype=fp8)
+        launch_resident_gemv(x, torch.zeros(128, in_features, dtype=fp8), (scale, scale), bf16)
     gate_up = torch.zeros(20, 2 * hidden, dtype=bf16)
     silu_and_mul_epilogue(gate_up, None)
     silu_and_mul_epilogue(gate_up, scale)

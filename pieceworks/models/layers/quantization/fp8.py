@@ -27,6 +27,7 @@ quantized with the layer's own ``input_scale``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from pieceworks.models.layers.quantization.base import (
     layer_tensor,
     small_m_gemv_enabled,
 )
+from pieceworks.models.layers.resident_gemv import launch_resident_gemv, uses_resident_gemv
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 from pieceworks.models.layers.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
 from pieceworks.models.layers.triton_gemv_rope import (
@@ -105,7 +107,11 @@ def small_m_fp8_linear(
     """``fp8_gemm`` for 2-D x; the Triton GEMV on the FP8 operands when ``uses_kernel``."""
     if not uses_kernel(x_fp8, weight, (FP8_DTYPE,)):
         return fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, bias, native)
-    output = launch_gemv(x_fp8, weight, scales=(input_scale, weight_scale), out_dtype=out_dtype)
+    scales = (input_scale, weight_scale)
+    if os.environ.get("PW_EXP_RESIDENT", "1") == "1" and uses_resident_gemv(x_fp8, weight):
+        output = launch_resident_gemv(x_fp8, weight, scales, out_dtype)  # EXPERIMENT switch
+    else:
+        output = launch_gemv(x_fp8, weight, scales=scales, out_dtype=out_dtype)
     return output if bias is None else output + bias
 
 

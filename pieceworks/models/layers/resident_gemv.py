@@ -1,0 +1,250 @@
+"""The resident-weight FP8 GEMV: a decode GEMV that reads its whole weight slice before it waits.
+
+Why: under programmatic dependent launch (PDL) a kernel is scheduled while the kernel before it
+still runs and waits for it inside (``triton_launch.py``). The weights of a linear layer never
+depend on the kernel before, only x does. ``o_proj`` comes right after decode attention, whose
+split and reduce kernels are latency chains that leave HBM idle for several microseconds; the
+Triton GEMV (``triton_gemv.py``) waits before its first load and streams all of W after the
+attention ends. This kernel issues the copies of (most of) its W slice into shared memory before
+the wait, so W streams during the attention, and after the wait only x, the MMAs and the few
+chunks that did not fit remain.
+
+Why Gluon: a Triton ``tl.load`` lands in registers and its software pipeline issues W and x
+together, so a plain Triton GEMV cannot hold W in shared memory across the wait (session 10: two
+chunks in registers cost 255 registers and spills; session 11: a wait inside the pipelined loop
+moved only one chunk before it). Gluon (``triton.experimental.gluon``) gives the kernel its
+shared memory, its asynchronous copies (``cp.async``) and Hopper's warpgroup MMA directly.
+
+Layout: each program owns ``BLOCK_N`` = 64 rows of W (the MMA's M, the smallest a warpgroup
+takes) and all of K, in ``BLOCK_K`` = 256-byte chunks. ``RESIDENT`` chunks have a shared memory
+slot of their own and are copied before the wait; the remaining chunks reuse slots as the MMAs
+free them. x (at most 16 tokens, padded to ``BLOCK_T`` = 8 or 16, the MMA's N) is copied whole
+after the wait. acc = W x^T in float32 with Hopper's FP8 fast accumulation (as the Triton GEMV),
+two accumulators alternating by chunk so consecutive MMAs do not wait for each other; the result
+times both scales is stored in the output dtype. Deterministic: no atomics.
+
+Only for FP8 operands on Hopper (compute capability 9.x: the warpgroup MMA), never interpreted,
+where the slots hold at least ``MIN_RESIDENT_SHARE`` of the slice and the grid fits the SMs at
+once (``uses_resident_gemv``); elsewhere the Triton GEMV.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from pieceworks.core.norm_quant import FP8_DTYPE
+from pieceworks.models.layers import triton_gemv_config, triton_launch
+from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
+
+try:  # Gluon ships with Triton 3.4 and newer
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+BLOCK_N = 64  # weight rows per program: the warpgroup MMA's M
+BLOCK_K = 256  # bytes of K per chunk (one FP8 element per byte)
+NUM_WARPS = 4  # one warpgroup
+MAX_TOKENS = 16
+MIN_RESIDENT_SHARE = 0.75  # of the slice's chunks copied before the wait, or the Triton GEMV
+SHARED_RESERVE = 1024  # bytes of shared memory left for the compiler's own use
+
+if gluon is not None:
+    # Triton 3.6 names these async_copy_global_to_shared and thread_barrier; later ones async_load
+    # and barrier (the old names remain and raise)
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+    @gluon.constexpr_function
+    def _newer_groups(chunk, resident, num_chunks):
+        """How many copy groups were committed after the ones chunk ``chunk`` needs, when its
+        iteration waits. Commit order: W chunks 0..resident-1, x, then chunk c >= resident
+        at iteration c - resident + 1."""
+        streamed = max(0, min(chunk - 1, num_chunks - resident))  # in iterations 1..chunk-1
+        if chunk < resident:  # needs x, committed after every resident chunk
+            return streamed
+        return max(0, streamed - (chunk - resident + 1))
+
+    @gluon.jit
+    def _pdl_wait():
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+    @gluon.jit
+    def _pdl_release():
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; mov.u32 $0, 0;",
+            "=r",
+            [],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _resident_gemv_kernel(
+        x_ptr,
+        weight_ptr,
+        out_ptr,
+        x_scale_ptr,
+        weight_scale_ptr,
+        num_tokens,
+        out_features,
+        stride_x,
+        stride_weight,
+        stride_out,
+        K: gl.constexpr,
+        BLOCK_T: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        RESIDENT: gl.constexpr,
+        PDL: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        NUM_CHUNKS: gl.constexpr = K // BLOCK_K
+        THREADS_K: gl.constexpr = BLOCK_K // 16  # 16-byte copies along K
+        copy_layout: gl.constexpr = gl.BlockedLayout(
+            [1, 16], [32 // THREADS_K, THREADS_K], [num_warps, 1], [1, 0]
+        )
+        slot_layout: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=8, rank=2
+        )
+        w_slots = gl.allocate_shared_memory(
+            gl.float8e4nv, [RESIDENT, BLOCK_N, BLOCK_K], slot_layout
+        )
+        x_chunks = gl.allocate_shared_memory(
+            gl.float8e4nv, [NUM_CHUNKS, BLOCK_T, BLOCK_K], slot_layout
+        )
+        first_row = gl.program_id(0) * BLOCK_N
+        rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+        ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
+        w_ptrs = weight_ptr + rows.to(gl.int64)[:, None] * stride_weight + ks[None, :]
+        row_mask = (rows < out_features)[:, None]
+        for chunk in gl.static_range(RESIDENT):  # W does not depend on the kernel before
+            _async_load(w_slots.index(chunk), w_ptrs + chunk * BLOCK_K, mask=row_mask)
+            async_copy.commit_group()
+        tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, copy_layout))
+        x_ptrs = x_ptr + tokens[:, None] * stride_x + ks[None, :]  # (T, BLOCK_K)
+        token_mask = (tokens < num_tokens)[:, None]  # pad tokens: zeros, never stored
+        if PDL:
+            _pdl_wait()  # x is the kernel before's output
+        for chunk in gl.static_range(NUM_CHUNKS):
+            _async_load(x_chunks.index(chunk), x_ptrs + chunk * BLOCK_K, mask=token_mask)
+        async_copy.commit_group()
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_T, 32]
+        )
+        acc_even = gl.zeros((BLOCK_N, BLOCK_T), dtype=gl.float32, layout=mma_layout)
+        acc_odd = gl.zeros((BLOCK_N, BLOCK_T), dtype=gl.float32, layout=mma_layout)
+        for chunk in gl.static_range(NUM_CHUNKS):
+            async_copy.wait_group(_newer_groups(chunk, RESIDENT, NUM_CHUNKS))
+            _cta_barrier()  # every thread's copies of this chunk have landed
+            fence_async_shared()  # and are visible to the MMA (the async proxy)
+            w = w_slots.index(chunk % RESIDENT)
+            x_t = x_chunks.index(chunk).permute((1, 0))  # (BLOCK_K, T), K-major
+            if chunk % 2 == 0:
+                acc_even = warpgroup_mma(w, x_t, acc_even, is_async=True)
+            else:
+                acc_odd = warpgroup_mma(w, x_t, acc_odd, is_async=True)
+            acc_even, acc_odd = warpgroup_mma_wait(num_outstanding=1, deps=(acc_even, acc_odd))
+            if chunk >= 1 and chunk - 1 + RESIDENT < NUM_CHUNKS:  # chunk - 1's MMA is done: its
+                _cta_barrier()  # slot takes a chunk still in HBM (a constexpr condition)
+                _async_load(
+                    w_slots.index((chunk - 1) % RESIDENT),
+                    w_ptrs + (chunk - 1 + RESIDENT) * BLOCK_K,
+                    mask=row_mask,
+                )
+                async_copy.commit_group()
+        acc_even, acc_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc_even, acc_odd))
+        if PDL:
+            _pdl_release()  # W is read: the next kernel may be scheduled
+        scale = gl.load(x_scale_ptr) * gl.load(weight_scale_ptr)
+        acc = (acc_even + acc_odd) * scale  # (BLOCK_N, T) = (W x^T) for this program's rows
+        columns = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+        out_tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma_layout))
+        out_ptrs = out_ptr + out_tokens[None, :] * stride_out + columns[:, None]
+        mask = (out_tokens < num_tokens)[None, :] & (columns < out_features)[:, None]
+        gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def resident_chunks(num_tokens: int, in_features: int, shared_bytes: int) -> int:
+    """How many of a program's W chunks get a shared memory slot of their own, beside x's
+    (``BLOCK_T`` x ``in_features`` bytes)."""
+    x_bytes = _block_tokens(num_tokens) * in_features
+    return max(0, (shared_bytes - SHARED_RESERVE - x_bytes) // (BLOCK_N * BLOCK_K))
+
+
+def uses_resident_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``launch_resident_gemv`` takes these operands (else the Triton GEMV)."""
+    num_tokens, in_features = x.shape
+    if gluon is None or triton_launch.INTERPRETED or not triton_launch.kernel_runs_on(x):
+        return False
+    if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or not 0 < num_tokens <= MAX_TOKENS:
+        return False
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        return False
+    if in_features % BLOCK_K or in_features < 2 * BLOCK_K:
+        return False
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False  # the warpgroup MMA is Hopper's
+    num_chunks = in_features // BLOCK_K
+    shared = triton_gemv_config.max_shared_bytes(x.device) or 0
+    fits = resident_chunks(num_tokens, in_features, shared) >= MIN_RESIDENT_SHARE * num_chunks
+    return fits and triton.cdiv(weight.shape[0], BLOCK_N) <= _num_sms(x.device.index or 0)
+
+
+def launch_resident_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(x * x_scale) @ (weight * weight_scale)^T`` in ``out_dtype``, (M, N); FP8 x (M, K) and
+    weight (N, K), where ``uses_resident_gemv``."""
+    num_tokens, in_features = x.shape
+    out_features = weight.shape[0]
+    num_chunks = in_features // BLOCK_K
+    shared = triton_gemv_config.max_shared_bytes(x.device) or 0
+    resident = min(num_chunks, resident_chunks(num_tokens, in_features, shared))
+    out = torch.empty((num_tokens, out_features), dtype=out_dtype, device=x.device)
+    pdl = programmatic_launch(x.device)
+    _resident_gemv_kernel[(triton.cdiv(out_features, BLOCK_N),)](
+        x,
+        weight,
+        out,
+        scales[0],
+        scales[1],
+        num_tokens,
+        out_features,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        K=in_features,
+        BLOCK_T=_block_tokens(num_tokens),
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        RESIDENT=resident,
+        PDL=pdl,
+        num_warps=NUM_WARPS,
+        **launch_options(pdl),
+    )
+    return out
+
+
+def _block_tokens(num_tokens: int) -> int:
+    return 8 if num_tokens <= 8 else 16
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

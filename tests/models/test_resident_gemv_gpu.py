@@ -1,0 +1,109 @@
+"""The resident-weight FP8 GEMV on a Hopper GPU (``models/layers/resident_gemv.py``).
+
+It proves that the Gluon kernel computes ``x W^T`` times both scales (against a float64
+reference, within Hopper's FP8 fast accumulation, as the Triton GEMV), with all chunks resident,
+with chunks streamed into freed slots (the 8B ``o_proj`` shape), with rows off the 64-row grid
+and 1 to 16 tokens; that it reads x only after the kernel that writes x has finished, when both
+are launched with PDL and replayed in a CUDA graph (the producer releases it at its start, so it
+is scheduled while the producer runs); and which shapes take it.
+Run on a GPU machine: pytest -m gpu tests/models/test_resident_gemv_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant
+from pieceworks.models.layers import resident_gemv
+from pieceworks.models.layers.quantization.triton_norm_quant import rms_norm_static_fp8_quant
+from pieceworks.models.layers.resident_gemv import launch_resident_gemv, uses_resident_gemv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+        reason="the resident GEMV needs a Hopper GPU",
+    ),
+]
+FAST_ACCUMULATION = dict(rtol=4e-3, atol=4e-3)  # as the Triton GEMV's FP8 tests on an H200
+
+
+def fp8_operands(num_tokens: int, out_features: int, in_features: int):
+    """FP8 x and W with per-tensor scales; values spread over the e4m3 range."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(num_tokens, in_features, device="cuda", generator=generator)
+    weight = torch.randn(out_features, in_features, device="cuda", generator=generator)
+    x_scale = torch.tensor(0.02, device="cuda")
+    weight_scale = weight.abs().max() / 448
+    x_fp8 = static_scaled_fp8_quant(x, x_scale)
+    return x_fp8, static_scaled_fp8_quant(weight, weight_scale), x_scale, weight_scale
+
+
+def reference(x_fp8, weight, x_scale, weight_scale) -> torch.Tensor:
+    return (x_fp8.double() @ weight.double().t()) * (x_scale * weight_scale).double()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 16])
+@pytest.mark.parametrize(
+    "out_features,in_features",
+    [(4096, 4096), (200, 1024), (256, 512)],  # 8B o_proj (M <= 8: 4 chunks streamed); ragged
+)
+def test_resident_gemv_matches_the_reference_gemm(out_dtype, num_tokens, out_features, in_features):
+    x_fp8, weight, x_scale, weight_scale = fp8_operands(num_tokens, out_features, in_features)
+    if not uses_resident_gemv(x_fp8, weight):
+        assert num_tokens > 8 and in_features == 4096  # x's 64 KB leave too few slots
+        return
+    output = launch_resident_gemv(x_fp8, weight, (x_scale, weight_scale), out_dtype)
+    assert output.shape == (num_tokens, out_features) and output.dtype == out_dtype
+    expected = reference(x_fp8, weight, x_scale, weight_scale)
+    torch.testing.assert_close(output.double(), expected, **FAST_ACCUMULATION)
+
+
+def test_resident_gemv_waits_for_the_kernel_that_writes_x():
+    """norm + quant (PDL, releases at its start) writes x, the resident GEMV reads it; in a graph
+    replayed with new inputs, each result is the GEMV of that replay's x."""
+    hidden = 4096
+    _, weight, _, weight_scale = fp8_operands(1, 4096, hidden)
+    x_scale = torch.tensor(0.05, device="cuda")
+    source = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
+    norm_weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    x_fp8 = torch.empty(1, hidden, device="cuda", dtype=FP8_DTYPE)
+    assert uses_resident_gemv(x_fp8, weight)
+
+    def step() -> torch.Tensor:
+        rms_norm_static_fp8_quant(x_fp8, source, norm_weight, x_scale, 1e-5)
+        return launch_resident_gemv(x_fp8, weight, (x_scale, weight_scale), torch.float32)
+
+    source.normal_()
+    step()  # compile outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    for seed in range(4):
+        source.copy_(torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        expected_x = torch.empty_like(x_fp8)
+        rms_norm_static_fp8_quant(expected_x, source, norm_weight, x_scale, 1e-5)
+        torch.testing.assert_close(
+            output.double(),
+            reference(expected_x, weight, x_scale, weight_scale),
+            **FAST_ACCUMULATION,
+        )
+
+
+def test_which_products_take_the_resident_gemv():
+    """The 8B o_proj at up to 8 tokens; not down_proj (too little of its slice fits), not 16
+    tokens at K = 4096 (x takes the slots), not bfloat16."""
+
+    def takes(num_tokens, out_features, in_features, dtype=FP8_DTYPE) -> bool:
+        x = torch.zeros(num_tokens, in_features, device="cuda", dtype=dtype)
+        weight = torch.zeros(out_features, in_features, device="cuda", dtype=dtype)
+        return uses_resident_gemv(x, weight)
+
+    assert takes(1, 4096, 4096) and takes(8, 4096, 4096)
+    assert not takes(1, 4096, 14336) and not takes(16, 4096, 4096)
+    assert not takes(1, 4096, 4096, torch.bfloat16)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert not takes(1, (num_sms + 1) * resident_gemv.BLOCK_N, 1024)  # one wave only
