@@ -18,6 +18,7 @@ from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant
 from pieceworks.models.layers import resident_gemv
 from pieceworks.models.layers.quantization.triton_norm_quant import rms_norm_static_fp8_quant
 from pieceworks.models.layers.resident_gemv import launch_resident_gemv, uses_resident_gemv
+from pieceworks.models.layers.triton_gemv import launch_gemv
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,7 +27,6 @@ pytestmark = [
         reason="the resident GEMV needs a Hopper GPU",
     ),
 ]
-FAST_ACCUMULATION = dict(rtol=4e-3, atol=4e-3)  # as the Triton GEMV's FP8 tests on an H200
 
 
 def fp8_operands(num_tokens: int, out_features: int, in_features: int):
@@ -51,14 +51,23 @@ def reference(x_fp8, weight, x_scale, weight_scale) -> torch.Tensor:
     [(4096, 4096), (200, 1024), (256, 512)],  # 8B o_proj (M <= 8: 4 chunks streamed); ragged
 )
 def test_resident_gemv_matches_the_reference_gemm(out_dtype, num_tokens, out_features, in_features):
+    """Against float64, as close as the Triton GEMV: both let Hopper's FP8 MMA add in reduced
+    precision (about 14 bits kept), which at K = 4096 leaves errors near 1% of the largest
+    output on these operands (saturated e4m3 values of both signs)."""
     x_fp8, weight, x_scale, weight_scale = fp8_operands(num_tokens, out_features, in_features)
     if not uses_resident_gemv(x_fp8, weight):
         assert num_tokens > 8 and in_features == 4096  # x's 64 KB leave too few slots
         return
-    output = launch_resident_gemv(x_fp8, weight, (x_scale, weight_scale), out_dtype)
+    scales = (x_scale, weight_scale)
+    output = launch_resident_gemv(x_fp8, weight, scales, out_dtype)
     assert output.shape == (num_tokens, out_features) and output.dtype == out_dtype
     expected = reference(x_fp8, weight, x_scale, weight_scale)
-    torch.testing.assert_close(output.double(), expected, **FAST_ACCUMULATION)
+    largest = expected.abs().max()
+    error = ((output.double() - expected).abs().max() / largest).item()
+    triton = launch_gemv(x_fp8, weight, scales=scales, out_dtype=out_dtype)
+    triton_error = ((triton.double() - expected).abs().max() / largest).item()
+    print(f"K={in_features} M={num_tokens}: resident {error:.1e}, Triton GEMV {triton_error:.1e}")
+    assert error <= 2e-2 and error <= 3 * triton_error + 2e-3, (error, triton_error)
 
 
 def test_resident_gemv_waits_for_the_kernel_that_writes_x():
@@ -86,11 +95,9 @@ def test_resident_gemv_waits_for_the_kernel_that_writes_x():
         graph.replay()
         expected_x = torch.empty_like(x_fp8)
         rms_norm_static_fp8_quant(expected_x, source, norm_weight, x_scale, 1e-5)
-        torch.testing.assert_close(
-            output.double(),
-            reference(expected_x, weight, x_scale, weight_scale),
-            **FAST_ACCUMULATION,
-        )
+        expected = reference(expected_x, weight, x_scale, weight_scale)
+        error = ((output.double() - expected).abs().max() / expected.abs().max()).item()
+        assert error <= 2e-2, (seed, error)  # a stale x would be off by the whole output
 
 
 def test_which_products_take_the_resident_gemv():

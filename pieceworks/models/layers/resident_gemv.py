@@ -31,6 +31,7 @@ once (``uses_resident_gemv``); elsewhere the Triton GEMV.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -216,6 +217,7 @@ def launch_resident_gemv(
     num_chunks = in_features // BLOCK_K
     shared = triton_gemv_config.max_shared_bytes(x.device) or 0
     resident = min(num_chunks, resident_chunks(num_tokens, in_features, shared))
+    resident = min(resident, int(os.environ.get("PW_EXP_RESIDENT_MAX", "99")))  # EXPERIMENT
     out = torch.empty((num_tokens, out_features), dtype=out_dtype, device=x.device)
     pdl = programmatic_launch(x.device)
     _resident_gemv_kernel[(triton.cdiv(out_features, BLOCK_N),)](
