@@ -95,7 +95,10 @@ for section in $sections; do
                   tar -czf "$OUT/profilebamba.tgz" -C "$PROF" . ;;
     profilefp8) PROF=$(mktemp -d)
                 run profilefp8 python3 benchmarks/profile_decode.py --model llama-3.1-8b --quantization fp8 --batch-size 1 --modes full_and_piecewise --out-dir "$PROF"
+                run layerspansfp8 python3 benchmarks/layer_spans.py "$PROF/trace_full_and_piecewise_b1.json.gz"
                 tar -czf "$OUT/profilefp8.tgz" -C "$PROF" . ;;
+    residenttests) run residenttests python3 -m pytest tests/models/test_resident_gemv_gpu.py tests/models/test_resident_gemv.py -q -s -p no:cacheprovider ;;
+    residentprobe) run residentprobe env PYTHONPATH=. python3 benchmarks/resident_gemv_probe.py --out "$OUT/resident_gemv_probe.json" ;;
     l2probe) run l2probe python3 benchmarks/l2_prefetch_probe.py --out "$OUT/l2_prefetch_probe.json" ;;
     gemvfp8) run gemvfp8 python3 benchmarks/gemv_decode.py --fp8 --out "$OUT/gemv_fp8.json" ;;
     gemv) run gemv python3 benchmarks/gemv_decode.py --out "$OUT/gemv_decode.json" ;;

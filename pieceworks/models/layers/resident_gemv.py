@@ -31,13 +31,14 @@ once (``uses_resident_gemv``); elsewhere the Triton GEMV.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
 from pieceworks.core.norm_quant import FP8_DTYPE
+from pieceworks.logger import init_logger
 from pieceworks.models.layers import triton_gemv_config, triton_launch
+from pieceworks.models.layers.triton_gemv import launch_gemv
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
 
 try:  # Gluon ships with Triton 3.4 and newer
@@ -52,12 +53,27 @@ try:  # Gluon ships with Triton 3.4 and newer
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
+logger = init_logger(__name__)
+
 BLOCK_N = 64  # weight rows per program: the warpgroup MMA's M
 BLOCK_K = 256  # bytes of K per chunk (one FP8 element per byte)
 NUM_WARPS = 4  # one warpgroup
 MAX_TOKENS = 16
 MIN_RESIDENT_SHARE = 0.75  # of the slice's chunks copied before the wait, or the Triton GEMV
 SHARED_RESERVE = 1024  # bytes of shared memory left for the compiler's own use
+_COMPILE_FAILURES: list[str] = []  # why the kernel did not run here; once set, never tried again
+
+
+def newer_copy_groups(chunk: int, resident: int, num_chunks: int) -> int:
+    """How many copy groups were committed after the ones chunk ``chunk`` needs, when the
+    kernel's iteration for it waits (``cp.async.wait_group`` takes that count). Commit order: W
+    chunks 0..resident-1, then x, then chunk c >= resident at iteration c - resident + 1 (into
+    the slot chunk c - resident freed)."""
+    streamed = max(0, min(chunk - 1, num_chunks - resident))  # in iterations 1..chunk-1
+    if chunk < resident:  # needs x, committed after every resident chunk
+        return streamed
+    return max(0, streamed - (chunk - resident + 1))
+
 
 if gluon is not None:
     # Triton 3.6 names these async_copy_global_to_shared and thread_barrier; later ones async_load
@@ -65,15 +81,7 @@ if gluon is not None:
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-    @gluon.constexpr_function
-    def _newer_groups(chunk, resident, num_chunks):
-        """How many copy groups were committed after the ones chunk ``chunk`` needs, when its
-        iteration waits. Commit order: W chunks 0..resident-1, x, then chunk c >= resident
-        at iteration c - resident + 1."""
-        streamed = max(0, min(chunk - 1, num_chunks - resident))  # in iterations 1..chunk-1
-        if chunk < resident:  # needs x, committed after every resident chunk
-            return streamed
-        return max(0, streamed - (chunk - resident + 1))
+    _newer_groups = gluon.constexpr_function(newer_copy_groups)
 
     @gluon.jit
     def _pdl_wait():
@@ -185,10 +193,36 @@ def resident_chunks(num_tokens: int, in_features: int, shared_bytes: int) -> int
     return max(0, (shared_bytes - SHARED_RESERVE - x_bytes) // (BLOCK_N * BLOCK_K))
 
 
+def fp8_decode_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The FP8 GEMV of a decode-sized product: the resident one where ``uses_resident_gemv``,
+    else the Triton GEMV (``launch_gemv``). If the Gluon kernel fails to compile (Gluon's API
+    changes between Triton releases; checked with 3.6 and 3.9), a warning says so once and the
+    Triton GEMV takes every later product."""
+    if uses_resident_gemv(x, weight):
+        try:
+            return launch_resident_gemv(x, weight, scales, out_dtype)
+        except Exception as error:  # noqa: BLE001 - reported, then the Triton GEMV runs
+            _COMPILE_FAILURES.append(f"{type(error).__name__}: {error}"[:500])
+            logger.warning(
+                "the resident-weight FP8 GEMV does not run with Triton %s (%s); FP8 decode uses "
+                "the Triton GEMV instead, about 1%% slower per step on an H200. Please report it.",
+                triton.__version__,
+                _COMPILE_FAILURES[-1],
+            )
+    return launch_gemv(x, weight, scales=scales, out_dtype=out_dtype)
+
+
 def uses_resident_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``launch_resident_gemv`` takes these operands (else the Triton GEMV)."""
     num_tokens, in_features = x.shape
-    if gluon is None or triton_launch.INTERPRETED or not triton_launch.kernel_runs_on(x):
+    if gluon is None or _COMPILE_FAILURES or triton_launch.INTERPRETED:
+        return False
+    if not triton_launch.kernel_runs_on(x):
         return False
     if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or not 0 < num_tokens <= MAX_TOKENS:
         return False
@@ -217,7 +251,8 @@ def launch_resident_gemv(
     num_chunks = in_features // BLOCK_K
     shared = triton_gemv_config.max_shared_bytes(x.device) or 0
     resident = min(num_chunks, resident_chunks(num_tokens, in_features, shared))
-    resident = min(resident, int(os.environ.get("PW_EXP_RESIDENT_MAX", "99")))  # EXPERIMENT
+    if resident < 2:  # a streamed chunk takes the slot the previous MMA read (newer_copy_groups)
+        raise ValueError(f"the resident GEMV needs two chunk slots, has {resident}: {x.shape}")
     out = torch.empty((num_tokens, out_features), dtype=out_dtype, device=x.device)
     pdl = programmatic_launch(x.device)
     _resident_gemv_kernel[(triton.cdiv(out_features, BLOCK_N),)](

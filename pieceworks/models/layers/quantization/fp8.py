@@ -15,7 +15,10 @@ fuses it into whatever produced the activation, and where that is an RMSNorm the
 
 In compiled graphs, where the small-M GEMV is on (``quantization/base.py``), the GEMM is the op
 ``pieceworks::small_m_fp8_linear``: the Triton GEMV on FP8 operands for at most 16 tokens
-(``layers/triton_gemv.py``), ``fp8_gemm`` above that. The MLP's gate/up projection is
+(``layers/triton_gemv.py``), ``fp8_gemm`` above that. On Hopper, products whose weight slices
+fit in shared memory (the attention's ``o_proj`` at 8B widths) take the resident-weight GEMV
+instead, which copies its weights before it waits for the attention
+(``layers/resident_gemv.py``). The MLP's gate/up projection is
 ``pieceworks::small_m_fp8_silu_and_mul``: the GEMV with ``silu(gate) * up`` and the down
 projection's static quantization as its epilogue, so it hands ``down_proj`` FP8 values and the
 activation costs no kernel of its own. The attention's qkv projection is
@@ -27,7 +30,6 @@ quantized with the layer's own ``input_scale``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -40,7 +42,7 @@ from pieceworks.models.layers.quantization.base import (
     layer_tensor,
     small_m_gemv_enabled,
 )
-from pieceworks.models.layers.resident_gemv import launch_resident_gemv, uses_resident_gemv
+from pieceworks.models.layers.resident_gemv import fp8_decode_gemv
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 from pieceworks.models.layers.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
 from pieceworks.models.layers.triton_gemv_rope import (
@@ -107,11 +109,7 @@ def small_m_fp8_linear(
     """``fp8_gemm`` for 2-D x; the Triton GEMV on the FP8 operands when ``uses_kernel``."""
     if not uses_kernel(x_fp8, weight, (FP8_DTYPE,)):
         return fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, bias, native)
-    scales = (input_scale, weight_scale)
-    if os.environ.get("PW_EXP_RESIDENT", "1") == "1" and uses_resident_gemv(x_fp8, weight):
-        output = launch_resident_gemv(x_fp8, weight, scales, out_dtype)  # EXPERIMENT switch
-    else:
-        output = launch_gemv(x_fp8, weight, scales=scales, out_dtype=out_dtype)
+    output = fp8_decode_gemv(x_fp8, weight, (input_scale, weight_scale), out_dtype)
     return output if bias is None else output + bias
 
 

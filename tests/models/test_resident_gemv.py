@@ -1,0 +1,103 @@
+"""The resident-weight FP8 GEMV's host side, on the CPU (``models/layers/resident_gemv.py``).
+
+Gluon kernels do not run under Triton's interpreter: the kernel itself is checked by the GPU tests
+(``test_resident_gemv_gpu.py``) and compiled for sm_90 by ``test_kernels_compile.py``. Here: the
+copy-group count each iteration waits for, against a simulation of the kernel's commit order for
+every resident/streamed split (too small a count reads a chunk still in flight, too large one
+waits for copies it does not need); how many chunks stay resident at the 8B shape; that CPU
+operands never take the kernel; and that a kernel that fails to compile is reported once and the
+Triton GEMV runs instead.
+Run: PYTHONPATH=. python -m pytest tests/models/test_resident_gemv.py -q
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pieceworks.core.norm_quant import FP8_DTYPE
+from pieceworks.models.layers import resident_gemv
+from pieceworks.models.layers.resident_gemv import (
+    fp8_decode_gemv,
+    newer_copy_groups,
+    resident_chunks,
+    uses_resident_gemv,
+)
+
+
+def committed_groups(chunk: int, resident: int, num_chunks: int) -> list[str]:
+    """The copy groups the kernel has committed when iteration ``chunk`` waits, oldest first."""
+    groups = [f"w{c}" for c in range(resident)] + ["x"]
+    for iteration in range(1, chunk):  # at the end of iteration i: chunk i - 1 + resident
+        streamed = iteration - 1 + resident
+        if streamed < num_chunks:
+            groups.append(f"w{streamed}")
+    return groups
+
+
+@pytest.mark.parametrize("num_chunks", [2, 3, 5, 16, 17])
+def test_each_iteration_waits_for_exactly_the_copies_it_reads(num_chunks):
+    for resident in range(2, num_chunks + 1):
+        for chunk in range(num_chunks):
+            groups = committed_groups(chunk, resident, num_chunks)
+            needed = max(groups.index(f"w{chunk}"), groups.index("x"))
+            assert newer_copy_groups(chunk, resident, num_chunks) == len(groups) - 1 - needed, (
+                chunk,
+                resident,
+                groups,
+            )
+
+
+@pytest.mark.parametrize("num_chunks", [2, 3, 5, 16, 17])
+def test_every_mma_reads_its_chunk_and_no_copy_overwrites_a_slot_in_use(num_chunks):
+    """Slot contents over the kernel's iterations: MMA i reads slot i % resident, and the copy
+    at the end of iteration i (chunk i - 1 + resident) goes to the slot MMA i - 1 read, never
+    to the one MMA i may still read (the kernel waits for all but one MMA)."""
+    for resident in range(2, num_chunks + 1):
+        slots = list(range(resident))  # chunk held by each slot: the resident ones first
+        for chunk in range(num_chunks):
+            assert slots[chunk % resident] == chunk, (resident, chunk, slots)
+            streamed = chunk - 1 + resident
+            if chunk >= 1 and streamed < num_chunks:
+                target = (chunk - 1) % resident
+                assert target != chunk % resident
+                slots[target] = streamed
+
+
+def test_resident_chunks_at_the_8b_o_proj_shape():
+    sm90_shared = 232448
+    assert resident_chunks(1, 4096, sm90_shared) == 12  # 8 padded tokens: 32 KB of x
+    assert resident_chunks(16, 4096, sm90_shared) == 10  # 16 padded tokens: 64 KB of x
+
+
+def test_cpu_operands_never_take_the_kernel():
+    x = torch.zeros(1, 4096, dtype=FP8_DTYPE)
+    assert not uses_resident_gemv(x, torch.zeros(4096, 4096, dtype=FP8_DTYPE))
+
+
+def test_a_kernel_that_does_not_compile_is_reported_and_replaced(monkeypatch, caplog):
+    monkeypatch.setattr(resident_gemv, "_COMPILE_FAILURES", [])
+    monkeypatch.setattr(resident_gemv, "gluon", object())  # as if Gluon were importable
+    monkeypatch.setattr(resident_gemv.triton_launch, "kernel_runs_on", lambda x: True)
+
+    def no_kernel(*args):
+        raise RuntimeError("PassManager::run failed")
+
+    fallbacks = []
+    monkeypatch.setattr(resident_gemv, "launch_resident_gemv", no_kernel)
+    monkeypatch.setattr(resident_gemv, "launch_gemv", lambda *a, **k: fallbacks.append(a) or "ok")
+    monkeypatch.setattr(resident_gemv, "uses_resident_gemv", lambda x, w: True)
+    x = torch.zeros(1, 512, dtype=FP8_DTYPE)
+    weight = torch.zeros(64, 512, dtype=FP8_DTYPE)
+    scales = (torch.tensor(1.0), torch.tensor(1.0))
+    with caplog.at_level(logging.WARNING):
+        assert fp8_decode_gemv(x, weight, scales, torch.bfloat16) == "ok"
+    assert len(fallbacks) == 1 and "PassManager" in resident_gemv._COMPILE_FAILURES[0]
+    assert "does not run with Triton" in caplog.text
+    monkeypatch.undo()  # the real uses_resident_gemv refuses once a failure is recorded
+    monkeypatch.setattr(resident_gemv, "_COMPILE_FAILURES", ["RuntimeError: earlier"])
+    monkeypatch.setattr(resident_gemv, "gluon", object())
+    monkeypatch.setattr(resident_gemv.triton_launch, "kernel_runs_on", lambda x: True)
+    assert not uses_resident_gemv(x, weight)
