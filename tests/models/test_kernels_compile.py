@@ -215,12 +215,7 @@ def record_linear_and_norm() -> None:
                                             1e-5)  # fmt: skip
     for num_tokens, in_features in ((1, 4096), (16, 512)):  # 4 of 16 chunks streamed; none
         x = torch.zeros(num_tokens, in_features, dtype=fp8)
-        weight = torch.zeros(512, in_features, dtype=fp8)  # 4 heads of 128 for the rotary form
-        positions = torch.zeros(num_tokens, dtype=torch.int64)
-        rope = RopeEpilogue(positions, torch.zeros(16, 128, dtype=bf16), 128, 2)
-        launch_resident_gemv(x, weight, (scale, scale), bf16)
-        launch_resident_gemv(x, weight, (scale, scale), bf16, gated=True, out_scale=scale)
-        launch_resident_gemv(x, weight, (scale, scale), bf16, rope=rope)
+        launch_resident_gemv(x, torch.zeros(128, in_features, dtype=fp8), (scale, scale), bf16)
     gate_up = torch.zeros(20, 2 * hidden, dtype=bf16)
     silu_and_mul_epilogue(gate_up, None)
     silu_and_mul_epilogue(gate_up, scale)
