@@ -45,7 +45,12 @@ from pieceworks import envs  # noqa: E402
 from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
-from pieceworks.models.layers import triton_gemv, triton_gemv_rope, triton_launch  # noqa: E402
+from pieceworks.models.layers import (  # noqa: E402
+    resident_gemv,
+    triton_gemv,
+    triton_gemv_rope,
+    triton_launch,
+)
 from pieceworks.models.layers.activation import silu_and_mul  # noqa: E402
 from pieceworks.models.layers.quantization import fp8  # noqa: E402
 from pieceworks.models.layers.triton_gemv import (  # noqa: E402
@@ -100,6 +105,7 @@ def kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(triton_gemv, "launch_gemv", counted_launch)
     monkeypatch.setattr(triton_gemv_rope, "launch_gemv", counted_launch)
     monkeypatch.setattr(fp8, "launch_gemv", counted_launch)
+    monkeypatch.setattr(resident_gemv, "launch_gemv", counted_launch)  # its fallback, on CPU
     return launches
 
 
