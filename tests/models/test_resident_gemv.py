@@ -20,6 +20,7 @@ import torch
 from pieceworks.core.norm_quant import FP8_DTYPE
 from pieceworks.models.layers import resident_gemv
 from pieceworks.models.layers.resident_gemv import (
+    copies_align,
     fp8_decode_gemv,
     newer_copy_groups,
     resident_chunks,
@@ -70,6 +71,17 @@ def test_resident_chunks_at_the_8b_o_proj_shape():
     sm90_shared = 232448
     assert resident_chunks(1, 4096, sm90_shared) == 12  # 8 padded tokens: 32 KB of x
     assert resident_chunks(16, 4096, sm90_shared) == 10  # 16 padded tokens: 64 KB of x
+
+
+def test_copies_must_start_16_byte_aligned():
+    """A launch whose x or W rows do not start on 16 bytes does not compile (Triton 3.6: seen
+    on the H200 in an FP8 model); such operands take the Triton GEMV."""
+    buffer = torch.zeros(2, 4096 + 32, dtype=FP8_DTYPE)
+    weight = torch.zeros(64, 4096, dtype=FP8_DTYPE)
+    assert copies_align(buffer[:, :4096], weight)  # a row stride of 4128 bytes
+    assert not copies_align(buffer[:, 1:4097], weight)  # starts one byte in
+    assert not copies_align(torch.zeros(2, 4104, dtype=FP8_DTYPE)[:, :4096], weight)  # stride 4104
+    assert not copies_align(buffer[:, :4096], weight.t().contiguous().t())  # column-major W
 
 
 def test_cpu_operands_never_take_the_kernel():

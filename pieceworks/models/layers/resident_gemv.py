@@ -217,6 +217,16 @@ def fp8_decode_gemv(
     return launch_gemv(x, weight, scales=scales, out_dtype=out_dtype)
 
 
+def copies_align(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether every 16-byte copy of a row of x and W starts 16-byte aligned (rows contiguous,
+    base pointers and row strides multiples of 16 bytes): the kernel's copies need it, and with
+    Triton 3.6 a launch without it does not compile."""
+    return all(
+        t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+        for t in (x, weight)
+    )
+
+
 def uses_resident_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``launch_resident_gemv`` takes these operands (else the Triton GEMV)."""
     num_tokens, in_features = x.shape
@@ -226,7 +236,7 @@ def uses_resident_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or not 0 < num_tokens <= MAX_TOKENS:
         return False
-    if x.stride(1) != 1 or weight.stride(1) != 1:
+    if not copies_align(x, weight):
         return False
     if in_features % BLOCK_K or in_features < 2 * BLOCK_K:
         return False
