@@ -24,8 +24,12 @@ two accumulators alternating by chunk so consecutive MMAs do not wait for each o
 times both scales is stored in the output dtype. Deterministic: no atomics.
 
 Only for FP8 operands on Hopper (compute capability 9.x: the warpgroup MMA), never interpreted,
-where the slots hold at least ``MIN_RESIDENT_SHARE`` of the slice and the grid fits the SMs at
-once (``uses_resident_gemv``); elsewhere the Triton GEMV.
+with 16-byte-aligned rows, where the slots hold at least ``MIN_RESIDENT_SHARE`` of the slice and
+the grid fits the SMs at once (``uses_resident_gemv``); elsewhere, and on a Triton whose Gluon
+does not compile it, the Triton GEMV (``fp8_decode_gemv``). On an H200 (session 11,
+``docs/performance.md``): ``o_proj`` ends 3.4 µs after a latency-bound producer against 6.2 µs
+for the Triton GEMV, and FP8 8B batch 1 steps 0.04 ms faster. After a short producer it gains
+nothing: the same kernel for qkv and gate_up (behind the norm kernels) was slower and was removed.
 """
 
 from __future__ import annotations
