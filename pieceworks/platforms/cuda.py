@@ -71,6 +71,9 @@ class CudaPlatform(Platform):
     def supports_programmatic_launch(self) -> bool:
         return torch.cuda.get_device_capability() >= (9, 0)
 
+    def supports_warpgroup_mma(self) -> bool:
+        return torch.cuda.get_device_capability()[0] == 9
+
     def supports_fp8(self) -> bool:
         """e4m3fn ``torch._scaled_mm`` needs compute capability 8.9 (Ada) or newer."""
         return torch.cuda.get_device_capability() >= (8, 9)

@@ -108,6 +108,12 @@ class Platform:
         waiting for it inside (NVIDIA's programmatic dependent launch, Hopper and newer)."""
         return False
 
+    def supports_warpgroup_mma(self) -> bool:
+        """Whether the device has Hopper's warpgroup MMA (``wgmma``; NVIDIA compute capability
+        9.x, not Blackwell), which the resident-weight FP8 GEMV (``models/layers/resident_gemv.py``)
+        is written for."""
+        return False
+
     def supports_fp8(self) -> bool:
         """Whether FP8 (e4m3fn) GEMMs run natively here (``torch._scaled_mm``).
 

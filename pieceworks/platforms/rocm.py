@@ -2,7 +2,8 @@
 
 A ROCm build of torch reports ``torch.version.hip`` and exposes HIP devices as ``cuda``; graphs,
 pools, the dispatch key and the distributed backend name are shared with ``CudaPlatform``. Only
-detection, naming and FP8 support differ, so that is all this class overrides.
+detection, naming, FP8 support and the NVIDIA-only launch and MMA features differ, so that is all
+this class overrides.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class RocmPlatform(CudaPlatform):
 
     def supports_programmatic_launch(self) -> bool:
         return False  # griddepcontrol is NVIDIA's
+
+    def supports_warpgroup_mma(self) -> bool:
+        return False  # wgmma is NVIDIA's (an MI300 reports compute capability 9.4)
 
     def supports_fp8(self) -> bool:
         # MI300 GEMMs take float8_e4m3fnuz, not the OCP e4m3fn pieceworks stores: reference path.

@@ -163,6 +163,20 @@ def test_rocm_detected_on_a_simulated_hip_build(monkeypatch):
     assert not RocmPlatform.is_available()
 
 
+def test_only_hopper_reports_the_warpgroup_mma(monkeypatch):
+    """The resident-weight GEMV is written for wgmma: CUDA at compute capability 9.x, never
+    ROCm (an MI300 reports 9.4), Blackwell (10.0) or a platform that does not say so."""
+    from pieceworks.platforms.cuda import CudaPlatform
+    from pieceworks.platforms.rocm import RocmPlatform
+
+    for capability, expected in (((9, 0), True), ((8, 9), False), ((10, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        assert CudaPlatform().supports_warpgroup_mma() is expected
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 4))
+    assert not RocmPlatform().supports_warpgroup_mma()
+    assert not CpuPlatform().supports_warpgroup_mma()
+
+
 def test_graph_pool_is_a_process_wide_singleton(graph_platform):
     pool = graph_platform.graph_pool()
     assert pool is not None

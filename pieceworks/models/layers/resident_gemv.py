@@ -34,8 +34,6 @@ nothing: the same kernel for qkv and gate_up (behind the norm kernels) was slowe
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
@@ -44,6 +42,7 @@ from pieceworks.logger import init_logger
 from pieceworks.models.layers import triton_gemv_config, triton_launch
 from pieceworks.models.layers.triton_gemv import launch_gemv
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
+from pieceworks.platforms import current_platform
 
 try:  # Gluon ships with Triton 3.4 and newer
     from triton.experimental import gluon
@@ -244,12 +243,13 @@ def uses_resident_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if in_features % BLOCK_K or in_features < 2 * BLOCK_K:
         return False
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
-        return False  # the warpgroup MMA is Hopper's
+    if not current_platform().supports_warpgroup_mma():
+        return False  # the kernel is written for Hopper's MMA
     num_chunks = in_features // BLOCK_K
     shared = triton_gemv_config.max_shared_bytes(x.device) or 0
     fits = resident_chunks(num_tokens, in_features, shared) >= MIN_RESIDENT_SHARE * num_chunks
-    return fits and triton.cdiv(weight.shape[0], BLOCK_N) <= _num_sms(x.device.index or 0)
+    num_sms = triton_gemv_config.num_sms(x.device) or 0
+    return fits and triton.cdiv(weight.shape[0], BLOCK_N) <= num_sms  # one wave
 
 
 def launch_resident_gemv(
@@ -294,8 +294,3 @@ def launch_resident_gemv(
 
 def _block_tokens(num_tokens: int) -> int:
     return 8 if num_tokens <= 8 else 16
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count

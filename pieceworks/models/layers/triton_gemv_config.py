@@ -90,13 +90,21 @@ def max_shared_bytes(device: torch.device) -> int | None:
     """Shared memory per block on ``device``'s GPU, or None where Triton runs interpreted."""
     if INTERPRETED or device.type == "cpu":
         return None
-    return _max_shared_bytes(device.index or 0)  # a GPU tensor's device always has its index
+    return int(_device_properties(device.index or 0)["max_shared_mem"])
+
+
+def num_sms(device: torch.device) -> int | None:
+    """Streaming multiprocessors (compute units) of ``device``'s GPU, or None where Triton runs
+    interpreted."""
+    if INTERPRETED or device.type == "cpu":
+        return None
+    return int(_device_properties(device.index or 0)["multiprocessor_count"])
 
 
 @functools.lru_cache(maxsize=16)
-def _max_shared_bytes(device_index: int) -> int:
-    properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    return int(properties["max_shared_mem"])
+def _device_properties(device_index: int) -> dict:
+    """Triton's view of a GPU (a GPU tensor's device always has its index)."""
+    return dict(triton.runtime.driver.active.utils.get_device_properties(device_index))
 
 
 @dataclasses.dataclass(frozen=True)
