@@ -44,7 +44,7 @@ from pieceworks.models.layers.triton_gemv import launch_gemv
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
 from pieceworks.platforms import current_platform
 
-try:  # Gluon ships with Triton 3.4 and newer
+try:  # Gluon is experimental; checked with Triton 3.6 and 3.9
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
