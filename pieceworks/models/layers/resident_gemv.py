@@ -65,7 +65,6 @@ MAX_TOKENS = 16
 MIN_RESIDENT_SHARE = 0.75  # of the slice's chunks copied before the wait, or the Triton GEMV
 SHARED_RESERVE = 1024  # bytes of shared memory left for the compiler's own use
 _COMPILE_FAILURES: list[str] = []  # why the kernel did not run here; once set, never tried again
-_EARLY_RELEASE = [True]  # EXPERIMENT (session 12 A/B): release the next kernel at the start
 
 
 def newer_copy_groups(chunk: int, resident: int, num_chunks: int) -> int:
@@ -122,11 +121,8 @@ if gluon is not None:
         BLOCK_K: gl.constexpr,
         RESIDENT: gl.constexpr,
         PDL: gl.constexpr,
-        EARLY_RELEASE: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        if PDL and EARLY_RELEASE:
-            _pdl_release()
         NUM_CHUNKS: gl.constexpr = K // BLOCK_K
         THREADS_K: gl.constexpr = BLOCK_K // 16  # 16-byte copies along K
         copy_layout: gl.constexpr = gl.BlockedLayout(
@@ -182,7 +178,7 @@ if gluon is not None:
                 )
                 async_copy.commit_group()
         acc_even, acc_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc_even, acc_odd))
-        if PDL and not EARLY_RELEASE:
+        if PDL:
             _pdl_release()  # W is read: the next kernel may be scheduled
         scale = gl.load(x_scale_ptr) * gl.load(weight_scale_ptr)
         acc = (acc_even + acc_odd) * scale  # (BLOCK_N, T) = (W x^T) for this program's rows
@@ -290,7 +286,6 @@ def launch_resident_gemv(
         BLOCK_K=BLOCK_K,
         RESIDENT=resident,
         PDL=pdl,
-        EARLY_RELEASE=_EARLY_RELEASE[0],
         num_warps=NUM_WARPS,
         **launch_options(pdl),
     )

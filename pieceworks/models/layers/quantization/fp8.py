@@ -43,7 +43,6 @@ from pieceworks.models.layers.quantization.base import (
     small_m_gemv_enabled,
 )
 from pieceworks.models.layers.resident_gemv import fp8_decode_gemv
-from pieceworks.models.layers.ring_gemv import fp8_decode_gated_gemv
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 from pieceworks.models.layers.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
 from pieceworks.models.layers.triton_gemv_rope import (
@@ -141,7 +140,9 @@ def small_m_fp8_silu_and_mul(
         gate_up = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
         return silu_and_mul_epilogue(gate_up, out_scale)
     scales = (input_scale, weight_scale)
-    return fp8_decode_gated_gemv(x_fp8, weight, scales, out_dtype, out_scale)
+    return launch_gemv(
+        x_fp8, weight, scales=scales, gated=True, out_dtype=out_dtype, out_scale=out_scale
+    )
 
 
 def small_m_fp8_silu_and_mul_fake(
