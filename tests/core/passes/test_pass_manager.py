@@ -31,9 +31,12 @@ def pass_types(config: PassConfig) -> list[type]:
 
 
 def test_pass_config_selects_passes_and_fix_functionalization_runs_last():
-    assert pass_types(PassConfig(enable_noop=False)) == [FixFunctionalizationPass]
-    assert pass_types(PassConfig()) == [NoOpEliminationPass, FixFunctionalizationPass]
-    assert pass_types(PassConfig(enable_fusion=True)) == [
+    no_fusion = PassConfig(enable_fusion=False)
+    assert pass_types(PassConfig(enable_noop=False, enable_fusion=False)) == [
+        FixFunctionalizationPass
+    ]
+    assert pass_types(no_fusion) == [NoOpEliminationPass, FixFunctionalizationPass]
+    assert pass_types(PassConfig()) == [
         NoOpEliminationPass,
         RMSNormQuantFusionPass,
         FixFunctionalizationPass,
@@ -43,13 +46,14 @@ def test_pass_config_selects_passes_and_fix_functionalization_runs_last():
 def test_fusion_also_runs_on_the_joint_graph():
     """Before Inductor's joint-graph patterns (torch 2.11 folds the residual's bfloat16 round
     trip there), in the slot Inductor calls first; its uuid enters the manager's."""
-    assert PostGradPassManager(PassConfig()).joint_passes is None
-    manager = PostGradPassManager(PassConfig(enable_fusion=True))
+    no_fusion = PassConfig(enable_fusion=False)
+    assert PostGradPassManager(no_fusion).joint_passes is None
+    manager = PostGradPassManager(PassConfig())
     assert manager.joint_passes is not None
     joint = [type(graph_pass) for graph_pass in manager.joint_passes.passes]
     assert joint == [NoOpEliminationPass, RMSNormQuantFusionPass]
     assert manager.config_patches()["joint_custom_pre_pass"] is manager.joint_passes
-    assert "joint_custom_pre_pass" not in PostGradPassManager(PassConfig()).config_patches()
+    assert "joint_custom_pre_pass" not in PostGradPassManager(no_fusion).config_patches()
     assert manager.config_factors()["joint"] == manager.joint_passes.uuid()
 
 
@@ -76,7 +80,7 @@ def test_uuid_is_stable_and_follows_the_pass_config():
         for fusion in (False, True)
     }
     assert len(set(uuids.values())) == 4
-    assert PostGradPassManager(PassConfig()).uuid() == uuids[(True, False)]
+    assert PostGradPassManager(PassConfig()).uuid() == uuids[(True, True)]  # the defaults
 
 
 PASS_SOURCE = """
@@ -129,7 +133,7 @@ def test_pass_manager_uuid_enters_the_compile_cache_key(load_pass):
     factors = compiler.compute_hash_factors()
     assert factors["pass_manager_uuid"] == compiler.pass_manager.uuid()
     assert key(PassConfig()) == key(PassConfig())
-    assert key(PassConfig()) != key(PassConfig(enable_fusion=True))
+    assert key(PassConfig()) != key(PassConfig(enable_fusion=False))
     # Same config, a pass's source edited: only the compiler factors differ, and the key does.
     compiler.pass_manager.passes.insert(0, load_pass(3))
     before_edit = key(PassConfig(), compiler)
