@@ -49,11 +49,16 @@ def test_the_variable_cannot_force_it_and_says_so(monkeypatch, platform_with_pdl
     assert _decide(monkeypatch, None) is False
 
 
-def test_kernels_never_use_it_on_the_cpu_or_interpreted(monkeypatch, platform_with_pdl):
+def test_kernels_use_it_only_where_they_run_compiled(monkeypatch, platform_with_pdl):
+    """On the platform's own device where it runs pieceworks' Triton kernels, not interpreted;
+    never on another device (the CPU on a GPU platform) nor where the platform runs none."""
     _decide(monkeypatch, "1")
-    assert triton_launch.programmatic_launch(torch.device("cpu")) is False
-    gpu = torch.device("cuda", 0)
-    assert triton_launch.programmatic_launch(gpu) is not triton_launch.INTERPRETED
+    monkeypatch.setattr(platform_with_pdl, "runs_triton_kernels", lambda self: True)
+    own = torch.device(current_platform().device_type)
+    assert triton_launch.programmatic_launch(own) is not triton_launch.INTERPRETED
+    assert triton_launch.programmatic_launch(torch.device("meta")) is False
+    monkeypatch.setattr(platform_with_pdl, "runs_triton_kernels", lambda self: False)
+    assert triton_launch.programmatic_launch(own) is False
     assert triton_launch.launch_options(True) == {"launch_pdl": True}
     assert triton_launch.launch_options(False) == {}
 

@@ -13,7 +13,7 @@ import functools
 import torch
 import triton
 
-from pieceworks.models.layers.triton_launch import INTERPRETED
+from pieceworks.models.layers import triton_launch
 
 MAX_KERNEL_TOKENS = 64  # what the kernel takes (benchmarks measure 32 and 64 against cuBLAS)
 MIN_BLOCK_M = 16  # tokens padded to at least the smallest tensor-core tile
@@ -87,16 +87,17 @@ def gemv_config(
 
 
 def max_shared_bytes(device: torch.device) -> int | None:
-    """Shared memory per block on ``device``'s GPU, or None where Triton runs interpreted."""
-    if INTERPRETED or device.type == "cpu":
+    """Shared memory per block on ``device``'s GPU, or None where the kernels do not run compiled
+    on it."""
+    if not triton_launch.compiled_kernels_run_on(device):
         return None
     return int(_device_properties(device.index or 0)["max_shared_mem"])
 
 
 def num_sms(device: torch.device) -> int | None:
-    """Streaming multiprocessors (compute units) of ``device``'s GPU, or None where Triton runs
-    interpreted."""
-    if INTERPRETED or device.type == "cpu":
+    """Streaming multiprocessors (compute units) of ``device``'s GPU, or None where the kernels do
+    not run compiled on it."""
+    if not triton_launch.compiled_kernels_run_on(device):
         return None
     return int(_device_properties(device.index or 0)["multiprocessor_count"])
 

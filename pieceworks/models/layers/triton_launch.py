@@ -37,11 +37,9 @@ INTERPRETED = type(pdl_start).__name__ == "InterpretedFunction"  # TRITON_INTERP
 
 
 def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` are launched with PDL: where the process uses it, never on
-    the CPU or when interpreted."""
-    if INTERPRETED or device.type == "cpu":
-        return False
-    return programmatic_launch_enabled()
+    """Whether kernels on ``device`` are launched with PDL: where the process uses it and the
+    kernels run compiled there (``compiled_kernels_run_on``)."""
+    return compiled_kernels_run_on(device) and programmatic_launch_enabled()
 
 
 def launch_options(pdl: bool) -> dict[str, Any]:
@@ -52,5 +50,16 @@ def launch_options(pdl: bool) -> dict[str, Any]:
 def kernel_runs_on(x: torch.Tensor) -> bool:
     """Whether ``x`` lives on the platform's device and the platform runs pieceworks' Triton
     kernels (CUDA, ROCm)."""
+    return _platform_runs_kernels_on(x.device)
+
+
+def compiled_kernels_run_on(device: torch.device) -> bool:
+    """Whether pieceworks' Triton kernels run compiled (not interpreted) on ``device``: the
+    platform runs them and ``device`` is the platform's; what launch options and the GPU's
+    properties (``triton_gemv_config``) apply to."""
+    return not INTERPRETED and _platform_runs_kernels_on(device)
+
+
+def _platform_runs_kernels_on(device: torch.device) -> bool:
     platform = current_platform()
-    return platform.runs_triton_kernels() and x.device.type == platform.device_type
+    return platform.runs_triton_kernels() and device.type == platform.device_type
