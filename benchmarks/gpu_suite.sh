@@ -72,11 +72,6 @@ for section in $sections; do
     fusiontests) # the fusion on the device's torch (its joint-graph patterns differ from 2.13's);
                  # the other pass tests are CPU tests (their ops run on CPU tensors)
                  run fusiontests python3 -m pytest tests/models/test_fp8.py -q -s -p no:cacheprovider -k "residual_form or compiled_with_fusion" ;;
-    testspdl) run testspdl env PIECEWORKS_PDL=1 python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
-    kerneltestspdl) run kerneltestspdl env PIECEWORKS_PDL=1 python3 -m pytest tests/models/test_attention_kernels_gpu.py tests/models/test_triton_gemv.py tests/models/test_fp8_gpu.py tests/platforms/test_programmatic_launch.py -q -p no:cacheprovider ;;
-    profilefp8pdl) PROF=$(mktemp -d)
-                   run profilefp8pdl env PIECEWORKS_PDL=1 python3 benchmarks/profile_decode.py --model llama-3.1-8b --quantization fp8 --batch-size 1 --modes full_and_piecewise --out-dir "$PROF"
-                   tar -czf "$OUT/profilefp8pdl.tgz" -C "$PROF" . ;;
     tp) run tp python3 -m pytest -m gpu tests/distributed/test_tp_gpu.py -q -s -p no:cacheprovider ;;
     benchtp1|benchtp2) tp=${section#benchtp}
                run $section pieceworks bench latency --model llama-3.1-8b --tensor-parallel-size $tp --batch-size 1,64 --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 2 --modes full_and_piecewise --output-json "$OUT/bench_llama8b_tp$tp.json" ;;
