@@ -134,8 +134,8 @@ if gluon is not None:
         w_slots = gl.allocate_shared_memory(
             gl.float8e4nv, [RESIDENT, BLOCK_N, BLOCK_K], slot_layout
         )
-        x_chunks = gl.allocate_shared_memory(
-            gl.float8e4nv, [NUM_CHUNKS, BLOCK_T, BLOCK_K], slot_layout
+        x_chunks = gl.allocate_shared_memory(  # chunk c is rows c * BLOCK_T .. + BLOCK_T - 1
+            gl.float8e4nv, [NUM_CHUNKS * BLOCK_T, BLOCK_K], slot_layout
         )
         first_row = gl.program_id(0) * BLOCK_N
         rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
@@ -145,13 +145,16 @@ if gluon is not None:
         for chunk in gl.static_range(RESIDENT):  # W does not depend on the kernel before
             _async_load(w_slots.index(chunk), w_ptrs + chunk * BLOCK_K, mask=row_mask)
             async_copy.commit_group()
-        tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, copy_layout))
-        x_ptrs = x_ptr + tokens[:, None] * stride_x + ks[None, :]  # (T, BLOCK_K)
+        # x in one copy, chunk c's tokens in rows c * BLOCK_T ..: one copy per chunk, each into a
+        # view of the buffer, put a CTA barrier after every copy (16 between the PDL wait and the
+        # first MMA with triton 3.6; one now), and o_proj ended about 0.13 us later (session 12)
+        x_rows = gl.arange(0, NUM_CHUNKS * BLOCK_T, layout=gl.SliceLayout(1, copy_layout))
+        tokens = x_rows % BLOCK_T
+        x_ptrs = x_ptr + (tokens * stride_x + (x_rows // BLOCK_T) * BLOCK_K)[:, None] + ks[None, :]
         token_mask = (tokens < num_tokens)[:, None]  # pad tokens: zeros, never stored
         if PDL:
             _pdl_wait()  # x is the kernel before's output
-        for chunk in gl.static_range(NUM_CHUNKS):
-            _async_load(x_chunks.index(chunk), x_ptrs + chunk * BLOCK_K, mask=token_mask)
+        _async_load(x_chunks, x_ptrs, mask=token_mask)
         async_copy.commit_group()
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_T, 32]
@@ -163,7 +166,7 @@ if gluon is not None:
             _cta_barrier()  # every thread's copies of this chunk have landed
             fence_async_shared()  # and are visible to the MMA (the async proxy)
             w = w_slots.index(chunk % RESIDENT)
-            x_t = x_chunks.index(chunk).permute((1, 0))  # (BLOCK_K, T), K-major
+            x_t = x_chunks.slice(chunk * BLOCK_T, BLOCK_T).permute((1, 0))  # (BLOCK_K, T)
             if chunk % 2 == 0:
                 acc_even = warpgroup_mma(w, x_t, acc_even, is_async=True)
             else:
