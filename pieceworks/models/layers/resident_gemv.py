@@ -236,9 +236,7 @@ def copies_align(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def uses_resident_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``launch_resident_gemv`` takes these operands (else the Triton GEMV)."""
     num_tokens, in_features = x.shape
-    if gluon is None or _COMPILE_FAILURES or triton_launch.INTERPRETED:
-        return False
-    if not triton_launch.kernel_runs_on(x):
+    if gluon is None or _COMPILE_FAILURES or not triton_launch.compiled_kernels_run_on(x.device):
         return False
     if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or not 0 < num_tokens <= MAX_TOKENS:
         return False
