@@ -213,7 +213,8 @@ def record_linear_and_norm() -> None:
         rms_norm_static_fp8_quant(normed, rows[0], rows[1][0], scale, 1e-5)
         fused_add_rms_norm_static_fp8_quant(normed, rows[2], rows[0], rows[1], rows[1][0], scale,
                                             1e-5)  # fmt: skip
-    for num_tokens, in_features in ((1, 4096), (16, 512)):  # 4 of 16 chunks streamed; none
+    # 4 of 16 chunks streamed; none; three chunks (x's rows rounded up to a power of two)
+    for num_tokens, in_features in ((1, 4096), (16, 512), (3, 768)):
         x = torch.zeros(num_tokens, in_features, dtype=fp8)
         launch_resident_gemv(x, torch.zeros(128, in_features, dtype=fp8), (scale, scale), bf16)
     gate_up = torch.zeros(20, 2 * hidden, dtype=bf16)

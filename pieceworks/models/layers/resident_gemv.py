@@ -117,6 +117,7 @@ if gluon is not None:
         stride_out,
         K: gl.constexpr,
         BLOCK_T: gl.constexpr,
+        X_ROWS: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         RESIDENT: gl.constexpr,
@@ -135,7 +136,7 @@ if gluon is not None:
             gl.float8e4nv, [RESIDENT, BLOCK_N, BLOCK_K], slot_layout
         )
         x_chunks = gl.allocate_shared_memory(  # chunk c is rows c * BLOCK_T .. + BLOCK_T - 1
-            gl.float8e4nv, [NUM_CHUNKS * BLOCK_T, BLOCK_K], slot_layout
+            gl.float8e4nv, [X_ROWS, BLOCK_K], slot_layout
         )
         first_row = gl.program_id(0) * BLOCK_N
         rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
@@ -148,10 +149,13 @@ if gluon is not None:
         # x in one copy, chunk c's tokens in rows c * BLOCK_T ..: one copy per chunk, each into a
         # view of the buffer, put a CTA barrier after every copy (16 between the PDL wait and the
         # first MMA with triton 3.6; one now), and o_proj ended about 0.13 us later (session 12)
-        x_rows = gl.arange(0, NUM_CHUNKS * BLOCK_T, layout=gl.SliceLayout(1, copy_layout))
+        # (X_ROWS: NUM_CHUNKS * BLOCK_T rounded up to a power of two, as a range must be; the
+        # rows past the last chunk are never copied nor read)
+        x_rows = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, copy_layout))
         tokens = x_rows % BLOCK_T
         x_ptrs = x_ptr + (tokens * stride_x + (x_rows // BLOCK_T) * BLOCK_K)[:, None] + ks[None, :]
-        token_mask = (tokens < num_tokens)[:, None]  # pad tokens: zeros, never stored
+        # pad tokens: zeros, never stored
+        token_mask = ((tokens < num_tokens) & (x_rows < NUM_CHUNKS * BLOCK_T))[:, None]
         if PDL:
             _pdl_wait()  # x is the kernel before's output
         _async_load(x_chunks, x_ptrs, mask=token_mask)
@@ -194,8 +198,8 @@ if gluon is not None:
 
 def resident_chunks(num_tokens: int, in_features: int, shared_bytes: int) -> int:
     """How many of a program's W chunks get a shared memory slot of their own, beside x's
-    (``BLOCK_T`` x ``in_features`` bytes)."""
-    x_bytes = _block_tokens(num_tokens) * in_features
+    (``_x_rows`` x ``BLOCK_K`` bytes)."""
+    x_bytes = _x_rows(num_tokens, in_features) * BLOCK_K
     return max(0, (shared_bytes - SHARED_RESERVE - x_bytes) // (BLOCK_N * BLOCK_K))
 
 
@@ -283,6 +287,7 @@ def launch_resident_gemv(
         out.stride(0),
         K=in_features,
         BLOCK_T=_block_tokens(num_tokens),
+        X_ROWS=_x_rows(num_tokens, in_features),
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
         RESIDENT=resident,
@@ -295,3 +300,9 @@ def launch_resident_gemv(
 
 def _block_tokens(num_tokens: int) -> int:
     return 8 if num_tokens <= 8 else 16
+
+
+def _x_rows(num_tokens: int, in_features: int) -> int:
+    """Rows of x's shared buffer: a row per (chunk, padded token), rounded up to a power of two
+    (K = 768, three chunks, did not compile unrounded: session 13)."""
+    return triton.next_power_of_2(in_features // BLOCK_K * _block_tokens(num_tokens))
