@@ -373,6 +373,30 @@ def test_triton_decode_single_split_writes_the_output_itself(num_kv_splits):
 
 
 @requires_triton
+def test_triton_decode_empty_splits_write_nothing_and_are_not_read():
+    # 8 splits of 64-token tiles: the 200-token context uses splits 0-3, the 5-token one split 0.
+    # The others exit before their wait; the reduce must not read their (here NaN) rows.
+    from pieceworks.models.attention.ops import DecodeWorkspace, plan_paged_attention
+
+    batch = make_batch([200, 5], [1, 1], num_heads=8, num_kv_heads=2)
+    output = torch.full_like(batch.query, SENTINEL)
+    launch = plan_paged_attention(batch.query, batch.key_cache, batch.value_cache, output,
+                                  block_tables=batch.block_tables, scale=HEAD_SIZE**-0.5,
+                                  max_query_len=1, num_kv_splits=8,
+                                  workspace=DecodeWorkspace())  # fmt: skip
+    launch.partial_out.fill_(float("nan"))
+    launch.partial_lse.fill_(float("nan"))
+    launch(batch.query, batch.key_cache, batch.value_cache, output, batch.query_start_loc,
+           batch.seq_lens, batch.block_tables)  # fmt: skip
+    assert_matches_reference(batch, output)
+    used = torch.zeros(2, 1, 8, dtype=torch.bool, device=DEVICE)  # (seq, head, split)
+    used[0, :, :4] = used[1, :, :1] = True
+    assert launch.partial_lse[used.expand(2, 8, 8)].isfinite().all()
+    assert launch.partial_lse[~used.expand(2, 8, 8)].isnan().all()
+    assert launch.partial_out[~used.expand(2, 8, 8)].isnan().all()
+
+
+@requires_triton
 @pytest.mark.parametrize("num_kv_splits", [1, 3, 16])
 def test_triton_decode_peeled_first_tile_gives_the_same_bytes(num_kv_splits):
     # Launched early, the split kernel loads its first tile before its wait and attends it before
