@@ -34,6 +34,9 @@ SHAPES = {  # (N, K) of the Llama-3.1-8B linear layers at tensor-parallel size 1
     "down_proj": (4096, 14336),
 }
 
+FP8_TILES = [(64, 512), (32, 1024), (64, 256), (128, 256), (32, 512), (16, 1024)]
+FP8_STAGES = [3, 4, 6]
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -53,6 +56,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--graph-replays", type=int, default=20)
     parser.add_argument("--fp8", action="store_true", help="only the FP8 GEMV rows")
     parser.add_argument("--fp8-tokens", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument(
+        "--fp8-tiles",
+        nargs="+",
+        default=FP8_TILES,
+        type=lambda tile: tuple(int(v) for v in tile.split("x")),
+        help="FP8 sweep tiles, block_n x block_k (bytes of K)",
+    )
+    parser.add_argument("--fp8-stages", type=int, nargs="+", default=FP8_STAGES)
+    parser.add_argument(
+        "--layers", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="FP8 rows only"
+    )
     parser.add_argument("--copy-tbps", type=float, default=4.1, help="bandwidth for the floor")
     return parser.parse_args()
 
@@ -129,10 +143,6 @@ def graph_rows(args) -> list[dict]:
     return rows
 
 
-FP8_TILES = [(64, 512), (32, 1024), (64, 256), (128, 256), (32, 512), (16, 1024)]
-FP8_STAGES = [3, 4, 6]
-
-
 def fp8_rows(args) -> list[dict]:
     """FP8 (e4m3, per-tensor scales): cuBLAS ``_scaled_mm`` against the GEMV, in graphs of one
     product per layer; gate_up also as the gated GEMV (silu(gate) * up and the FP8 quant of the
@@ -143,7 +153,8 @@ def fp8_rows(args) -> list[dict]:
     fp8 = torch.float8_e4m3fn
     scale = torch.tensor(1.0, device="cuda")
     rows = []
-    for (name, (n, k)), m in itertools.product(SHAPES.items(), args.fp8_tokens):
+    shapes = {name: SHAPES[name] for name in args.layers}
+    for (name, (n, k)), m in itertools.product(shapes.items(), args.fp8_tokens):
         x = torch.randn(m, k, device="cuda").to(fp8)
         weights = [
             (torch.randn(n, k, device="cuda") / k**0.5 * 64).to(fp8)
@@ -184,7 +195,7 @@ def fp8_rows(args) -> list[dict]:
             del w16
         if m == 1:
             sweep = {}
-            for (block_n, block_k), stages in itertools.product(FP8_TILES, FP8_STAGES):
+            for (block_n, block_k), stages in itertools.product(args.fp8_tiles, args.fp8_stages):
                 config = GemvConfig(block_n=block_n, block_k=block_k, num_stages=stages)
                 fns = [functools.partial(launch_gemv, x, w, config, **kwargs) for w in weights]
                 try:

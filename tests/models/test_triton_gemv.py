@@ -445,13 +445,12 @@ def test_gemv_config_follows_the_h200_sweep_and_fits_smaller_shared_memory() -> 
 
 
 def test_fp8_and_gated_configs_follow_their_sweeps() -> None:
-    """FP8: 64 x 256 bytes of K everywhere, 6 stages except for gate_up (4); gated: half the
-    columns per program, so the stacked gate and up rows are the plain tile's 64."""
-    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
+    """FP8: 64 x 256 bytes of K everywhere, 6 stages except for gate_up (4) and down (8); gated:
+    half the columns per program, so the stacked gate and up rows are the plain tile's 64."""
+    for n, k, stages in ((6144, 4096, 6), (4096, 4096, 6), (4096, 14336, 8), (28672, 4096, 4)):
         assert gemv_config(1, n, k, element_size=1) == GemvConfig(
-            block_k=256, block_n=64, num_stages=6
+            block_k=256, block_n=64, num_stages=stages
         )
-    assert gemv_config(1, 28672, 4096, element_size=1).num_stages == 4
     gated = gemv_config(1, 28672, 4096, element_size=1, gated=True)
     assert gated.block_n == 32 and gated.block_k == 256
     assert gemv_config(1, 28672, 4096, gated=True) == GemvConfig(block_n=32, block_k=128)

@@ -57,15 +57,17 @@ def gemv_config(
     FP8 (one byte) was swept separately (H200, in a graph, m = 1, 64/32/16/128 columns x 256 to
     1024 bytes of K x 3/4/6 stages): 64 x 256 with 6 stages was best or within 1% on qkv, o and
     down (down: 16.9 against 19.8 us for the bfloat16 rule's 32 x 1024), and with 4 on gate_up.
+    More stages (session 13, 64 x 256, 4 to 12 stages): down 16.1 us with 8 against 16.7 with 6
+    and 16.4 with 10 (12 is past the shared memory); qkv stayed best with 6 (7.8 against 8.0).
     ``gated`` (``n`` counts the gate and the up rows): a program stacks ``block_n`` rows of each,
     so ``block_n`` is halved to keep the rows per program (one tensor-core tile) of the plain one.
     The rotary epilogue stacks the two halves of a head the same way and passes ``gated=True``
     (``rope_config`` then narrows ``block_n`` to divide half a head).
     """
     num_stages = 4
-    if element_size == 1:  # FP8: 64 x 256 everywhere, 6 stages except for gate_up
+    if element_size == 1:  # FP8: 64 x 256 everywhere; 4 stages for gate_up, 8 for down, else 6
         block_n, block_k = 64, 128
-        num_stages = 4 if n >= 16384 else 6
+        num_stages = 4 if n >= 16384 else 8 if k >= 8192 else 6
     elif n >= 16384:
         block_n, block_k = 64, 128
     elif k >= 8192:
