@@ -1,7 +1,8 @@
 """``DecodeWorkspace``: the split-KV decode scratch, allocated once and shared by every layer.
 
-The split-KV decode writes one partial output and one log-sum-exp per (sequence, q head, split),
-and its reduce kernel reads them back at once. Allocating that scratch per call costs host time on
+The split-KV decode writes one partial output and one log-sum-exp per (sequence, q head, split
+that holds part of the context), and its reduce kernel reads them back at once; the rows of empty
+splits are neither written nor read. Allocating that scratch per call costs host time on
 every layer of every step; this object hands out views of one float32 buffer instead, the same
 views for the same shape every time, so a captured graph and a later eager call agree on the
 address.
