@@ -124,7 +124,8 @@ def test_rope_kernel_matches_float64_reference(
 @pytest.mark.parametrize("pdl", [True, False])
 def test_rope_gemv_releases_decode_attention_at_its_start_under_pdl(monkeypatch, pdl):
     # The rotary GEMV comes right before decode attention: under PDL it lets the split kernel be
-    # scheduled at its own start; the other GEMVs release the next kernel after their K loop.
+    # scheduled at its own start; the other GEMVs here release the next kernel after their K loop
+    # (on the CPU the SM count is unknown, so no grid counts as one wave with SMs to spare).
     from pieceworks.models.layers import triton_gemv
 
     launches: list[dict] = []
@@ -142,6 +143,30 @@ def test_rope_gemv_releases_decode_attention_at_its_start_under_pdl(monkeypatch,
     launch_gemv(x, weight, gated=True)
     assert [launch["RELEASE_AT_START"] for launch in launches] == [pdl, False, False]
     assert [launch["PDL"] for launch in launches] == [pdl, pdl, pdl]
+
+
+def test_a_gemv_of_one_wave_with_sms_to_spare_releases_at_its_start(monkeypatch):
+    # Such a GEMV (the 8B down_proj: 64 programs on 132 SMs) lets the norm and the next qkv GEMV
+    # settle on its idle SMs; a GEMV of more programs than SMs releases after its K loop, so that
+    # nothing scheduled early takes the SMs of its later waves (releases_at_start).
+    from pieceworks.models.layers import triton_gemv
+
+    launches: list[tuple[tuple, dict]] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(triton_gemv, "_gemv_kernel", Recorder())
+    monkeypatch.setattr(triton_gemv, "programmatic_launch", lambda device: True)
+    x, weight = operands(1, 4 * 64, 96, torch.float32)
+    for num_sms in (None, 4, 5):  # None: not a GPU the kernels run compiled on
+        monkeypatch.setattr(triton_gemv.triton_gemv_config, "num_sms", lambda d, n=num_sms: n)
+        launch_gemv(x, weight)  # 4 programs of 64 columns
+    grids = {grid for grid, _ in launches}
+    assert grids == {(4,)}, grids
+    assert [launch["RELEASE_AT_START"] for _, launch in launches] == [False, False, True]
+    assert triton_gemv.releases_at_start(200, True, x.device)  # the rotary form: always
 
 
 @requires_triton

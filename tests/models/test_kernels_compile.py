@@ -217,6 +217,11 @@ def record_linear_and_norm() -> None:
     for num_tokens, in_features in ((1, 4096), (16, 512), (3, 768)):
         x = torch.zeros(num_tokens, in_features, dtype=fp8)
         launch_resident_gemv(x, torch.zeros(128, in_features, dtype=fp8), (scale, scale), bf16)
+        # the rotary form: 128-wide heads, 2 rotated of 3 (a v head as it is)
+        positions = torch.zeros(num_tokens, dtype=torch.int64)
+        rope = RopeEpilogue(positions, torch.zeros(16, 128, dtype=bf16), 128, 2)
+        qkv_weight = torch.zeros(3 * 128, in_features, dtype=fp8)
+        launch_resident_gemv(x, qkv_weight, (scale, scale), bf16, rope)
     gate_up = torch.zeros(20, 2 * hidden, dtype=bf16)
     silu_and_mul_epilogue(gate_up, None)
     silu_and_mul_epilogue(gate_up, scale)

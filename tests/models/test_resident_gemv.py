@@ -4,7 +4,8 @@ Gluon kernels do not run under Triton's interpreter: the kernel itself is checke
 (``test_resident_gemv_gpu.py``) and compiled for sm_90 by ``test_kernels_compile.py``. Here: the
 copy-group count each iteration waits for, against a simulation of the kernel's commit order for
 every resident/streamed split (too small a count reads a chunk still in flight, too large one
-waits for copies it does not need); how many chunks stay resident at the 8B shape; that CPU
+waits for copies it does not need); how many chunks stay resident at the 8B shapes, plain and
+rotary, and how the rotary form's programs are laid out; that CPU
 operands never take the kernel; and that a kernel that fails to compile is reported once and the
 Triton GEMV runs instead.
 Run: PYTHONPATH=. python -m pytest tests/models/test_resident_gemv.py -q
@@ -22,10 +23,12 @@ from pieceworks.models.layers import resident_gemv
 from pieceworks.models.layers.resident_gemv import (
     copies_align,
     fp8_decode_gemv,
+    launch_resident_gemv,
     newer_copy_groups,
     resident_chunks,
     uses_resident_gemv,
 )
+from pieceworks.models.layers.triton_gemv_config import RopeEpilogue
 
 
 def committed_groups(chunk: int, resident: int, num_chunks: int) -> list[str]:
@@ -71,6 +74,32 @@ def test_resident_chunks_at_the_8b_o_proj_shape():
     sm90_shared = 232448
     assert resident_chunks(1, 4096, sm90_shared) == 12  # 8 padded tokens: 32 KB of x
     assert resident_chunks(16, 4096, sm90_shared) == 10  # 16 padded tokens: 64 KB of x
+    assert resident_chunks(1, 4096, sm90_shared, rope=True) == 12  # and a 2 KB float32 scratch
+    assert resident_chunks(1, 4096, sm90_shared - 1, rope=True) == 11
+
+
+def test_the_rotary_form_copies_fewer_chunks_and_stacks_pairs(monkeypatch):
+    """At the 8B qkv shape the rotary form copies ROPE_RESIDENT_CHUNKS of its 16 chunks before
+    the wait (room for decode attention's programs), the plain form 12; a program owns 32 pairs
+    (64 stacked rows), so qkv's 6144 rows take 96 programs."""
+    launches: list[tuple[tuple, dict]] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, kwargs))
+
+    monkeypatch.setattr(resident_gemv, "_resident_gemv_kernel", Recorder())
+    monkeypatch.setattr(resident_gemv.triton_gemv_config, "max_shared_bytes", lambda d: 232448)
+    monkeypatch.setattr(resident_gemv, "programmatic_launch", lambda device: True)
+    x = torch.zeros(1, 4096, dtype=FP8_DTYPE)
+    scales = (torch.tensor(1.0), torch.tensor(1.0))
+    rope = RopeEpilogue(torch.zeros(1, dtype=torch.int64), torch.zeros(8, 128), 128, 40)
+    launch_resident_gemv(x, torch.zeros(6144, 4096, dtype=FP8_DTYPE), scales, torch.bfloat16, rope)
+    launch_resident_gemv(x, torch.zeros(4096, 4096, dtype=FP8_DTYPE), scales, torch.bfloat16)
+    (rope_grid, rope_launch), (plain_grid, plain_launch) = launches
+    assert rope_launch["RESIDENT"] == resident_gemv.ROPE_RESIDENT_CHUNKS == 8
+    assert rope_launch["ROPE"] and rope_grid == (96,)
+    assert plain_launch["RESIDENT"] == 12 and not plain_launch["ROPE"] and plain_grid == (64,)
 
 
 def test_copies_must_start_16_byte_aligned():
@@ -100,7 +129,7 @@ def test_a_kernel_that_does_not_compile_is_reported_and_replaced(monkeypatch, ca
     fallbacks = []
     monkeypatch.setattr(resident_gemv, "launch_resident_gemv", no_kernel)
     monkeypatch.setattr(resident_gemv, "launch_gemv", lambda *a, **k: fallbacks.append(a) or "ok")
-    monkeypatch.setattr(resident_gemv, "uses_resident_gemv", lambda x, w: True)
+    monkeypatch.setattr(resident_gemv, "uses_resident_gemv", lambda x, w, rope: True)
     x = torch.zeros(1, 512, dtype=FP8_DTYPE)
     weight = torch.zeros(64, 512, dtype=FP8_DTYPE)
     scales = (torch.tensor(1.0), torch.tensor(1.0))

@@ -1,13 +1,17 @@
-"""The resident-weight FP8 GEMV: a decode GEMV that reads its whole weight slice before it waits.
+"""The resident-weight FP8 GEMV: a decode GEMV that reads most of its weight slice before it waits.
 
 Why: under programmatic dependent launch (PDL) a kernel is scheduled while the kernel before it
 still runs and waits for it inside (``triton_launch.py``). The weights of a linear layer never
-depend on the kernel before, only x does. ``o_proj`` comes right after decode attention, whose
-split and reduce kernels are latency chains that leave HBM idle for several microseconds; the
-Triton GEMV (``triton_gemv.py``) waits before its first load and streams all of W after the
-attention ends. This kernel issues the copies of (most of) its W slice into shared memory before
-the wait, so W streams during the attention, and after the wait only x, the MMAs and the few
-chunks that did not fit remain.
+depend on the kernel before, only x does. The Triton GEMV (``triton_gemv.py``) waits before its
+first load and streams all of W after x's producer ends. This kernel issues the copies of (most
+of) its W slice into shared memory before the wait, so W streams while the kernels before it
+run, and after the wait only x, the MMAs and the chunks that did not fit remain. That pays where
+HBM would otherwise idle, or where SMs would:
+- ``o_proj`` comes right after decode attention, whose split and reduce kernels are latency
+  chains that leave HBM idle for several microseconds;
+- ``qkv_proj`` (the rotary form) is scheduled while the previous layer's ``down_proj`` still
+  streams on 64 of an H200's 132 SMs (``down_proj`` releases the next kernels at its start:
+  ``triton_gemv.releases_at_start``), so its programs copy their weights on the idle SMs.
 
 Why Gluon: a Triton ``tl.load`` lands in registers and its software pipeline issues W and x
 together, so a plain Triton GEMV cannot hold W in shared memory across the wait (session 10: two
@@ -21,15 +25,21 @@ slot of their own and are copied before the wait; the remaining chunks reuse slo
 free them. x (at most 16 tokens, padded to ``BLOCK_T`` = 8 or 16, the MMA's N) is copied whole
 after the wait. acc = W x^T in float32 with Hopper's FP8 fast accumulation (as the Triton GEMV),
 two accumulators alternating by chunk so consecutive MMAs do not wait for each other; the result
-times both scales is stored in the output dtype. Deterministic: no atomics.
+times both scales is stored in the output dtype. Deterministic: no atomics. The rotary form
+stacks each head's first-half rows on their partners as the Triton GEMV does and rotates the
+pairs in its epilogue; it copies at most ``ROPE_RESIDENT_CHUNKS`` chunks before the wait, which
+leaves shared memory on its SMs for decode attention's split programs. The kernel lets the next
+kernel be scheduled at its start.
 
 Only for FP8 operands on Hopper (compute capability 9.x: the warpgroup MMA), never interpreted,
 with 16-byte-aligned rows, where the slots hold at least ``MIN_RESIDENT_SHARE`` of the slice and
 the grid fits the SMs at once (``uses_resident_gemv``); elsewhere, and on a Triton whose Gluon
-does not compile it, the Triton GEMV (``fp8_decode_gemv``). On an H200 (session 11,
-``docs/performance.md``): ``o_proj`` ends 3.4 µs after a latency-bound producer against 6.2 µs
-for the Triton GEMV, and FP8 8B batch 1 steps 0.04 ms faster. After a short producer it gains
-nothing: the same kernel for qkv and gate_up (behind the norm kernels) was slower and was removed.
+does not compile it, the Triton GEMV (``fp8_decode_gemv``). On an H200 (``docs/performance.md``):
+``o_proj`` ends 3.4 µs after a latency-bound producer against 6.2 µs for the Triton GEMV (session
+11); the rotary ``qkv_proj`` with ``down_proj`` releasing at its start stepped FP8 8B batch 1 at
+2.404 to 2.407 ms against 2.430 to 2.435 with the Triton GEMV for qkv (session 14). Behind a
+short producer alone it gains nothing: qkv and gate_up behind the norm kernels only were slower
+(session 11), and gate_up stays on the Triton GEMV.
 """
 
 from __future__ import annotations
@@ -41,7 +51,9 @@ from pieceworks.core.norm_quant import FP8_DTYPE
 from pieceworks.logger import init_logger
 from pieceworks.models.layers import triton_gemv_config, triton_launch
 from pieceworks.models.layers.triton_gemv import launch_gemv
+from pieceworks.models.layers.triton_gemv_config import RopeEpilogue
 from pieceworks.models.layers.triton_launch import launch_options, programmatic_launch
+from pieceworks.models.layers.triton_rounding import TRITON_DTYPES
 from pieceworks.platforms import current_platform
 
 try:  # Gluon is experimental; checked with Triton 3.6 and 3.9
@@ -63,6 +75,9 @@ BLOCK_K = 256  # bytes of K per chunk (one FP8 element per byte)
 NUM_WARPS = 4  # one warpgroup
 MAX_TOKENS = 16
 MIN_RESIDENT_SHARE = 0.75  # of the slice's chunks copied before the wait, or the Triton GEMV
+# the rotary form (qkv_proj) copies at most this many chunks before its wait (H200, session 14,
+# FP8 8B batch 1: 8 and 6 chunks 2.404 to 2.407 ms, 4 2.449, 10 2.452, 12 2.439 to 2.446)
+ROPE_RESIDENT_CHUNKS = 8
 SHARED_RESERVE = 1024  # bytes of shared memory left for the compiler's own use
 _COMPILE_FAILURES: list[str] = []  # why the kernel did not run here; once set, never tried again
 
@@ -110,20 +125,32 @@ if gluon is not None:
         out_ptr,
         x_scale_ptr,
         weight_scale_ptr,
+        positions_ptr,
+        cos_sin_ptr,
         num_tokens,
         out_features,
         stride_x,
         stride_weight,
         stride_out,
+        stride_cos_sin,
+        head_size,
+        num_rotary_heads,
         K: gl.constexpr,
         BLOCK_T: gl.constexpr,
         X_ROWS: gl.constexpr,
         BLOCK_N: gl.constexpr,
         BLOCK_K: gl.constexpr,
         RESIDENT: gl.constexpr,
+        ROPE: gl.constexpr,
+        ROUND_DTYPE: gl.constexpr,
         PDL: gl.constexpr,
         num_warps: gl.constexpr,
     ):
+        # ROPE: a merged qkv weight; the program's first BLOCK_N / 2 rows are the first halves of
+        # BLOCK_N / 2 pairs of one head, the others their partners half a head further (as the
+        # Triton GEMV stacks them), and the epilogue rotates the pairs (_rope_epilogue)
+        if PDL:  # the next kernel may be scheduled now; it waits for this one
+            _pdl_release()
         NUM_CHUNKS: gl.constexpr = K // BLOCK_K
         THREADS_K: gl.constexpr = BLOCK_K // 16  # 16-byte copies along K
         copy_layout: gl.constexpr = gl.BlockedLayout(
@@ -138,11 +165,11 @@ if gluon is not None:
         x_chunks = gl.allocate_shared_memory(  # chunk c is rows c * BLOCK_T .. + BLOCK_T - 1
             gl.float8e4nv, [X_ROWS, BLOCK_K], slot_layout
         )
-        first_row = gl.program_id(0) * BLOCK_N
-        rows = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, copy_layout))
+        weight_rows, row_valid = _weight_rows(rows, out_features, head_size, BLOCK_N, ROPE)
         ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
-        w_ptrs = weight_ptr + rows.to(gl.int64)[:, None] * stride_weight + ks[None, :]
-        row_mask = (rows < out_features)[:, None]
+        w_ptrs = weight_ptr + weight_rows.to(gl.int64)[:, None] * stride_weight + ks[None, :]
+        row_mask = row_valid[:, None]
         for chunk in gl.static_range(RESIDENT):  # W does not depend on the kernel before
             _async_load(w_slots.index(chunk), w_ptrs + chunk * BLOCK_K, mask=row_mask)
             async_copy.commit_group()
@@ -185,22 +212,113 @@ if gluon is not None:
                 )
                 async_copy.commit_group()
         acc_even, acc_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc_even, acc_odd))
-        if PDL:
-            _pdl_release()  # W is read: the next kernel may be scheduled
         scale = gl.load(x_scale_ptr) * gl.load(weight_scale_ptr)
         acc = (acc_even + acc_odd) * scale  # (BLOCK_N, T) = (W x^T) for this program's rows
-        columns = first_row + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
-        out_tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma_layout))
-        out_ptrs = out_ptr + out_tokens[None, :] * stride_out + columns[:, None]
-        mask = (out_tokens < num_tokens)[None, :] & (columns < out_features)[:, None]
-        gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if ROPE:
+            _rope_epilogue(
+                acc,
+                out_ptr,
+                positions_ptr,
+                cos_sin_ptr,
+                num_tokens,
+                out_features,
+                stride_out,
+                stride_cos_sin,
+                head_size,
+                num_rotary_heads,
+                BLOCK_T,
+                BLOCK_N,
+                ROUND_DTYPE,
+                num_warps,
+            )
+        else:
+            columns = gl.program_id(0) * BLOCK_N + gl.arange(
+                0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout)
+            )
+            out_tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, mma_layout))
+            out_ptrs = out_ptr + out_tokens[None, :] * stride_out + columns[:, None]
+            mask = (out_tokens < num_tokens)[None, :] & (columns < out_features)[:, None]
+            gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _weight_rows(rows, out_features, head_size, BLOCK_N: gl.constexpr, ROPE: gl.constexpr):
+        """The weight row each of the program's tile rows copies, and whether it exists
+        (ROPE: ``out_features`` counts pairs)."""
+        if ROPE:  # pair c of head h is row h * D + c % (D / 2); its partner D / 2 further
+            HALF_N: gl.constexpr = BLOCK_N // 2
+            columns = gl.program_id(0) * HALF_N + rows % HALF_N
+            half = head_size // 2
+            head = (gl.program_id(0) * HALF_N) // half
+            weight_rows = columns + head * half + (rows // HALF_N) * half
+        else:
+            columns = gl.program_id(0) * BLOCK_N + rows
+            weight_rows = columns
+        return weight_rows, columns < out_features
+
+    @gluon.jit
+    def _rope_epilogue(
+        acc,
+        out_ptr,
+        positions_ptr,
+        cos_sin_ptr,
+        num_tokens,
+        out_features,
+        stride_out,
+        stride_cos_sin,
+        head_size,
+        num_rotary_heads,
+        BLOCK_T: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        ROUND_DTYPE: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """The pairs of ``acc``'s stacked halves rotated (neox) at each token's position for the
+        first ``num_rotary_heads`` heads, stored in the natural column order: from the halves
+        rounded to ``ROUND_DTYPE`` first, as an unfused GEMM stores them, then in float32 and
+        rounded once, as the Triton GEMV's epilogue computes it (``triton_gemv._rotate_pairs``)."""
+        HALF_N: gl.constexpr = BLOCK_N // 2
+        scratch = gl.allocate_shared_memory(  # the halves: rows 0 .. HALF_N - 1 and the rest
+            gl.float32, [BLOCK_N, BLOCK_T], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        )
+        scratch.store(acc)
+        _cta_barrier()
+        layout: gl.constexpr = gl.BlockedLayout(
+            [1, 1], [32 // BLOCK_T, BLOCK_T], [num_warps, 1], [1, 0]
+        )
+        first = scratch.slice(0, HALF_N).load(layout).to(ROUND_DTYPE).to(gl.float32)
+        second = scratch.slice(HALF_N, HALF_N).load(layout).to(ROUND_DTYPE).to(gl.float32)
+        half = head_size // 2
+        head = (gl.program_id(0) * HALF_N) // half
+        columns = gl.program_id(0) * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, layout))
+        pairs = columns - head * half  # in the head
+        tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, layout))
+        token_mask = tokens < num_tokens
+        if head < num_rotary_heads:
+            positions = gl.load(positions_ptr + tokens, mask=token_mask, other=0)
+            cos_ptrs = (
+                cos_sin_ptr + positions.to(gl.int64)[None, :] * stride_cos_sin + pairs[:, None]
+            )
+            cos = gl.load(cos_ptrs, mask=token_mask[None, :], other=0.0).to(gl.float32)
+            sin = gl.load(cos_ptrs + half, mask=token_mask[None, :], other=0.0).to(gl.float32)
+            rotated_first = first * cos - second * sin
+            second = (second * cos + first * sin).to(ROUND_DTYPE).to(gl.float32)
+            first = rotated_first.to(ROUND_DTYPE).to(gl.float32)
+        out_ptrs = out_ptr + tokens[None, :] * stride_out + (head * head_size + pairs)[:, None]
+        mask = (columns < out_features)[:, None] & token_mask[None, :]
+        element = out_ptr.dtype.element_ty
+        gl.store(out_ptrs, first.to(element), mask=mask)
+        gl.store(out_ptrs + half, second.to(element), mask=mask)
 
 
-def resident_chunks(num_tokens: int, in_features: int, shared_bytes: int) -> int:
+def resident_chunks(
+    num_tokens: int, in_features: int, shared_bytes: int, rope: bool = False
+) -> int:
     """How many of a program's W chunks get a shared memory slot of their own, beside x's
-    (``_x_rows`` x ``BLOCK_K`` bytes)."""
+    (``_x_rows`` x ``BLOCK_K`` bytes) and, for the rotary epilogue, its float32 scratch."""
     x_bytes = _x_rows(num_tokens, in_features) * BLOCK_K
-    return max(0, (shared_bytes - SHARED_RESERVE - x_bytes) // (BLOCK_N * BLOCK_K))
+    scratch_bytes = rope * BLOCK_N * _block_tokens(num_tokens) * 4
+    used = SHARED_RESERVE + x_bytes + scratch_bytes
+    return max(0, (shared_bytes - used) // (BLOCK_N * BLOCK_K))
 
 
 def fp8_decode_gemv(
@@ -208,23 +326,26 @@ def fp8_decode_gemv(
     weight: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor],
     out_dtype: torch.dtype,
+    rope: RopeEpilogue | None = None,
 ) -> torch.Tensor:
-    """The FP8 GEMV of a decode-sized product: the resident one where ``uses_resident_gemv``,
-    else the Triton GEMV (``launch_gemv``). If the Gluon kernel fails to compile (Gluon's API
-    changes between Triton releases; checked with 3.6 and 3.9), a warning says so once and the
-    Triton GEMV takes every later product."""
-    if uses_resident_gemv(x, weight):
+    """The FP8 GEMV of a decode-sized product (``rope``: with ``launch_gemv``'s rotary
+    epilogue): the resident one where ``uses_resident_gemv``, else the Triton GEMV
+    (``launch_gemv``). If the Gluon kernel fails to compile (Gluon's API changes between Triton
+    releases; checked with 3.6 and 3.9), a warning says so once and the Triton GEMV takes every
+    later product."""
+    if uses_resident_gemv(x, weight, rope):
         try:
-            return launch_resident_gemv(x, weight, scales, out_dtype)
+            return launch_resident_gemv(x, weight, scales, out_dtype, rope)
         except Exception as error:  # noqa: BLE001 - reported, then the Triton GEMV runs
             _COMPILE_FAILURES.append(f"{type(error).__name__}: {error}"[:500])
             logger.warning(
                 "the resident-weight FP8 GEMV does not run with Triton %s (%s); FP8 decode uses "
-                "the Triton GEMV instead, about 1%% slower per step on an H200. Please report it.",
+                "the Triton GEMV instead, a few percent slower per step on an H200. Please "
+                "report it.",
                 triton.__version__,
                 _COMPILE_FAILURES[-1],
             )
-    return launch_gemv(x, weight, scales=scales, out_dtype=out_dtype)
+    return launch_gemv(x, weight, scales=scales, out_dtype=out_dtype, rope=rope)
 
 
 def copies_align(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -237,7 +358,9 @@ def copies_align(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def uses_resident_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def uses_resident_gemv(
+    x: torch.Tensor, weight: torch.Tensor, rope: RopeEpilogue | None = None
+) -> bool:
     """Whether ``launch_resident_gemv`` takes these operands (else the Triton GEMV)."""
     num_tokens, in_features = x.shape
     if gluon is None or _COMPILE_FAILURES or not triton_launch.compiled_kernels_run_on(x.device):
@@ -248,11 +371,14 @@ def uses_resident_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if in_features % BLOCK_K or in_features < 2 * BLOCK_K:
         return False
+    if rope is not None and (rope.head_size // 2) % (BLOCK_N // 2):
+        return False  # a program's pairs must lie in one head
     if not current_platform().supports_warpgroup_mma():
         return False  # the kernel is written for Hopper's MMA
     num_chunks = in_features // BLOCK_K
     shared = triton_gemv_config.max_shared_bytes(x.device) or 0
-    fits = resident_chunks(num_tokens, in_features, shared) >= MIN_RESIDENT_SHARE * num_chunks
+    resident = resident_chunks(num_tokens, in_features, shared, rope is not None)
+    fits = resident >= MIN_RESIDENT_SHARE * num_chunks
     num_sms = triton_gemv_config.num_sms(x.device) or 0
     return fits and triton.cdiv(weight.shape[0], BLOCK_N) <= num_sms  # one wave
 
@@ -262,35 +388,48 @@ def launch_resident_gemv(
     weight: torch.Tensor,
     scales: tuple[torch.Tensor, torch.Tensor],
     out_dtype: torch.dtype,
+    rope: RopeEpilogue | None = None,
 ) -> torch.Tensor:
     """``(x * x_scale) @ (weight * weight_scale)^T`` in ``out_dtype``, (M, N); FP8 x (M, K) and
-    weight (N, K), where ``uses_resident_gemv``."""
+    weight (N, K), where ``uses_resident_gemv``. ``rope``: the weight is a merged qkv weight and
+    its first ``rope.num_rotary_heads`` heads are rotated, as ``launch_gemv`` does."""
     num_tokens, in_features = x.shape
-    out_features = weight.shape[0]
     num_chunks = in_features // BLOCK_K
     shared = triton_gemv_config.max_shared_bytes(x.device) or 0
-    resident = min(num_chunks, resident_chunks(num_tokens, in_features, shared))
+    resident = min(num_chunks, resident_chunks(num_tokens, in_features, shared, rope is not None))
+    if rope is not None:  # room beside it for decode attention's split programs
+        resident = min(resident, ROPE_RESIDENT_CHUNKS)
     if resident < 2:  # a streamed chunk takes the slot the previous MMA read (newer_copy_groups)
         raise ValueError(f"the resident GEMV needs two chunk slots, has {resident}: {x.shape}")
-    out = torch.empty((num_tokens, out_features), dtype=out_dtype, device=x.device)
+    out = torch.empty((num_tokens, weight.shape[0]), dtype=out_dtype, device=x.device)
+    out_features = weight.shape[0] // 2 if rope is not None else weight.shape[0]  # ROPE: pairs
+    block_columns = BLOCK_N // 2 if rope is not None else BLOCK_N
+    positions, cos_sin = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
     pdl = programmatic_launch(x.device)
-    _resident_gemv_kernel[(triton.cdiv(out_features, BLOCK_N),)](
+    _resident_gemv_kernel[(triton.cdiv(out_features, block_columns),)](
         x,
         weight,
         out,
         scales[0],
         scales[1],
+        positions,
+        cos_sin,
         num_tokens,
         out_features,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        cos_sin.stride(0),
+        rope.head_size if rope is not None else 0,
+        rope.num_rotary_heads if rope is not None else 0,
         K=in_features,
         BLOCK_T=_block_tokens(num_tokens),
         X_ROWS=_x_rows(num_tokens, in_features),
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
         RESIDENT=resident,
+        ROPE=rope is not None,
+        ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         PDL=pdl,
         num_warps=NUM_WARPS,
         **launch_options(pdl),

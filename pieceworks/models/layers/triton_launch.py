@@ -5,12 +5,15 @@ kernel before it on the stream still runs, and waits inside until that kernel ha
 its writes are visible; only then does it read its inputs or write anything. What comes before
 the wait overlaps the previous kernel: the launch and the kernel's set-up. Most kernels open
 with ``pdl_start``, which also lets the kernel after them be scheduled at once. The GEMV waits
-before its K loop and lets the next kernel be scheduled only after it (``triton_gemv.py``): a
-GEMV scheduled while another still streams its weights would compete for the same bandwidth.
-The kernels that take part: the GEMV, the fused RMSNorm + FP8 quant, decode attention's split
-and reduce (and Inductor's, through its own switch). Two of them start earlier still: the rotary
-qkv GEMV lets decode attention's split kernel be scheduled at the GEMV's start, and the split
-kernel loads its metadata and first K/V tile before it waits for q (H200, session 10).
+before its K loop and lets the next kernel be scheduled after it (``triton_gemv.py``): programs
+scheduled early would take the SMs that its later waves need. A GEMV of one wave with SMs to
+spare (the 8B ``down_proj``) and the rotary qkv GEMV release at their start instead
+(``triton_gemv.releases_at_start``). The kernels that take part: the GEMV, the fused RMSNorm +
+FP8 quant, decode attention's split and reduce (and Inductor's, through its own switch). Some
+read, before their wait, what no kernel still running can write: the resident-weight GEMV copies
+its weights
+(``resident_gemv.py``), and decode attention's split kernel loads its metadata and first K/V
+tile before it waits for q (H200, sessions 10 and 14).
 """
 
 from __future__ import annotations

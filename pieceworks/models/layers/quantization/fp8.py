@@ -16,14 +16,15 @@ fuses it into whatever produced the activation, and where that is an RMSNorm the
 In compiled graphs, where the small-M GEMV is on (``quantization/base.py``), the GEMM is the op
 ``pieceworks::small_m_fp8_linear``: the Triton GEMV on FP8 operands for at most 16 tokens
 (``layers/triton_gemv.py``), ``fp8_gemm`` above that. On Hopper, products whose weight slices
-fit in shared memory (the attention's ``o_proj`` at 8B widths) take the resident-weight GEMV
-instead, which copies its weights before it waits for the attention
+mostly fit in shared memory (the attention's ``o_proj`` and ``qkv_proj`` at 8B widths) take the
+resident-weight GEMV instead, which copies its weights before it waits for the kernel before
 (``layers/resident_gemv.py``). The MLP's gate/up projection is
 ``pieceworks::small_m_fp8_silu_and_mul``: the GEMV with ``silu(gate) * up`` and the down
 projection's static quantization as its epilogue, so it hands ``down_proj`` FP8 values and the
 activation costs no kernel of its own. The attention's qkv projection is
 ``pieceworks::small_m_fp8_rope_linear``: the GEMV with the rotary embedding of the q and k heads
-as its epilogue (``layers/triton_gemv_rope.py``). ``apply`` takes an input that is already FP8 as
+as its epilogue (``layers/triton_gemv_rope.py``; the resident GEMV's rotary form where it
+applies). ``apply`` takes an input that is already FP8 as
 quantized with the layer's own ``input_scale``.
 """
 
@@ -176,8 +177,7 @@ def small_m_fp8_rope_linear(
         qkv = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
         return rotate_qk_heads(positions, qkv, cos_sin_cache, head_size, num_rotary_heads)
     rope = rope_epilogue(positions, cos_sin_cache, head_size, num_rotary_heads)
-    scales = (input_scale, weight_scale)
-    return launch_gemv(x_fp8, weight, scales=scales, rope=rope, out_dtype=out_dtype)
+    return fp8_decode_gemv(x_fp8, weight, (input_scale, weight_scale), out_dtype, rope)
 
 
 def small_m_fp8_rope_linear_fake(
