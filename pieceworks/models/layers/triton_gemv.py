@@ -82,6 +82,7 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
     "gemv_config",
     "launch_gemv",
     "max_shared_bytes",
+    "releases_at_start",
     "rope_config",
     "silu_and_mul_epilogue",
     "small_m_linear",
