@@ -5,9 +5,9 @@ Gluon kernels do not run under Triton's interpreter: the kernel itself is checke
 copy-group count each iteration waits for, against a simulation of the kernel's commit order for
 every resident/streamed split (too small a count reads a chunk still in flight, too large one
 waits for copies it does not need); how many chunks stay resident at the 8B shapes, plain and
-rotary, and how the rotary form's programs are laid out; that CPU
-operands never take the kernel; and that a kernel that fails to compile is reported once and the
-Triton GEMV runs instead.
+rotary, and how the rotary form's programs are laid out; that CPU operands never take the kernel;
+and that a kernel variant that fails to compile is reported once and the Triton GEMV runs its
+products instead.
 Run: PYTHONPATH=. python -m pytest tests/models/test_resident_gemv.py -q
 """
 
@@ -118,27 +118,37 @@ def test_cpu_operands_never_take_the_kernel():
     assert not uses_resident_gemv(x, torch.zeros(4096, 4096, dtype=FP8_DTYPE))
 
 
-def test_a_kernel_that_does_not_compile_is_reported_and_replaced(monkeypatch, caplog):
-    monkeypatch.setattr(resident_gemv, "_COMPILE_FAILURES", [])
-    monkeypatch.setattr(resident_gemv, "gluon", object())  # as if Gluon were importable
-    monkeypatch.setattr(resident_gemv.triton_launch, "kernel_runs_on", lambda x: True)
-
-    def no_kernel(*args):
-        raise RuntimeError("PassManager::run failed")
-
-    fallbacks = []
-    monkeypatch.setattr(resident_gemv, "launch_resident_gemv", no_kernel)
-    monkeypatch.setattr(resident_gemv, "launch_gemv", lambda *a, **k: fallbacks.append(a) or "ok")
+def test_a_variant_that_does_not_compile_is_reported_once_and_replaced(monkeypatch, caplog):
+    """A launch that raises is recorded for its variant (K, padded tokens, epilogue, output
+    dtype) with one warning; later products of that variant go straight to the Triton GEMV,
+    while other variants still take the resident kernel."""
+    monkeypatch.setattr(resident_gemv, "_COMPILE_FAILURES", {})
     monkeypatch.setattr(resident_gemv, "uses_resident_gemv", lambda x, w, rope: True)
-    x = torch.zeros(1, 512, dtype=FP8_DTYPE)
-    weight = torch.zeros(64, 512, dtype=FP8_DTYPE)
+    tried: list[int] = []
+
+    def kernel_failing_at_k_512(x, weight, scales, out_dtype, rope):
+        tried.append(x.shape[1])
+        if x.shape[1] == 512:
+            raise RuntimeError("PassManager::run failed")
+        return "resident"
+
+    monkeypatch.setattr(resident_gemv, "launch_resident_gemv", kernel_failing_at_k_512)
+    monkeypatch.setattr(resident_gemv, "launch_gemv", lambda *a, **k: "triton")
     scales = (torch.tensor(1.0), torch.tensor(1.0))
+
+    def gemv(num_tokens: int, in_features: int) -> str:
+        x = torch.zeros(num_tokens, in_features, dtype=FP8_DTYPE)
+        weight = torch.zeros(64, in_features, dtype=FP8_DTYPE)
+        return fp8_decode_gemv(x, weight, scales, torch.bfloat16)
+
     with caplog.at_level(logging.WARNING):
-        assert fp8_decode_gemv(x, weight, scales, torch.bfloat16) == "ok"
-    assert len(fallbacks) == 1 and "PassManager" in resident_gemv._COMPILE_FAILURES[0]
-    assert "does not run with Triton" in caplog.text
-    monkeypatch.undo()  # the real uses_resident_gemv refuses once a failure is recorded
-    monkeypatch.setattr(resident_gemv, "_COMPILE_FAILURES", ["RuntimeError: earlier"])
-    monkeypatch.setattr(resident_gemv, "gluon", object())
-    monkeypatch.setattr(resident_gemv.triton_launch, "kernel_runs_on", lambda x: True)
-    assert not uses_resident_gemv(x, weight)
+        assert gemv(1, 512) == "triton"  # tried, failed, replaced
+        assert gemv(3, 512) == "triton"  # the same variant (8 padded tokens): not tried again
+        assert gemv(1, 1024) == "resident"  # another variant still runs
+        assert gemv(12, 512) == "triton"  # 16 padded tokens: a variant of its own, tried
+    assert tried == [512, 1024, 512]
+    failed = [(512, 8, False, torch.bfloat16), (512, 16, False, torch.bfloat16)]
+    assert list(resident_gemv._COMPILE_FAILURES) == failed
+    assert all("PassManager" in why for why in resident_gemv._COMPILE_FAILURES.values())
+    warnings = [r.getMessage() for r in caplog.records if "does not run with" in r.getMessage()]
+    assert len(warnings) == 2 and "K = 512, 8 padded tokens, plain" in warnings[0], warnings

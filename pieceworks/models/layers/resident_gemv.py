@@ -79,7 +79,8 @@ MIN_RESIDENT_SHARE = 0.75  # of the slice's chunks copied before the wait, or th
 # FP8 8B batch 1: 8 and 6 chunks 2.404 to 2.407 ms, 4 2.449, 10 2.452, 12 2.439 to 2.446)
 ROPE_RESIDENT_CHUNKS = 8
 SHARED_RESERVE = 1024  # bytes of shared memory left for the compiler's own use
-_COMPILE_FAILURES: list[str] = []  # why the kernel did not run here; once set, never tried again
+# the kernel variants (``_variant``) that did not run here, and why; never tried again
+_COMPILE_FAILURES: dict[tuple[int, int, bool, torch.dtype], str] = {}
 
 
 def newer_copy_groups(chunk: int, resident: int, num_chunks: int) -> int:
@@ -331,21 +332,35 @@ def fp8_decode_gemv(
     """The FP8 GEMV of a decode-sized product (``rope``: with ``launch_gemv``'s rotary
     epilogue): the resident one where ``uses_resident_gemv``, else the Triton GEMV
     (``launch_gemv``). If the Gluon kernel fails to compile (Gluon's API changes between Triton
-    releases; checked with 3.6 and 3.9), a warning says so once and the Triton GEMV takes every
-    later product."""
-    if uses_resident_gemv(x, weight, rope):
+    releases; checked with 3.6 and 3.9), a warning says so once for that variant of the kernel
+    (``_variant``), and the Triton GEMV takes its later products; other variants still run."""
+    variant = _variant(x, rope, out_dtype)
+    if variant not in _COMPILE_FAILURES and uses_resident_gemv(x, weight, rope):
         try:
             return launch_resident_gemv(x, weight, scales, out_dtype, rope)
         except Exception as error:  # noqa: BLE001 - reported, then the Triton GEMV runs
-            _COMPILE_FAILURES.append(f"{type(error).__name__}: {error}"[:500])
+            _COMPILE_FAILURES[variant] = f"{type(error).__name__}: {error}"[:500]
             logger.warning(
-                "the resident-weight FP8 GEMV does not run with Triton %s (%s); FP8 decode uses "
-                "the Triton GEMV instead, a few percent slower per step on an H200. Please "
-                "report it.",
+                "the resident-weight FP8 GEMV does not run with Triton %s for K = %d, %d padded "
+                "tokens, %s epilogue, %s output (%s); these products use the Triton GEMV "
+                "instead (on an H200 the resident one makes FP8 decode a few percent faster). "
+                "Please report it.",
                 triton.__version__,
-                _COMPILE_FAILURES[-1],
+                *variant[:2],
+                "rotary" if rope is not None else "plain",
+                out_dtype,
+                _COMPILE_FAILURES[variant],
             )
     return launch_gemv(x, weight, scales=scales, out_dtype=out_dtype, rope=rope)
+
+
+def _variant(
+    x: torch.Tensor, rope: RopeEpilogue | None, out_dtype: torch.dtype
+) -> tuple[int, int, bool, torch.dtype]:
+    """What a launch compiles the kernel for, besides the GPU: K, the padded token count, the
+    epilogue and the output dtype (the chunk counts follow from them)."""
+    num_tokens, in_features = x.shape
+    return in_features, _block_tokens(num_tokens), rope is not None, out_dtype
 
 
 def copies_align(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -363,7 +378,7 @@ def uses_resident_gemv(
 ) -> bool:
     """Whether ``launch_resident_gemv`` takes these operands (else the Triton GEMV)."""
     num_tokens, in_features = x.shape
-    if gluon is None or _COMPILE_FAILURES or not triton_launch.compiled_kernels_run_on(x.device):
+    if gluon is None or not triton_launch.compiled_kernels_run_on(x.device):
         return False
     if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or not 0 < num_tokens <= MAX_TOKENS:
         return False
