@@ -11,9 +11,8 @@ spare (the 8B ``down_proj``) and the rotary qkv GEMV release at their start inst
 (``triton_gemv.releases_at_start``). The kernels that take part: the GEMV, the fused RMSNorm +
 FP8 quant, decode attention's split and reduce (and Inductor's, through its own switch). Some
 read, before their wait, what no kernel still running can write: the resident-weight GEMV copies
-its weights
-(``resident_gemv.py``), and decode attention's split kernel loads its metadata and first K/V
-tile before it waits for q (H200, sessions 10 and 14).
+its weights (``resident_gemv.py``), and decode attention's split kernel loads its metadata and
+first K/V tile before it waits for q (H200, sessions 10 and 14).
 """
 
 from __future__ import annotations
