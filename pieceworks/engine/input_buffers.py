@@ -98,6 +98,7 @@ class InputBuffers:
         self.host = self._staging_views[0]
         self.num_placeholders = 0
         self.num_logits = 0  # rows of the step's hidden states that are sampled
+        self._logits_rows_lead = False  # they are rows 0 .. num_logits - 1
         self._views: dict[tuple[int, int], _StepViews] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -191,12 +192,38 @@ class InputBuffers:
         """The last token row of each request that samples a token; returns how many."""
         ends = self.host["query_start_loc"][1 : len(scheduled) + 1]
         producing = [row for row, item in enumerate(scheduled) if item.produces_token]
-        self.host["logits_indices"][: len(producing)] = ends[producing] - 1
+        indices = ends[producing] - 1
+        self.host["logits_indices"][: len(producing)] = indices
+        self._logits_rows_lead = _is_range(indices, start=0)
         return len(producing)
 
     def logits_indices(self) -> torch.Tensor:
         """(num_logits,) int64 on the device: the rows of the hidden states to sample from."""
         return self.device_buffers["logits_indices"][: self.num_logits]
+
+    def logits_rows(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The rows of ``hidden_states`` to sample from, ``(num_logits, hidden)``: a view when they
+        are its first rows (a step of decodes only), else a gather by ``logits_indices``."""
+        if self._logits_rows_lead:
+            return hidden_states[: self.num_logits]
+        return hidden_states[self.logits_indices()]
+
+    def fill_placeholders(self, sampled: torch.Tensor) -> None:
+        """Write the previous step's sampled ids (device, ``sampled``) into the input ids of the
+        decodes whose token the host has not seen: one slice copy when both sides are runs of
+        consecutive rows (a steady decode batch), else an indexed copy."""
+        count = self.num_placeholders
+        host_dst, host_src = (
+            self.host["placeholder_dst"][:count],
+            self.host["placeholder_src"][:count],
+        )
+        if count and _is_range(host_dst, host_dst[0]) and _is_range(host_src, host_src[0]):
+            first_dst, first_src = int(host_dst[0]), int(host_src[0])
+            rows = self["input_ids"][first_dst : first_dst + count]
+            rows.copy_(sampled[first_src : first_src + count])
+            return
+        dst, src = self["placeholder_dst"][:count], self["placeholder_src"][:count]
+        self["input_ids"].index_copy_(0, dst, sampled.index_select(0, src))
 
     def prepare_dummy(self, shape: StepShape, uniform_decode: bool = False) -> AttentionMetadata:
         """``num_seqs`` fresh sequences sharing the tokens, writing nothing to the caches.
@@ -223,11 +250,6 @@ class InputBuffers:
         host["slot_mapping"][: shape.num_tokens_padded] = -1
         self._copy_to_device(shape)
         return self.metadata(shape, num_decodes=padded_seqs if uniform_decode else 0)
-
-    def placeholder_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(dst, src)`` (P,) int64 on the device: input-id rows to fill from sampled-id rows."""
-        count = self.num_placeholders
-        return self["placeholder_dst"][:count], self["placeholder_src"][:count]
 
     def _next_staging(self) -> None:
         """Switch to the other staging buffer once the copy that last read it has run."""
@@ -350,3 +372,8 @@ def _field_view(packed: torch.Tensor, field: _Field) -> torch.Tensor:
     """``field`` as a typed tensor viewing its bytes of the packed uint8 buffer."""
     num_bytes = field.row_bytes * field.shape[0]
     return packed[field.offset : field.offset + num_bytes].view(field.dtype).view(field.shape)
+
+
+def _is_range(values: np.ndarray, start: int) -> bool:
+    """Whether ``values`` are ``start, start + 1, ...`` (consecutive rows)."""
+    return bool(np.array_equal(values, np.arange(start, start + len(values))))

@@ -261,23 +261,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, output: SchedulerOutput) -> torch.Tensor | None:
-        """Forward one step; float32 logits (S, V) of the requests that produce a token."""
+        """Forward one step; the logits (S, V) of the requests that produce a token, in the LM
+        head's dtype."""
         shape, mode, descriptor = self.plan(output)
         metadata = self.buffers.prepare(
             output.scheduled_requests, shape, self.block_size, self.last_sampled_rows
         )
         if self.buffers.num_placeholders:  # decode tokens still on the device
             assert self.last_sampled is not None
-            dst, src = self.buffers.placeholder_rows()
-            self.buffers["input_ids"].index_copy_(0, dst, self.last_sampled.index_select(0, src))
+            self.buffers.fill_placeholders(self.last_sampled)
         with set_forward_context(
             metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):
             hidden_states = self.forward_model(*self.buffers.model_inputs(shape))
         if self.buffers.num_logits == 0:
             return None
-        indices = self.buffers.logits_indices()  # copied with the step's inputs
-        return self.model.compute_logits(hidden_states[indices])  # (S, V) float32
+        return self.model.compute_logits(self.buffers.logits_rows(hidden_states))  # (S, V)
 
     def _generator(self, request) -> torch.Generator | None:
         if request.request_id not in self.generators:

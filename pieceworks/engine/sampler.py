@@ -3,9 +3,10 @@
 Runs after the model forward, outside any captured graph. Per step it builds the rows' temperature,
 top-k and top-p as one tensor (a single host-to-device copy), masks with one sort, and samples by
 the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` picks index ``i`` with probability
-``probs[i]``. Rows with a ``seed`` draw ``q`` from their own ``torch.Generator`` (see
+``probs[i]``, in float32. Rows with a ``seed`` draw ``q`` from their own ``torch.Generator`` (see
 ``make_generator``), so a seeded request gets the same tokens in any batch. Greedy rows take the
-argmax of the raw logits, in two stages (``row_argmax``). The result stays on the logits'
+argmax of the raw logits in their own dtype (``row_argmax``: one Triton launch on GPUs, else two
+torch stages); an all-greedy batch runs nothing else. The result stays on the logits'
 device; the runner copies it to the host without waiting (``SampledTokens``). Which rows to
 sample is the runner's business (``ScheduledRequest.produces_token``).
 """
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pieceworks.engine import triton_argmax
 from pieceworks.engine.sampling_params import SamplingParams
 
 # Columns per chunk of the two-stage argmax: the max of every chunk in parallel, then the argmax
@@ -49,13 +51,12 @@ class Sampler:
                 f"logits {tuple(logits.shape)} need one SamplingParams and one generator per row; "
                 f"got {len(params)} and {len(generators)}"
             )
-        logits = logits.float()
-        greedy_token_ids = row_argmax(logits)  # (S,)
+        greedy_token_ids = row_argmax(logits)  # (S,); the logits' own dtype orders as float32
         if all(param.is_greedy for param in params):
             return greedy_token_ids
         row_params = _row_param_tensor(params, logits.device)  # (4, S)
         temperature, top_k, top_p, is_greedy = row_params
-        logits = logits / temperature.unsqueeze(1)
+        logits = logits.float() / temperature.unsqueeze(1)
         logits = apply_top_k_top_p(
             logits,
             top_k if any(param.uses_top_k for param in params) else None,
@@ -68,8 +69,17 @@ class Sampler:
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` for ``(S, V)`` rows, ties to the first index as torch's, computed
-    as the max of each ``ARGMAX_CHUNK`` columns and then the argmax of those maxima."""
+    """``logits.argmax(dim=-1)`` for ``(S, V)`` rows, ties to the first index as torch's: one
+    Triton launch where the platform runs pieceworks' kernels (``triton_argmax.py``), else
+    ``chunked_argmax``."""
+    if triton_argmax.uses_kernel(logits):
+        return triton_argmax.launch_row_argmax(logits)
+    return chunked_argmax(logits)
+
+
+def chunked_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` in torch, as the max of each ``ARGMAX_CHUNK`` columns and then
+    the argmax of those maxima."""
     num_rows, vocab_size = logits.shape
     if vocab_size <= 2 * ARGMAX_CHUNK:
         return logits.argmax(dim=-1)

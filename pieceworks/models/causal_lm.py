@@ -84,7 +84,8 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``(N, hidden)`` -> float32 logits ``(N, vocab)`` (outside the graph).
+        """Hidden states ``(N, hidden)`` -> logits ``(N, vocab)`` in the LM head's dtype (outside
+        the graph; the sampler casts to float32 where it computes probabilities, as vLLM's does).
 
         Each rank computes its vocabulary slice; the slices are gathered on every rank and the
         padding of the last one is dropped.
@@ -92,7 +93,7 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden_states)  # (N, rows)
         if self.lm_head.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.vocab_size]
-        return logits.float()  # (N, vocab)
+        return logits  # (N, vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters; returns the parameter names loaded."""

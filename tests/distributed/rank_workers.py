@@ -74,7 +74,7 @@ def generate(
 
     def recording(hidden_states):
         logits = compute_logits(hidden_states)
-        step_logits.append(logits.detach().cpu().numpy().copy())
+        step_logits.append(logits.detach().float().cpu().numpy().copy())
         return logits
 
     model.compute_logits = recording

@@ -6,7 +6,9 @@ slots and a chunk that samples nothing, and again for a smaller step after it (n
 leak into what the step reads); ``prepare_dummy`` likewise; (2) every metadata tensor and model
 input of a padded shape has the same address on every step of that shape (a captured graph reads
 them there); (3) a step's copies cover every used byte of every field, one copy at the default
-sizes and more only across gaps of at least ``MAX_COPY_GAP_BYTES``.
+sizes and more only across gaps of at least ``MAX_COPY_GAP_BYTES``; (4) the rows to sample are a
+view of the hidden states in a decode-only step and a gather otherwise, and the decodes' tokens
+still on the device are filled from the previous step's sampled ids, in order or shuffled.
 
 The "device" is the CPU here: device and staging buffers are still separate tensors, so a field
 the copies missed would read stale values.
@@ -21,7 +23,7 @@ import torch
 from pieceworks.engine import input_buffers
 from pieceworks.engine.input_buffers import MAX_COPY_GAP_BYTES, InputBuffers, StepShape
 from pieceworks.engine.request import Request
-from pieceworks.engine.scheduler import ScheduledRequest
+from pieceworks.engine.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest
 
 BLOCK_SIZE = 4
 MAX_NUM_TOKENS, MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ = 64, 8, 16
@@ -211,3 +213,55 @@ def test_one_copy_at_default_sizes():
     for num_seqs in (1, 8, 64, 128):
         shape = StepShape(num_seqs, num_seqs, num_seqs, num_seqs, 1)
         assert len(buffers.copy_ranges(shape, num_logits=num_seqs)) == 1
+
+
+def decode_step(buffers: InputBuffers, sampled_rows: dict[str, int], prefill_first: bool = False):
+    """Three decodes whose token is still on the device (placeholders), optionally behind a
+    prefill chunk that samples nothing; returns the scheduled requests and the step's shape."""
+    scheduled = []
+    for i in range(3):  # 4 prompt tokens, 1 known output token, 1 sampled on the device
+        request = scheduled_request(4, 1, 0, 1, 10 * i).request
+        request.num_computed_tokens, request.num_output_placeholders = 5, 1
+        scheduled.append(ScheduledRequest(request, 1))
+        assert scheduled[-1].new_token_ids == [PLACEHOLDER_TOKEN_ID]
+    if prefill_first:
+        scheduled.insert(0, scheduled_request(9, 0, 0, 4, 50))  # 4 of 9 prompt tokens: no token
+    num_tokens = sum(item.num_new_tokens for item in scheduled)
+    shape = StepShape(num_tokens, num_tokens, len(scheduled), len(scheduled), 4)
+    buffers.prepare(scheduled, shape, BLOCK_SIZE, sampled_rows)
+    return scheduled, shape
+
+
+@pytest.mark.parametrize("prefill_first", [False, True])
+def test_logits_rows_view_the_first_rows_of_a_decode_step_else_gather(prefill_first):
+    buffers = make_buffers()
+    scheduled, shape = decode_step(buffers, {f"r{10 * i}": i for i in range(3)}, prefill_first)
+    hidden_states = torch.randn(shape.num_tokens_padded, 5)
+    rows = buffers.logits_rows(hidden_states)
+    # The last token of each request that samples: the decodes' rows, after the chunk's 4 if any.
+    expected = [4, 5, 6] if prefill_first else [0, 1, 2]
+    assert torch.equal(rows, hidden_states[expected])
+    assert buffers.logits_indices().tolist() == expected
+    # A decode-only step reads the rows in place (no gather kernel); otherwise they are copied.
+    assert (rows.data_ptr() == hidden_states.data_ptr()) is not prefill_first
+
+
+@pytest.mark.parametrize(
+    "sampled_rows,prefill_first",
+    [
+        ({"r0": 0, "r10": 1, "r20": 2}, False),  # in order: one slice copy
+        ({"r0": 1, "r10": 2, "r20": 3}, True),  # in order from row 1, behind a chunk
+        ({"r0": 2, "r10": 0, "r20": 1}, False),  # shuffled: the indexed copy
+    ],
+)
+def test_fill_placeholders_writes_each_decode_its_sampled_id(sampled_rows, prefill_first):
+    buffers = make_buffers()
+    scheduled, shape = decode_step(buffers, sampled_rows, prefill_first)
+    sampled = torch.tensor([900, 901, 902, 903])  # the previous step's ids, on the "device"
+    buffers.fill_placeholders(sampled)
+    input_ids, _ = buffers.model_inputs(shape)
+    decode_rows = [4, 5, 6] if prefill_first else [0, 1, 2]
+    expected = [900 + sampled_rows[item.request.request_id] for item in scheduled[-3:]]
+    assert input_ids[decode_rows].tolist() == expected
+    if prefill_first:  # the chunk's prompt tokens are untouched
+        assert input_ids[:4].tolist() == scheduled[0].request.all_token_ids[:4]

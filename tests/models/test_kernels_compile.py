@@ -8,12 +8,13 @@ that the ops make for a set of shapes: paged attention (decode with one split an
 with and without the fused KV store, bfloat16 and FP8 output; prefill) and the KV store; the GEMV
 (bfloat16 and FP8, plain, gated, with the rotary epilogue, with FP8 output); RMSNorm + FP8 quant
 (plain and residual form); the SiLU-and-mul and rotary kernels that follow a GEMM past 16 tokens;
-the Mamba2 mixer's conv1d, chunked scan and state update. It compiles each kernel for CUDA sm_90
-with exactly the arguments the launch passes (those divisible by 16 specialized as a launch does),
-once as planned on the CPU and once with its programmatic-dependent-launch switches on, and
-checks that it fits sm_90's shared memory (a kernel over it compiles but fails at launch: session
-10's GEMV variant). The compiles run in a subprocess without TRITON_INTERPRET, because the kernels
-in the test process may be interpreted. Skipped where this Triton has no CUDA backend.
+the Mamba2 mixer's conv1d, chunked scan and state update; the sampler's greedy argmax. It compiles
+each kernel for CUDA sm_90 with exactly the arguments the launch passes (those divisible by 16
+specialized as a launch does), once as planned on the CPU and once with its
+programmatic-dependent-launch switches on, and checks that it fits sm_90's shared memory (a kernel
+over it compiles but fails at launch: session 10's GEMV variant). The compiles run in a subprocess
+without TRITON_INTERPRET, because the kernels in the test process may be interpreted. Skipped where
+this Triton has no CUDA backend.
 
 Run: PYTHONPATH=. python -m pytest tests/models/test_kernels_compile.py -q
 """
@@ -262,11 +263,20 @@ def record_mamba() -> None:
             selective_state_update(ssm_state, x, dt, A, B, C, None, None, slots)
 
 
+def record_sampling() -> None:
+    """The greedy argmax's two stages at the 8B vocabulary, bfloat16 and float32 logits."""
+    from pieceworks.engine.triton_argmax import launch_row_argmax
+
+    for dtype in (torch.bfloat16, torch.float32):
+        launch_row_argmax(torch.zeros(2, 128256, dtype=dtype))
+
+
 def main() -> None:
     with recording_launches() as recorded:
         record_attention()
         record_linear_and_norm()
         record_mamba()
+        record_sampling()
     count = 0
     for kernel, args, kwargs in recorded:
         switches = {k: True for k in ("PDL", "RELEASE_AT_START", "PEEL_FIRST_TILE") if k in kwargs}
