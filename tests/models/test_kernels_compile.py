@@ -12,9 +12,10 @@ the Mamba2 mixer's conv1d, chunked scan and state update; the sampler's greedy a
 each kernel for CUDA sm_90 with exactly the arguments the launch passes (those divisible by 16
 specialized as a launch does), once as planned on the CPU and once with its
 programmatic-dependent-launch switches on, and checks that it fits sm_90's shared memory (a kernel
-over it compiles but fails at launch: session 10's GEMV variant). The compiles run in a subprocess
-without TRITON_INTERPRET, because the kernels in the test process may be interpreted. Skipped where
-this Triton has no CUDA backend.
+over it compiles but fails at launch: session 10's GEMV variant); with PDL, that the GEMVs and the
+norm read their scales, norm weight and rotary factors before the wait. The compiles run in a
+subprocess without TRITON_INTERPRET, because the kernels in the test process may be interpreted.
+Skipped where this Triton has no CUDA backend.
 
 Run: PYTHONPATH=. python -m pytest tests/models/test_kernels_compile.py -q
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 
@@ -138,6 +140,27 @@ def compile_kernel(kernel, args, kwargs, **overrides) -> None:
     assert shared <= MAX_SHARED_BYTES, (
         f"{kernel.__name__} {overrides}: {shared} bytes of shared memory, more than sm_90's "
         f"{MAX_SHARED_BYTES}; it would fail at launch (OutOfResources)"
+    )
+    if options.get("launch_pdl"):
+        check_reads_before_wait(kernel.__name__, options, compiled.asm["ptx"])
+
+
+def check_reads_before_wait(name: str, options: dict, ptx: str) -> None:
+    """Kernels launched with PDL read what no kernel of the step writes (scales, the norm
+    weight, the rotary factors at the step's positions) before ``griddepcontrol.wait``, so that
+    no load round trip follows the kernel before: at least that many global loads precede the
+    wait in the PTX (the asm of the wait has side effects, so the compiler keeps the order)."""
+    if name in ("_gemv_kernel", "_resident_gemv_kernel"):
+        scaled = options.get("SCALED", True)  # the resident GEMV is always FP8
+        expected = 2 * scaled + options.get("QUANT_OUT", False) + 3 * options.get("ROPE", False)
+    elif name == "_rms_norm_quant_kernel":
+        expected = 2  # weight, scale
+    else:
+        return
+    assert ptx.count("griddepcontrol.wait") == 1, f"{name}: one wait expected"
+    loads = re.findall(r"\bld\.global", ptx.split("griddepcontrol.wait")[0])
+    assert len(loads) >= expected, (
+        f"{name} {options}: {len(loads)} global loads before the PDL wait, {expected} expected"
     )
 
 

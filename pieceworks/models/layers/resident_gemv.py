@@ -19,27 +19,29 @@ chunks in registers cost 255 registers and spills; session 11: a wait inside the
 moved only one chunk before it). Gluon (``triton.experimental.gluon``) gives the kernel its
 shared memory, its asynchronous copies (``cp.async``) and Hopper's warpgroup MMA directly.
 
-Layout: each program owns ``BLOCK_N`` = 64 rows of W (the MMA's M, the smallest a warpgroup
-takes) and all of K, in ``BLOCK_K`` = 256-byte chunks. ``RESIDENT`` chunks have a shared memory
-slot of their own and are copied before the wait; the remaining chunks reuse slots as the MMAs
-free them. x (at most 16 tokens, padded to ``BLOCK_T`` = 8 or 16, the MMA's N) is copied whole
-after the wait. acc = W x^T in float32 with Hopper's FP8 fast accumulation (as the Triton GEMV),
-two accumulators alternating by chunk so consecutive MMAs do not wait for each other; the result
-times both scales is stored in the output dtype. Deterministic: no atomics. The rotary form
-stacks each head's first-half rows on their partners as the Triton GEMV does and rotates the
-pairs in its epilogue; it copies at most ``ROPE_RESIDENT_CHUNKS`` chunks before the wait, which
-leaves shared memory on its SMs for decode attention's split programs. The kernel lets the next
-kernel be scheduled at its start.
+Layout: each program owns ``BLOCK_N`` = 64 rows of W (the MMA's M, the smallest a warpgroup takes)
+and all of K, in ``BLOCK_K`` = 256-byte chunks. ``RESIDENT`` chunks have a shared memory slot of
+their own and are copied before the wait; the remaining chunks reuse slots as the MMAs free them. x
+(at most 16 tokens, padded to ``BLOCK_T`` = 8 or 16, the MMA's N) is copied whole after the wait.
+acc = W x^T in float32 with Hopper's FP8 fast accumulation (as the Triton GEMV), two accumulators
+alternating by chunk so consecutive MMAs do not wait for each other; the result times both scales
+is stored in the output dtype; the scales, and for the rotary form the cos and sin at the tokens'
+positions, are read before the wait too. Deterministic: no atomics. The rotary form stacks each
+head's first-half rows on their partners as the Triton GEMV does and rotates the pairs in its
+epilogue; it copies at most ``ROPE_RESIDENT_CHUNKS`` chunks before the wait, which leaves shared
+memory on its SMs for decode attention's split programs. The kernel lets the next kernel be
+scheduled at its start.
 
 Only for FP8 operands on Hopper (compute capability 9.x: the warpgroup MMA), never interpreted,
 with 16-byte-aligned rows, where the slots hold at least ``MIN_RESIDENT_SHARE`` of the slice and
-the grid fits the SMs at once (``uses_resident_gemv``); elsewhere, and on a Triton whose Gluon
-does not compile it, the Triton GEMV (``fp8_decode_gemv``). On an H200 (``docs/performance.md``):
+the grid fits the SMs at once (``uses_resident_gemv``); elsewhere, and on a Triton whose Gluon does
+not compile it, the Triton GEMV (``fp8_decode_gemv``). On an H200 (``docs/performance.md``):
 ``o_proj`` ends 3.4 µs after a latency-bound producer against 6.2 µs for the Triton GEMV (session
 11); the rotary ``qkv_proj`` with ``down_proj`` releasing at its start stepped FP8 8B batch 1 at
-2.404 to 2.407 ms against 2.430 to 2.435 with the Triton GEMV for qkv (session 14). Behind a
-short producer alone it gains nothing: qkv and gate_up behind the norm kernels only were slower
-(session 11), and gate_up stays on the Triton GEMV.
+2.404 to 2.407 ms against 2.430 to 2.435 with the Triton GEMV for qkv (session 14), and 2.317
+against 2.330 to 2.332 with the reads before the wait in both (session 15). Behind a short producer
+alone it gains nothing: qkv and gate_up behind the norm kernels only were slower (session 11), and
+gate_up stays on the Triton GEMV.
 """
 
 from __future__ import annotations
@@ -184,6 +186,20 @@ if gluon is not None:
         x_ptrs = x_ptr + (tokens * stride_x + (x_rows // BLOCK_T) * BLOCK_K)[:, None] + ks[None, :]
         # pad tokens: zeros, never stored
         token_mask = ((tokens < num_tokens) & (x_rows < NUM_CHUNKS * BLOCK_T))[:, None]
+        # The scales, and for ROPE the rotary factors at the tokens' positions, no kernel of the
+        # step writes: read before the wait, so that no load round trip follows the MMAs
+        scale = gl.load(x_scale_ptr) * gl.load(weight_scale_ptr)
+        if ROPE:
+            cos, sin = _rotary_factors(
+                positions_ptr,
+                cos_sin_ptr,
+                num_tokens,
+                stride_cos_sin,
+                head_size,
+                BLOCK_T,
+                BLOCK_N,
+                num_warps,
+            )
         if PDL:
             _pdl_wait()  # x is the kernel before's output
         _async_load(x_chunks, x_ptrs, mask=token_mask)
@@ -213,18 +229,16 @@ if gluon is not None:
                 )
                 async_copy.commit_group()
         acc_even, acc_odd = warpgroup_mma_wait(num_outstanding=0, deps=(acc_even, acc_odd))
-        scale = gl.load(x_scale_ptr) * gl.load(weight_scale_ptr)
         acc = (acc_even + acc_odd) * scale  # (BLOCK_N, T) = (W x^T) for this program's rows
         if ROPE:
             _rope_epilogue(
                 acc,
                 out_ptr,
-                positions_ptr,
-                cos_sin_ptr,
+                cos,
+                sin,
                 num_tokens,
                 out_features,
                 stride_out,
-                stride_cos_sin,
                 head_size,
                 num_rotary_heads,
                 BLOCK_T,
@@ -256,16 +270,54 @@ if gluon is not None:
             weight_rows = columns
         return weight_rows, columns < out_features
 
+    @gluon.constexpr_function
+    def _rope_layout(block_t, num_warps):
+        """The register layout of the rotary epilogue's (BLOCK_N / 2, BLOCK_T) halves (a
+        constexpr function: triton 3.6 cannot return a layout from a jit function)."""
+        return gl.BlockedLayout([1, 1], [32 // block_t, block_t], [num_warps, 1], [1, 0])
+
+    @gluon.jit
+    def _rope_pairs(head_size, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+        """The program's head, its pair columns (in the merged qkv output's pair count) and
+        their pairs within the head."""
+        HALF_N: gl.constexpr = BLOCK_N // 2
+        half = head_size // 2
+        head = (gl.program_id(0) * HALF_N) // half
+        columns = gl.program_id(0) * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, layout))
+        return head, columns, columns - head * half
+
+    @gluon.jit
+    def _rotary_factors(
+        positions_ptr,
+        cos_sin_ptr,
+        num_tokens,
+        stride_cos_sin,
+        head_size,
+        BLOCK_T: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """cos and sin (BLOCK_N / 2, BLOCK_T) in float32 for the program's pairs at each token's
+        position (pad tokens: zeros, never stored)."""
+        layout: gl.constexpr = _rope_layout(BLOCK_T, num_warps)
+        _, _, pairs = _rope_pairs(head_size, BLOCK_N, layout)
+        tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, layout))
+        token_mask = tokens < num_tokens
+        positions = gl.load(positions_ptr + tokens, mask=token_mask, other=0)
+        cos_ptrs = cos_sin_ptr + positions.to(gl.int64)[None, :] * stride_cos_sin + pairs[:, None]
+        cos = gl.load(cos_ptrs, mask=token_mask[None, :], other=0.0).to(gl.float32)
+        sin = gl.load(cos_ptrs + head_size // 2, mask=token_mask[None, :], other=0.0)
+        return cos, sin.to(gl.float32)
+
     @gluon.jit
     def _rope_epilogue(
         acc,
         out_ptr,
-        positions_ptr,
-        cos_sin_ptr,
+        cos,
+        sin,
         num_tokens,
         out_features,
         stride_out,
-        stride_cos_sin,
         head_size,
         num_rotary_heads,
         BLOCK_T: gl.constexpr,
@@ -273,37 +325,28 @@ if gluon is not None:
         ROUND_DTYPE: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """The pairs of ``acc``'s stacked halves rotated (neox) at each token's position for the
-        first ``num_rotary_heads`` heads, stored in the natural column order: from the halves
-        rounded to ``ROUND_DTYPE`` first, as an unfused GEMM stores them, then in float32 and
-        rounded once, as the Triton GEMV's epilogue computes it (``triton_gemv._rotate_pairs``)."""
+        """The pairs of ``acc``'s stacked halves rotated (neox) by ``cos`` and ``sin``
+        (``_rotary_factors``) for the first ``num_rotary_heads`` heads, stored in the natural
+        column order: from the halves rounded to ``ROUND_DTYPE`` first, as an unfused GEMM stores
+        them, then in float32 and rounded once, as the Triton GEMV's epilogue computes it
+        (``triton_gemv._rotate_pairs``)."""
         HALF_N: gl.constexpr = BLOCK_N // 2
         scratch = gl.allocate_shared_memory(  # the halves: rows 0 .. HALF_N - 1 and the rest
             gl.float32, [BLOCK_N, BLOCK_T], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         )
         scratch.store(acc)
         _cta_barrier()
-        layout: gl.constexpr = gl.BlockedLayout(
-            [1, 1], [32 // BLOCK_T, BLOCK_T], [num_warps, 1], [1, 0]
-        )
+        layout: gl.constexpr = _rope_layout(BLOCK_T, num_warps)
         first = scratch.slice(0, HALF_N).load(layout).to(ROUND_DTYPE).to(gl.float32)
         second = scratch.slice(HALF_N, HALF_N).load(layout).to(ROUND_DTYPE).to(gl.float32)
-        half = head_size // 2
-        head = (gl.program_id(0) * HALF_N) // half
-        columns = gl.program_id(0) * HALF_N + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, layout))
-        pairs = columns - head * half  # in the head
+        head, columns, pairs = _rope_pairs(head_size, BLOCK_N, layout)
         tokens = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, layout))
         token_mask = tokens < num_tokens
         if head < num_rotary_heads:
-            positions = gl.load(positions_ptr + tokens, mask=token_mask, other=0)
-            cos_ptrs = (
-                cos_sin_ptr + positions.to(gl.int64)[None, :] * stride_cos_sin + pairs[:, None]
-            )
-            cos = gl.load(cos_ptrs, mask=token_mask[None, :], other=0.0).to(gl.float32)
-            sin = gl.load(cos_ptrs + half, mask=token_mask[None, :], other=0.0).to(gl.float32)
             rotated_first = first * cos - second * sin
             second = (second * cos + first * sin).to(ROUND_DTYPE).to(gl.float32)
             first = rotated_first.to(ROUND_DTYPE).to(gl.float32)
+        half = head_size // 2
         out_ptrs = out_ptr + tokens[None, :] * stride_out + (head * head_size + pairs)[:, None]
         mask = (columns < out_features)[:, None] & token_mask[None, :]
         element = out_ptr.dtype.element_ty

@@ -43,8 +43,8 @@ unquantized linear layers here where the platform runs pieceworks' Triton kernel
 projection), and ``quantization/fp8.py`` registers the FP8 forms of all three. Beside this
 module: the launch configurations (``triton_gemv_config.py``), the gated epilogue as a kernel of
 its own for more than 16 tokens (``triton_silu_and_mul.py``) and programmatic dependent launch
-(``triton_launch.py``; the kernel waits before its K loop and releases the next after it, or at
-its start where ``releases_at_start`` says so).
+(``triton_launch.py``; the kernel reads its scales and rotary factors, then waits before its K
+loop, and releases the next after it, or at its start where ``releases_at_start`` says so).
 """
 
 from __future__ import annotations
@@ -151,6 +151,18 @@ def _gemv_kernel(
     weight_ptrs = weight_ptr + weight_rows.to(tl.int64)[:, None] * stride_weight  # (ROWS, 1)
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
     acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
+    # What the epilogue reads besides the product, no kernel of the step writes (parameters, the
+    # rotary cache, the positions the runner copied before the step): read before the wait, so
+    # that no load round trip follows the K loop
+    if SCALED:
+        scale = tl.load(x_scale_ptr) * tl.load(weight_scale_ptr)
+    if QUANT_OUT:
+        out_scale = tl.load(out_scale_ptr)
+    if ROPE:
+        pairs = first_column - head * half + tl.arange(0, BLOCK_N)  # within the head
+        cos, sin = _rotary_factors(
+            positions_ptr, cos_sin_ptr + pairs[:, None], stride_cos_sin, half, tokens, token_mask
+        )
     if PDL:  # launched early, while the kernel before (x's producer) may still run
         tl.extra.cuda.gdc_wait()
     for k_start in range(0, in_features, BLOCK_K):
@@ -171,29 +183,17 @@ def _gemv_kernel(
     if PDL and not RELEASE_AT_START:  # W is streamed: the next kernel may be scheduled now
         tl.extra.cuda.gdc_launch_dependents()  # (it waits for this one)
     if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
-        acc = acc * (tl.load(x_scale_ptr) * tl.load(weight_scale_ptr))
+        acc = acc * scale
     if GATED:  # silu(gate) * up, from gate and up as the unfused GEMM would have stored them
         gate, up = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
         acc = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK_N, BLOCK_M)
     if QUANT_OUT:  # static FP8 quantization, rounded as static_scaled_fp8_quant rounds
-        acc = round_to_e4m3(acc / tl.load(out_scale_ptr), _FP8_MAX)
+        acc = round_to_e4m3(acc / out_scale, _FP8_MAX)
     out_rows = out_ptr + tokens.to(tl.int64)[None, :] * stride_out  # (1, M)
     if ROPE:  # x1, x2 as the unfused GEMM stores them; q and k heads rotated, v heads as they are
         x1, x2 = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
-        pairs = first_column - head * half + tl.arange(0, BLOCK_N)  # within the head
         if head < num_rotary_heads:
-            cos_sin = cos_sin_ptr + pairs[:, None]  # (N, 1)
-            x1, x2 = _rotate_pairs(
-                x1,
-                x2,
-                positions_ptr,
-                cos_sin,
-                stride_cos_sin,
-                half,
-                tokens,
-                token_mask,
-                ROUND_DTYPE,
-            )
+            x1, x2 = _rotate_pairs(x1, x2, cos, sin, ROUND_DTYPE)
         columns = head * head_size + pairs  # x2's: half further
         mask = token_mask[None, :]
         tl.store(out_rows + columns[:, None], x1.to(out_ptr.dtype.element_ty), mask=mask)
@@ -213,25 +213,22 @@ def _stacked_halves(acc, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ROUND_DTY
 
 
 @triton.jit
-def _rotate_pairs(
-    x1,
-    x2,
-    positions_ptr,
-    cos_sin,
-    stride_cos_sin,
-    half,
-    tokens,
-    token_mask,
-    ROUND_DTYPE: tl.constexpr,
-):
-    """Neox rotary of the pairs ``x1, x2`` (N, M) at each token's position: ``x1 * cos - x2 *
-    sin`` and ``x2 * cos + x1 * sin`` in float32, rounded once to ``ROUND_DTYPE`` (as Inductor
-    computes the unfused rotation). ``cos_sin`` (N, 1): the pairs' cos columns of the cache row 0;
-    sin is ``half`` further. Pad tokens read no position and rotate by zeros (never stored)."""
+def _rotary_factors(positions_ptr, cos_sin, stride_cos_sin, half, tokens, token_mask):
+    """cos and sin (N, M) in float32 for the pairs at each token's position. ``cos_sin`` (N, 1):
+    the pairs' cos columns of the cache row 0; sin is ``half`` further. Pad tokens read no
+    position and get zeros (never stored)."""
     positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
     cos_ptrs = cos_sin + positions[None, :] * stride_cos_sin  # (N, M)
     cos = tl.load(cos_ptrs, mask=token_mask[None, :], other=0.0).to(tl.float32)
     sin = tl.load(cos_ptrs + half, mask=token_mask[None, :], other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rotate_pairs(x1, x2, cos, sin, ROUND_DTYPE: tl.constexpr):
+    """Neox rotary of the pairs ``x1, x2`` (N, M): ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 *
+    sin`` in float32, rounded once to ``ROUND_DTYPE`` (as Inductor computes the unfused
+    rotation)."""
     rotated1 = round_to(x1 * cos - x2 * sin, ROUND_DTYPE)
     rotated2 = round_to(x2 * cos + x1 * sin, ROUND_DTYPE)
     return rotated1, rotated2

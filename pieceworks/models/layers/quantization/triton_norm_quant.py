@@ -8,7 +8,9 @@ Every rounding goes through ``layers/triton_rounding.py`` (round to nearest even
 hardware conversions, under the Triton interpreter float32 arithmetic (its own casts truncate to
 bfloat16 and round float8 half up), so the kernel's bytes equal torch's on both. On an H200, at
 one 4096-wide token, the hardware conversions made the kernel 1.8 against 2.7 µs
-(``benchmarks/norm_kernel_probe.py``, ``docs/benchmarks.md`` session 8).
+(``benchmarks/norm_kernel_probe.py``, ``docs/benchmarks.md`` session 8). Under programmatic
+dependent launch the norm weight and the scale are read before the wait, so only the row's own
+loads follow the kernel before (H200, session 15).
 Tested on CPU under ``TRITON_INTERPRET=1`` against the torch reference; on GPUs it is the
 implementation of the ops (``norm_quant_ops.py``).
 """
@@ -39,12 +41,15 @@ def _rms_norm_quant_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # launched early (programmatic dependent launch): wait for the input's producer
-        pdl_start()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_SIZE)
     mask = cols < hidden_size
     offsets = row * hidden_size + cols
+    # The norm weight and the scale are parameters, which no kernel writes: read before the wait
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr)
+    if PDL:  # launched early (programmatic dependent launch): wait for the input's producer
+        pdl_start()
     x = tl.load(input_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -54,9 +59,8 @@ def _rms_norm_quant_kernel(
     variance = tl.sum(x * x, axis=0) / hidden_size
     activation_dtype: tl.constexpr = input_ptr.dtype.element_ty
     normed = round_to(x * tl.rsqrt(variance + epsilon), activation_dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = round_to(normed * weight, activation_dtype)  # (x.to(dtype) * weight) in the dtype
-    y = round_to_e4m3(y / tl.load(scale_ptr), fp8_max)
+    y = round_to_e4m3(y / scale, fp8_max)
     tl.store(result_ptr + offsets, y.to(result_ptr.dtype.element_ty), mask=mask)
 
 
