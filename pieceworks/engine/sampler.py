@@ -5,8 +5,8 @@ top-k and top-p as one tensor (a single host-to-device copy), masks with one sor
 the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` picks index ``i`` with probability
 ``probs[i]``, in float32. Rows with a ``seed`` draw ``q`` from their own ``torch.Generator`` (see
 ``make_generator``), so a seeded request gets the same tokens in any batch. Greedy rows take the
-argmax of the raw logits in their own dtype (``row_argmax``: one Triton launch on GPUs, else two
-torch stages); an all-greedy batch runs nothing else. The result stays on the logits'
+argmax of the raw logits in their own dtype (``row_argmax``: two Triton launches on GPUs, else
+torch); an all-greedy batch runs nothing else. The result stays on the logits'
 device; the runner copies it to the host without waiting (``SampledTokens``). Which rows to
 sample is the runner's business (``ScheduledRequest.produces_token``).
 """
@@ -69,8 +69,8 @@ class Sampler:
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` for ``(S, V)`` rows, ties to the first index as torch's: one
-    Triton launch where the platform runs pieceworks' kernels (``triton_argmax.py``), else
+    """``logits.argmax(dim=-1)`` for ``(S, V)`` rows, ties to the first index as torch's: the
+    Triton kernel pair where the platform runs pieceworks' kernels (``triton_argmax.py``), else
     ``chunked_argmax``."""
     if triton_argmax.uses_kernel(logits):
         return triton_argmax.launch_row_argmax(logits)

@@ -1,10 +1,11 @@
 """``launch_row_argmax``: the greedy rows' argmax in two Triton launches, straight from the logits.
 
-Why: at batch 1 on an H200 the torch form (``sampler.row_argmax``: the logits cast to float32,
-padded, the max of each chunk, the argmax of the chunk maxima, a gather and the index arithmetic)
-ran as seven small kernels after the LM head, about 24 us of a 2.4 ms FP8 step
-(``docs/performance.md``, session 15). The kernel reads the logits in their own dtype (the cast
-to float32 is exact and keeps the order, so the argmax is the same) and writes the index.
+Why: at batch 1 on an H200 the torch form (the logits cast to float32, then
+``sampler.chunked_argmax``: padded, the max of each chunk, the argmax of the chunk maxima, a
+gather and the index arithmetic) ran as a chain of small kernels after the LM head, about 24 us of
+a 2.4 ms FP8 step; these kernels take about 5 us (``docs/performance.md``, session 15). They read
+the logits in their own dtype (the cast to float32 is exact and keeps the order, so the argmax is
+the same) and write the index.
 
 Two launches, so that a row is read by many SMs at once. Stage 1, one program per ``BLOCK``
 columns of a row: each value becomes an int32 key that orders as the float does (negative values

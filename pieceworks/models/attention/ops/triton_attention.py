@@ -6,16 +6,15 @@ sequences, causal positions `seq_lens[s] - q_s + i`, GQA, padded sequences skipp
 - decode (`max_query_len == 1`): split-KV ("flash-decoding"). The grid is (seq, kv_head, split);
   each program attends all the q heads of one kv head (GQA packing, one tile row per q head) over
   one slice of the context, and writes a normalised partial output and its log-sum-exp to a
-  workspace; `_decode_reduce_kernel` then merges the splits per (seq, q head). Where the device
-  has programmatic dependent launch both are launched early: the split kernel loads its metadata
-  and first K/V tile while the kernel that writes q/k/v (the rotary qkv GEMV releases it at its
-  start) still runs, then waits; the reduce waits for the split kernel inside. Both read the FP8
-  output scale before their wait. With one split
-  (large batches) the split kernel writes the output itself and no reduce runs (3.4 us less per
-  layer at batch 64 on the H200). The number of splits comes from shapes
-  only; each sequence cuts its own length into that many slices (rounded up to whole tiles), so
-  short sequences leave trailing splits empty: those exit at once, and the reduce reads only the
-  used ones.
+  workspace; `_decode_reduce_kernel` then merges the splits per (seq, q head). Where the device has
+  programmatic dependent launch both are launched early: the split kernel loads its metadata and
+  first K/V tile while the kernel that writes q/k/v (the rotary qkv GEMV releases it at its start)
+  still runs, then waits; the reduce waits for the split kernel inside. Both read the FP8 output
+  scale before their wait. With one split (large batches) the split kernel writes the output itself
+  and no reduce runs (3.4 us less per layer at batch 64 on the H200). The number of splits comes
+  from shapes only; each sequence cuts its own length into that many slices (rounded up to whole
+  tiles), so short sequences leave trailing splits empty: those exit at once, and the reduce reads
+  only the used ones.
   Planned with `new_kv`, the split kernel also stores the step's K/V (the split holding the last
   position uses them from registers and writes them at its end), saving the separate store
   launch; the attention backend does this for every decode step.
