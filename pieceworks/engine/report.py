@@ -11,27 +11,41 @@ from pieceworks.logger import init_logger
 logger = init_logger(__name__)
 
 
+# (title, width): text columns are left-aligned, the others right-aligned
+MODE_TABLE_COLUMNS = [
+    ("mode", -20), ("graphs", -20), ("pieces", 6), ("capt.", 5), ("compiles", 8), ("cache", 5),
+    ("graphs#", 7), ("graph GiB", 9), ("compile s", 9), ("capture s", 9), ("latency s", 9),
+    ("ms/step", 8), ("x floor", 7),
+]  # fmt: skip
+
+
 def format_mode_table(results: list[dict[str, Any]]) -> str:
-    """One row per mode: pieces, compiles, cache hits, captures, memory, times, latency."""
-    header = (
-        f"{'mode':<20}{'graphs':<20}{'pieces':>7}{'capt.':>6}{'compiles':>9}{'cache':>6}"
-        f"{'graphs#':>8}{'graph GiB':>10}{'compile s':>10}{'capture s':>10}"
-        f"{'latency s':>10}{'ms/step':>9}{'x floor':>8}"
-    )
+    """One row per mode: pieces, compiles, cache hits, captures, memory, times, latency. Cells
+    are separated by a space, so a value wider than its column (a CPU run's ratio to a GPU-sized
+    floor) never runs into the next."""
+    header = _table_row([title for title, _ in MODE_TABLE_COLUMNS])
     lines = [header, "-" * len(header)]
     for r in results:
         c = r["counters"]
         compiles = c["num_inductor_compiles"] + c["num_eager_compiles"]
         ratio = r.get("ratio_to_floor")
-        lines.append(
-            f"{r['mode']:<20}{r['graph_mode']:<20}{c['num_piecewise_graphs_seen']:>7}"
-            f"{c['num_piecewise_capturable_graphs_seen']:>6}{compiles:>9}"
-            f"{c['num_compiled_artifacts_loaded']:>6}{c['num_cudagraph_captured']:>8}"
-            f"{r['graph_memory_gib']:>10.3f}{r['compile_s']:>10.1f}{r['capture_s']:>10.1f}"
-            f"{r['latency_s']['median']:>10.3f}{r['decode_step_ms']['median']:>9.2f}"
-            f"{(f'{ratio:.2f}' if ratio else '-'):>8}"
-        )
+        cells = [
+            r["mode"], r["graph_mode"], c["num_piecewise_graphs_seen"],
+            c["num_piecewise_capturable_graphs_seen"], compiles,
+            c["num_compiled_artifacts_loaded"], c["num_cudagraph_captured"],
+            f"{r['graph_memory_gib']:.3f}", f"{r['compile_s']:.1f}", f"{r['capture_s']:.1f}",
+            f"{r['latency_s']['median']:.3f}", f"{r['decode_step_ms']['median']:.2f}",
+            f"{ratio:.2f}" if ratio else "-",
+        ]  # fmt: skip
+        lines.append(_table_row(cells))
     return "\n".join(lines)
+
+
+def _table_row(cells: list[Any]) -> str:
+    return " ".join(
+        f"{cell!s:<{-width}}" if width < 0 else f"{cell!s:>{width}}"
+        for cell, (_, width) in zip(cells, MODE_TABLE_COLUMNS, strict=True)
+    ).rstrip()
 
 
 def compile_cache_status(result: dict[str, Any]) -> str:
