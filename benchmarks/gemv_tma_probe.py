@@ -24,7 +24,7 @@ import triton.language as tl
 from gemv_decode import SHAPES, graph_time_us  # benchmarks/ is on sys.path when run as a script
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from pieceworks.engine.benchmark import measure_copy_bandwidth
+from pieceworks.benchmarks.latency import measure_copy_bandwidth
 from pieceworks.models.layers.triton_gemv import launch_gemv
 
 

@@ -1,1 +1,1 @@
-"""The engine: model runner (buffers, capture, execute), scheduler, sampler, LLM API and CLI."""
+"""The engine: model runner (buffers, capture, execute), scheduler, sampler and the LLM API."""

@@ -208,7 +208,7 @@ def test_importing_pieceworks_does_not_resolve_the_platform():
         "pieceworks.core.custom_op",
         "pieceworks.core.cuda_graph",
         "pieceworks.core.forward_context",
-        "pieceworks.engine.cli",
+        "pieceworks.entrypoints.cli",
     ]
     code = (
         "import importlib, sys\n"

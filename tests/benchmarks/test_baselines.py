@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pieceworks.engine.benchmark import _COUNTERS, LatencyCase, _prompts, decode_bytes
+from pieceworks.benchmarks.latency import _COUNTERS, LatencyCase, _prompts, decode_bytes
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.presets import get_preset, random_hf_checkpoint
 
 pytest.importorskip("transformers")
 
-from pieceworks.engine.baselines import (  # noqa: E402
+from pieceworks.benchmarks.baselines import (  # noqa: E402
     StaticCacheDecoder,
     StepClock,
     hf_decode_bytes,

@@ -6,7 +6,7 @@ Run: pytest tests/engine/test_report.py
 
 from __future__ import annotations
 
-from pieceworks.engine.report import (
+from pieceworks.benchmarks.report import (
     MODE_TABLE_COLUMNS,
     compile_cache_status,
     format_compile_cache,

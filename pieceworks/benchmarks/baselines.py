@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pieceworks.benchmarks.latency import _COUNTERS, LatencyCase, _prompts, _stats
 from pieceworks.config import ModelConfig, resolve_dtype
 from pieceworks.engine.arg_utils import build_engine_config, resolve_hf_config
-from pieceworks.engine.benchmark import _COUNTERS, LatencyCase, _prompts, _stats
 from pieceworks.logger import init_logger
 from pieceworks.models.loader import WeightLoadingError, hf_weights_iterator, is_ignored_tensor
 from pieceworks.models.presets import is_preset, random_hf_weights

@@ -1,0 +1,1 @@
+"""Entry points: the ``pieceworks`` command line (``cli``) and its subcommands."""

@@ -1,0 +1,70 @@
+"""The engine flags every subcommand shares, with vLLM's names, and their translation into
+``LLM`` keyword arguments and ``CompilationConfig`` fields."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
+    ("--dtype", {"default": "auto", "choices": ["auto", "float32", "bfloat16", "float16"]}),
+    ("--max-model-len", {"type": int, "default": None}),
+    ("--max-num-seqs", {"type": int, "default": None}),
+    ("--max-num-batched-tokens", {"type": int, "default": None}),
+    ("--block-size", {"type": int, "default": None}),
+    ("--gpu-memory-utilization", {"type": float, "default": None}),
+    ("--num-gpu-blocks-override", {"type": int, "default": None}),
+    ("--quantization", {"default": None, "choices": ["fp8"]}),
+    ("--tensor-parallel-size", {"type": int, "default": None}),
+    ("--seed", {"type": int, "default": None}),
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None) -> None:
+    parser.add_argument(
+        "--model",
+        default=default_model,
+        help="a preset (llama-tiny, llama-125m, llama-3.1-8b, ...) or an HF dir",
+    )
+    for flag, options in ENGINE_FLAGS:
+        parser.add_argument(flag, **options)
+    parser.add_argument("--enforce-eager", action="store_true", help="no compilation, no graphs")
+    parser.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="wait for each step's tokens before scheduling the next (default: overlap them)",
+    )
+    parser.add_argument(
+        "-O", dest="level", type=int, choices=[0, 1, 2, 3], default=None, help="compilation level"
+    )
+    parser.add_argument(
+        "--compilation-config",
+        type=json.loads,
+        default=None,
+        help="CompilationConfig fields as JSON",
+    )
+
+
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    names = [flag.lstrip("-").replace("-", "_") for flag, _ in ENGINE_FLAGS]
+    values = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if args.enforce_eager:
+        values["enforce_eager"] = True
+    if not args.async_scheduling:
+        values["async_scheduling"] = False
+    return values
+
+
+def compilation_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields = dict(args.compilation_config or {})
+    if args.level is not None:
+        fields["level"] = args.level
+    return fields
+
+
+def default_model() -> str:
+    from pieceworks import envs
+
+    return envs.PIECEWORKS_DEFAULT_MODEL
