@@ -15,7 +15,7 @@ import time
 
 from pieceworks.config import EngineConfig
 from pieceworks.engine.executor import make_executor
-from pieceworks.engine.request import Request
+from pieceworks.engine.request import Request, RequestStatus
 from pieceworks.engine.sampled_tokens import SampledTokens
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.scheduler import Scheduler, SchedulerOutput
@@ -67,6 +67,15 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a queued or running request now, with ``finish_reason`` "abort", freeing its KV
+        blocks and state slot; False if no unfinished request has that id."""
+        self._check_running()
+        aborted = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        for request in aborted:
+            self.executor.release(request.request_id)
+        return bool(aborted)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None

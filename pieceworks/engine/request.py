@@ -22,6 +22,7 @@ class RequestStatus(enum.Enum):
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()  # EOS or a stop token
     FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens generated
+    FINISHED_ABORTED = enum.auto()  # aborted by the caller (a client went away)
 
     @property
     def is_finished(self) -> bool:
@@ -31,6 +32,7 @@ class RequestStatus(enum.Enum):
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
 }
 
 
@@ -58,7 +60,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = dataclasses.field(default_factory=list)
     state_slot: int | None = None  # Mamba state slot; only for models with Mamba layers
-    finish_reason: str | None = None  # "stop" | "length" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     num_preemptions: int = 0
     num_output_placeholders: int = 0  # sampled on the device, not yet known on the host
 

@@ -167,6 +167,20 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def finish_requests(self, request_ids: Sequence[str], status: RequestStatus) -> list[Request]:
+        """Finish the named unfinished requests now (an abort, or a stop string found in the
+        text) and free their cache; return them. Unknown or finished ids are ignored. A token of
+        theirs still on the device is dropped when its step comes back (``update_from_output``
+        skips finished requests), and the device writes the freed blocks in stream order, before
+        any later step that reuses them."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 

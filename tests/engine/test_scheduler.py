@@ -418,3 +418,52 @@ def test_state_slot_manager_never_hands_out_the_null_slot():
     assert slots.num_free_slots == 1 and requests[0].state_slot is None
     with pytest.raises(ValueError, match="slot 0 is the null slot"):
         StateSlotManager(num_slots=1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_frees_the_cache_at_once_and_the_others_keep_their_tokens(async_scheduling):
+    """An abort mid-decode (with a step in flight under async scheduling) and one of a queued
+    request free their blocks at once; the rest produce exactly their reference tokens."""
+    requests = random_requests(7, num_requests=6, max_tokens=30)
+    requests = [
+        Request(r.request_id, r.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=30,
+                ignore_eos=True), eos_token_id=EOS_TOKEN_ID)
+        for r in requests
+    ]  # fmt: skip
+    scheduler = make_scheduler(2, 64, async_scheduling=async_scheduling)
+    runner = FakeModelRunner(scheduler)
+    for request in requests:
+        scheduler.add_request(request)
+    in_flight = None
+    for _ in range(4):  # requests 0 and 1 run and decode; the others wait
+        output = scheduler.schedule()
+        launched = (output, runner.execute(output))
+        if in_flight is not None:
+            scheduler.update_from_output(*in_flight)
+        in_flight = launched
+        if not async_scheduling:
+            scheduler.update_from_output(*in_flight)
+            in_flight = None
+    running, queued = requests[0], requests[5]
+    assert running.status == RequestStatus.RUNNING and running.block_ids
+    assert queued.status == RequestStatus.WAITING
+    num_free = scheduler.block_manager.num_free_blocks
+    num_held = len(running.block_ids)
+    aborted = scheduler.finish_requests(
+        [running.request_id, queued.request_id, "no-such-id"], RequestStatus.FINISHED_ABORTED
+    )
+    assert aborted == [running, queued]
+    assert scheduler.block_manager.num_free_blocks == num_free + num_held
+    assert running.finish_reason == queued.finish_reason == "abort" and not running.block_ids
+    assert scheduler.finish_requests([running.request_id], RequestStatus.FINISHED_ABORTED) == []
+    num_output_tokens = running.num_output_tokens
+    if in_flight is not None:  # the aborted request's token still on the device is dropped
+        scheduler.update_from_output(*in_flight)
+    assert running.num_output_tokens == num_output_tokens
+    rest = [r for r in requests if r not in (running, queued)]
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        if output.scheduled_requests:
+            scheduler.update_from_output(output, runner.execute(output))
+    check_no_leaks(scheduler)
+    check_matches_reference(rest)
