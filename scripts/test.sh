@@ -13,7 +13,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # The CPU build of torch; a bare torch requirement would pull a multi-GB CUDA build.
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q "torch==${TORCH_VERSION:-2.13.0}"
-"$VENV/bin/pip" install -q -e ".[test,dev]" -e examples/pieceworks-simgraph
+"$VENV/bin/pip" install -q -e ".[test,dev,serve]" -e examples/pieceworks-simgraph
 
 echo "== lint (ruff)"
 "$VENV/bin/ruff" check pieceworks tests examples benchmarks

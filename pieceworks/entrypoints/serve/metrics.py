@@ -1,0 +1,133 @@
+"""``ServerMetrics``: the server's Prometheus metrics, in a registry of its own.
+
+Names follow vLLM's ``vllm:`` metrics under a ``pieceworks:`` prefix: running and waiting
+requests and KV-cache usage (gauges read from the engine loop's ``EngineStats`` at scrape time),
+time to first token and time per output token (histograms, seconds), generated and prompt tokens
+and finished requests by finish reason (counters). One registry per server, so several servers
+in one process (tests) never share counts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pieceworks.engine.async_engine import EngineStats
+
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TPOT_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.running = Gauge(
+            "pieceworks:num_requests_running",
+            "Requests in the running batch",
+            labels,
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "pieceworks:num_requests_waiting",
+            "Requests queued for the engine",
+            labels,
+            registry=self.registry,
+        )
+        self.kv_usage = Gauge(
+            "pieceworks:kv_cache_usage_perc",
+            "Share of KV-cache blocks in use (0 to 1)",
+            labels,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "pieceworks:time_to_first_token_seconds",
+            "Arrival to first generated token",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "pieceworks:time_per_output_token_seconds",
+            "Gap between a choice's tokens",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "pieceworks:generation_tokens", "Tokens generated", labels, registry=self.registry
+        )
+        self.prompt_tokens = Counter(
+            "pieceworks:prompt_tokens", "Prompt tokens accepted", labels, registry=self.registry
+        )
+        self.finished = Counter(
+            "pieceworks:request_success",
+            "Requests finished, by finish reason",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
+        """A delta of ``num_tokens`` tokens arrived ``seconds`` after the previous one."""
+        per_token = seconds / max(num_tokens, 1)
+        for _ in range(num_tokens):
+            self.tpot.labels(self.model_name).observe(per_token)
+
+    def add_generated_tokens(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.generation_tokens.labels(self.model_name).inc(num_tokens)
+
+    def add_request(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def add_finished(self, finish_reason: str) -> None:
+        self.finished.labels(self.model_name, finish_reason).inc()
+
+    def render(self, stats: EngineStats) -> bytes:
+        """The Prometheus text exposition, with the gauges set from ``stats``."""
+        self.running.labels(self.model_name).set(stats.num_running)
+        self.waiting.labels(self.model_name).set(stats.num_waiting)
+        self.kv_usage.labels(self.model_name).set(stats.kv_cache_usage)
+        return generate_latest(self.registry)

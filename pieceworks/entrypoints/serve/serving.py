@@ -1,0 +1,159 @@
+"""What completions and chat share: the serving context and the response flow.
+
+``ServingContext`` holds what every handler reads (the async engine, the tokenizer, the served
+model name, the model's limits, the metrics). ``respond`` runs a ``Generation`` and answers
+either as server-sent events (``data: {json}`` per chunk, then ``data: [DONE]``) or as one JSON
+body; in both a client that disconnects aborts the generation at once: a stream is cancelled by
+Starlette when the disconnect arrives, and a non-streaming request races its generation against
+the disconnect message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pieceworks.engine.async_engine import AsyncLLMEngine, QueueFullError
+from pieceworks.entrypoints.serve.errors import APIError
+from pieceworks.entrypoints.serve.generation import ChoiceDelta, ChoiceResult, Generation
+from pieceworks.entrypoints.serve.metrics import ServerMetrics
+from pieceworks.entrypoints.serve.validation import ModelLimits
+
+RETRY_AFTER_SECONDS = 1  # the hint a 503 gives: the queue moves on every engine step
+
+
+@dataclasses.dataclass
+class ServingContext:
+    engine: AsyncLLMEngine
+    tokenizer: Any
+    model_name: str
+    limits: ModelLimits
+    metrics: ServerMetrics
+
+
+@dataclasses.dataclass
+class ResponseFormat:
+    """How one endpoint shapes its answer: chunk and body builders over a shared header."""
+
+    object_prefix: str  # "cmpl" or "chatcmpl": the id's prefix
+    chunk: Callable[[dict[str, Any], ChoiceDelta], dict[str, Any]]
+    first_chunks: Callable[[dict[str, Any], int], list[dict[str, Any]]]
+    body: Callable[[dict[str, Any], list[ChoiceResult]], dict[str, Any]]
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its iterator, so a cancelled stream (the client
+    went away) runs the generator's cleanup, which aborts the engine requests, right away."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def usage(generation: Generation) -> dict[str, int]:
+    completion = generation.num_generated_tokens
+    prompt = generation.num_prompt_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def respond(
+    ctx: ServingContext, request: Request, generation: Generation, fmt: ResponseFormat, body: Any
+) -> Response:
+    """Start ``generation`` (503 when full, 400 when refused) and answer as ``body`` asks."""
+    try:
+        await generation.start()
+    except QueueFullError as error:
+        raise APIError(503, str(error), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    ctx.metrics.add_request(generation.num_prompt_tokens)
+    header = {
+        "id": f"{fmt.object_prefix}-{generation.request_id}",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+    }
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _events(ctx, generation, fmt, header, include_usage)
+        return SSEResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+    results = await _collect_unless_disconnected(request, generation)
+    if results is None:  # nobody to answer; 499 is what proxies log for a client that left
+        _count_finished(ctx, generation.results)
+        return Response(status_code=499)
+    _count_finished(ctx, results)
+    payload = fmt.body(header, results)
+    payload["usage"] = usage(generation)
+    return JSONResponse(payload)
+
+
+async def _events(
+    ctx: ServingContext,
+    generation: Generation,
+    fmt: ResponseFormat,
+    header: dict[str, Any],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    stream = generation.stream()
+    try:
+        for chunk in fmt.first_chunks(header, len(generation.choices)):
+            yield _sse(chunk)
+        async for delta in stream:
+            yield _sse(fmt.chunk(header, delta))
+        _count_finished(ctx, generation.results)
+        if include_usage:
+            yield _sse(
+                {**header, "object": _chunk_object(fmt), "choices": [], "usage": usage(generation)}
+            )
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _chunk_object(fmt: ResponseFormat) -> str:
+    return "chat.completion.chunk" if fmt.object_prefix == "chatcmpl" else "text_completion"
+
+
+def _sse(chunk: dict[str, Any]) -> str:
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
+def _count_finished(ctx: ServingContext, results: list[ChoiceResult]) -> None:
+    for result in results:
+        ctx.metrics.add_finished(result.finish_reason or "abort")
+
+
+async def _collect_unless_disconnected(
+    request: Request, generation: Generation
+) -> list[ChoiceResult] | None:
+    """The finished choices, or None when the client disconnected first (the generation is
+    then cancelled, which aborts its engine requests)."""
+    work = asyncio.ensure_future(generation.collect())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watcher):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+    if work.cancelled():
+        return None
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

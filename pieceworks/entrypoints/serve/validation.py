@@ -1,0 +1,110 @@
+"""From an HTTP body to what the engine takes: parsed, validated, or a 400 that says why.
+
+``parse_body`` turns raw bytes into a protocol model (invalid UTF-8, malformed JSON and fields of
+the wrong type are each their own 400). ``sampling_params`` is the one place request fields map
+to ``SamplingParams``; ``check_prompt`` refuses prompts the model cannot take before anything is
+queued. The engine checks again when the request is added (KV capacity), and a refusal there
+comes back as a 400 too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.entrypoints.serve.errors import bad_request
+from pieceworks.entrypoints.serve.protocol import SamplingFields
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+_SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)}
+
+
+def parse_body(body: bytes, model: type[ModelT]) -> ModelT:
+    """Decode, parse and validate a JSON request body; 400 with the first reason found."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise bad_request(
+            f"the request body is not valid UTF-8 ({error.reason} at byte "
+            f"{error.start}); send JSON encoded as UTF-8"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise bad_request(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise bad_request(f"invalid field {where!r}: {first['msg']}", param=where) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelLimits:
+    """What a prompt is checked against: the model's context and vocabulary."""
+
+    max_model_len: int
+    vocab_size: int | None
+
+
+def check_prompt(prompt_token_ids: list[int], max_tokens: int, limits: ModelLimits) -> None:
+    """Refuse an empty prompt, ids outside the vocabulary, or one too long for the context."""
+    if not prompt_token_ids:
+        raise bad_request("the prompt is empty; send at least one token", param="prompt")
+    vocab_size = limits.vocab_size
+    if vocab_size is not None and any(
+        not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids
+    ):
+        raise bad_request(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    if len(prompt_token_ids) + max_tokens > limits.max_model_len:
+        raise bad_request(
+            f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
+            f"has {len(prompt_token_ids)} and max_tokens is {max_tokens}: shorten the prompt or "
+            "lower max_tokens",
+            param="prompt",
+        )
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The request's ``max_tokens``, or what is left of the context when it gave none."""
+    if requested is None:
+        return max(max_model_len - num_prompt_tokens, 1)
+    if requested <= 0:
+        raise bad_request(f"max_tokens={requested} must be at least 1", param="max_tokens")
+    return requested
+
+
+def sampling_params(
+    body: SamplingFields, max_tokens: int, index: int = 0, logprobs: int | None = None
+) -> SamplingParams:
+    """The engine's ``SamplingParams`` for choice ``index`` of ``body`` (400 if unsupported).
+
+    With a ``seed`` and ``n`` > 1, choice ``i`` samples with ``seed + i``: reproducible, and the
+    choices differ. Stop strings are matched on the text by the server (``TextStream``).
+    """
+    if body.presence_penalty or body.frequency_penalty:
+        raise bad_request("presence_penalty and frequency_penalty are not supported; send 0")
+    fields: dict[str, Any] = {
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": body.top_k or 0,
+        "max_tokens": max_tokens,
+        "seed": None if body.seed is None else body.seed + index,
+        "stop_token_ids": tuple(body.stop_token_ids or ()),
+        "ignore_eos": body.ignore_eos,
+    }
+    if logprobs is not None:
+        if "logprobs" not in _SAMPLING_FIELDS:
+            raise bad_request("logprobs are not supported by this engine", param="logprobs")
+        fields["logprobs"] = logprobs
+    try:
+        return SamplingParams(**fields)
+    except ValueError as error:
+        raise bad_request(str(error)) from None
