@@ -74,6 +74,7 @@ class EngineStats:
     num_blocks: int = 0
     num_free_blocks: int = 0
     num_steps: int = 0
+    num_aborted: int = 0  # requests aborted while unfinished (callers that went away)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -106,6 +107,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self._num_steps = 0
+        self._num_aborted = 0
         self.stats = self._snapshot()
 
     # -- event-loop side ---------------------------------------------------------------------
@@ -232,6 +234,7 @@ class AsyncLLMEngine:
             self._streams[request_id] = stream
         elif kind == "abort":
             if self.engine.abort_request(payload):
+                self._num_aborted += 1
                 self._publish()
 
     def _publish(self) -> None:
@@ -281,4 +284,5 @@ class AsyncLLMEngine:
             num_blocks=blocks.num_blocks,
             num_free_blocks=blocks.num_free_blocks,
             num_steps=self._num_steps,
+            num_aborted=self._num_aborted,
         )

@@ -112,7 +112,6 @@ async def _events(
             yield _sse(chunk)
         async for delta in stream:
             yield _sse(fmt.chunk(header, delta))
-        _count_finished(ctx, generation.results)
         if include_usage:
             yield _sse(
                 {**header, "object": _chunk_object(fmt), "choices": [], "usage": usage(generation)}
@@ -120,6 +119,7 @@ async def _events(
         yield "data: [DONE]\n\n"
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
+        _count_finished(ctx, generation.results)  # a choice cut short counts as "abort"
 
 
 def _chunk_object(fmt: ResponseFormat) -> str:

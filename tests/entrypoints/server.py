@@ -1,0 +1,42 @@
+"""A real ``pieceworks serve`` app on a loopback port, in a background thread, for tests.
+
+``running_server(llm, ...)`` builds the app over an ``LLM`` (as ``cmd_serve`` does) and runs
+uvicorn on 127.0.0.1 with a port the OS picks; it yields the base URL and the serving context,
+and stops the server (draining it) on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from pieceworks.entrypoints.serve import build_context
+from pieceworks.entrypoints.serve.api_server import build_app
+
+
+@contextlib.contextmanager
+def running_server(
+    llm: Any, model_name: str, max_waiting_requests: int = 256, **app_options: Any
+) -> Iterator[tuple[str, Any]]:
+    ctx = build_context(llm, model_name, max_waiting_requests)
+    app = build_app(ctx, [model_name], **app_options)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", ctx
+    finally:
+        server.should_exit = True
+        thread.join(60)

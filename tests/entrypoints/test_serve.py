@@ -1,0 +1,162 @@
+"""``pieceworks serve`` end to end on llama-tiny (token-id prompts, level 0), via the openai client.
+
+Proves: completions, streamed and not, return exactly the offline ``LLM.generate`` greedy tokens;
+``n`` choices with a seed are reproducible; the model list, health and Prometheus metrics answer;
+a chat request to a model without a chat template, a wrong API key and a full engine are refused
+with their status and reason. The load test and the bad-request battery are in
+``test_serve_load.py``.
+Run: pytest tests/entrypoints/test_serve.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from pieceworks.engine.llm import LLM  # noqa: E402
+from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
+from tests.entrypoints.server import running_server  # noqa: E402
+
+MODEL = "llama-tiny"
+API_KEY = "test-key"
+MAX_TOKENS = 6
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+IDS = {"return_token_ids": True, "ignore_eos": True}
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
+
+
+PROMPTS = random_prompts([3, 8, 13])
+
+
+@pytest.fixture(scope="module")
+def server():
+    """One server for the module, with the offline greedy tokens of PROMPTS from the same LLM."""
+    llm = LLM(MODEL, compilation_config={"level": 0}, dtype="float32", max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    offline = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+    with running_server(llm, MODEL, api_key=API_KEY) as (url, ctx):
+        yield url, ctx, offline
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_completion_equals_offline(server, client):
+    for prompt, expected in zip(PROMPTS, server[2]):
+        response = client.completions.create(model=MODEL, prompt=prompt, extra_body=IDS, **GREEDY)
+        choice = response.choices[0]
+        assert choice.token_ids == expected
+        assert choice.finish_reason == "length"
+        assert response.usage.completion_tokens == MAX_TOKENS
+        assert response.usage.prompt_tokens == len(prompt)
+
+
+def test_batched_token_prompts_come_back_in_order(server, client):
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, extra_body=IDS, **GREEDY)
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    assert [choice.token_ids for choice in response.choices] == server[2]
+
+
+def test_streamed_completion_equals_offline(server, client):
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[1],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=IDS,
+        **GREEDY,
+    )
+    chunks = list(stream)
+    tokens = [t for chunk in chunks if chunk.choices for t in chunk.choices[0].token_ids]
+    assert tokens == server[2][1]
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_seeded_choices_are_reproducible(server, client):
+    def sample():
+        response = client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            n=3,
+            seed=7,
+            temperature=1.0,
+            max_tokens=8,
+            extra_body=IDS,
+        )
+        return [choice.token_ids for choice in response.choices]
+
+    first = sample()
+    assert len(first) == 3 and all(len(tokens) == 8 for tokens in first)
+    assert sample() == first
+    assert len({tuple(tokens) for tokens in first}) > 1  # seed + i per choice: they differ
+
+
+def test_models_health_metrics(server, client):
+    url, ctx, _ = server
+    assert [model.id for model in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/health").status_code == 200  # open without the key
+    text = httpx.get(f"{url}/metrics").text
+    for name in (
+        "pieceworks:num_requests_running",
+        "pieceworks:num_requests_waiting",
+        "pieceworks:kv_cache_usage_perc",
+        "pieceworks:time_to_first_token_seconds_bucket",
+        "pieceworks:time_per_output_token_seconds_bucket",
+        "pieceworks:generation_tokens_total",
+    ):
+        assert name in text
+
+
+def test_chat_without_template_is_refused(client):
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_wrong_or_missing_api_key(server):
+    url = server[0]
+    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        wrong.completions.create(model=MODEL, prompt=[1, 2], max_tokens=1)
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2]})
+    assert response.status_code == 401
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt=[1, 2], max_tokens=1)
+
+
+def test_full_engine_answers_503_with_retry_after(server):
+    url, ctx, _ = server
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def run() -> tuple[httpx.Response, list[int]]:
+        saved, ctx.engine.max_live_requests = ctx.engine.max_live_requests, 1
+        try:
+            async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as http:
+                body = {"prompt": [1, 2, 3], "max_tokens": 200, "stream": True, **IDS}
+                async with http.stream("POST", "/v1/completions", json=body) as stream:
+                    lines = stream.aiter_lines()
+                    await anext(lines)  # the first token: the one seat is taken
+                    refused = await http.post("/v1/completions", json={"prompt": [1], **IDS})
+            return refused, []
+        finally:
+            ctx.engine.max_live_requests = saved
+
+    refused, _ = asyncio.run(run())
+    assert refused.status_code == 503
+    assert refused.headers["Retry-After"] == "1"
+    assert "retry later" in refused.json()["error"]["message"]
