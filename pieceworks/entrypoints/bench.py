@@ -1,4 +1,5 @@
-"""``pieceworks bench ...``: the product benchmarks (``bench latency``)."""
+"""``pieceworks bench ...``: the product benchmarks (``bench latency``; ``bench serve`` and
+``bench throughput`` in ``bench_serve``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from pieceworks.entrypoints.bench_serve import register_serve
 from pieceworks.entrypoints.engine_args import add_engine_args, compilation_fields, engine_args
 
 
@@ -98,3 +100,4 @@ def register(sub: Any) -> None:
     latency.add_argument("--output-json", default=None)
     latency.add_argument("--plot", default=None, help="PNG path")
     latency.set_defaults(func=cmd_bench_latency)
+    register_serve(bench)

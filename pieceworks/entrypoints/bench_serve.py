@@ -1,0 +1,129 @@
+"""``pieceworks bench serve`` (load a running server) and ``bench throughput`` (offline tokens/s).
+
+Flags follow vLLM's benchmark_serving and benchmark_throughput: ``--num-prompts``,
+``--input-len``, ``--output-len``, ``--range-ratio``, ``--request-rate``, ``--max-concurrency``,
+``--dataset-path``, ``--output-json``; ``bench throughput`` takes the engine flags too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from pieceworks.entrypoints.engine_args import add_engine_args, compilation_fields, engine_args
+
+
+def _served_model(base_url: str, api_key: str | None) -> str:
+    """The first model the server lists (what ``--model`` defaults to)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as error:
+        message = f"no server answers at {base_url} ({error}); start `pieceworks serve`"
+        raise RuntimeError(message) from None
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    """Send the requests, print vLLM's summary, write JSON and a plot when asked."""
+    from pieceworks.benchmarks.report import write_json
+    from pieceworks.benchmarks.serve import (
+        format_summary,
+        plot_serve,
+        run_benchmark,
+        sample_requests,
+        summarize,
+    )
+
+    base_url = args.base_url.rstrip("/")
+    model = args.model or _served_model(base_url, args.api_key)
+    requests = sample_requests(
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+        args.vocab_size, args.dataset_path, args.seed,
+    )  # fmt: skip
+    if args.num_warmups:
+        asyncio.run(
+            run_benchmark(base_url, model, requests[: args.num_warmups], api_key=args.api_key)
+        )
+    results, duration = asyncio.run(
+        run_benchmark(
+            base_url, model, requests, args.request_rate, args.max_concurrency, args.api_key,
+            seed=args.seed,
+        )
+    )  # fmt: skip
+    summary = summarize(results, duration)
+    config = {
+        "base_url": base_url, "model": model, "num_prompts": args.num_prompts,
+        "input_len": args.input_len, "output_len": args.output_len,
+        "range_ratio": args.range_ratio, "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency, "dataset_path": args.dataset_path,
+    }  # fmt: skip
+    print(format_summary(summary))
+    if args.output_json:
+        write_json(Path(args.output_json), {**config, **summary})
+    if args.plot:
+        concurrency = args.max_concurrency or "unbounded"
+        title = f"{model}: rate {args.request_rate}/s, concurrency {concurrency}"
+        plot_serve(Path(args.plot), results, title)
+    return 0 if summary["completed"] else 1
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    """Time one generate over many prompts; print and optionally write the numbers."""
+    from pieceworks.benchmarks.report import write_json
+    from pieceworks.benchmarks.throughput import measure_throughput
+
+    result = measure_throughput(
+        args.model, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+        args.seed or 0, compilation_fields(args) or None, **engine_args(args),
+    )  # fmt: skip
+    print(
+        f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+        f"{result['total_tokens_per_s']:.1f} total tokens/s, "
+        f"{result['output_tokens_per_s']:.1f} output tokens/s "
+        f"({result['num_prompts']} prompts in {result['elapsed_s']:.2f} s)"
+    )
+    if args.output_json:
+        write_json(Path(args.output_json), result)
+    return 0
+
+
+def _add_lengths(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens (random prompts)")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.0,
+        help="sample lengths uniformly in [len * (1 - r), len * (1 + r)] (0: fixed lengths)",
+    )  # fmt: skip
+    parser.add_argument("--output-json", default=None)
+
+
+def register_serve(bench: Any) -> None:
+    """Add ``bench serve`` and ``bench throughput`` to the ``bench`` subcommands."""
+    serve = bench.add_parser("serve", help="load a running server (vLLM's benchmark_serving)")
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve.add_argument("--model", default=None, help="served model name (default: the first)")
+    serve.add_argument("--api-key", default=None)
+    _add_lengths(serve, 200)
+    serve.add_argument(
+        "--request-rate", type=float, default=float("inf"),
+        help="Poisson arrivals per second (inf: send every request at once)",
+    )  # fmt: skip
+    serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    serve.add_argument("--dataset-path", default=None, help="a text file: one prompt per line")
+    serve.add_argument("--vocab-size", type=int, default=256, help="random prompt ids below this")
+    serve.add_argument("--num-warmups", type=int, default=0, help="requests sent before timing")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--plot", default=None, help="PNG path (TTFT, TPOT, ITL distributions)")
+    serve.set_defaults(func=cmd_bench_serve)
+
+    throughput = bench.add_parser("throughput", help="offline tokens/s over many prompts")
+    add_engine_args(throughput, "llama-125m")
+    _add_lengths(throughput, 256)
+    throughput.set_defaults(func=cmd_bench_throughput)

