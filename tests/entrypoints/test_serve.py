@@ -160,3 +160,23 @@ def test_full_engine_answers_503_with_retry_after(server):
     assert refused.status_code == 503
     assert refused.headers["Retry-After"] == "1"
     assert "retry later" in refused.json()["error"]["message"]
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    from pieceworks.benchmarks.serve import plot_serve, run_benchmark, sample_requests, summarize
+
+    url = server[0]
+    requests = sample_requests(8, input_len=6, output_len=5, range_ratio=0.5, seed=3)
+    assert all(3 <= r.prompt_len <= 9 and 2 <= r.output_len <= 7 for r in requests)
+    results, duration = asyncio.run(
+        run_benchmark(url, MODEL, requests, request_rate=200.0, max_concurrency=3, api_key=API_KEY)
+    )
+    summary = summarize(results, duration)
+    assert summary["completed"] == 8, summary["errors"]
+    assert summary["total_output_tokens"] == sum(r.output_len for r in requests)
+    assert [r.output_tokens for r in results] == [r.output_len for r in requests]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        stats = summary[key]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
+    plot_serve(tmp_path / "serve.png", results, "test")
+    assert (tmp_path / "serve.png").stat().st_size > 0
