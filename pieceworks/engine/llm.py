@@ -8,13 +8,13 @@ back one per prompt, in prompt order, as ``RequestOutput`` with ``outputs[0].tok
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.engine.llm_engine import LLMEngine
 from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.engine.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass
@@ -33,23 +33,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
 
 
-def load_tokenizer(path: str | None) -> Any:
-    """An HF tokenizer from a directory that has one, else None (presets have none)."""
-    if path is None or not os.path.isdir(path):
-        return None
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any(os.path.exists(os.path.join(path, name)) for name in names):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 class LLM:
     def __init__(self, model: str, compilation_config: Any = None, **engine_args: Any) -> None:
         self.config = build_engine_config(model, compilation_config, **engine_args)
         self.engine = LLMEngine(self.config)
-        self.tokenizer = load_tokenizer(engine_args.get("tokenizer") or model)
+        self.tokenizer = load_tokenizer(model, engine_args.get("tokenizer"))
 
     def _encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
