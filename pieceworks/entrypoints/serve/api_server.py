@@ -133,6 +133,11 @@ def build_app(
     async def api_error(request: Request, error: APIError) -> Response:
         return error_response(error)
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> Response:
+        logger.exception("request failed")
+        return JSONResponse(error_body(500, f"the server failed: {error!r}"), status_code=500)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_model(await _model_field(request))
