@@ -1,0 +1,63 @@
+"""``TextStream``: streamed text deltas add up to the decoded text; stop strings cut it.
+
+Proves, with a byte-level fake tokenizer (one token per UTF-8 byte): a character split over
+several tokens is sent once complete; the concatenated deltas equal the final text; text that
+could still begin a stop string is held back until it cannot; the first stop string ends the
+choice with the text before it (even when split over tokens); without a tokenizer no text is sent.
+Run: pytest tests/entrypoints/test_serve_text.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from pieceworks.entrypoints.serve.text import TextStream  # noqa: E402
+
+
+class ByteTokenizer:
+    """Token i is byte i; decoding replaces an incomplete UTF-8 sequence with U+FFFD."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def stream_all(stream: TextStream, tokens: list[int]) -> list[str]:
+    deltas = [stream.push([token], finished=False) for token in tokens[:-1]]
+    return deltas + [stream.push(tokens[-1:], finished=True)]
+
+
+def test_split_character_is_sent_once_complete():
+    stream = TextStream(ByteTokenizer())
+    tokens = ids("a€b")  # the euro sign is three bytes
+    deltas = stream_all(stream, tokens)
+    assert deltas == ["a", "", "", "€", "b"]
+    assert "".join(deltas) == stream.text == "a€b"
+
+
+def test_stop_string_cuts_the_text_and_holds_back_its_prefix():
+    stream = TextStream(ByteTokenizer(), stop=["STOP"])
+    deltas = [stream.push([token], finished=False) for token in ids("abcST")]
+    assert "".join(deltas) == "ab"  # "cST" could still begin "STOP"
+    assert not stream.stopped
+    rest = [stream.push([token], finished=False) for token in ids("OPxyz")]
+    assert stream.stopped and "".join(deltas + rest) == stream.text == "abc"
+    assert stream.push(ids("more"), finished=True) == ""  # after the stop nothing more is sent
+
+
+def test_a_false_start_is_released():
+    stream = TextStream(ByteTokenizer(), stop=["STOP"])
+    deltas = stream_all(stream, ids("aSTOxSTb"))
+    assert not stream.stopped
+    assert "".join(deltas) == "aSTOxSTb"
+
+
+def test_no_tokenizer_sends_no_text():
+    stream = TextStream(None, stop=["x"])
+    assert stream.push([1, 2, 3], finished=True) == ""
+    assert stream.token_ids == [1, 2, 3]
