@@ -22,7 +22,9 @@ def build_context(llm: Any, model_name: str, max_waiting_requests: int) -> Any:
     from pieceworks.entrypoints.serve.validation import ModelLimits
 
     model_config = llm.config.model_config
-    limits = ModelLimits(model_config.max_model_len, model_config.hf_config.get("vocab_size"))
+    kv_tokens = llm.engine.scheduler.block_manager.num_tokens_capacity
+    vocab_size = model_config.hf_config.get("vocab_size")
+    limits = ModelLimits(model_config.max_model_len, vocab_size, kv_tokens)
     engine = AsyncLLMEngine(llm.engine, max_waiting_requests=max_waiting_requests)
     return ServingContext(engine, llm.tokenizer, model_name, limits, ServerMetrics(model_name))
 

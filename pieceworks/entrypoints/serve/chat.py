@@ -107,7 +107,7 @@ def chat_format(body: ChatCompletionRequest) -> ResponseFormat:
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     body = parse_body(await request.body(), ChatCompletionRequest)
     ids = render_chat(ctx, body)
-    max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(ids), ctx.limits.max_model_len)
+    max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(ids), ctx.limits)
     check_prompt(ids, max_tokens, ctx.limits)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     specs = [ChoiceSpec(ids, sampling_params(body, max_tokens, i, logprobs)) for i in range(body.n)]

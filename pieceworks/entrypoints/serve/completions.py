@@ -87,7 +87,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         raise bad_request("echo is not supported; send echo=false", "echo")
     specs = []
     for ids in prompt_token_ids(ctx, body.prompt):
-        max_tokens = resolve_max_tokens(body.max_tokens, len(ids), ctx.limits.max_model_len)
+        max_tokens = resolve_max_tokens(body.max_tokens, len(ids), ctx.limits)
         check_prompt(ids, max_tokens, ctx.limits)
         for i in range(body.n):
             params = sampling_params(body, max_tokens, i, body.logprobs)

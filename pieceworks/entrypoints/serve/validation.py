@@ -48,10 +48,12 @@ def parse_body(body: bytes, model: type[ModelT]) -> ModelT:
 
 @dataclasses.dataclass(frozen=True)
 class ModelLimits:
-    """What a prompt is checked against: the model's context and vocabulary."""
+    """What a prompt is checked against: the model's context and vocabulary, and how many
+    tokens the whole KV cache holds (``None``: no bound beyond the context)."""
 
     max_model_len: int
     vocab_size: int | None
+    max_kv_tokens: int | None = None
 
 
 def check_prompt(prompt_token_ids: list[int], max_tokens: int, limits: ModelLimits) -> None:
@@ -72,10 +74,14 @@ def check_prompt(prompt_token_ids: list[int], max_tokens: int, limits: ModelLimi
         )
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
-    """The request's ``max_tokens``, or what is left of the context when it gave none."""
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, limits: ModelLimits) -> int:
+    """The request's ``max_tokens``, or, when it gave none, what is left of the context (and of
+    the KV cache: the last token's KV is never stored, hence the + 1)."""
     if requested is None:
-        return max(max_model_len - num_prompt_tokens, 1)
+        room = limits.max_model_len - num_prompt_tokens
+        if limits.max_kv_tokens is not None:
+            room = min(room, limits.max_kv_tokens - num_prompt_tokens + 1)
+        return max(room, 1)
     if requested <= 0:
         raise bad_request(f"max_tokens={requested} must be at least 1", param="max_tokens")
     return requested
