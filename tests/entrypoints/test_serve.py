@@ -11,6 +11,7 @@ Run: pytest tests/entrypoints/test_serve.py
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -180,3 +181,19 @@ def test_bench_serve_against_the_server(server, tmp_path):
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
     plot_serve(tmp_path / "serve.png", results, "test")
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_non_streaming_client_that_leaves_is_aborted(server):
+    url, ctx, _ = server
+    aborted_before = ctx.engine.stats.num_aborted
+    body = {"prompt": [1, 2, 3], "max_tokens": 1500, **IDS}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while ctx.engine.stats.num_aborted == aborted_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ctx.engine.stats.num_aborted == aborted_before + 1
+    while ctx.engine.stats.num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ctx.engine.stats.num_free_blocks == ctx.engine.stats.num_blocks
