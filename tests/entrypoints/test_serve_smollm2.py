@@ -38,7 +38,14 @@ def checkpoint() -> str:
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    llm = LLM(checkpoint, compilation_config={"level": 0}, dtype="float32", max_num_seqs=4)
+    llm = LLM(
+        checkpoint,
+        compilation_config={"level": 0},
+        dtype="float32",
+        max_num_seqs=4,
+        max_model_len=512,
+        num_gpu_blocks_override=64,  # 1024 tokens of KV: all these tests need
+    )
     tokenizer = llm.tokenizer
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     chat_text = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
