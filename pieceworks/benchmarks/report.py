@@ -138,6 +138,90 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2))
 
 
+PERFORMANCE_COLUMNS = [
+    "model", "dtype", "batch", "mode", "ms/step (min-max)", "x floor", "device busy ms (idle)",
+    "peers of the same run, ms/step", "commit", "date", "device", "versions", "command",
+]  # fmt: skip
+
+
+def _peer_cell(peers: list[dict[str, Any]], skipped: list[dict[str, str]]) -> str:
+    cells = []
+    for peer in peers:
+        if peer.get("status", "ok") == "ok":
+            ratio = peer.get("ratio_to_floor")
+            cells.append(
+                f"{peer['mode']} {peer['decode_step_ms']['median']:.2f}"
+                + (f" ({ratio:.2f}x)" if ratio else "")
+            )
+        else:
+            cells.append(f"{peer['mode']} failed")
+    cells += [f"{s['mode']} skipped" for s in skipped if s.get("reason") != "not in --peers"]
+    return "; ".join(cells) or "-"
+
+
+def _versions_cell(versions: dict[str, str | None]) -> str:
+    return ", ".join(f"{name} {version}" for name, version in versions.items() if version)
+
+
+def performance_rows(payload: dict[str, Any]) -> list[list[str]]:
+    """Rows of the performance table for one ``bench latency`` JSON: one per pieceworks mode
+    and batch size, with that batch's peers of the same run in one cell."""
+    rows = []
+    dtype = payload.get("dtype", "?") + (
+        f" + {payload['quantization']}" if payload.get("quantization") else ""
+    )
+    results = payload["results"]
+    for r in results:
+        if r.get("graph_mode") == "baseline":
+            continue
+        peers = [
+            p
+            for p in results
+            if p.get("graph_mode") == "baseline" and p["batch_size"] == r["batch_size"]
+        ]
+        if r.get("status", "ok") == "ok":
+            steps = r["decode_step_ms"]
+            step = f"{steps['median']:.3f} ({steps['min']:.3f}-{steps['max']:.3f})"
+            ratio = _number(r.get("ratio_to_floor"), ".2f")
+            busy = r.get("device_busy_ms")
+            idle = r.get("device_idle_share")
+            busy_cell = (
+                "n/a"
+                if busy is None
+                else f"{busy:.3f} ({idle:.0%})"
+                if idle is not None
+                else f"{busy:.3f}"
+            )
+        else:
+            step, ratio, busy_cell = f"failed: {r.get('error', '')}", "-", "-"
+        mode = f"{r['mode']} (level {r.get('level')}, {r.get('graph_mode')})"
+        rows.append([
+            payload["model"], dtype, str(r["batch_size"]), mode, step, ratio, busy_cell,
+            _peer_cell(peers, payload.get("skipped", [])), str(payload.get("commit", "?")),
+            str(payload.get("date", "?")), str(payload.get("device", "?")),
+            _versions_cell(payload.get("versions", {})), f"`{payload.get('command') or '?'}`",
+        ])  # fmt: skip
+    return rows
+
+
+def format_performance_table(payloads: list[dict[str, Any]]) -> str:
+    """The markdown table of ``docs/performance.md`` from ``bench latency`` JSON payloads."""
+    lines = [
+        "| " + " | ".join(PERFORMANCE_COLUMNS) + " |",
+        "|"
+        + "|".join(
+            "---:" if title in ("batch", "x floor") else "---" for title in PERFORMANCE_COLUMNS
+        )
+        + "|",
+    ]
+    for payload in payloads:
+        lines += [
+            "| " + " | ".join(cell.replace("|", "/") for cell in row) + " |"
+            for row in performance_rows(payload)
+        ]
+    return "\n".join(lines)
+
+
 def plot_latency(path: Path, results: list[dict[str, Any]], title: str) -> bool:
     """Decode ms per step as bars, one group per batch size and one bar per mode or peer, with
     min-max whiskers and the floor drawn across each group; False without matplotlib."""

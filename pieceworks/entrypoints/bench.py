@@ -63,6 +63,22 @@ def measure_rows(case: Any, plans: list[Any], baselines: list[str], bandwidth: f
             yield failed_result(name, error, level=None, graph_mode="baseline")
 
 
+def choose_peers(
+    text: str, applicable: list[str], skipped: list[dict[str, str]]
+) -> tuple[list[str], list[dict[str, str]]]:
+    """``--peers``: the applicable peers named in ``text``; the rest are skipped, saying why."""
+    from pieceworks.benchmarks.baselines import BASELINE_MODES
+
+    wanted = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(BASELINE_MODES))
+    if unknown:
+        raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(BASELINE_MODES)}")
+    not_asked = [
+        {"mode": name, "reason": "not in --peers"} for name in applicable if name not in wanted
+    ]
+    return [name for name in applicable if name in wanted], skipped + not_asked
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The ``pieceworks bench latency`` command that reruns this one (flags not at default)."""
     words = ["pieceworks", "bench", "latency"]
@@ -116,9 +132,9 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     batch_sizes = [int(b) for b in args.batch_size.split(",")]
     plans_case = _case(args, batch_sizes[0])
     plans = plan_rows(args, plans_case)  # conflicts fail before any work
-    baselines, skipped = (
-        applicable_baselines(_case(args, batch_sizes[0])) if args.compare else ([], [])
-    )
+    baselines, skipped = applicable_baselines(plans_case) if args.compare else ([], [])
+    if args.compare and args.peers:
+        baselines, skipped = choose_peers(args.peers, baselines, skipped)
     bandwidth = measure_copy_bandwidth()
     print(
         f"platform {platform.name} ({platform.device_name()}); device copy bandwidth "
@@ -188,6 +204,11 @@ def register(sub: Any) -> None:
         help="also time the peers that apply to the model: static_compiled (HF transformers "
         "with a static cache under torch.compile reduce-overhead), gpt_fast (an independent "
         "hand-written Llama loop) and hf_eager (HF generate); the others are listed as skipped",
+    )
+    latency.add_argument(
+        "--peers",
+        default=None,
+        help="with --compare: comma list of the peers to run (default: every one that applies)",
     )
     latency.add_argument("--output-json", default=None)
     latency.add_argument("--plot", default=None, help="PNG path")
