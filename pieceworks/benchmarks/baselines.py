@@ -529,8 +529,7 @@ def build_gpt_fast_model(
 ) -> GptFastLlama:
     """The independent loop's Llama on ``device``, with the same weights as the other peers."""
     dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
-    with torch.device(device):
-        model = GptFastLlama(model_config.hf_config).to(dtype)
+    model = GptFastLlama.empty(model_config.hf_config, dtype, device)
     if is_preset(model_config.model):
         weights = random_hf_weights(
             model_config.hf_config, seed=model_config.seed, dtype=dtype, device=device

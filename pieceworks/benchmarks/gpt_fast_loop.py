@@ -173,9 +173,23 @@ class GptFastLlama(nn.Module):
         self.hf_config = hf_config
         self.model = Backbone(hf_config)
         self.lm_head = nn.Linear(hf_config["hidden_size"], hf_config["vocab_size"], bias=False)
-        if hf_config.get("tie_word_embeddings"):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         self.register_buffer("inv_freq", rope_inv_freq(hf_config), persistent=False)
+
+    @classmethod
+    def empty(cls, hf_config: dict[str, Any], dtype: torch.dtype, device: Any) -> GptFastLlama:
+        """The model with uninitialised weights of ``dtype`` on ``device``, allocated once (built
+        on the meta device); the rotary frequencies stay float32, as HF keeps them."""
+        with torch.device("meta"):
+            model = cls(hf_config)
+        model = model.to(dtype).to_empty(device=device)
+        model.tie_weights()  # moving off the meta device makes new parameters: tie them again
+        model.inv_freq = rope_inv_freq(hf_config).to(device)
+        return model
+
+    def tie_weights(self) -> None:
+        if self.hf_config.get("tie_word_embeddings"):
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -192,3 +192,11 @@ def test_static_loop_under_reduce_overhead_inductor(llama_tiny):
     result = measure_static_cache_compiled(case, BANDWIDTH)
     assert result["first_output_token_ids"] == expected[0]
     assert result["compile_s"] > 0.0
+
+
+def test_gpt_fast_model_in_bfloat16_keeps_float32_rotary_and_tied_weights():
+    case = LatencyCase("llama-tiny", 1, 4, 2, engine_args={"dtype": "bfloat16"})
+    model = build_gpt_fast_model(baseline_model_config(case), torch.device("cpu"), 1, 8)
+    assert model.inv_freq.dtype == torch.float32  # rotary angles as precise as HF's
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as the preset says
+    assert model.lm_head.weight.dtype == torch.bfloat16
