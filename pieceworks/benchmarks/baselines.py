@@ -270,7 +270,7 @@ class StaticCacheDecoder:
     """
 
     def __init__(
-        self, model: nn.Module, max_cache_len: int, compile_backend: str = "inductor",
+        self, model: nn.Module, max_cache_len: int, compile_backend: str | Callable = "inductor",
         gqa: bool = True,
     ) -> None:  # fmt: skip
         transformers = _transformers()

@@ -200,3 +200,34 @@ def test_gpt_fast_model_in_bfloat16_keeps_float32_rotary_and_tied_weights():
     assert model.inv_freq.dtype == torch.float32  # rotary angles as precise as HF's
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as the preset says
     assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def cache_per_query_head_tensors(gqa: bool, checkpoint) -> list[tuple[int, ...]]:
+    """Shapes ``(B, num_heads, max_cache_len, D)`` in the traced decode step: K or V of the whole
+    static cache copied out to every query head."""
+    case = LatencyCase(str(checkpoint), 2, 6, 3, engine_args={"dtype": "float32"})
+    _, model, input_ids = load_hf_baseline(case)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    max_cache_len = 9
+    decoder = StaticCacheDecoder(model, max_cache_len, compile_backend=record, gqa=gqa)
+    decoder.reset()
+    decoder.generate(input_ids, case.output_len)
+    torch.compiler.reset()
+    values = [node.meta.get("example_value") for gm in graphs for node in gm.graph.nodes]
+    shapes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor) and v.dim() == 4]
+    heads = GQA_LLAMA3["num_attention_heads"]
+    return [s for s in shapes if s[1] == heads and s[2] == max_cache_len]
+
+
+def test_the_compiled_step_reads_each_kv_head_once(tmp_path):
+    """HF's own SDPA path under torch.compile with a static cache's mask copies K/V out to every
+    query head (``repeat_kv``) over the whole cache, each layer, each step; the registered
+    grouped-query attention does not."""
+    random_hf_checkpoint(GQA_LLAMA3, tmp_path, seed=3, dtype=torch.float32)
+    assert cache_per_query_head_tensors(gqa=False, checkpoint=tmp_path)  # the cost, shown
+    assert cache_per_query_head_tensors(gqa=True, checkpoint=tmp_path) == []
