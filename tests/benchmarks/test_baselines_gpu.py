@@ -24,7 +24,7 @@ MID_LLAMA = {
     **get_preset("llama-3.1-8b"),
     "hidden_size": 2048,
     "intermediate_size": 7168,
-    "num_hidden_layers": 16,
+    "num_hidden_layers": 8,
     "num_attention_heads": 16,
     "num_key_value_heads": 4,  # 4 query heads per KV head, as at 8B
     "head_dim": 128,
