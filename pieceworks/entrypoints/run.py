@@ -74,7 +74,7 @@ def register(sub: Any) -> None:
     )
     run.add_argument("--batch-size", type=int, default=4)
     run.add_argument("--input-len", type=int, default=16)
-    run.add_argument("--output-len", type=int, default=32)
+    run.add_argument("--output-len", type=int, default=16)
     run.add_argument("--num-iters-warmup", type=int, default=2)
     run.add_argument("--num-iters", type=int, default=5)
     run.set_defaults(func=cmd_run)
