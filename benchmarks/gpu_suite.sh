@@ -10,9 +10,9 @@
 # Each bench JSON is rewritten after every row, so a step cut short keeps what it measured.
 # Afterwards: python benchmarks/perf_table.py "$OUT"/bench_*.json   (the markdown table)
 #
-# Time on an H200 (8B compile + capture about 26 s per mode, Inductor for each static-loop peer
-# about as long): bench125m ~2 min, smollm2 ~3 min, bench8b ~6 min, fp8 ~3 min, bamba ~3 min,
-# tests ~4 min: about 20 minutes in all. Split it over several calls where one call is limited,
+# Time on an H200, estimated from its parts (8B compile + capture about 26 s per mode, Inductor
+# for each static-loop peer about as long; the whole suite not yet timed): bench125m ~2 min,
+# smollm2 ~3 min, bench8b ~6 min, fp8 ~3 min, bamba ~3 min, tests ~4 min: about 20 minutes. Split it over several calls where one call is limited,
 # e.g. `bash benchmarks/gpu_suite.sh install versions bench125m smollm2 bamba` then
 # `bash benchmarks/gpu_suite.sh bench8b fp8` then `bash benchmarks/gpu_suite.sh tests`.
 set -uo pipefail
