@@ -59,6 +59,7 @@ class RequestDelta:
     num_output_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[Any] | None = None  # one entry per new token, when the request asked
 
     @property
     def finished(self) -> bool:
@@ -246,11 +247,15 @@ class AsyncLLMEngine:
             num_tokens = len(request.output_token_ids)
             if num_tokens == stream.num_sent and not request.is_finished:
                 continue
-            new_token_ids = request.output_token_ids[stream.num_sent : num_tokens]
-            stream.num_sent = num_tokens
-            self._send(
-                stream, RequestDelta(request_id, new_token_ids, num_tokens, request.finish_reason)
+            delta = RequestDelta(
+                request_id,
+                request.output_token_ids[stream.num_sent : num_tokens],
+                num_tokens,
+                request.finish_reason,
+                logprobs=_new_logprobs(request, stream.num_sent, num_tokens),
             )
+            stream.num_sent = num_tokens
+            self._send(stream, delta)
             if request.is_finished:
                 done.append(request_id)
         for request_id in done:
@@ -286,3 +291,11 @@ class AsyncLLMEngine:
             num_steps=self._num_steps,
             num_aborted=self._num_aborted,
         )
+
+
+def _new_logprobs(request: Request, start: int, end: int) -> list[Any] | None:
+    """The engine's log-probability entries of output tokens [start, end), if it records them
+    (``SamplingParams.logprobs`` set): one per token, appended with the token."""
+    if getattr(request.sampling_params, "logprobs", None) is None:
+        return None
+    return list(getattr(request, "output_logprobs", [])[start:end])

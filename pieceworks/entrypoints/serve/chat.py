@@ -20,6 +20,7 @@ from pieceworks.entrypoints.serve.generation import (
     ChoiceSpec,
     Generation,
 )
+from pieceworks.entrypoints.serve.logprobs import chat_logprobs
 from pieceworks.entrypoints.serve.protocol import ChatCompletionRequest
 from pieceworks.entrypoints.serve.serving import ResponseFormat, ServingContext, respond
 from pieceworks.entrypoints.serve.validation import (
@@ -70,7 +71,7 @@ def _choice(
     return choice
 
 
-def chat_format(body: ChatCompletionRequest) -> ResponseFormat:
+def chat_format(body: ChatCompletionRequest, tokenizer: Any) -> ResponseFormat:
     def first(header: dict[str, Any], num_choices: int) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
         return [
@@ -85,20 +86,18 @@ def chat_format(body: ChatCompletionRequest) -> ResponseFormat:
     def chunk(header: dict[str, Any], delta: ChoiceDelta) -> dict[str, Any]:
         content = {"content": delta.text} if delta.text else {}
         choice = _choice(body, delta.index, "delta", content, delta.token_ids, delta.finish_reason)
+        if delta.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(delta.logprobs, tokenizer)
         return {**header, "object": "chat.completion.chunk", "choices": [choice]}
 
     def full(header: dict[str, Any], results: list[ChoiceResult]) -> dict[str, Any]:
-        choices = [
-            _choice(
-                body,
-                r.index,
-                "message",
-                {"role": "assistant", "content": r.text},
-                r.token_ids,
-                r.finish_reason,
-            )
-            for r in results
-        ]
+        choices = []
+        for r in results:
+            message = {"role": "assistant", "content": r.text}
+            choice = _choice(body, r.index, "message", message, r.token_ids, r.finish_reason)
+            if r.logprobs is not None:
+                choice["logprobs"] = chat_logprobs(r.logprobs, tokenizer)
+            choices.append(choice)
         return {**header, "object": "chat.completion", "choices": choices}
 
     return ResponseFormat("chatcmpl", chunk, first, full)
@@ -112,4 +111,4 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     specs = [ChoiceSpec(ids, sampling_params(body, max_tokens, i, logprobs)) for i in range(body.n)]
     generation = Generation(ctx.engine, specs, ctx.tokenizer, body.stop_strings(), ctx.metrics)
-    return await respond(ctx, request, generation, chat_format(body), body)
+    return await respond(ctx, request, generation, chat_format(body, ctx.tokenizer), body)

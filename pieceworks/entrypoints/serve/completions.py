@@ -20,6 +20,7 @@ from pieceworks.entrypoints.serve.generation import (
     ChoiceSpec,
     Generation,
 )
+from pieceworks.entrypoints.serve.logprobs import completion_logprobs
 from pieceworks.entrypoints.serve.protocol import CompletionRequest
 from pieceworks.entrypoints.serve.serving import ResponseFormat, ServingContext, respond
 from pieceworks.entrypoints.serve.validation import (
@@ -64,15 +65,19 @@ def _choice(
     return choice
 
 
-def completion_format(body: CompletionRequest) -> ResponseFormat:
+def completion_format(body: CompletionRequest, tokenizer: Any) -> ResponseFormat:
     def chunk(header: dict[str, Any], delta: ChoiceDelta) -> dict[str, Any]:
         choice = _choice(body, delta.index, delta.text, delta.token_ids, delta.finish_reason)
+        if delta.logprobs is not None:
+            choice["logprobs"] = completion_logprobs(delta.logprobs, tokenizer, delta.text_offset)
         return {**header, "object": "text_completion", "choices": [choice]}
 
     def full(header: dict[str, Any], results: list[ChoiceResult]) -> dict[str, Any]:
         choices = []
         for r in results:
             choice = _choice(body, r.index, r.text, r.token_ids, r.finish_reason)
+            if r.logprobs is not None:
+                choice["logprobs"] = completion_logprobs(r.logprobs, tokenizer, 0)
             if body.return_token_ids:
                 choice["prompt_token_ids"] = r.prompt_token_ids
             choices.append(choice)
@@ -93,4 +98,4 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             params = sampling_params(body, max_tokens, i, body.logprobs)
             specs.append(ChoiceSpec(ids, params))
     generation = Generation(ctx.engine, specs, ctx.tokenizer, body.stop_strings(), ctx.metrics)
-    return await respond(ctx, request, generation, completion_format(body), body)
+    return await respond(ctx, request, generation, completion_format(body, ctx.tokenizer), body)

@@ -32,6 +32,8 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[Any] | None = None  # the engine's entries for ``token_ids``, when asked
+    text_offset: int = 0  # where ``text`` starts in the choice's whole text
 
 
 @dataclasses.dataclass
@@ -41,6 +43,7 @@ class ChoiceResult:
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[Any] | None = None
 
 
 @dataclasses.dataclass
@@ -151,12 +154,15 @@ class Generation:
         self.metrics.add_generated_tokens(len(delta.new_token_ids))
         piece = text.push(delta.new_token_ids, delta.finished)
         finish_reason = "stop" if text.stopped else delta.finish_reason
+        offset = len(result.text)
         result.text += piece
         result.token_ids.extend(delta.new_token_ids)
+        if delta.logprobs is not None:
+            result.logprobs = (result.logprobs or []) + delta.logprobs
         if finish_reason is None and not piece and not delta.new_token_ids:
             return None
         result.finish_reason = finish_reason
-        return ChoiceDelta(index, piece, delta.new_token_ids, finish_reason)
+        return ChoiceDelta(index, piece, delta.new_token_ids, finish_reason, delta.logprobs, offset)
 
     async def close(self) -> None:
         """Close every choice's engine stream; one still running is aborted."""
