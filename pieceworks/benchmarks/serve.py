@@ -76,6 +76,7 @@ def sample_requests(
         if not lines:
             raise ValueError(f"{dataset_path} has no non-empty lines to use as prompts")
         prompts = [lines[i % len(lines)] for i in range(num_prompts)]
+        # Words stand in for tokens until the server's usage gives the real count.
         return [BenchRequest(p, len(p.split()), n) for p, n in zip(prompts, output_lens)]
     input_lens = _lengths(input_len, range_ratio, num_prompts, rng)
     return [
@@ -94,7 +95,10 @@ async def _send(http: Any, url: str, body: dict[str, Any], result: RequestResult
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):  # the last chunk: the server's own count of prompt tokens
+                result.prompt_len = chunk["usage"]["prompt_tokens"]
+            choices = chunk.get("choices") or [{}]
             num_tokens = len(choices[0].get("token_ids") or [])
             if not num_tokens:
                 continue
@@ -138,6 +142,7 @@ async def run_benchmark(
             "stream": True,
             "ignore_eos": ignore_eos,
             "return_token_ids": True,
+            "stream_options": {"include_usage": True},
         }
         try:
             if gate is None:
