@@ -51,7 +51,8 @@ class RequestDelta:
     """What one engine step added to a request: its new token ids, and how it ended if it did.
 
     ``error`` is set (and nothing else) when the engine refused the request when it was added,
-    with the engine's reason, e.g. a prompt that can never fit the KV cache.
+    with the engine's reason, e.g. a prompt that can never fit the KV cache; or, with
+    ``engine_failed``, when the engine loop died under it.
     """
 
     request_id: str
@@ -60,6 +61,7 @@ class RequestDelta:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[Any] | None = None  # one entry per new token, when the request asked
+    engine_failed: bool = False
 
     @property
     def finished(self) -> bool:
@@ -139,10 +141,6 @@ class AsyncLLMEngine:
                 "accepted (max_num_seqs running + max_waiting_requests queued); retry later"
             )
         self._num_live += num_requests
-
-    def release(self, num_requests: int) -> None:
-        """Give back room claimed with ``reserve`` that ``generate`` will not use."""
-        self._num_live -= num_requests
 
     async def generate(
         self,
@@ -263,7 +261,8 @@ class AsyncLLMEngine:
 
     def _fail_all(self, reason: str) -> None:
         for request_id, stream in self._streams.items():
-            self._send(stream, RequestDelta(request_id, [], stream.num_sent, error=reason))
+            delta = RequestDelta(request_id, [], stream.num_sent, error=reason, engine_failed=True)
+            self._send(stream, delta)
         self._streams.clear()
         while True:  # requests still queued for adding get the same answer
             try:
@@ -271,7 +270,8 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._send(payload[3], RequestDelta(payload[0], [], 0, error=reason))
+                delta = RequestDelta(payload[0], [], 0, error=reason, engine_failed=True)
+                self._send(payload[3], delta)
 
     @staticmethod
     def _send(stream: _Stream, delta: RequestDelta) -> None:

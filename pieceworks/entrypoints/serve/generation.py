@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pieceworks.engine.async_engine import AsyncLLMEngine, RequestDelta
+from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.entrypoints.serve.errors import bad_request
 from pieceworks.entrypoints.serve.metrics import ServerMetrics
@@ -94,6 +94,10 @@ class Generation:
         except BaseException:
             await self.close()
             raise
+        failed = [delta.error for delta in self._firsts if delta.engine_failed]
+        if failed:
+            await self.close()
+            raise EngineDeadError(failed[0])
         refused = [delta.error for delta in self._firsts if delta.error is not None]
         if refused:
             await self.close()

@@ -20,7 +20,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pieceworks.engine.async_engine import AsyncLLMEngine, QueueFullError
+from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from pieceworks.entrypoints.serve.errors import APIError
 from pieceworks.entrypoints.serve.generation import ChoiceDelta, ChoiceResult, Generation
 from pieceworks.entrypoints.serve.metrics import ServerMetrics
@@ -77,6 +77,8 @@ async def respond(
         await generation.start()
     except QueueFullError as error:
         raise APIError(503, str(error), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except EngineDeadError as error:  # /health says the same; a restart is what helps
+        raise APIError(503, str(error)) from None
     ctx.metrics.add_request(generation.num_prompt_tokens)
     header = {
         "id": f"{fmt.object_prefix}-{generation.request_id}",
