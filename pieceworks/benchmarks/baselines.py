@@ -524,13 +524,7 @@ def build_gpt_fast_model(
     """The independent loop's Llama on ``device``, with the same weights as the other peers."""
     dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
     model = GptFastLlama.empty(model_config.hf_config, dtype, device)
-    if is_preset(model_config.model):
-        weights = random_hf_weights(
-            model_config.hf_config, seed=model_config.seed, dtype=dtype, device=device
-        )
-    else:
-        weights = hf_weights_iterator(model_config.model)
-    load_hf_weights(model, weights)
+    load_hf_weights(model, checkpoint_weights(model_config, device))
     model.setup_caches(batch_size, max_len)
     return model.eval().requires_grad_(False)
 
