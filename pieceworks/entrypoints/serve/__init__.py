@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pieceworks.entrypoints.engine_args import add_engine_args, compilation_fields, engine_args
+from pieceworks.entrypoints.engine_args import (
+    add_engine_args,
+    compilation_fields,
+    default_model,
+    engine_args,
+)
 
 
 def build_context(llm: Any, model_name: str, max_waiting_requests: int) -> Any:
@@ -50,11 +55,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    from pieceworks import envs
-
     parser = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
     parser.add_argument("model_tag", nargs="?", default=None, help="the model (as --model)")
-    add_engine_args(parser, envs.PIECEWORKS_DEFAULT_MODEL)
+    add_engine_args(parser, default_model())
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
