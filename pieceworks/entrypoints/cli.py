@@ -1,8 +1,8 @@
-"""The ``pieceworks`` command line: ``run``, ``generate``, ``bench``, ``platforms``.
+"""The ``pieceworks`` command line: ``run``, ``generate``, ``chat``, ``bench``, ``platforms``.
 
-Each subcommand lives in its own module of this package (``run``, ``generate``, ``bench``) as a
-small function over the Python API, registered here; engine arguments keep vLLM's flag names
-(``--max-num-seqs``, ``--max-model-len``, ``-O``, ``--compilation-config '{json}'``,
+Each subcommand lives in its own module of this package (``run``, ``generate``, ``chat``,
+``bench``) as a small function over the Python API, registered here; engine arguments keep vLLM's
+flag names (``--max-num-seqs``, ``--max-model-len``, ``-O``, ``--compilation-config '{json}'``,
 ``--enforce-eager``; ``engine_args``).
 """
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pieceworks.entrypoints import bench, generate, run
+from pieceworks.entrypoints import bench, chat, generate, run
 
 
 def cmd_platforms(args: argparse.Namespace) -> int:
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.register(sub)
     generate.register(sub)
+    chat.register(sub)
     bench.register(sub)
     return parser
 
