@@ -67,7 +67,7 @@ class LLM:
         """Generate for every prompt; results in prompt order."""
         request_ids = self._add_requests(prompts, sampling_params)
         while self.processor.has_unfinished_requests():
-            self.processor.step()
+            self.processor.step(stream=False)
         return [self.processor.get_output(rid, forget=True) for rid in request_ids]
 
     def stream(

@@ -138,6 +138,8 @@ def _record_logprobs(output: SchedulerOutput, sampled: SampledTokens) -> None:
     request is not finished yet). Prompt entries continue where the request's list ends, so a
     prefill recomputed after a preemption adds nothing twice.
     """
+    if sampled.logprobs is None and sampled.prompt_logprobs is None:
+        return  # nobody asked: nothing per request
     by_row = sampled.logprobs_by_row()
     for row, scheduled in enumerate(output.producing_requests):
         if row in by_row and not scheduled.request.is_finished:

@@ -151,7 +151,10 @@ class OutputProcessor:
         self.engine = engine
         self.tokenizer = tokenizer
         self._prompts: dict[str, _Prompt] = {}
-        self._live: list[_Completion] = []  # completions whose finish was not reported yet
+        # Completions whose finish was not reported yet, by engine request id (queue order), and
+        # those among them with stop strings, whose text must be checked every step.
+        self._live: dict[str, _Completion] = {}
+        self._with_stop: dict[str, _Completion] = {}
         self._request_ids = itertools.count()
         self._decoded_tokens: dict[int, str] = {}
 
@@ -175,29 +178,56 @@ class OutputProcessor:
             )
             completions.append(_Completion(request, index, request_id, self.tokenizer))
         self._prompts[request_id] = _Prompt(prompt, list(prompt_token_ids), params, completions)
-        self._live.extend(completions)
+        for completion in completions:
+            self._live[completion.request.request_id] = completion
+            if params.stop and self.tokenizer is not None:
+                self._with_stop[completion.request.request_id] = completion
         return request_id
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._live) or self.engine.has_unfinished_requests()
 
-    def step(self) -> list[CompletionDelta]:
-        """One engine step; the deltas of every completion that changed, in queue order."""
-        if self.engine.has_unfinished_requests():
-            self.engine.step()
-        deltas = [delta for c in self._live if (delta := c.advance(self.engine)) is not None]
-        self._live = [c for c in self._live if not c.reported_finish]
+    def step(self, stream: bool = True) -> list[CompletionDelta]:
+        """One engine step; the deltas of every completion that changed, in queue order.
+
+        ``stream=False`` (``LLM.generate``) skips the per-step work for completions that need
+        none: only those with stop strings and those the step finished are brought up to date,
+        so a step costs the host nothing per running request. ``get_output`` catches up the rest.
+        """
+        engine_busy = self.engine.has_unfinished_requests()
+        finished = self.engine.step() if engine_busy else []
+        if stream or not engine_busy:  # idle engine: whatever is live finished, report it
+            candidates = list(self._live.values())
+        else:
+            ids = [r.request_id for r in finished if r.request_id not in self._with_stop]
+            candidates = [
+                *self._with_stop.values(),
+                *(self._live[i] for i in ids if i in self._live),
+            ]
+        deltas = [delta for c in candidates if (delta := c.advance(self.engine)) is not None]
+        for completion in candidates:
+            if completion.reported_finish:
+                self._forget(completion)
         return deltas
 
     def abort_request(self, request_id: str) -> None:
         """Abort every unfinished completion of a prompt (a client went away) and forget it."""
         for completion in self._prompts.pop(request_id).completions:
             self.engine.abort_request(completion.request.request_id)
-        self._live = [c for c in self._live if c.parent_id != request_id]
+            self._forget(completion)
+
+    def _forget(self, completion: _Completion) -> None:
+        self._live.pop(completion.request.request_id, None)
+        self._with_stop.pop(completion.request.request_id, None)
 
     def get_output(self, request_id: str, forget: bool = False) -> RequestOutput:
         """The prompt's cumulative output now; ``forget`` drops it (call once it finished)."""
         state = self._prompts.pop(request_id) if forget else self._prompts[request_id]
+        for completion in state.completions:
+            if not completion.reported_finish:
+                completion.advance(self.engine)  # catch up what step(stream=False) skipped
+                if completion.reported_finish:
+                    self._forget(completion)
         outputs = [self._completion_output(c) for c in state.completions]
         prompt_logprobs = None
         if state.params.prompt_logprobs is not None:
