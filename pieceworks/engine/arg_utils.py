@@ -1,4 +1,4 @@
-"""Engine arguments (vLLM's names) -> ``EngineConfig``: presets, checkpoint dirs, validation.
+"""Engine arguments (vLLM's names) -> ``EngineConfig``: model sources, validation.
 
 ``build_engine_config(model, compilation_config=None, **engine_args)`` is what ``LLM`` and the CLI
 call; unknown arguments are an error that lists the known ones.
@@ -7,7 +7,6 @@ call; unknown arguments are an error that lists the known ones.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 from pieceworks.config import (
@@ -18,8 +17,7 @@ from pieceworks.config import (
     SchedulerConfig,
 )
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
-from pieceworks.models.loader import load_hf_config
-from pieceworks.models.presets import get_preset, is_preset, preset_names
+from pieceworks.models.sources import model_hf_config
 
 
 @dataclasses.dataclass
@@ -43,15 +41,8 @@ class EngineArgs:
 
 
 def resolve_hf_config(model: str) -> dict[str, Any]:
-    """The config.json dict of a preset name or an HF-format directory."""
-    if is_preset(model):
-        return get_preset(model)
-    if os.path.isdir(model):
-        return load_hf_config(model)
-    raise ValueError(
-        f"model {model!r} is neither a preset ({', '.join(preset_names())}) nor a "
-        "directory with config.json and *.safetensors"
-    )
+    """The config.json dict of a preset, an HF directory, a GGUF file or ``smollm2-135m``."""
+    return model_hf_config(model)
 
 
 def _compilation(compilation_config: Any, enforce_eager: bool) -> CompilationConfig:

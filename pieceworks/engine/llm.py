@@ -9,7 +9,6 @@ chat template to conversations first.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,6 +22,7 @@ from pieceworks.engine.output_processor import (
     RequestOutput,
 )
 from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.engine.tokenizer import load_tokenizer
 
 __all__ = ["LLM", "CompletionDelta", "CompletionOutput", "Logprob", "RequestOutput"]
 
@@ -30,23 +30,11 @@ Prompt = str | Sequence[int]
 Conversation = list[dict[str, Any]]
 
 
-def load_tokenizer(path: str | None) -> Any:
-    """An HF tokenizer from a directory that has one, else None (presets have none)."""
-    if path is None or not os.path.isdir(path):
-        return None
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any(os.path.exists(os.path.join(path, name)) for name in names):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 class LLM:
     def __init__(self, model: str, compilation_config: Any = None, **engine_args: Any) -> None:
         self.config = build_engine_config(model, compilation_config, **engine_args)
         self.engine = LLMEngine(self.config)
-        self.tokenizer = load_tokenizer(engine_args.get("tokenizer") or model)
+        self.tokenizer = load_tokenizer(model, engine_args.get("tokenizer"))
         self.processor = OutputProcessor(self.engine, self.tokenizer)
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:

