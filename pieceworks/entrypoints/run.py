@@ -42,7 +42,9 @@ def answer_chat_prompts(args: argparse.Namespace) -> None:
         )
     else:
         llm = LLM(
-            CHAT_MODEL, compilation_config=compilation_fields(args) or None, **engine_args(args)
+            CHAT_MODEL,
+            compilation_config=compilation_fields(args) or None,
+            **{"max_num_seqs": len(CHAT_PROMPTS), **engine_args(args)},
         )
         conversations = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS]
         params = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens)

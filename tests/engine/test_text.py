@@ -1,4 +1,5 @@
-"""Text in, text out on the trained SmolLM2-135M (CPU, float32, level 0), checked against HF.
+"""Text in, text out on the trained SmolLM2-135M (``LLM("smollm2-135m")``: CPU, float32, level 0),
+checked against HF transformers loading the same GGUF.
 
 Proves: generated tokens' top-5 logprobs match HF transformers' to 1e-4; prompt logprobs over a
 paragraph give HF's perplexity to 0.1 % (the paragraph is prefilled in chunks); stop strings are
@@ -40,7 +41,7 @@ def hf():
 def llm(hf):
     from pieceworks.engine.llm import LLM
 
-    engine = LLM(smollm2.hf_dir(), compilation_config={"level": 0}, **smollm2.ENGINE_ARGS)
+    engine = LLM(smollm2.MODEL, compilation_config={"level": 0}, **smollm2.ENGINE_ARGS)
     yield engine
     engine.shutdown()
 
@@ -102,12 +103,17 @@ def test_prompt_logprobs_give_hf_perplexity(llm, hf):
 
 
 def test_stop_strings_cut_text_and_finish_with_stop(llm):
-    greedy = SamplingParams(temperature=0.0, max_tokens=12)
-    full = llm.chat(FRANCE, greedy)[0].outputs[0]
+    stops = (
+        ("Paris", "The capital of France is "),
+        (" of Fr", "The capital"),
+    )  # " of Fr": 2 tokens
+    params = [SamplingParams(temperature=0.0, max_tokens=12)] + [
+        SamplingParams(temperature=0.0, max_tokens=12, stop=[stop, "never seen"])
+        for stop, _ in stops
+    ]
+    full, *stopped = (out.outputs[0] for out in llm.chat([FRANCE] * len(params), params))
     assert full.text.startswith("The capital of France is Paris")
-    for stop, expected in (("Paris", "The capital of France is "), (" of Fr", "The capital")):
-        params = SamplingParams(temperature=0.0, max_tokens=12, stop=[stop, "never seen"])
-        completion = llm.chat(FRANCE, params)[0].outputs[0]
+    for completion, (stop, expected) in zip(stopped, stops):
         assert completion.text == expected
         assert completion.finish_reason == "stop" and completion.stop_reason == stop
         assert completion.token_ids == full.token_ids[: len(completion.token_ids)]
@@ -115,7 +121,7 @@ def test_stop_strings_cut_text_and_finish_with_stop(llm):
 
 
 def test_n_completions_distinct_and_seed_reproducible(llm):
-    params = SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=11)
+    params = SamplingParams(temperature=1.0, max_tokens=6, n=3, seed=11)
     first = llm.chat(FRANCE, params)[0].outputs
     again = llm.chat(FRANCE, params)[0].outputs
     assert [c.index for c in first] == [0, 1, 2]
