@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pieceworks.benchmarks.device_busy import union_length  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.modes import compilation_for_mode  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
@@ -48,16 +49,6 @@ def kernel_kind(name: str) -> str:
     if "memcpy" in lowered or "copy" in lowered or "memset" in lowered:
         return "copy"
     return "other"
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total
 
 
 def profile_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:

@@ -76,7 +76,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Programmatic dependent launch for pieceworks' decode kernels and Inductor's (a kernel may
     # start while the one before it ends, and waits for it inside), where the platform supports
     # it (NVIDIA Hopper and newer): 1 or unset on, 0 off (PDL_BY_DEFAULT in
-    # pieceworks/platforms/programmatic_launch.py; measured in docs/benchmarks.md, session 10).
+    # pieceworks/platforms/programmatic_launch.py; what it changes: docs/performance.md).
     "PIECEWORKS_PDL": _optional_flag("PIECEWORKS_PDL"),
 }
 

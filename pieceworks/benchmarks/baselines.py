@@ -1,24 +1,39 @@
 """What a user would otherwise run: HF transformers baselines for `bench latency --compare`.
 
-Two ways to run the model of a ``LatencyCase`` without pieceworks, on the same device, in the same
-dtype, with the same weights (``random_hf_weights`` of the same seed for a preset, the checkpoint
-for a directory) and the same prompts (``benchmark._prompts``):
+Three ways to run the model of a ``LatencyCase`` without pieceworks, on the same device, in the
+same dtype, with the same weights (``random_hf_weights`` of the same seed for a preset, the
+checkpoint for a directory) and the same prompts (``latency._prompts``):
 
 - ``hf_eager``: ``model.generate(...)`` greedy, eager, HF's default dynamic KV cache.
-- ``static_compiled``: the hand-written decode loop of the HF/PyTorch "torch.compile with a static
-  cache" recipe (gpt-fast style): a ``StaticCache`` sized to ``input_len + output_len``, an eager
-  prefill, then ``output_len - 1`` one-token steps, each a forward plus greedy argmax under
-  ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs where the device has them).
+- ``static_compiled``: the decode loop a capable user writes on HF transformers with the
+  "torch.compile with a static cache" recipe: a ``StaticCache`` sized to ``input_len +
+  output_len``, an eager prefill, then ``output_len - 1`` one-token steps, each a forward plus
+  greedy argmax under ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs where
+  the device has them), positions passed explicitly from a device tensor advanced in place. Its
+  attention is registered through transformers' ``AttentionInterface`` (``gqa_sdpa_attention``):
+  HF's own SDPA path passes ``enable_gqa`` only without a mask, and a static cache always has one,
+  so under torch.compile it calls ``repeat_kv`` and copies K and V out to every query head over the
+  whole cache each step (at the 8B shape, batch 64, context 1k: tens of GB per step). The
+  registered function folds the query heads of a KV head into the query length instead, and SDPA
+  reads each KV head once, with the mask.
+- ``gpt_fast``: an independent hand-written loop (``gpt_fast_loop``: its own Llama modules, its
+  own static cache), the check that ``static_compiled`` is not a straw man.
 
-Results are shaped like ``benchmark.measure_mode``'s (``graph_mode`` "baseline", pipeline counters
-all zero), so the CLI table shows them beside the modes. Latency is end to end with one device sync
-at the end. ``decode_step_ms`` comes from a separate pass that syncs the device at every step, as
-the engine's steps do: the static loop times each compiled step; HF ``generate`` is timed by a
-logits processor (``StepClock``) stamping the time each token is chosen, so one interval is one
-whole decode step (token selection, input preparation, forward). The floor counts the same bytes as
-``benchmark.decode_bytes``. EOS never stops a baseline (``ignore_eos``, as the bench runs).
+Which apply is decided up front (``applicable_baselines``): the two static loops need an
+attention-only Llama (HF has no static cache for Mamba layers), HF eager runs any model HF builds.
 
-Not here: the CLI flag, the table, the copy bandwidth (``benchmark.measure_copy_bandwidth``).
+Results are shaped like ``latency.measure_mode``'s (``graph_mode`` "baseline", pipeline counters all
+zero, ``level`` None), so the CLI table shows them beside the modes. Latency is end to end with one
+device sync at the end. ``decode_step_ms`` comes from a separate pass that syncs the device at every
+step, as the engine's steps do: the static loop times each compiled step; HF ``generate`` is timed
+by a logits processor (``StepClock``) stamping the time each token is chosen, so one interval is one
+whole decode step (token selection, input preparation, forward). The static loops also profile a few
+decode steps for their device-busy time (``device_busy``). The floor counts the same bytes as
+``latency.decode_bytes``. EOS never stops a baseline (``ignore_eos``, as the bench runs). A
+quantized case runs its peers unquantized (HF has no FP8 path of pieceworks' kind): each such row
+says so in its ``note``.
+
+Not here: the CLI flag, the table, the copy bandwidth (``latency.measure_copy_bandwidth``).
 ``transformers`` is optional (the ``test`` extra) and imported only when a baseline runs.
 """
 
@@ -33,7 +48,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
+from pieceworks.benchmarks.device_busy import (
+    NUM_PROFILED_STEPS,
+    profile_device_busy,
+    with_idle_share,
+)
+from pieceworks.benchmarks.gpt_fast_loop import GptFastDecoder, GptFastLlama
 from pieceworks.benchmarks.latency import _COUNTERS, LatencyCase, _prompts, _stats
 from pieceworks.config import ModelConfig, resolve_dtype
 from pieceworks.engine.arg_utils import build_engine_config, resolve_hf_config
@@ -44,7 +66,8 @@ from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)
 
-BASELINE_MODES = ("hf_eager", "static_compiled")
+BASELINE_MODES = ("static_compiled", "gpt_fast", "hf_eager")
+GQA_ATTENTION = "pieceworks_gqa_sdpa"
 
 
 def _transformers() -> Any:
@@ -128,7 +151,7 @@ def _num_attention_layers(hf_config: dict[str, Any]) -> int:
 
 
 def hf_decode_bytes(model: nn.Module, hf_config: dict[str, Any], case: LatencyCase) -> int:
-    """``benchmark.decode_bytes`` for an HF model: weights but the input embedding, + KV read."""
+    """``latency.decode_bytes`` for an HF model: weights but the input embedding, + KV read."""
     embedding = model.get_input_embeddings().weight  # type: ignore[operator]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     output = model.get_output_embeddings()  # type: ignore[operator]
@@ -145,7 +168,7 @@ def hf_decode_bytes(model: nn.Module, hf_config: dict[str, Any], case: LatencyCa
 
 
 # ---------------------------------------------------------------------------------------------
-# The two ways to generate
+# The ways to generate
 
 
 class StepClock:
@@ -179,21 +202,81 @@ def hf_generate(
     return output[:, input_ids.shape[1] :]
 
 
+def gqa_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """SDPA for grouped-query attention with a mask, reading each KV head once.
+
+    ``query`` ``(B, H, T, D)``, ``key``/``value`` ``(B, H_kv, S, D)`` (the whole static cache),
+    ``attention_mask`` ``(B, 1, T, S)`` or None. The ``n_rep = H / H_kv`` query heads of a KV head
+    are folded into the query length, ``(B, H_kv, n_rep * T, D)``, and the mask repeated to
+    match, so no ``repeat_kv`` copy of the cache is made. Returns ``(B, T, H, D)`` as HF expects.
+    """
+    batch, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    n_rep = num_heads // num_kv_heads
+    folded = query.reshape(batch, num_kv_heads, n_rep * num_tokens, head_dim)
+    mask = attention_mask
+    if mask is not None:
+        mask = mask[..., : key.shape[-2]]
+        rows = (mask.shape[0], mask.shape[1], n_rep, num_tokens, mask.shape[-1])
+        mask = mask[:, :, None].expand(rows).reshape(rows[0], rows[1], -1, rows[-1])
+    elif num_tokens > 1:  # no mask given: causal over a prompt that fills the cache from 0
+        mask = torch.ones(num_tokens, key.shape[-2], dtype=torch.bool, device=query.device)
+        mask = mask.tril(key.shape[-2] - num_tokens).repeat(n_rep, 1)
+    output = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    output = output.reshape(batch, num_heads, num_tokens, head_dim)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def use_gqa_attention(model: nn.Module) -> None:
+    """Register ``gqa_sdpa_attention`` with transformers and make ``model`` use it (masks made
+    as for SDPA)."""
+    transformers = _transformers()
+    transformers.AttentionInterface.register(GQA_ATTENTION, gqa_sdpa_attention)
+    masks = getattr(transformers, "AttentionMaskInterface", None)
+    if masks is not None:
+        from transformers.masking_utils import sdpa_mask
+
+        masks.register(GQA_ATTENTION, sdpa_mask)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(GQA_ATTENTION)  # type: ignore[operator]
+    else:
+        model.config._attn_implementation = GQA_ATTENTION  # type: ignore[union-attr]
+
+
 class StaticCacheDecoder:
-    """The hand-written loop: a ``StaticCache``, eager prefill, compiled one-token decode.
+    """The HF static-cache loop: a ``StaticCache``, eager prefill, compiled one-token decode.
 
     The compiled step reads and writes the cache in place (``StaticCache`` marks its tensors as
-    static addresses), so "reduce-overhead" can replay one CUDA graph per step. Its output buffer
-    belongs to the graph and is overwritten by the next replay: each token is cloned out.
+    static addresses), so "reduce-overhead" can replay one CUDA graph per step. Positions come
+    from a device tensor advanced in place (no cache-length query per step). The step's output
+    buffer belongs to the graph and is overwritten by the next replay: each token is cloned out.
+    ``gqa=False`` keeps HF's own attention (for comparing the two).
     """
 
-    def __init__(self, model: nn.Module, max_cache_len: int, compile_backend: str = "inductor"):
+    def __init__(
+        self, model: nn.Module, max_cache_len: int, compile_backend: str | Callable = "inductor",
+        gqa: bool = True,
+    ) -> None:  # fmt: skip
         transformers = _transformers()
         self.model = model
+        if gqa:
+            use_gqa_attention(model)
         self.cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
         # transformers 5.24 names it ``cache`` (``past_key_values`` deprecated); 5.17 does not.
         forward_args = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        backbone_args = inspect.signature(model.model.forward).parameters  # type: ignore[union-attr]
+        self.pass_cache_position = "cache_position" in backbone_args
         # ``mode`` is an Inductor option; other backends (e.g. "eager" in tests) take none.
         mode = "reduce-overhead" if compile_backend == "inductor" else None
         self.decode_step = torch.compile(
@@ -204,33 +287,51 @@ class StaticCacheDecoder:
         """Empty the cache in place (same tensors, so the compiled step's graph stays valid)."""
         self.cache.reset()
 
-    def forward_argmax(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Append ``token_ids`` ``(batch, num_tokens)`` to the cache; greedy next ``(batch, 1)``."""
-        cache = {self.cache_arg: self.cache}
+    def forward_argmax(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append ``token_ids`` ``(batch, T)`` at ``positions`` ``(T,)``; greedy next token."""
+        kwargs: dict[str, Any] = {self.cache_arg: self.cache, "position_ids": positions[None]}
+        if self.pass_cache_position:
+            kwargs["cache_position"] = positions
         logits = self.model(
-            input_ids=token_ids, use_cache=True, logits_to_keep=1, return_dict=False, **cache
+            input_ids=token_ids, use_cache=True, logits_to_keep=1, return_dict=False, **kwargs
         )[0]  # (batch, 1, vocab): a long prefill never materialises logits for every position
         return logits[:, -1].argmax(dim=-1, keepdim=True)
 
     @torch.no_grad()
-    def generate(
-        self, input_ids: torch.Tensor, num_tokens: int, step_seconds: list[float] | None = None
-    ) -> torch.Tensor:
-        """Greedy ``(batch, num_tokens)`` (call ``reset()`` first); ``step_seconds`` times steps."""
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts ``(B, T)`` into the cache (``reset()`` first): first tokens, next position."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.forward_argmax(input_ids, positions), positions[-1:] + 1
+
+    @torch.no_grad()
+    def decode(
+        self, token_ids: torch.Tensor, position: torch.Tensor, num_steps: int,
+        step_seconds: list[float] | None = None,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        """``num_steps`` compiled steps (``position`` advanced in place); ``step_seconds`` gets
+        each step's time between device syncs."""
         platform = current_platform()
-        token_ids = self.forward_argmax(input_ids)  # prefill, uncompiled (batch, 1)
-        generated = [token_ids]
-        for _ in range(num_tokens - 1):
+        generated = []
+        for _ in range(num_steps):
             if step_seconds is not None:
                 platform.synchronize()
                 start = time.perf_counter()
             torch.compiler.cudagraph_mark_step_begin()
-            token_ids = self.decode_step(token_ids).clone()
+            token_ids = self.decode_step(token_ids, position).clone()
+            position += 1
             if step_seconds is not None:
                 platform.synchronize()
                 step_seconds.append(time.perf_counter() - start)
             generated.append(token_ids)
-        return torch.cat(generated, dim=1)
+        return generated
+
+    def generate(
+        self, input_ids: torch.Tensor, num_tokens: int, step_seconds: list[float] | None = None
+    ) -> torch.Tensor:
+        """Greedy ``(batch, num_tokens)`` (call ``reset()`` first); ``step_seconds`` times steps."""
+        token_ids, position = self.prefill(input_ids)
+        steps = self.decode(token_ids, position, num_tokens - 1, step_seconds)
+        return torch.cat([token_ids, *steps], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,22 +368,35 @@ def _result(
     latencies: list[float],
     step_seconds: list[float],
     tokens: torch.Tensor,
-    startup: dict[str, float],
+    startup: dict[str, Any],
     floor_bytes: int,
     bandwidth: float | None,
+    busy: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``measure_mode`` shape: ``startup`` has startup_s, load_s, compile_s, capture_s."""
     decode_ms = _stats([s * 1e3 for s in step_seconds])
+    if busy is None:
+        busy = {"device_busy_ms": None, "device_idle_share": None,
+                "device_busy_note": "n/a: not profiled for this peer"}  # fmt: skip
     result: dict[str, Any] = {
         "mode": mode,
+        "merged_modes": [],
+        "status": "ok",
+        "level": None,
         "graph_mode": "baseline",
+        "backend": None,
         "latency_s": _stats(latencies),
         "decode_step_ms": decode_ms,
+        "num_decode_steps": len(step_seconds),
+        **with_idle_share(busy, decode_ms["median"]),
         **startup,
-        "graph_memory_gib": 0.0,
+        "graph_memory_gib": None,
         "counters": dict.fromkeys(_COUNTERS, 0),
         "first_output_token_ids": tokens[0, :16].tolist() if tokens.numel() else [],
     }
+    quantization = case.engine_args.get("quantization")
+    if quantization:
+        result["note"] = f"runs the unquantized model (quantization={quantization} is ignored)"
     if bandwidth:
         floor_ms = floor_bytes / bandwidth * 1e3
         result["floor_ms"] = floor_ms
@@ -312,64 +426,140 @@ def measure_hf_eager(case: LatencyCase, bandwidth: float | None = None) -> dict[
     floor_bytes = hf_decode_bytes(model, model_config.hf_config, case)
     del model, input_ids
     _free_device_memory()
-    startup = {
-        "startup_s": load_seconds,
-        "load_s": load_seconds,
-        "compile_s": 0.0,
-        "capture_s": 0.0,
-    }
+    startup = {"startup_s": load_seconds, "load_s": load_seconds, "compile_s": None,
+               "capture_s": None}  # fmt: skip
     return _result(
         "hf_eager", case, latencies, clock.step_seconds(), tokens, startup, floor_bytes, bandwidth
     )
 
 
-def _check_attention_only(case: LatencyCase) -> None:
+def applicable_baselines(case: LatencyCase) -> tuple[list[str], list[dict[str, str]]]:
+    """The peers that can run ``case``'s model, and the others with the reason (for the report)."""
     hf_config = resolve_hf_config(case.model)
-    if _num_attention_layers(hf_config) != hf_config.get("num_hidden_layers"):
-        raise ValueError(
-            f"{case.model}: the static-cache baseline needs an attention-only model; HF has no "
-            "static cache for Mamba layers (compare with the hf_eager baseline instead)"
-        )
+    model_type = hf_config.get("model_type")
+    attention_only = _num_attention_layers(hf_config) == hf_config.get("num_hidden_layers")
+    run, skipped = [], []
+    static_loops_apply = attention_only and model_type == "llama"
+    for name in BASELINE_MODES:
+        reason = None
+        if name in ("static_compiled", "gpt_fast") and not static_loops_apply:
+            reason = f"needs an attention-only Llama; {case.model} is {model_type!r}" + (
+                "" if attention_only else " with Mamba layers (HF has no static cache for them)"
+            )
+        if reason:
+            skipped.append({"mode": name, "reason": reason})
+        else:
+            run.append(name)
+    return run, skipped
+
+
+def _check_attention_only(case: LatencyCase) -> None:
+    _, skipped = applicable_baselines(case)
+    for entry in skipped:
+        if entry["mode"] == "static_compiled":
+            raise ValueError(f"{case.model}: the static-cache baseline {entry['reason']}")
+
+
+def _measure_static_loop(
+    case: LatencyCase, decoder: Any, model: nn.Module, input_ids: torch.Tensor,
+    start: float, load_seconds: float, reset: Callable[[], None],
+) -> tuple[list[float], list[float], torch.Tensor, dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """Startup, timed runs, per-step times and the device-busy profile of a static loop.
+
+    Startup is loading plus one generation: ``compile_s`` is its first compiled step (Dynamo and
+    Inductor), ``capture_s`` its second (where reduce-overhead records the CUDA graph; cudagraph
+    trees warm up on a function's first call).
+    """
+    startup_steps: list[float] = []
+    reset()
+    decoder.generate(input_ids, case.output_len, startup_steps)
+    startup_steps += [0.0, 0.0]  # output_len < 3 has fewer compiled steps
+    startup = {
+        "startup_s": time.perf_counter() - start,
+        "load_s": load_seconds,
+        "compile_s": startup_steps[0],
+        "capture_s": startup_steps[1],
+    }
+    latencies, tokens = _timed_latencies(
+        case, functools.partial(decoder.generate, input_ids, case.output_len), reset
+    )
+    step_seconds: list[float] = []
+    reset()
+    decoder.generate(input_ids, case.output_len, step_seconds)
+    reset()
+    first, position = decoder.prefill(input_ids)
+    num_steps = min(NUM_PROFILED_STEPS, case.output_len - 1)
+    busy = profile_device_busy(lambda: decoder.decode(first, position, num_steps), num_steps)
+    return latencies, step_seconds, tokens, startup, busy
 
 
 def measure_static_cache_compiled(
     case: LatencyCase, bandwidth: float | None = None, compile_backend: str = "inductor"
 ) -> dict[str, Any]:
-    """Time the hand-written static-cache loop under torch.compile; a ``measure_mode`` result.
+    """Time the HF static-cache loop under torch.compile; a ``measure_mode`` result.
 
-    Startup is loading plus one generation: ``compile_s`` is its first compiled step (Dynamo and
-    Inductor), ``capture_s`` its second (where reduce-overhead records the CUDA graph; cudagraph
-    trees warm up on a function's first call). ``compile_backend="eager"`` makes tests fast.
+    ``compile_backend="eager"`` makes tests fast.
     """
     _check_attention_only(case)
     start = time.perf_counter()
     model_config, model, input_ids = load_hf_baseline(case)
     load_seconds = time.perf_counter() - start
     decoder = StaticCacheDecoder(model, case.input_len + case.output_len, compile_backend)
-    startup_steps: list[float] = []
-    decoder.reset()
-    decoder.generate(input_ids, case.output_len, startup_steps)
-    startup_steps += [0.0, 0.0]  # output_len < 3 has fewer compiled steps
-    startup_seconds = time.perf_counter() - start
-    latencies, tokens = _timed_latencies(
-        case, functools.partial(decoder.generate, input_ids, case.output_len), decoder.reset
+    latencies, step_seconds, tokens, startup, busy = _measure_static_loop(
+        case, decoder, model, input_ids, start, load_seconds, decoder.reset
     )
-    step_seconds: list[float] = []
-    decoder.reset()
-    decoder.generate(input_ids, case.output_len, step_seconds)
     floor_bytes = hf_decode_bytes(model, model_config.hf_config, case)
     del decoder, model, input_ids
     torch.compiler.reset()  # drops the compiled step and its graph pool
     _free_device_memory()
-    startup = {
-        "startup_s": startup_seconds,
-        "load_s": load_seconds,
-        "compile_s": startup_steps[0],
-        "capture_s": startup_steps[1],
-    }
     return _result(
-        "static_compiled", case, latencies, step_seconds, tokens, startup, floor_bytes, bandwidth
+        "static_compiled", case, latencies, step_seconds, tokens, startup, floor_bytes,
+        bandwidth, busy,
+    )  # fmt: skip
+
+
+def build_gpt_fast_model(
+    model_config: ModelConfig, device: torch.device, batch_size: int, max_len: int
+) -> GptFastLlama:
+    """The independent loop's Llama on ``device``, with the same weights as the other peers."""
+    dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
+    model = GptFastLlama.empty(model_config.hf_config, dtype, device)
+    load_hf_weights(model, checkpoint_weights(model_config, device))
+    model.setup_caches(batch_size, max_len)
+    return model.eval().requires_grad_(False)
+
+
+def measure_gpt_fast(
+    case: LatencyCase, bandwidth: float | None = None, compile_backend: str = "inductor"
+) -> dict[str, Any]:
+    """Time the independent gpt-fast-style loop; a ``measure_mode``-shaped result."""
+    start = time.perf_counter()
+    device = current_platform().device()
+    model_config = baseline_model_config(case)
+    model = build_gpt_fast_model(
+        model_config, device, case.batch_size, case.input_len + case.output_len
     )
+    prompts = _prompts(case, model_config.hf_config["vocab_size"])
+    input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
+    load_seconds = time.perf_counter() - start
+    decoder = GptFastDecoder(model, compile_backend)
+    latencies, step_seconds, tokens, startup, busy = _measure_static_loop(
+        case, decoder, model, input_ids, start, load_seconds, lambda: None
+    )
+    floor_bytes = hf_decode_bytes(model, model_config.hf_config, case)
+    del decoder, model, input_ids
+    torch.compiler.reset()
+    _free_device_memory()
+    return _result(
+        "gpt_fast", case, latencies, step_seconds, tokens, startup, floor_bytes, bandwidth, busy
+    )
+
+
+BASELINES: dict[str, Callable[..., dict[str, Any]]] = {
+    "static_compiled": measure_static_cache_compiled,
+    "gpt_fast": measure_gpt_fast,
+    "hf_eager": measure_hf_eager,
+}
 
 
 def _free_device_memory() -> None:

@@ -5,8 +5,14 @@ did), generate ``output_len`` tokens for ``batch_size`` random prompts of ``inpu
 greedy sampling and ``ignore_eos``, warm-ups first, then ``num_iters`` timed runs. Each engine step
 ends in a host sync (with async scheduling, on the previous step's tokens), so in steady state a
 step's wall time is the loop's period, device-accurate; decode steps are the uniform-decode steps
-of the whole batch. The floor is the bytes a decode step must read over the
-device copy bandwidth measured at the start of the run.
+of the whole batch; their min, median and max are reported. The floor is the bytes a decode step
+must read over the device copy bandwidth measured at the start of the run. After the timed runs a
+few decode steps run under the profiler for the device-busy time per step and the share of the
+(unprofiled median) step the device sat idle (``device_busy``; "n/a" on the CPU).
+
+Each row states what it measured: the effective compile level, graph mode and backend after the
+platform's adjustments. A mode or baseline that raises becomes a row with ``status`` "failed" and
+the error (``failed_result``), so one failure never costs the rest of a run.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ from typing import Any
 
 import torch
 
+from pieceworks.benchmarks.device_busy import engine_device_busy, with_idle_share
+from pieceworks.benchmarks.mode_plan import ModePlan
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import piecewise_backends
+from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.modes import compilation_for_mode
+from pieceworks.engine.modes import MODES
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.logger import init_logger
 from pieceworks.platforms import current_platform
@@ -48,8 +57,8 @@ class LatencyCase:
     batch_size: int
     input_len: int
     output_len: int
-    num_iters_warmup: int = 1
-    num_iters: int = 3
+    num_iters_warmup: int = 2
+    num_iters: int = 5
     engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     compilation: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -105,14 +114,28 @@ def _prompts(case: LatencyCase, vocab_size: int) -> list[list[int]]:
     ]
 
 
-def measure_mode(case: LatencyCase, mode: str, bandwidth: float | None = None) -> dict[str, Any]:
-    """Build the engine for ``mode``, time generation, return a JSON-ready result."""
+def resolve_effective(
+    case: LatencyCase, compilation: dict[str, Any]
+) -> tuple[int, str, str | None]:
+    """(level, graph mode name, backend) the engine runs for ``compilation``: after the engine
+    arguments (``enforce_eager``) and the platform's adjustments (no static graphs on the CPU)."""
+    config = build_engine_config(case.model, compilation, **case.engine_args).compilation_config
+    assert config.cudagraph_mode is not None  # resolved in __post_init__
+    return int(config.level), config.cudagraph_mode.name, config.backend
+
+
+def measure_mode(
+    case: LatencyCase, plan: ModePlan | str, bandwidth: float | None = None
+) -> dict[str, Any]:
+    """Build the engine for ``plan`` (or a mode name), time generation; a JSON-ready result."""
+    if isinstance(plan, str):
+        plan = ModePlan(plan, {**case.compilation, **_mode_fields(plan)})
     before = compilation_counter.clone()
     start = time.perf_counter()
-    compilation = compilation_for_mode(mode, case.compilation)
-    llm = LLM(case.model, compilation_config=compilation, **case.engine_args)
+    llm = LLM(case.model, compilation_config=plan.compilation, **case.engine_args)
     startup_seconds = time.perf_counter() - start
     runner = llm.engine.runner
+    compilation = llm.config.compilation_config
     prompts = _prompts(case, llm.config.model_config.hf_config["vocab_size"])
     params = SamplingParams(temperature=0.0, max_tokens=case.output_len, ignore_eos=True)
     for _ in range(case.num_iters_warmup):
@@ -131,14 +154,21 @@ def measure_mode(case: LatencyCase, mode: str, bandwidth: float | None = None) -
             if uniform and num_requests == case.batch_size
         ]
     decode_ms = _stats([s * 1e3 for s in decode_steps])
+    busy = with_idle_share(engine_device_busy(llm, prompts, params), decode_ms["median"])
     result: dict[str, Any] = {
-        "mode": mode,
-        "graph_mode": llm.config.compilation_config.cudagraph_mode.name,  # type: ignore[union-attr]
+        "mode": plan.name,
+        "merged_modes": list(plan.merged),
+        "status": "ok",
+        "level": int(compilation.level),
+        "graph_mode": compilation.cudagraph_mode.name,  # type: ignore[union-attr]
+        "backend": compilation.backend if compilation.level else None,
         "latency_s": _stats(latencies),
         "decode_step_ms": decode_ms,
+        "num_decode_steps": len(decode_steps),
+        **busy,
         "startup_s": startup_seconds,
         "load_s": runner.load_seconds,
-        "compile_s": runner.compile_seconds,
+        "compile_s": runner.compile_seconds if compilation.level else None,
         "capture_s": runner.capture_seconds,
         "graph_memory_gib": runner.graph_memory_bytes / 1024**3,
         "compile_cache": compile_cache_state(runner.model),
@@ -158,6 +188,22 @@ def measure_mode(case: LatencyCase, mode: str, bandwidth: float | None = None) -
     return result
 
 
+def _mode_fields(name: str) -> dict[str, Any]:
+    level, graph_mode = MODES[name]
+    return {"level": level, "cudagraph_mode": graph_mode}
+
+
+def failed_result(name: str, error: BaseException, **fields: Any) -> dict[str, Any]:
+    """The row of a mode or baseline that raised: its name, status and the error, no numbers."""
+    logger.warning("%s failed: %s: %s", name, type(error).__name__, error, exc_info=error)
+    return {
+        "mode": name,
+        "status": "failed",
+        "error": f"{type(error).__name__}: {error}".strip(),
+        **fields,
+    }
+
+
 def compile_cache_state(model: torch.nn.Module) -> dict[str, Any]:
     """Where the model's compile cache is, or why it was not used."""
     backends = piecewise_backends(model)
@@ -172,3 +218,41 @@ def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"min": float("nan"), "median": float("nan"), "max": float("nan")}
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def run_environment(model: str, engine_args: dict[str, Any], commit: str | None) -> dict[str, Any]:
+    """What a table row needs beside its numbers: dtype, device, versions, commit, date (UTC)."""
+    import datetime
+    import importlib.metadata
+    import subprocess
+    from pathlib import Path
+
+    from pieceworks.config import resolve_dtype
+    from pieceworks.engine.arg_utils import resolve_hf_config
+
+    versions: dict[str, str | None] = {"torch": str(torch.__version__)}
+    for package in ("triton", "transformers", "pieceworks"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    if commit is None:
+        source = Path(__file__).resolve().parents[2]
+        try:
+            commit = subprocess.run(
+                ["git", "-C", str(source), "describe", "--always", "--dirty", "--abbrev=10"],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout.strip()  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            commit = "unknown"
+    platform = current_platform()
+    dtype = resolve_dtype(engine_args.get("dtype", "auto"), resolve_hf_config(model))
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "quantization": engine_args.get("quantization"),
+        "platform": platform.name,
+        "device": platform.device_name(),
+        "versions": versions,
+        "commit": commit or "unknown",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }

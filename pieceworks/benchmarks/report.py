@@ -11,40 +11,97 @@ from pieceworks.logger import init_logger
 logger = init_logger(__name__)
 
 
-# (title, width): text columns are left-aligned, the others right-aligned
+# (title, width, meaning): text columns (negative width) are left-aligned, the others right-aligned.
 MODE_TABLE_COLUMNS = [
-    ("mode", -20), ("graphs", -20), ("pieces", 6), ("capt.", 5), ("compiles", 8), ("cache", 5),
-    ("graphs#", 7), ("graph GiB", 9), ("compile s", 9), ("capture s", 9), ("latency s", 9),
-    ("ms/step", 8), ("x floor", 7),
+    ("mode", -18, "the row: a pieceworks mode (eager, compiled, piecewise, full, "
+     "full_and_piecewise, ...) or a peer (static_compiled, gpt_fast, hf_eager)"),
+    ("lvl", 3, "compile level the row ran at, after the platform's adjustments (0 none, 1 "
+     "Dynamo as is, 2 trace once, 3 piecewise); '-' for a peer"),
+    ("graphs", -18, "static-graph mode the row ran with, after the platform's adjustments "
+     "(NONE where the device has no graphs); 'baseline' for a peer"),
+    ("ms/step", 8, "median wall time of a decode step of the whole batch (ms)"),
+    ("min", 7, "fastest decode step (ms)"),
+    ("max", 7, "slowest decode step (ms)"),
+    ("x floor", 7, "ms/step over the floor: bytes a decode step must read (weights, KV) "
+     "divided by the device copy bandwidth measured in the same run"),
+    ("busy ms", 7, "device-busy time per decode step (ms): the union of kernel and copy "
+     "intervals of profiled decode steps; n/a where the platform traces no device work"),
+    ("idle", 5, "share of the decode step the device sat idle waiting for the host"),
+    ("latency s", 9, "median end-to-end time of one generation of the batch (s)"),
+    ("compile s", 9, "compile time at engine start-up (s); '-' where nothing compiles"),
+    ("capture s", 9, "static-graph capture time at start-up (s)"),
+    ("pieces", 6, "submodules of the split graph (2 per splitting op + 1)"),
+    ("capt.", 5, "of those, pieces captured as static graphs"),
+    ("compiles", 8, "backend compilations (Inductor or eager) this row ran"),
+    ("cache", 5, "compiled artifacts loaded from the compile cache"),
+    ("graphs#", 7, "static graphs captured (pieces x capture sizes, + 1 per size for FULL)"),
+    ("graph GiB", 9, "memory of the captured graphs' pool (GiB)"),
 ]  # fmt: skip
 
 
+def column_help() -> str:
+    """What each column of the mode table means (the ``--help`` epilog and docs/performance.md)."""
+    width = max(len(title) for title, _, _ in MODE_TABLE_COLUMNS)
+    return "columns of the table:\n" + "\n".join(
+        f"  {title:<{width}}  {meaning}" for title, _, meaning in MODE_TABLE_COLUMNS
+    )
+
+
+def _number(value: Any, spec: str, missing: str = "-") -> str:
+    return missing if value is None or value != value else format(value, spec)
+
+
+def _row_cells(r: dict[str, Any]) -> list[Any]:
+    c = r["counters"]
+    steps = r["decode_step_ms"]
+    busy = r.get("device_busy_ms")
+    idle = r.get("device_idle_share")
+    level = r.get("level")
+    return [
+        r["mode"], "-" if level is None else level, r["graph_mode"],
+        _number(steps["median"], ".2f"), _number(steps["min"], ".2f"),
+        _number(steps["max"], ".2f"), _number(r.get("ratio_to_floor"), ".2f"),
+        _number(busy, ".3f", "n/a"), "n/a" if idle is None else f"{idle:.0%}",
+        _number(r["latency_s"]["median"], ".3f"), _number(r.get("compile_s"), ".1f"),
+        _number(r.get("capture_s"), ".1f"), c["num_piecewise_graphs_seen"],
+        c["num_piecewise_capturable_graphs_seen"],
+        c["num_inductor_compiles"] + c["num_eager_compiles"], c["num_compiled_artifacts_loaded"],
+        c["num_cudagraph_captured"], _number(r.get("graph_memory_gib"), ".3f"),
+    ]  # fmt: skip
+
+
 def format_mode_table(results: list[dict[str, Any]]) -> str:
-    """One row per mode: pieces, compiles, cache hits, captures, memory, times, latency. Cells
-    are separated by a space, so a value wider than its column (a CPU run's ratio to a GPU-sized
-    floor) never runs into the next."""
-    header = _table_row([title for title, _ in MODE_TABLE_COLUMNS])
+    """One row per measured mode or peer; a failed one shows its error in place of numbers.
+
+    Cells are separated by a space, so a value wider than its column (a CPU run's ratio to a
+    GPU-sized floor) never runs into the next.
+    """
+    header = _table_row([title for title, _, _ in MODE_TABLE_COLUMNS])
     lines = [header, "-" * len(header)]
     for r in results:
-        c = r["counters"]
-        compiles = c["num_inductor_compiles"] + c["num_eager_compiles"]
-        ratio = r.get("ratio_to_floor")
-        cells = [
-            r["mode"], r["graph_mode"], c["num_piecewise_graphs_seen"],
-            c["num_piecewise_capturable_graphs_seen"], compiles,
-            c["num_compiled_artifacts_loaded"], c["num_cudagraph_captured"],
-            f"{r['graph_memory_gib']:.3f}", f"{r['compile_s']:.1f}", f"{r['capture_s']:.1f}",
-            f"{r['latency_s']['median']:.3f}", f"{r['decode_step_ms']['median']:.2f}",
-            f"{ratio:.2f}" if ratio else "-",
-        ]  # fmt: skip
-        lines.append(_table_row(cells))
+        if r.get("status", "ok") != "ok":
+            lines.append(f"{r['mode']:<18} {r.get('status')}: {r.get('error', '')}")
+            continue
+        lines.append(_table_row(_row_cells(r)))
+    return "\n".join(lines)
+
+
+def format_notes(results: list[dict[str, Any]], skipped: list[dict[str, str]]) -> str:
+    """Lines under the table: rows that stand for several names, peers skipped and why."""
+    lines = [
+        f"{r['mode']} also stands for {', '.join(r['merged_modes'])}: the same effective "
+        f"configuration (level {r['level']}, {r['graph_mode']}), run once"
+        for r in results
+        if r.get("merged_modes")
+    ]
+    lines += [f"skipped {s['mode']}: {s['reason']}" for s in skipped]
     return "\n".join(lines)
 
 
 def _table_row(cells: list[Any]) -> str:
     return " ".join(
         f"{cell!s:<{-width}}" if width < 0 else f"{cell!s:>{width}}"
-        for cell, (_, width) in zip(cells, MODE_TABLE_COLUMNS, strict=True)
+        for cell, (_, width, _) in zip(cells, MODE_TABLE_COLUMNS, strict=True)
     ).rstrip()
 
 
@@ -67,9 +124,11 @@ def format_compile_cache(results: list[dict[str, Any]]) -> str:
     """One line per mode: was the compile cache hit, how long compiling took, where it is."""
     lines = []
     for r in results:
-        line = (
-            f"{r['mode']}: compile cache: {compile_cache_status(r)}; compile {r['compile_s']:.1f} s"
-        )
+        if r.get("status", "ok") != "ok" or "compile_cache" not in r:
+            continue
+        line = f"{r['mode']}: compile cache: {compile_cache_status(r)}"
+        if r.get("compile_s") is not None:
+            line += f"; compile {r['compile_s']:.1f} s"
         lines.append(line + "".join(f"\n    {path}" for path in r["compile_cache"]["dirs"]))
     return "\n".join(lines)
 
@@ -79,8 +138,93 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2))
 
 
+PERFORMANCE_COLUMNS = [
+    "model", "dtype", "batch", "mode", "ms/step (min-max)", "x floor", "device busy ms (idle)",
+    "peers of the same run, ms/step", "commit", "date", "device", "versions", "command",
+]  # fmt: skip
+
+
+def _peer_cell(peers: list[dict[str, Any]], skipped: list[dict[str, str]]) -> str:
+    cells = []
+    for peer in peers:
+        if peer.get("status", "ok") == "ok":
+            ratio = peer.get("ratio_to_floor")
+            cells.append(
+                f"{peer['mode']} {peer['decode_step_ms']['median']:.2f}"
+                + (f" ({ratio:.2f}x)" if ratio else "")
+            )
+        else:
+            cells.append(f"{peer['mode']} failed")
+    cells += [f"{s['mode']} skipped" for s in skipped if s.get("reason") != "not in --peers"]
+    return "; ".join(cells) or "-"
+
+
+def _versions_cell(versions: dict[str, str | None]) -> str:
+    return ", ".join(f"{name} {version}" for name, version in versions.items() if version)
+
+
+def performance_rows(payload: dict[str, Any]) -> list[list[str]]:
+    """Rows of the performance table for one ``bench latency`` JSON: one per pieceworks mode
+    and batch size, with that batch's peers of the same run in one cell."""
+    rows = []
+    dtype = payload.get("dtype", "?") + (
+        f" + {payload['quantization']}" if payload.get("quantization") else ""
+    )
+    results = payload["results"]
+    for r in results:
+        if r.get("graph_mode") == "baseline":
+            continue
+        peers = [
+            p
+            for p in results
+            if p.get("graph_mode") == "baseline" and p["batch_size"] == r["batch_size"]
+        ]
+        if r.get("status", "ok") == "ok":
+            steps = r["decode_step_ms"]
+            step = f"{steps['median']:.3f} ({steps['min']:.3f}-{steps['max']:.3f})"
+            ratio = _number(r.get("ratio_to_floor"), ".2f")
+            busy = r.get("device_busy_ms")
+            idle = r.get("device_idle_share")
+            busy_cell = (
+                "n/a"
+                if busy is None
+                else f"{busy:.3f} ({idle:.0%})"
+                if idle is not None
+                else f"{busy:.3f}"
+            )
+        else:
+            step, ratio, busy_cell = f"failed: {r.get('error', '')}", "-", "-"
+        mode = f"{r['mode']} (level {r.get('level')}, {r.get('graph_mode')})"
+        rows.append([
+            payload["model"], dtype, str(r["batch_size"]), mode, step, ratio, busy_cell,
+            _peer_cell(peers, payload.get("skipped", [])), str(payload.get("commit", "?")),
+            str(payload.get("date", "?")), str(payload.get("device", "?")),
+            _versions_cell(payload.get("versions", {})), f"`{payload.get('command') or '?'}`",
+        ])  # fmt: skip
+    return rows
+
+
+def format_performance_table(payloads: list[dict[str, Any]]) -> str:
+    """The markdown table of ``docs/performance.md`` from ``bench latency`` JSON payloads."""
+    lines = [
+        "| " + " | ".join(PERFORMANCE_COLUMNS) + " |",
+        "|"
+        + "|".join(
+            "---:" if title in ("batch", "x floor") else "---" for title in PERFORMANCE_COLUMNS
+        )
+        + "|",
+    ]
+    for payload in payloads:
+        lines += [
+            "| " + " | ".join(cell.replace("|", "/") for cell in row) + " |"
+            for row in performance_rows(payload)
+        ]
+    return "\n".join(lines)
+
+
 def plot_latency(path: Path, results: list[dict[str, Any]], title: str) -> bool:
-    """Latency per mode against batch size (one line per mode); False without matplotlib."""
+    """Decode ms per step as bars, one group per batch size and one bar per mode or peer, with
+    min-max whiskers and the floor drawn across each group; False without matplotlib."""
     try:
         import matplotlib
 
@@ -89,16 +233,34 @@ def plot_latency(path: Path, results: list[dict[str, Any]], title: str) -> bool:
     except ImportError:
         logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
         return False
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in dict.fromkeys(r["mode"] for r in results):
-        rows = sorted((r for r in results if r["mode"] == mode), key=lambda r: r["batch_size"])
-        batches = [r["batch_size"] for r in rows]
-        left.plot(batches, [r["latency_s"]["median"] for r in rows], marker="o", label=mode)
-        right.plot(batches, [r["decode_step_ms"]["median"] for r in rows], marker="o", label=mode)
-    left.set(xlabel="batch size", ylabel="end-to-end latency (s, median)", xscale="log")
-    right.set(xlabel="batch size", ylabel="decode step (ms, median)", xscale="log")
-    left.legend()
-    figure.suptitle(title)
+    measured = [r for r in results if r.get("status", "ok") == "ok"]
+    names = list(dict.fromkeys(r["mode"] for r in measured))
+    batches = sorted({r["batch_size"] for r in measured})
+    if not names:
+        logger.warning("no measured rows: no plot written")
+        return False
+    width = 0.8 / len(names)
+    figure, axes = plt.subplots(figsize=(max(6.0, 1.2 + 0.55 * len(names) * len(batches)), 4.2))
+    for index, name in enumerate(names):
+        rows = {r["batch_size"]: r for r in measured if r["mode"] == name}
+        xs = [group + (index - (len(names) - 1) / 2) * width for group, b in enumerate(batches)]
+        steps = [rows[b]["decode_step_ms"] if b in rows else None for b in batches]
+        medians = [s["median"] if s else 0.0 for s in steps]
+        errors = [
+            [s["median"] - s["min"] if s else 0.0 for s in steps],
+            [s["max"] - s["median"] if s else 0.0 for s in steps],
+        ]
+        bars = axes.bar(xs, medians, width * 0.95, yerr=errors, capsize=3, label=name)
+        axes.bar_label(bars, labels=[f"{m:.2f}" if m else "" for m in medians], fontsize=7)
+    for group, batch in enumerate(batches):
+        floors = [r["floor_ms"] for r in measured if r["batch_size"] == batch and r.get("floor_ms")]
+        if floors:
+            axes.hlines(floors[0], group - 0.45, group + 0.45, colors="black", linestyles="--",
+                        label="floor" if group == 0 else "_nolegend_")  # fmt: skip
+    axes.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    axes.set_ylabel("decode step (ms, median; whiskers min-max)")
+    axes.legend(fontsize=8, ncols=2)
+    axes.set_title(title, fontsize=10)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -68,8 +68,8 @@ class PassConfig:
     """Which pieceworks Inductor passes run on every piece (see ``core/passes``)."""
 
     enable_noop: bool = True  # remove reshapes/slices that do nothing
-    # RMSNorm (+ residual add) -> static FP8 quant fused into one op; on by default since
-    # session 12 (FP8 8B batch 1 on an H200: 2.629-2.632 against 2.682-2.689 ms; docs/passes.md)
+    # RMSNorm (+ residual add) -> static FP8 quant fused into one op (why it is on by default:
+    # docs/passes.md)
     enable_fusion: bool = True
 
     def __post_init__(self) -> None:

@@ -1,9 +1,8 @@
 """``launch_row_argmax``: the greedy rows' argmax in two Triton launches, straight from the logits.
 
-Why: at batch 1 on an H200 the torch form (the logits cast to float32, then
-``sampler.chunked_argmax``: padded, the max of each chunk, the argmax of the chunk maxima, a
-gather and the index arithmetic) ran as a chain of small kernels after the LM head, about 24 us of
-a 2.4 ms FP8 step; these kernels take about 5 us (``docs/performance.md``, session 15). They read
+Why: the torch form (the logits cast to float32, then ``sampler.chunked_argmax``: padded, the
+max of each chunk, the argmax of the chunk maxima, a gather and the index arithmetic) runs as a
+chain of small kernels after the LM head (what it costs: ``docs/performance.md``). These read
 the logits in their own dtype (the cast to float32 is exact and keeps the order, so the argmax is
 the same) and write the index.
 
@@ -13,8 +12,8 @@ have their magnitude bits flipped; -0.0 counts as +0.0; every NaN is above every
 argmax returns the first NaN), one integer reduction gives the block's largest key and its first
 column, and the two are packed into one int64 that orders as (key, -column). Stage 2, one
 program per row: the largest packed value of the row's blocks, so ties go to the first column,
-as in ``torch.argmax``. A single program walking a row (the first form, H200 probe) took about
-23 us at one row, no faster than torch: its blocks were read one after the other.
+as in ``torch.argmax``. (A single program walking a row would read its blocks one after the
+other.)
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from pieceworks.models.layers import triton_launch
 
 __all__ = ["launch_row_argmax", "uses_kernel"]
 
-ARGMAX_BLOCK = 4096  # columns per program of stage 1 (H200 probe, session 15)
+ARGMAX_BLOCK = 4096  # columns per program of stage 1 (the fastest measured on an H200)
 ARGMAX_WARPS = 4
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MIN = tl.constexpr(-(2**31))

@@ -3,98 +3,216 @@
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 from pathlib import Path
 from typing import Any
 
 from pieceworks.entrypoints.engine_args import add_engine_args, compilation_fields, engine_args
 
 
-def _measurements(modes: list[str], compare: bool) -> list[tuple[str, Any]]:
-    """(mode, measuring function) pairs: pieceworks' modes, then the baselines with --compare."""
-    from pieceworks.benchmarks.latency import measure_mode
+def _case(args: argparse.Namespace, batch_size: int) -> Any:
+    from pieceworks.benchmarks.latency import LatencyCase
 
-    pairs: list[tuple[str, Any]] = [(mode, measure_mode) for mode in modes]
-    if compare:  # after the engines: the static baseline resets torch.compile's global state
-        from pieceworks.benchmarks.baselines import measure_hf_eager, measure_static_cache_compiled
+    return LatencyCase(
+        args.model,
+        batch_size,
+        args.input_len,
+        args.output_len,
+        args.num_iters_warmup,
+        args.num_iters,
+        {"max_num_seqs": max(batch_size, 8), **engine_args(args)},
+        compilation_fields(args),
+    )
 
-        pairs.append(("static_compiled", lambda c, _, b: measure_static_cache_compiled(c, b)))
-        pairs.append(("hf_eager", lambda c, _, b: measure_hf_eager(c, b)))
-    return pairs
+
+def plan_rows(args: argparse.Namespace, case: Any) -> Any:
+    """The pieceworks rows of this run (``benchmarks.mode_plan``): flags honoured, conflicts an
+    error, rows of the same effective configuration merged."""
+    from functools import partial
+
+    from pieceworks.benchmarks.latency import resolve_effective
+    from pieceworks.benchmarks.mode_plan import plan_modes
+    from pieceworks.platforms import current_platform
+
+    return plan_modes(
+        args.modes,
+        compilation_fields(args),
+        args.enforce_eager,
+        current_platform().supports_static_graphs(),
+        partial(resolve_effective, case),
+    )
+
+
+def measure_rows(case: Any, plans: list[Any], baselines: list[str], bandwidth: float) -> Any:
+    """Each mode, then each baseline, as result dicts; one that raises becomes a failed row."""
+    from pieceworks.benchmarks.latency import failed_result, measure_mode
+
+    for plan in plans:
+        try:
+            yield measure_mode(case, plan, bandwidth)
+        except Exception as error:  # noqa: BLE001 (reported in its row; the run goes on)
+            yield failed_result(plan.name, error, level=plan.level, graph_mode=plan.graph_mode)
+    # After the engines: the static loops reset torch.compile's global state when they finish.
+    from pieceworks.benchmarks.baselines import BASELINES
+
+    for name in baselines:
+        try:
+            yield BASELINES[name](case, bandwidth)
+        except Exception as error:  # noqa: BLE001
+            yield failed_result(name, error, level=None, graph_mode="baseline")
+
+
+def choose_peers(
+    text: str, applicable: list[str], skipped: list[dict[str, str]]
+) -> tuple[list[str], list[dict[str, str]]]:
+    """``--peers``: the applicable peers named in ``text``; the rest are skipped, saying why."""
+    from pieceworks.benchmarks.baselines import BASELINE_MODES
+
+    wanted = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(BASELINE_MODES))
+    if unknown:
+        raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(BASELINE_MODES)}")
+    not_asked = [
+        {"mode": name, "reason": "not in --peers"} for name in applicable if name not in wanted
+    ]
+    return [name for name in applicable if name in wanted], skipped + not_asked
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The ``pieceworks bench latency`` command that reruns this one (flags not at default)."""
+    words = ["pieceworks", "bench", "latency"]
+    for action in args.parser._actions:
+        if not action.option_strings or action.dest in ("help", "commit"):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if action.nargs == 0:  # store_true / store_false
+            words.append(flag)
+        else:
+            text = json.dumps(value) if isinstance(value, dict) else str(value)
+            words += [flag, shlex.quote(text)]
+    return " ".join(words)
+
+
+def _print_progress(result: dict[str, Any]) -> None:
+    if result.get("status") != "ok":
+        print(
+            f"batch {result['batch_size']} {result['mode']}: FAILED {result['error']}", flush=True
+        )
+        return
+    steps = result["decode_step_ms"]
+    level = "-" if result["level"] is None else result["level"]
+    print(
+        f"batch {result['batch_size']} {result['mode']} (level {level}, "
+        f"{result['graph_mode']}): median {result['latency_s']['median']:.4f} s, "
+        f"{steps['median']:.3f} ms/step (min {steps['min']:.3f}, max {steps['max']:.3f})",
+        flush=True,
+    )
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
-    """Latency per mode and batch size, side by side in one run; JSON and a PNG plot."""
-    from pieceworks.benchmarks.latency import LatencyCase, measure_copy_bandwidth
-    from pieceworks.benchmarks.report import format_mode_table, plot_latency, write_json
-    from pieceworks.engine.modes import default_modes, parse_modes
+    """Latency per mode and batch size, side by side in one run; JSON and a PNG plot.
+
+    The JSON is rewritten after every row, so a run killed part-way keeps what it measured.
+    """
+    from pieceworks.benchmarks.baselines import applicable_baselines
+    from pieceworks.benchmarks.latency import measure_copy_bandwidth, run_environment
+    from pieceworks.benchmarks.report import (
+        format_mode_table,
+        format_notes,
+        plot_latency,
+        write_json,
+    )
     from pieceworks.platforms import current_platform
 
     platform = current_platform()
-    modes = (
-        parse_modes(args.modes) if args.modes else default_modes(platform.supports_static_graphs())
-    )
+    batch_sizes = [int(b) for b in args.batch_size.split(",")]
+    plans_case = _case(args, batch_sizes[0])
+    plans = plan_rows(args, plans_case)  # conflicts fail before any work
+    baselines, skipped = applicable_baselines(plans_case) if args.compare else ([], [])
+    if args.compare and args.peers:
+        baselines, skipped = choose_peers(args.peers, baselines, skipped)
     bandwidth = measure_copy_bandwidth()
     print(
         f"platform {platform.name} ({platform.device_name()}); device copy bandwidth "
         f"{bandwidth / 1e9:.0f} GB/s"
     )
-    results = []
-    for batch_size in [int(b) for b in args.batch_size.split(",")]:
-        case = LatencyCase(
-            args.model,
-            batch_size,
-            args.input_len,
-            args.output_len,
-            args.num_iters_warmup,
-            args.num_iters,
-            {"max_num_seqs": max(batch_size, 8), **engine_args(args)},
-            compilation_fields(args),
-        )
-        for mode, measure in _measurements(modes, args.compare):
-            result = {**measure(case, mode, bandwidth), "batch_size": batch_size}
-            results.append(result)
-            print(
-                f"batch {batch_size} {mode}: median {result['latency_s']['median']:.4f} s, "
-                f"{result['decode_step_ms']['median']:.3f} ms/step",
-                flush=True,
-            )
-    print(format_mode_table(results))
-    payload = {
+    payload: dict[str, Any] = {
         "model": args.model,
         "input_len": args.input_len,
         "output_len": args.output_len,
-        "platform": platform.name,
-        "device": platform.device_name(),
+        "batch_sizes": batch_sizes,
+        "command": command_line(args),
+        **run_environment(args.model, engine_args(args), args.commit),
         "copy_bandwidth_gbps": bandwidth / 1e9,
-        "results": results,
+        "skipped": skipped,
+        "results": [],
     }
-    if args.output_json:
-        write_json(Path(args.output_json), payload)
+    results = payload["results"]
+    for batch_size in batch_sizes:
+        for result in measure_rows(_case(args, batch_size), plans, baselines, bandwidth):
+            results.append({**result, "batch_size": batch_size})
+            _print_progress(results[-1])
+            if args.output_json:
+                write_json(Path(args.output_json), payload)
+    print(format_mode_table(results))
+    notes = format_notes(results, skipped)
+    if notes:
+        print(notes)
     if args.plot:
-        plot_latency(
-            Path(args.plot),
-            results,
-            f"{args.model}, in {args.input_len}, out {args.output_len} ({platform.device_name()})",
+        title = (
+            f"{args.model}, in {args.input_len}, out {args.output_len} ({platform.device_name()})"
         )
-    return 0
+        plot_latency(Path(args.plot), results, title)
+    failed = [f"batch {r['batch_size']} {r['mode']}" for r in results if r["status"] != "ok"]
+    if failed:
+        print(f"failed: {', '.join(failed)} (their errors are in the table and the JSON)")
+    return 1 if failed else 0
 
 
 def register(sub: Any) -> None:
+    from pieceworks.benchmarks.report import column_help
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    latency = bench.add_parser("latency", help="vLLM's benchmark_latency shape, modes side by side")
+    latency = bench.add_parser(
+        "latency",
+        help="vLLM's benchmark_latency shape, modes side by side",
+        description="Time generation of --batch-size random prompts of --input-len tokens, "
+        "--output-len tokens each (greedy, ignore_eos), for each mode (and peer with --compare) "
+        "in one run.",
+        epilog=column_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_engine_args(latency, "llama-125m")
     latency.add_argument("--batch-size", default="8", help="one or a comma list")
     latency.add_argument("--input-len", type=int, default=32)
     latency.add_argument("--output-len", type=int, default=128)
     latency.add_argument("--num-iters-warmup", type=int, default=2)
     latency.add_argument("--num-iters", type=int, default=5)
-    latency.add_argument("--modes", default=None, help="comma list, e.g. eager,piecewise,full")
+    latency.add_argument(
+        "--modes",
+        default=None,
+        help="comma list, e.g. eager,piecewise,full_and_piecewise (default: the platform's; "
+        "a mode that contradicts -O/--enforce-eager/--compilation-config is an error)",
+    )
     latency.add_argument(
         "--compare",
         action="store_true",
-        help="also time torch.compile(reduce-overhead) on a static cache and HF "
-        "transformers eager generation of the same model",
+        help="also time the peers that apply to the model: static_compiled (HF transformers "
+        "with a static cache under torch.compile reduce-overhead), gpt_fast (an independent "
+        "hand-written Llama loop) and hf_eager (HF generate); the others are listed as skipped",
+    )
+    latency.add_argument(
+        "--peers",
+        default=None,
+        help="with --compare: comma list of the peers to run (default: every one that applies)",
     )
     latency.add_argument("--output-json", default=None)
     latency.add_argument("--plot", default=None, help="PNG path")
-    latency.set_defaults(func=cmd_bench_latency)
+    latency.add_argument(
+        "--commit", default=None, help="source commit recorded in the JSON (default: git's)"
+    )
+    latency.set_defaults(func=cmd_bench_latency, parser=latency)

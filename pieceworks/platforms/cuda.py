@@ -90,6 +90,11 @@ class CudaPlatform(Platform):
     def create_event(self) -> torch.cuda.Event:
         return torch.cuda.Event()
 
+    def profiler_activity(self) -> Any:
+        # CUPTI traces kernels, copies and memsets, also those replayed inside a CUDA graph; ROCm
+        # builds of torch report HIP activity under the same name (roctracer).
+        return torch.profiler.ProfilerActivity.CUDA
+
     def mem_get_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info()
 

@@ -159,6 +159,12 @@ class Platform:
         None where device work completes before the host call returns (the CPU)."""
         return None
 
+    def profiler_activity(self) -> Any | None:
+        """The ``torch.profiler.ProfilerActivity`` that records this device's kernels and copies
+        (for the device-busy time of a decode step); None where the device's work is not traced
+        separately from the host's (the CPU), so no device-busy time is reported."""
+        return None
+
     def mem_get_info(self) -> tuple[int, int]:
         """(free bytes, total bytes) of device memory."""
         page = os.sysconf("SC_PAGE_SIZE")

@@ -21,10 +21,8 @@ from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)
 
-# On: on an H200 in session 10 (docs/benchmarks.md), with decode attention launched early, PDL
-# made 8B decode faster at batch 1 (FP8 2.720 against 2.830 ms, bfloat16 4.300 against 4.430,
-# bfloat16 PIECEWISE 4.421 against 4.565) and changed batch 64 by about 1% (FP8 5.364 against
-# 5.302, bfloat16 7.147 against 7.130). In session 6, before that, it lost 1.7% at FP8 batch 1.
+# On: with decode attention launched early, PDL makes 8B decode faster at batch 1 and changes
+# batch 64 by about 1% (measured on an H200: docs/performance.md).
 PDL_BY_DEFAULT = True
 
 

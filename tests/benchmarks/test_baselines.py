@@ -1,11 +1,14 @@
-"""The --compare baselines run the same model as pieceworks: same weights, tokens and floor bytes.
+"""The --compare peers run the same model as pieceworks: same weights, tokens and floor bytes.
 
-HF eager ``generate`` and the hand-written static-cache loop must choose the same greedy tokens as
-the pieceworks engine for the bench's prompts (float32, CPU; the first 4 tokens, as random tiny
-models can have near-ties later), count the same decode bytes as ``benchmark.decode_bytes``, and
-return results shaped like ``measure_mode``'s. The static loop compiles with the "eager" backend
-here, except in the one Inductor test (reduce-overhead, ~25 s on a small CPU).
-Run: pytest tests/engine/test_baselines.py
+HF eager ``generate``, the HF static-cache loop (``static_compiled``, with its grouped-query SDPA
+attention) and the independent gpt-fast-style loop (``gpt_fast``) must choose the same greedy
+tokens as the pieceworks engine for the bench's prompts (float32, CPU; the first 4 tokens, as
+random tiny models can have near-ties later), count the same decode bytes as
+``latency.decode_bytes``, and return results shaped like ``measure_mode``'s. On a grouped-query
+shape with Llama 3 rotary scaling the two static loops agree with HF eager's logits. The static
+loops compile with the "eager" backend here, except in the one Inductor test (reduce-overhead,
+~25 s on a small CPU); the GPU test holds ``static_compiled`` within 10 % of ``gpt_fast``.
+Run: pytest tests/benchmarks/test_baselines.py
 """
 
 from __future__ import annotations
@@ -23,17 +26,30 @@ pytest.importorskip("transformers")
 from pieceworks.benchmarks.baselines import (  # noqa: E402
     StaticCacheDecoder,
     StepClock,
+    applicable_baselines,
+    baseline_model_config,
+    build_gpt_fast_model,
     hf_decode_bytes,
     hf_generate,
     load_hf_baseline,
+    measure_gpt_fast,
     measure_hf_eager,
     measure_static_cache_compiled,
 )
+from pieceworks.benchmarks.gpt_fast_loop import GptFastDecoder  # noqa: E402
 
 NUM_COMPARED = 4  # greedy tokens compared per prompt (near-ties of random weights come later)
 BANDWIDTH = 1e9  # bytes/s: any number; floors are compared, not judged
 MEASURE_MODE_KEYS = {
     "mode",
+    "merged_modes",
+    "status",
+    "level",
+    "backend",
+    "num_decode_steps",
+    "device_busy_ms",
+    "device_idle_share",
+    "device_busy_note",
     "graph_mode",
     "latency_s",
     "decode_step_ms",
@@ -79,8 +95,13 @@ def test_hf_generate_and_static_loop_choose_the_engine_tokens(llama_tiny):
     decoder = StaticCacheDecoder(model, case.input_len + case.output_len, compile_backend="eager")
     decoder.reset()  # a no-op on a fresh cache
     static_tokens = decoder.generate(input_ids, case.output_len)
+    gpt_fast = build_gpt_fast_model(
+        baseline_model_config(case), input_ids.device, case.batch_size, case.input_len + 6
+    )
+    gpt_fast_tokens = GptFastDecoder(gpt_fast, compile_backend="eager").generate(input_ids, 6)
     assert hf_tokens[:, :NUM_COMPARED].tolist() == expected
     assert static_tokens[:, :NUM_COMPARED].tolist() == expected
+    assert gpt_fast_tokens[:, :NUM_COMPARED].tolist() == expected
     assert tuple(static_tokens.shape) == (case.batch_size, case.output_len)
     assert len(clock.step_seconds()) == case.output_len - 1  # one stamp per token chosen
     # A second generation reuses the cache in place (reset, no reallocation) and agrees.
@@ -90,13 +111,18 @@ def test_hf_generate_and_static_loop_choose_the_engine_tokens(llama_tiny):
     assert decoder.cache.layers[0].keys is keys
 
 
-@pytest.mark.parametrize("measure", [measure_hf_eager, measure_static_cache_compiled])
+@pytest.mark.parametrize(
+    "measure", [measure_hf_eager, measure_static_cache_compiled, measure_gpt_fast]
+)
 def test_results_have_the_measure_mode_shape_and_the_engine_floor(llama_tiny, measure):
     case, expected, engine_bytes = llama_tiny
-    kwargs = {"compile_backend": "eager"} if measure is measure_static_cache_compiled else {}
+    kwargs = {} if measure is measure_hf_eager else {"compile_backend": "eager"}
     result = measure(case, BANDWIDTH, **kwargs)
     assert set(result) == MEASURE_MODE_KEYS
-    assert result["graph_mode"] == "baseline"
+    assert result["graph_mode"] == "baseline" and result["status"] == "ok"
+    assert result["level"] is None  # a peer has no pieceworks compile level
+    assert result["device_busy_ms"] is None  # the CPU traces no device work: n/a, not a number
+    assert result["device_busy_note"].startswith("n/a")
     assert result["counters"] == dict.fromkeys(_COUNTERS, 0)
     assert result["first_output_token_ids"][:NUM_COMPARED] == expected[0]
     assert result["floor_ms"] == pytest.approx(engine_bytes / BANDWIDTH * 1e3)
@@ -119,8 +145,43 @@ def test_untied_checkpoint_directory_loads_the_same_weights(tmp_path):
     assert tokens.tolist() == engine_greedy(llm, case)
 
 
+GQA_LLAMA3 = {
+    **get_preset("llama-tiny"),
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,  # 4 query heads per KV head, as in Llama 3.1 8B
+    "head_dim": 8,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 16, "rope_type": "llama3"},
+}  # fmt: skip
+
+
+def test_static_loops_match_hf_eager_logits_on_a_grouped_query_llama3_shape(tmp_path):
+    random_hf_checkpoint(GQA_LLAMA3, tmp_path, seed=3, dtype=torch.float32)
+    case = LatencyCase(str(tmp_path), 2, 20, 5, engine_args={"dtype": "float32"})
+    model_config, model, input_ids = load_hf_baseline(case)
+    with torch.no_grad():
+        reference = model(input_ids).logits[:, -1]  # stock HF attention, no cache
+    gpt_fast = build_gpt_fast_model(model_config, input_ids.device, 2, 25)
+    with torch.no_grad():
+        logits = gpt_fast(input_ids, torch.arange(20))
+    assert torch.allclose(logits, reference, atol=1e-4 * reference.abs().max())
+    expected = hf_generate(model, input_ids, case.output_len)
+    decoder = StaticCacheDecoder(model, 25, compile_backend="eager")  # registers its attention
+    assert torch.equal(decoder.generate(input_ids, case.output_len), expected)
+    assert torch.equal(GptFastDecoder(gpt_fast, "eager").generate(input_ids, 5), expected)
+
+
+def test_applicable_baselines_skip_the_static_loops_for_a_hybrid_model_and_say_why():
+    assert applicable_baselines(tiny_case()) == (["static_compiled", "gpt_fast", "hf_eager"], [])
+    run, skipped = applicable_baselines(tiny_case("bamba-tiny"))
+    assert run == ["hf_eager"]
+    assert [s["mode"] for s in skipped] == ["static_compiled", "gpt_fast"]
+    assert all("Mamba layers" in s["reason"] for s in skipped)
+
+
 def test_static_loop_refuses_a_hybrid_model_with_a_clear_error():
-    with pytest.raises(ValueError, match="attention-only model"):
+    with pytest.raises(ValueError, match="attention-only Llama"):
         measure_static_cache_compiled(tiny_case("bamba-tiny"), compile_backend="eager")
 
 
@@ -131,3 +192,42 @@ def test_static_loop_under_reduce_overhead_inductor(llama_tiny):
     result = measure_static_cache_compiled(case, BANDWIDTH)
     assert result["first_output_token_ids"] == expected[0]
     assert result["compile_s"] > 0.0
+
+
+def test_gpt_fast_model_in_bfloat16_keeps_float32_rotary_and_tied_weights():
+    case = LatencyCase("llama-tiny", 1, 4, 2, engine_args={"dtype": "bfloat16"})
+    model = build_gpt_fast_model(baseline_model_config(case), torch.device("cpu"), 1, 8)
+    assert model.inv_freq.dtype == torch.float32  # rotary angles as precise as HF's
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as the preset says
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def cache_per_query_head_tensors(gqa: bool, checkpoint) -> list[tuple[int, ...]]:
+    """Shapes ``(B, num_heads, max_cache_len, D)`` in the traced decode step: K or V of the whole
+    static cache copied out to every query head."""
+    case = LatencyCase(str(checkpoint), 2, 6, 3, engine_args={"dtype": "float32"})
+    _, model, input_ids = load_hf_baseline(case)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    max_cache_len = 9
+    decoder = StaticCacheDecoder(model, max_cache_len, compile_backend=record, gqa=gqa)
+    decoder.reset()
+    decoder.generate(input_ids, case.output_len)
+    torch.compiler.reset()
+    values = [node.meta.get("example_value") for gm in graphs for node in gm.graph.nodes]
+    shapes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor) and v.dim() == 4]
+    heads = GQA_LLAMA3["num_attention_heads"]
+    return [s for s in shapes if s[1] == heads and s[2] == max_cache_len]
+
+
+def test_the_compiled_step_reads_each_kv_head_once(tmp_path):
+    """HF's own SDPA path under torch.compile with a static cache's mask copies K/V out to every
+    query head (``repeat_kv``) over the whole cache, each layer, each step; the registered
+    grouped-query attention does not."""
+    random_hf_checkpoint(GQA_LLAMA3, tmp_path, seed=3, dtype=torch.float32)
+    assert cache_per_query_head_tensors(gqa=False, checkpoint=tmp_path)  # the cost, shown
+    assert cache_per_query_head_tensors(gqa=True, checkpoint=tmp_path) == []

@@ -1,16 +1,20 @@
-"""The run report: the compile-cache line (hit, miss, partial hit, disabled, not used), and a
-mode table whose cells stay apart when a value is wider than its column.
+"""The run report: the compile-cache line (hit, miss, partial hit, disabled, not used), a mode
+table whose cells stay apart when a value is wider than its column, failed rows that show their
+error, and a bar plot for one or several batch sizes.
 
-Run: pytest tests/engine/test_report.py
+Run: pytest tests/benchmarks/test_report.py
 """
 
 from __future__ import annotations
+
+import pytest
 
 from pieceworks.benchmarks.report import (
     MODE_TABLE_COLUMNS,
     compile_cache_status,
     format_compile_cache,
     format_mode_table,
+    plot_latency,
 )
 
 
@@ -39,16 +43,45 @@ def test_format_compile_cache_names_the_directory_and_compile_time():
     )
 
 
-def test_mode_table_cells_stay_apart_when_a_value_overflows_its_column():
+def row(mode="eager", batch_size=8, median=123456.78, ratio=12199.94):
     counters = dict.fromkeys(
         ["num_inductor_compiles", "num_eager_compiles", "num_piecewise_graphs_seen",
          "num_piecewise_capturable_graphs_seen", "num_compiled_artifacts_loaded",
          "num_cudagraph_captured"], 3)  # fmt: skip
-    row = {"mode": "eager", "graph_mode": "NONE", "counters": counters, "graph_memory_gib": 0.0,
-           "compile_s": 1.1, "capture_s": 0.0, "latency_s": {"median": 2.446},
-           "decode_step_ms": {"median": 123456.78}, "ratio_to_floor": 12199.94}  # fmt: skip
-    header, rule, line = format_mode_table([row]).splitlines()
+    return {"mode": mode, "status": "ok", "level": 0, "graph_mode": "NONE", "counters": counters,
+            "graph_memory_gib": 0.0, "compile_s": None, "capture_s": 0.0,
+            "latency_s": {"median": 2.446},
+            "decode_step_ms": {"min": median * 0.9, "median": median, "max": median * 1.2},
+            "device_busy_ms": None, "device_idle_share": None, "ratio_to_floor": ratio,
+            "floor_ms": median / ratio, "batch_size": batch_size}  # fmt: skip
+
+
+def test_mode_table_cells_stay_apart_when_a_value_overflows_its_column():
+    header, rule, line = format_mode_table([row()]).splitlines()
     # A CPU run against a GPU-sized floor: both numbers wider than their columns (8 and 7)
-    assert line.split()[-2:] == ["123456.78", "12199.94"]
-    assert len(line.split()) == len(MODE_TABLE_COLUMNS)
-    assert header.split()[-3:] == ["ms/step", "x", "floor"] and set(rule) == {"-"}
+    cells = line.split()
+    assert cells[3] == "123456.78" and cells[6] == "12199.94"
+    assert len(cells) == len(MODE_TABLE_COLUMNS)  # every cell apart, none empty
+    assert cells[7:9] == ["n/a", "n/a"]  # device-busy and idle share not measured
+    assert cells[10] == "-"  # no compile for eager
+    assert header.split()[:4] == ["mode", "lvl", "graphs", "ms/step"] and set(rule) == {"-"}
+
+
+def test_a_failed_row_shows_its_error():
+    failed = {"mode": "full", "status": "failed", "error": "RuntimeError: no memory"}
+    lines = format_mode_table([row(), failed]).splitlines()
+    assert lines[-1].split() == ["full", "failed:", "RuntimeError:", "no", "memory"]
+
+
+@pytest.mark.parametrize("batch_sizes", [[8], [1, 8, 64]])
+def test_plot_writes_bars_with_the_floor(tmp_path, batch_sizes):
+    pytest.importorskip("matplotlib")
+    results = [
+        row(mode, b, median=1.0 + i + b / 10, ratio=1.5)
+        for b in batch_sizes
+        for i, mode in enumerate(["eager", "full_and_piecewise", "gpt_fast"])
+    ]
+    results.append({"mode": "static_compiled", "status": "failed", "batch_size": 8})
+    path = tmp_path / "plot.png"
+    assert plot_latency(path, results, "llama-tiny")
+    assert path.stat().st_size > 1000

@@ -2,7 +2,7 @@
 
 The CPU suite runs Triton kernels under the interpreter (TRITON_INTERPRET=1), which executes them
 as Python and never compiles them, so code that only the compiler rejects passes on the CPU and
-fails on the GPU (session 9: atomics compiled against the dummy pointers of a one-split launch).
+fails on the GPU (e.g. atomics compiled against the dummy pointers of a one-split launch).
 Triton's compiler itself needs no GPU. This test records the kernel launches (`kernel[grid](...)`)
 that the ops make for a set of shapes: paged attention (decode with one split and with several,
 with and without the fused KV store, bfloat16 and FP8 output; prefill) and the KV store; the GEMV
@@ -12,7 +12,7 @@ the Mamba2 mixer's conv1d, chunked scan and state update; the sampler's greedy a
 each kernel for CUDA sm_90 with exactly the arguments the launch passes (those divisible by 16
 specialized as a launch does), once as planned on the CPU and once with its
 programmatic-dependent-launch switches on, and checks that it fits sm_90's shared memory (a kernel
-over it compiles but fails at launch: session 10's GEMV variant); with PDL, that the GEMVs and the
+over it compiles but fails at launch, as a GEMV variant once did); with PDL, that the GEMVs and the
 norm read their scales, norm weight and rotary factors before the wait. The compiles run in a
 subprocess without TRITON_INTERPRET, because the kernels in the test process may be interpreted.
 Skipped where this Triton has no CUDA backend.

@@ -14,10 +14,10 @@ HBM would otherwise idle, or where SMs would:
   ``triton_gemv.releases_at_start``), so its programs copy their weights on the idle SMs.
 
 Why Gluon: a Triton ``tl.load`` lands in registers and its software pipeline issues W and x
-together, so a plain Triton GEMV cannot hold W in shared memory across the wait (session 10: two
-chunks in registers cost 255 registers and spills; session 11: a wait inside the pipelined loop
-moved only one chunk before it). Gluon (``triton.experimental.gluon``) gives the kernel its
-shared memory, its asynchronous copies (``cp.async``) and Hopper's warpgroup MMA directly.
+together, so a plain Triton GEMV cannot hold W in shared memory across the wait (chunks held in
+registers spill; a wait inside the pipelined loop moves only one chunk before it). Gluon
+(``triton.experimental.gluon``) gives the kernel its shared memory, its asynchronous copies
+(``cp.async``) and Hopper's warpgroup MMA directly.
 
 Layout: each program owns ``BLOCK_N`` = 64 rows of W (the MMA's M, the smallest a warpgroup takes)
 and all of K, in ``BLOCK_K`` = 256-byte chunks. ``RESIDENT`` chunks have a shared memory slot of
@@ -35,13 +35,8 @@ scheduled at its start.
 Only for FP8 operands on Hopper (compute capability 9.x: the warpgroup MMA), never interpreted,
 with 16-byte-aligned rows, where the slots hold at least ``MIN_RESIDENT_SHARE`` of the slice and
 the grid fits the SMs at once (``uses_resident_gemv``); elsewhere, and on a Triton whose Gluon does
-not compile it, the Triton GEMV (``fp8_decode_gemv``). On an H200 (``docs/performance.md``):
-``o_proj`` ends 3.4 µs after a latency-bound producer against 6.2 µs for the Triton GEMV (session
-11); the rotary ``qkv_proj`` with ``down_proj`` releasing at its start stepped FP8 8B batch 1 at
-2.404 to 2.407 ms against 2.430 to 2.435 with the Triton GEMV for qkv (session 14), and 2.317
-against 2.330 to 2.332 with the reads before the wait in both (session 15). Behind a short producer
-alone it gains nothing: qkv and gate_up behind the norm kernels only were slower (session 11), and
-gate_up stays on the Triton GEMV.
+not compile it, the Triton GEMV (``fp8_decode_gemv``). Behind a short producer alone it gains
+nothing, so ``gate_up_proj`` stays on the Triton GEMV (what it measured: ``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -77,8 +72,8 @@ BLOCK_K = 256  # bytes of K per chunk (one FP8 element per byte)
 NUM_WARPS = 4  # one warpgroup
 MAX_TOKENS = 16
 MIN_RESIDENT_SHARE = 0.75  # of the slice's chunks copied before the wait, or the Triton GEMV
-# the rotary form (qkv_proj) copies at most this many chunks before its wait (H200, session 14,
-# FP8 8B batch 1: 8 and 6 chunks 2.404 to 2.407 ms, 4 2.449, 10 2.452, 12 2.439 to 2.446)
+# the rotary form (qkv_proj) copies at most this many chunks before its wait (the fastest of 4 to
+# 12 on an H200, FP8 8B batch 1)
 ROPE_RESIDENT_CHUNKS = 8
 SHARED_RESERVE = 1024  # bytes of shared memory left for the compiler's own use
 # the kernel variants (``_variant``) that did not run here, and why; never tried again
@@ -177,8 +172,8 @@ if gluon is not None:
             _async_load(w_slots.index(chunk), w_ptrs + chunk * BLOCK_K, mask=row_mask)
             async_copy.commit_group()
         # x in one copy, chunk c's tokens in rows c * BLOCK_T ..: one copy per chunk, each into a
-        # view of the buffer, put a CTA barrier after every copy (16 between the PDL wait and the
-        # first MMA with triton 3.6; one now), and o_proj ended about 0.13 us later (session 12)
+        # view of the buffer, puts a CTA barrier after every copy (16 between the PDL wait and the
+        # first MMA with triton 3.6; one this way)
         # (X_ROWS: NUM_CHUNKS * BLOCK_T rounded up to a power of two, as a range must be; the
         # rows past the last chunk are never copied nor read)
         x_rows = gl.arange(0, X_ROWS, layout=gl.SliceLayout(1, copy_layout))
@@ -501,5 +496,5 @@ def _block_tokens(num_tokens: int) -> int:
 
 def _x_rows(num_tokens: int, in_features: int) -> int:
     """Rows of x's shared buffer: a row per (chunk, padded token), rounded up to a power of two
-    (K = 768, three chunks, did not compile unrounded: session 13)."""
+    (K = 768, three chunks, does not compile unrounded)."""
     return triton.next_power_of_2(in_features // BLOCK_K * _block_tokens(num_tokens))

@@ -3,9 +3,8 @@
 Why: on an H200, decoding the Llama-3.1-8B shape at batch 1, cuBLAS runs ``qkv_proj``,
 ``o_proj`` and ``down_proj`` as split-K kernels, each followed by a ``splitKreduce`` kernel. A
 decode GEMV only has to stream W once, so this kernel keeps many bytes of W in flight per SM and
-needs no reduction afterwards. Measured inside a CUDA graph with one weight per layer
-(``benchmarks/gemv_decode.py``): 109.5 against 115.6 us per 8B layer at one token, never slower
-from 1 to 16 tokens (``docs/performance.md``, session 4).
+needs no reduction afterwards (how it compares with cuBLAS: ``benchmarks/gemv_decode.py``,
+``docs/performance.md``).
 
 Layout contract: ``x`` is (M, K) and ``weight`` is (N, K), both contiguous along K (a linear
 layer's row-major weight), same dtype (float16, bfloat16, float32, or float8_e4m3fn with a
@@ -15,7 +14,7 @@ coalesced along K and no two programs write the same output: no atomics, the res
 deterministic. The M rows are padded to 16 (masked) so the product runs on tensor cores; it is
 computed as ``W x^T`` (W as the left operand), which leaves W in its natural K-major layout.
 Three epilogues, applied after the K loop so they cost the pipelined loads nothing
-(``docs/performance.md``, session 4, says why not before the ``tl.dot``):
+(an epilogue before the ``tl.dot`` would stall the pipelined loads):
 - gated: for a merged [gate; up] weight each program stacks the up rows of its columns under the
   gate rows (one ``tl.dot`` of a full tile; two half-height dots were 40% slower), splits the
   accumulator and stores ``silu(gate) * up``, so the (M, 2N) product never reaches memory;
@@ -27,10 +26,9 @@ Three epilogues, applied after the K loop so they cost the pipelined loads nothi
 - static FP8 quantization of the result (the next FP8 layer's input), as
   ``core.norm_quant.static_scaled_fp8_quant`` computes it (not combined with rope).
 FP8 operands on Hopper: Triton's default lets the MMA add products in reduced precision over the
-whole K loop (FP8 "fast accumulation", as CUTLASS's FP8FastAccum kernels do). On an H200 that
-left errors up to 2e-3 on outputs near 1, below the bfloat16 rounding of the result; folding
-every instruction's sum into float32 (``max_num_imprecise_acc=32``) made qkv, o and down 23 to
-59% slower (``docs/benchmarks.md``, session 5), so the kernel keeps the default.
+whole K loop (FP8 "fast accumulation", as CUTLASS's FP8FastAccum kernels do): errors up to 2e-3
+on outputs near 1, below the bfloat16 rounding of the result. Folding every instruction's sum into
+float32 (``max_num_imprecise_acc=32``) is much slower, so the kernel keeps the default.
 
 ``small_m_linear`` is the entry point and the op ``pieceworks::small_m_linear``: the kernel when
 there are at most ``MAX_GEMV_TOKENS`` tokens on a GPU Triton targets, else ``F.linear``. The
@@ -319,8 +317,7 @@ def releases_at_start(num_programs: int, rope: bool, device: torch.device) -> bo
     so that the next kernels' programs settle on the idle SMs while it streams: the norm, then
     the next layer's qkv GEMV, whose resident form copies its weights there
     (``resident_gemv.py``). A GEMV of several waves keeps the release after its K loop: programs
-    scheduled early take the SMs its later waves need (H200, session 14: every GEMV released at
-    its start stepped FP8 batch 1 at 2.461 to 2.474 ms against 2.398 to 2.407)."""
+    scheduled early would take the SMs its later waves need."""
     num_sms = triton_gemv_config.num_sms(device)
     return rope or (num_sms is not None and num_programs < num_sms)
 

@@ -54,11 +54,8 @@ def gemv_config(
     Widths are for 16-bit types; float32 halves ``block_k`` to keep the bytes per chunk. A GPU
     with less shared memory per SM than ``stages x (block_n + 16) x block_k`` elements (smaller
     than an H200's 228 KiB) gets fewer stages, then narrower K chunks, instead of a launch error.
-    FP8 (one byte) was swept separately (H200, in a graph, m = 1, 64/32/16/128 columns x 256 to
-    1024 bytes of K x 3/4/6 stages): 64 x 256 with 6 stages was best or within 1% on qkv, o and
-    down (down: 16.9 against 19.8 us for the bfloat16 rule's 32 x 1024), and with 4 on gate_up.
-    More stages (session 13, 64 x 256, 4 to 12 stages): down 16.1 us with 8 against 16.7 with 6
-    and 16.4 with 10 (12 is past the shared memory); qkv stayed best with 6 (7.8 against 8.0).
+    FP8 (one byte) has its own tiles, chosen by a sweep on an H200 (in a graph, one token): 64 x
+    256 bytes of K, with 8 stages for ``down_proj``, 6 for qkv and o, 4 for gate_up.
     ``gated`` (``n`` counts the gate and the up rows): a program stacks ``block_n`` rows of each,
     so ``block_n`` is halved to keep the rows per program (one tensor-core tile) of the plain one.
     The rotary epilogue stacks the two halves of a head the same way and passes ``gated=True``

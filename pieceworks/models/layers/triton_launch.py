@@ -12,11 +12,11 @@ spare (the 8B ``down_proj``) and the rotary qkv GEMV release at their start inst
 FP8 quant, decode attention's split and reduce (and Inductor's, through its own switch). Some
 read, before their wait, what no kernel still running can write: the resident-weight GEMV copies
 its weights (``resident_gemv.py``), and decode attention's split kernel loads its metadata and
-first K/V tile before it waits for q (H200, sessions 10 and 14). Every kernel here also reads its
-parameters there (FP8 scales, the norm weight) and the GEMVs the rotary factors at the step's
-positions, so no load round trip follows the wait or the K loop (FP8 8B batch 1: 2.317 against
-2.390 ms, session 15). The contract this needs: such operands are parameters, constant buffers or
-the step inputs the runner copies before the step; never the output of a kernel of the step.
+first K/V tile before it waits for q. Every kernel here also reads its parameters there (FP8
+scales, the norm weight) and the GEMVs the rotary factors at the step's positions, so no load
+round trip follows the wait or the K loop. The contract this needs: such operands are parameters,
+constant buffers or the step inputs the runner copies before the step; never the output of a
+kernel of the step.
 """
 
 from __future__ import annotations

@@ -6,11 +6,9 @@ weight exactly as ``core.norm_quant.rms_norm`` does, divide by the static scale,
 +-448 and store ``float8_e4m3fn``. The whole row fits one block (``hidden_size`` up to 64K).
 Every rounding goes through ``layers/triton_rounding.py`` (round to nearest even): on a GPU the
 hardware conversions, under the Triton interpreter float32 arithmetic (its own casts truncate to
-bfloat16 and round float8 half up), so the kernel's bytes equal torch's on both. On an H200, at
-one 4096-wide token, the hardware conversions made the kernel 1.8 against 2.7 µs
-(``benchmarks/norm_kernel_probe.py``, ``docs/benchmarks.md`` session 8). Under programmatic
-dependent launch the norm weight and the scale are read before the wait, so only the row's own
-loads follow the kernel before (H200, session 15).
+bfloat16 and round float8 half up), so the kernel's bytes equal torch's on both. Under
+programmatic dependent launch the norm weight and the scale are read before the wait, so only the
+row's own loads follow the kernel before.
 Tested on CPU under ``TRITON_INTERPRET=1`` against the torch reference; on GPUs it is the
 implementation of the ops (``norm_quant_ops.py``).
 """

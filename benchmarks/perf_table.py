@@ -1,0 +1,37 @@
+"""Print the current-numbers table of ``docs/performance.md`` from ``bench latency`` JSON files.
+
+One markdown row per pieceworks mode and batch size of each file, with that batch's peers of the
+same run, the commit, date, device, versions and the command that reproduces the file:
+
+    python benchmarks/perf_table.py docs/bench/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pieceworks.benchmarks.report import format_performance_table  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", help="bench latency --output-json files")
+    args = parser.parse_args()
+    payloads = []
+    for name in args.files:
+        payload = json.loads(Path(name).read_text())
+        if "results" not in payload:
+            print(f"skipping {name}: not a bench latency JSON (no 'results')", file=sys.stderr)
+            continue
+        payloads.append(payload)
+    print(format_performance_table(payloads))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Device-busy time of decode steps: how long the device itself worked per step.
+
+A decode step's wall time is the device's work plus the time the device sat idle waiting for the
+host. ``profile_device_busy`` runs a few steps under ``torch.profiler`` with the activity the
+platform names (``Platform.profiler_activity()``: CUPTI on NVIDIA, roctracer on AMD), and returns
+the union of the device's kernel, copy and memset intervals divided by the number of steps
+(intervals that overlap, on two streams, count once). The steps run between two device syncs, so
+the trace holds exactly their work. Where the platform traces no device activity (the CPU, whose
+"device" work is the host's own), there is no device-busy time: the result says "n/a" and why,
+never a made-up number.
+
+``engine_device_busy`` drives an ``LLM``'s engine to the uniform-decode steps of the whole batch
+and profiles those; the baselines call ``profile_device_busy`` on their own decode steps.
+Used by ``benchmarks.latency`` (``pieceworks run``, ``bench latency``) and ``benchmarks.baselines``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pieceworks.platforms import current_platform
+
+DEVICE_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+NUM_PROFILED_STEPS = 12  # enough that one step's spill at the window's edge stays small
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals`` (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def not_measured(reason: str) -> dict[str, Any]:
+    """The device-busy fields of a result where nothing was measured, with the reason."""
+    return {"device_busy_ms": None, "device_idle_share": None, "device_busy_note": reason}
+
+
+def profile_device_busy(run_steps: Callable[[], None], num_steps: int) -> dict[str, Any]:
+    """Profile ``run_steps()`` (which runs ``num_steps`` steps); device-busy ms per step."""
+    platform = current_platform()
+    activity = platform.profiler_activity()
+    if activity is None:
+        return not_measured(f"n/a: platform {platform.name} traces no device activity")
+    platform.synchronize()
+    with torch.profiler.profile(activities=[activity]) as profiler:
+        start = time.perf_counter()
+        run_steps()
+        platform.synchronize()
+        wall_seconds = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as directory:
+        trace_path = Path(directory) / "trace.json"
+        profiler.export_chrome_trace(str(trace_path))
+        events = json.loads(trace_path.read_text())["traceEvents"]
+    device_events = [e for e in events if e.get("cat") in DEVICE_EVENT_CATEGORIES]
+    if not device_events:
+        return not_measured(f"n/a: the profiler recorded no device work on {platform.name}")
+    busy_us = union_length([(e["ts"], e["ts"] + e["dur"]) for e in device_events])
+    return {
+        "device_busy_ms": busy_us / 1e3 / num_steps,
+        "device_idle_share": None,  # set against the unprofiled step time by ``with_idle_share``
+        "device_busy_note": f"{num_steps} decode steps profiled "
+        f"({wall_seconds * 1e3 / num_steps:.3f} ms/step wall under the profiler)",
+    }
+
+
+def with_idle_share(busy: dict[str, Any], step_ms: float) -> dict[str, Any]:
+    """``busy`` with the share of an (unprofiled) ``step_ms`` step the device sat idle."""
+    if busy["device_busy_ms"] is None or not step_ms or step_ms != step_ms:  # None or NaN
+        return busy
+    return {**busy, "device_idle_share": max(0.0, 1.0 - busy["device_busy_ms"] / step_ms)}
+
+
+def engine_device_busy(
+    llm: Any, prompts: list[list[int]], params: Any, num_steps: int = NUM_PROFILED_STEPS
+) -> dict[str, Any]:
+    """Device-busy ms per uniform-decode step of the whole batch, for ``llm``'s engine.
+
+    Queues ``prompts``, steps until every request decodes, profiles up to ``num_steps`` steps
+    (fewer when ``params.max_tokens`` leaves fewer), then runs the requests to their end.
+    """
+    if current_platform().profiler_activity() is None:
+        return profile_device_busy(lambda: None, 1)  # the "n/a" answer, without running a step
+    engine = llm.engine
+    batch_size = len(prompts)
+    requests = [engine.add_request(prompt, params) for prompt in prompts]
+    engine.step_seconds.clear()
+    while engine.has_unfinished_requests() and not _decoding_whole_batch(engine, batch_size):
+        engine.step()
+    engine.step()  # one more, so the window starts after the first full-batch decode step
+    # Each request is one token behind while a step is in flight (async scheduling).
+    remaining = min(params.max_tokens - len(r.output_token_ids) for r in requests) - 2
+    num_steps = min(num_steps, remaining)
+    if num_steps < 2:
+        _drain(engine)
+        return not_measured("n/a: too few decode steps to profile (raise --output-len)")
+    engine.step_seconds.clear()
+
+    def run_steps() -> None:
+        for _ in range(num_steps):
+            engine.step()
+
+    busy = profile_device_busy(run_steps, num_steps)
+    uniform = all(u and n == batch_size for u, n, _ in engine.step_seconds)
+    _drain(engine)
+    if not uniform:
+        return not_measured("n/a: a profiled step was not a decode step of the whole batch")
+    return busy
+
+
+def _decoding_whole_batch(engine: Any, batch_size: int) -> bool:
+    if not engine.step_seconds:
+        return False
+    uniform, num_requests, _ = engine.step_seconds[-1]
+    return bool(uniform and num_requests == batch_size)
+
+
+def _drain(engine: Any) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()

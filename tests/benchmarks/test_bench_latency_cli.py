@@ -1,0 +1,134 @@
+"""``bench latency`` says what it measured and never loses a result.
+
+- ``--compare`` on a hybrid model (``bamba-tiny``) runs the hf_eager peer, lists the static loops
+  as skipped with the reason, in the printed notes and in the JSON;
+- a mode that raises becomes a failed row with its error; the other rows and the JSON survive;
+- each row states its effective level and graph mode; on the CPU (no static graphs) modes that
+  resolve to the same configuration run once, under the first name, the others named beside it;
+- ``--enforce-eager`` and ``-O`` are honoured, and a ``--modes`` entry that contradicts them is an
+  error before any engine is built.
+
+The copy bandwidth is a fixed number here (measuring it costs seconds and is not under test).
+Run: pytest tests/benchmarks/test_bench_latency_cli.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pieceworks.benchmarks import latency
+from pieceworks.entrypoints import bench
+from pieceworks.entrypoints.cli import main
+
+TINY = ["--batch-size", "1", "--input-len", "4", "--output-len", "3", "--num-iters-warmup", "0",
+        "--num-iters", "1", "--dtype", "float32"]  # fmt: skip
+EAGER_BACKEND = ["--compilation-config", '{"backend": "eager"}']
+
+
+@pytest.fixture(autouse=True)
+def _fixed_bandwidth(monkeypatch):
+    monkeypatch.setattr(latency, "measure_copy_bandwidth", lambda *args, **kwargs: 1e9)
+
+
+def bench_latency(tmp_path, *flags: str) -> tuple[int, dict]:
+    path = tmp_path / "bench.json"
+    code = main(["bench", "latency", *TINY, *flags, "--output-json", str(path)])
+    return code, json.loads(path.read_text())
+
+
+def test_compare_on_a_hybrid_model_runs_hf_eager_and_says_what_it_skipped(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    code, payload = bench_latency(
+        tmp_path, "--model", "bamba-tiny", "--modes", "eager", "--compare"
+    )
+    assert code == 0
+    assert [(r["mode"], r["status"]) for r in payload["results"]] == [
+        ("eager", "ok"),
+        ("hf_eager", "ok"),
+    ]
+    skipped = {s["mode"]: s["reason"] for s in payload["skipped"]}
+    assert set(skipped) == {"static_compiled", "gpt_fast"}
+    assert "Mamba layers" in skipped["static_compiled"]
+    out = capsys.readouterr().out
+    assert "skipped static_compiled: needs an attention-only Llama" in out
+    assert payload["command"].startswith("pieceworks bench latency ")
+    assert "--compare" in payload["command"] and "--model bamba-tiny" in payload["command"]
+    assert {"dtype", "device", "versions", "commit", "date"} <= set(payload)
+
+
+def test_a_failing_mode_is_reported_in_its_row_and_the_rest_complete(tmp_path, monkeypatch):
+    measure_mode = latency.measure_mode
+
+    def flaky(case, plan, bandwidth=None):
+        if plan.name == "eager":
+            raise RuntimeError("out of device memory (simulated)")
+        return measure_mode(case, plan, bandwidth)
+
+    monkeypatch.setattr(latency, "measure_mode", flaky)
+    code, payload = bench_latency(
+        tmp_path, "--model", "llama-tiny", "--modes", "eager,compiled", *EAGER_BACKEND
+    )
+    assert code == 1  # something failed, and the exit status says so
+    failed, measured = payload["results"]
+    assert failed["status"] == "failed" and "simulated" in failed["error"]
+    assert measured["mode"] == "compiled" and measured["status"] == "ok"
+    assert measured["decode_step_ms"]["median"] > 0
+
+
+def test_rows_state_effective_level_and_graphs_and_equal_ones_run_once(tmp_path, capsys):
+    modes = "eager,piecewise,full_and_piecewise"
+    code, payload = bench_latency(
+        tmp_path, "--model", "llama-tiny", "--modes", modes, *EAGER_BACKEND
+    )
+    assert code == 0
+    rows = [(r["mode"], r["level"], r["graph_mode"], r["merged_modes"]) for r in payload["results"]]
+    # The CPU has no static graphs: both graph modes resolve to level 3 without graphs.
+    assert rows == [("eager", 0, "NONE", []), ("piecewise", 3, "NONE", ["full_and_piecewise"])]
+    eager, compiled = payload["results"]
+    assert eager["compile_s"] is None and compiled["compile_s"] > 0  # eager compiles nothing
+    assert eager["decode_step_ms"]["min"] <= eager["decode_step_ms"]["max"]
+    out = capsys.readouterr().out
+    assert "piecewise also stands for full_and_piecewise" in out
+    table_row = next(line for line in out.splitlines() if line.startswith("eager "))
+    assert table_row.split()[1:3] == ["0", "NONE"]  # lvl and graphs columns
+    assert table_row.split()[10] == "-"  # compile s
+
+
+def test_enforce_eager_runs_one_eager_row(tmp_path):
+    code, payload = bench_latency(tmp_path, "--model", "llama-tiny", "--enforce-eager")
+    assert code == 0
+    assert [(r["mode"], r["level"]) for r in payload["results"]] == [("eager", 0)]
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--enforce-eager", "--modes", "compiled"], "--enforce-eager asks for level 0"),
+        (["-O", "0", "--modes", "eager,compiled"], "mode 'compiled' runs compile level 3"),
+        (["--compilation-config", '{"cudagraph_mode": "FULL"}', "--modes", "piecewise"], "FULL"),
+    ],
+)
+def test_a_mode_contradicting_a_flag_is_an_error_before_any_work(flags, words, capsys, monkeypatch):
+    monkeypatch.setattr(latency, "measure_mode", pytest.fail)  # never reached
+    assert main(["bench", "latency", "--model", "llama-tiny", *TINY, *flags]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_run_honours_level_zero(capsys, monkeypatch):
+    plans = []
+    monkeypatch.setattr(bench, "measure_rows", lambda case, p, baselines, bw: plans.extend(p) or [])
+    assert main(["run", "--model", "llama-tiny", "-O", "0"]) == 0
+    assert [(p.name, p.level, p.graph_mode) for p in plans] == [("eager", 0, "NONE")]
+    assert "lvl" in capsys.readouterr().out
+
+
+def test_help_explains_every_column(capsys):
+    from pieceworks.benchmarks.report import MODE_TABLE_COLUMNS
+
+    with pytest.raises(SystemExit):
+        main(["bench", "latency", "--help"])
+    out = capsys.readouterr().out
+    for title, _, meaning in MODE_TABLE_COLUMNS:
+        assert f"  {title} " in out and meaning.split()[0] in out
