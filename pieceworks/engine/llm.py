@@ -1,36 +1,33 @@
 """``LLM``: the offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``.
 
 Prompts are lists of token ids, or strings when the model directory has a tokenizer. Results come
-back one per prompt, in prompt order, as ``RequestOutput`` with ``outputs[0].token_ids``,
-``.text`` (with a tokenizer) and ``.finish_reason``.
+back one per prompt, in prompt order, as ``RequestOutput`` with ``outputs[i].token_ids``,
+``.text`` (with a tokenizer), ``.logprobs`` and ``.finish_reason`` (``output_processor``).
+``stream`` yields each completion's new text as it decodes; ``chat`` applies the tokenizer's
+chat template to conversations first.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.engine.llm_engine import LLMEngine
+from pieceworks.engine.output_processor import (
+    CompletionDelta,
+    CompletionOutput,
+    Logprob,
+    OutputProcessor,
+    RequestOutput,
+)
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.tokenizer import load_tokenizer
 
+__all__ = ["LLM", "CompletionDelta", "CompletionOutput", "Logprob", "RequestOutput"]
 
-@dataclasses.dataclass
-class CompletionOutput:
-    index: int
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+Prompt = str | Sequence[int]
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -38,8 +35,9 @@ class LLM:
         self.config = build_engine_config(model, compilation_config, **engine_args)
         self.engine = LLMEngine(self.config)
         self.tokenizer = load_tokenizer(model, engine_args.get("tokenizer"))
+        self.processor = OutputProcessor(self.engine, self.tokenizer)
 
-    def _encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -51,10 +49,83 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[str | Sequence[int]] | str,
+        prompts: Sequence[Prompt] | str,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results in prompt order."""
+        request_ids = self._add_requests(prompts, sampling_params)
+        while self.processor.has_unfinished_requests():
+            self.processor.step(stream=False)
+        return [self.processor.get_output(rid, forget=True) for rid in request_ids]
+
+    def stream(
+        self,
+        prompts: Sequence[Prompt] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[CompletionDelta]:
+        """Generate, yielding each completion's new tokens and text as steps come back.
+
+        ``delta.request_id`` says which prompt (the ids ``generate`` would give, in prompt
+        order) and ``delta.index`` which of its ``n`` completions; a completion's deltas
+        concatenate to its final ``.text``. Closing the generator early aborts what is left.
+        """
+        request_ids = self._add_requests(prompts, sampling_params)
+        try:
+            while self.processor.has_unfinished_requests():
+                yield from self.processor.step()
+        finally:
+            for request_id in request_ids:
+                if not self.processor.get_output(request_id).finished:
+                    self.processor.abort_request(request_id)
+                else:
+                    self.processor.get_output(request_id, forget=True)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of
+        them, with the tokenizer's chat template (or ``chat_template``)."""
+        conversations = _conversations(messages)
+        prompts = [
+            self.apply_chat_template(c, chat_template, add_generation_prompt) for c in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(
+        self,
+        conversation: Conversation,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The prompt token ids of a conversation under the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "chat needs a tokenizer with a chat template; this model has no tokenizer "
+                "(presets have random weights): use a model directory or GGUF file with one"
+            )
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "this model's tokenizer has no chat template; pass chat_template=<jinja text> "
+                "or use generate() with plain prompts"
+            )
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+        # The template writes the special tokens itself: encoding must not add a second BOS.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _add_requests(
+        self,
+        prompts: Sequence[Prompt] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
         if isinstance(prompts, str):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -62,19 +133,27 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
         encoded = [self._encode(prompt) for prompt in prompts]
-        requests = [self.engine.add_request(ids, p) for (_, ids), p in zip(encoded, params_list)]
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
-        return [self._output(request, text) for request, (text, _) in zip(requests, encoded)]
+        return [
+            self.processor.add_request(ids, p, prompt=text)
+            for (text, ids), p in zip(encoded, params_list)
+        ]
 
     def shutdown(self) -> None:
         """Free the captured graphs, stop tensor-parallel workers and free the process group
         (with several ranks also done at exit); no step may run afterwards."""
         self.engine.shutdown()
 
-    def _output(self, request: Any, prompt: str | None) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer else None
-        completion = CompletionOutput(
-            0, list(request.output_token_ids), text, request.finish_reason
-        )
-        return RequestOutput(request.request_id, prompt, request.prompt_token_ids, [completion])
+
+def _conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
+    """One conversation or a list of them, as a list; a clear error for anything else."""
+    items: list[Any] = list(messages)
+    if items and all(isinstance(m, dict) for m in items):
+        return [items]
+    if items and all(
+        isinstance(c, list) and c and all(isinstance(m, dict) for m in c) for c in items
+    ):
+        return [list(c) for c in items]
+    raise ValueError(
+        "messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} "
+        "dicts) or a list of such conversations"
+    )

@@ -77,6 +77,15 @@ class LLMEngine:
             self.executor.release(request.request_id)
         return bool(aborted)
 
+    def stop_request(self, request_id: str) -> bool:
+        """Finish a request now with ``finish_reason`` "stop" (its text reached a stop string),
+        freeing its cache as ``abort_request`` does; False if no unfinished request has that id."""
+        self._check_running()
+        stopped = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
+        for request in stopped:
+            self.executor.release(request.request_id)
+        return bool(stopped)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
@@ -103,7 +112,9 @@ class LLMEngine:
             return []
         output, sampled = self._in_flight
         self._in_flight = None
-        finished = self.scheduler.update_from_output(output, sampled.tolist())
+        token_ids = sampled.tolist()
+        _record_logprobs(output, sampled)
+        finished = self.scheduler.update_from_output(output, token_ids)
         for request in finished:
             self.executor.release(request.request_id)
         return finished
@@ -118,3 +129,29 @@ class LLMEngine:
         """Free the captured graphs; stop tensor-parallel workers and free the process group."""
         self._shut_down = True
         self.executor.shutdown()
+
+
+def _record_logprobs(output: SchedulerOutput, sampled: SampledTokens) -> None:
+    """Append a step's log-probabilities to the requests that asked, before its tokens are.
+
+    A sampled token's entry goes only where ``update_from_output`` will append the token (its
+    request is not finished yet). Prompt entries continue where the request's list ends, so a
+    prefill recomputed after a preemption adds nothing twice.
+    """
+    if sampled.logprobs is None and sampled.prompt_logprobs is None:
+        return  # nobody asked: nothing per request
+    by_row = sampled.logprobs_by_row()
+    for row, scheduled in enumerate(output.producing_requests):
+        if row in by_row and not scheduled.request.is_finished:
+            scheduled.request.output_logprobs.append(by_row[row])
+    prompt_rows = sampled.prompt_logprobs_by_request()
+    if not prompt_rows:
+        return
+    for scheduled in output.scheduled_requests:
+        request = scheduled.request
+        if request.request_id not in prompt_rows:
+            continue
+        first, values = prompt_rows[request.request_id]
+        have = len(request.prompt_logprobs)
+        if first <= have:
+            request.prompt_logprobs.extend(values[have - first :])

@@ -38,6 +38,7 @@ from pieceworks.engine.kv_cache import (
     attention_layers,
     num_blocks_that_fit,
 )
+from pieceworks.engine.logprobs import TokenLogprobs, prompt_logprobs, sample_logprobs
 from pieceworks.engine.mamba_cache import allocate_mamba_cache, mamba_cache_spec
 from pieceworks.engine.sampled_tokens import SampledTokens
 from pieceworks.engine.sampler import Sampler, make_generator
@@ -240,13 +241,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_async(self, output: SchedulerOutput) -> SampledTokens:
         """Launch one scheduled step; the handle gives its sampled tokens (one per producing
-        request, in scheduled order) once the device has them."""
-        logits = self.compute_logits(output)
-        if logits is None:
-            return SampledTokens.none()
+        request, in scheduled order) once the device has them, and the log-probabilities of the
+        requests that asked for them."""
+        hidden_states = self.forward(output)
+        prompt = self._prompt_logprobs(output, hidden_states)
+        if self.buffers.num_logits == 0:
+            return SampledTokens(None, None, prompt_logprobs=prompt)
+        logits = self.model.compute_logits(self.buffers.logits_rows(hidden_states))  # (S, V)
         requests = [scheduled.request for scheduled in output.producing_requests]
         generators = [self._generator(request) for request in requests]
-        token_ids = self.sampler.sample(logits, [r.sampling_params for r in requests], generators)
+        params = [r.sampling_params for r in requests]
+        token_ids = self.sampler.sample(logits, params, generators)
         token_ids = same_on_every_rank(token_ids)
         self.last_sampled = token_ids
         self.last_sampled_rows = {r.request_id: row for row, r in enumerate(requests)}
@@ -257,12 +262,20 @@ class ModelRunner:
         event = self._token_events[index]
         if event is not None:
             event.record()
-        return SampledTokens(staging, event)
+        logprobs = sample_logprobs(logits, params, token_ids)  # None unless a request asked
+        return SampledTokens(staging, event, logprobs=logprobs, prompt_logprobs=prompt)
 
     @torch.inference_mode()
     def compute_logits(self, output: SchedulerOutput) -> torch.Tensor | None:
         """Forward one step; the logits (S, V) of the requests that produce a token, in the LM
         head's dtype."""
+        hidden_states = self.forward(output)
+        if self.buffers.num_logits == 0:
+            return None
+        return self.model.compute_logits(self.buffers.logits_rows(hidden_states))  # (S, V)
+
+    def forward(self, output: SchedulerOutput) -> torch.Tensor:
+        """Lay the step into the buffers and run the model; the hidden states of every row."""
         shape, mode, descriptor = self.plan(output)
         metadata = self.buffers.prepare(
             output.scheduled_requests, shape, self.block_size, self.last_sampled_rows
@@ -273,10 +286,46 @@ class ModelRunner:
         with set_forward_context(
             metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):
-            hidden_states = self.forward_model(*self.buffers.model_inputs(shape))
-        if self.buffers.num_logits == 0:
+            return self.forward_model(*self.buffers.model_inputs(shape))
+
+    def _prompt_logprobs(
+        self, output: SchedulerOutput, hidden_states: torch.Tensor
+    ) -> dict[str, tuple[int, TokenLogprobs]] | None:
+        """Prompt log-probabilities of the step's prefill rows whose request asked: request id ->
+        (first prompt position scored, rows). Every rank computes the logits of the same rows
+        (the LM head gathers across ranks); only a rank holding the prompt (rank 0) scores them."""
+        rows: list[int] = []
+        targets: list[int] = []
+        num_top: list[int] = []
+        spans: dict[str, tuple[int, int, int]] = {}  # id -> (first position, first row, rows)
+        offset = 0
+        for item in output.scheduled_requests:
+            start, request = offset, item.request
+            offset += item.num_new_tokens
+            k = request.sampling_params.prompt_logprobs
+            if k is None or item.is_decode:
+                continue
+            prompt, computed = request.prompt_token_ids, item.num_computed_tokens
+            # Row i of the chunk (position computed + i) scores prompt token computed + i + 1;
+            # rows past the prompt (its last position, resumed generated tokens) score nothing.
+            num_scored = max(min(item.num_new_tokens, len(prompt) - 1 - computed), 0)
+            if num_scored:
+                spans[request.request_id] = (computed + 1, len(rows), num_scored)
+            scored = prompt[computed + 1 : computed + 1 + num_scored]
+            targets.extend(scored + [0] * (item.num_new_tokens - num_scored))
+            rows.extend(range(start, start + item.num_new_tokens))
+            num_top.extend([k] * item.num_new_tokens)
+        if not rows:
             return None
-        return self.model.compute_logits(self.buffers.logits_rows(hidden_states))  # (S, V)
+        index = torch.tensor(rows, device=hidden_states.device)
+        target_ids = torch.tensor(targets, device=hidden_states.device)
+        values = prompt_logprobs(
+            hidden_states[index], self.model.compute_logits, target_ids, num_top
+        )
+        return {
+            request_id: (first, values.slice(row, row + count))
+            for request_id, (first, row, count) in spans.items()
+        }
 
     def _generator(self, request) -> torch.Generator | None:
         if request.request_id not in self.generators:

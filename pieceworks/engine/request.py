@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 from pieceworks.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pieceworks.engine.logprobs import TokenLogprob
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +67,10 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     num_preemptions: int = 0
     num_output_placeholders: int = 0  # sampled on the device, not yet known on the host
+    # Per output token, when sampling_params.logprobs is set; per prompt token (the first None)
+    # when sampling_params.prompt_logprobs is set. The engine fills both as steps come back.
+    output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=lambda: [None])
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -1,8 +1,10 @@
 """``SamplingParams``: how one request's tokens are chosen and when its generation stops.
 
 Owns validation of the user-facing sampling knobs (vLLM's names and meanings). It does not sample:
-``pieceworks.engine.sampler`` turns a batch of these into per-row tensors once per step, and the
-scheduler reads ``max_tokens``, ``stop_token_ids`` and ``ignore_eos`` to finish requests.
+``pieceworks.engine.sampler`` turns a batch of these into per-row tensors once per step, the
+scheduler reads ``max_tokens``, ``stop_token_ids`` and ``ignore_eos`` to finish requests, and the
+``OutputProcessor`` reads ``n``, ``stop``, ``logprobs``, ``prompt_logprobs`` and
+``skip_special_tokens``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,16 @@ class SamplingParams:
     top-p. ``seed`` gives the request its own random generator, so the same seed yields the same
     tokens whatever batch the request runs in. Generation stops at the model's EOS token (unless
     ``ignore_eos``), at any of ``stop_token_ids`` (both kept in the output), or after
-    ``max_tokens`` generated tokens.
+    ``max_tokens`` generated tokens, or when the text contains one of the ``stop`` strings (the
+    string and what follows it are cut from ``.text``; the finish reason is "stop").
+
+    ``n`` completions are generated per prompt; with a ``seed``, completion ``i`` uses seed
+    ``seed + i``, so they differ from each other and are the same on every run. ``logprobs=k``
+    returns, per generated token, the top-k log-probabilities plus the sampled token's own;
+    ``prompt_logprobs=k`` the same per prompt token (the first is None). Both are the model's raw
+    log-probabilities (log-softmax of the logits in float32, before temperature, top-k and
+    top-p: vLLM's default "raw_logprobs"). ``skip_special_tokens`` drops special tokens from
+    ``.text``.
     """
 
     temperature: float = 1.0
@@ -33,12 +44,20 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
+    stop: str | Sequence[str] = ()
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Frozen: normalise through object.__setattr__ so a list argument becomes a hashable tuple.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
         self._verify_sampling()
         self._verify_stopping()
+        self._verify_outputs()
 
     def _verify_sampling(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
@@ -61,6 +80,24 @@ class SamplingParams:
         bad = [token for token in self.stop_token_ids if not isinstance(token, int) or token < 0]
         if bad:
             raise ValueError(f"stop_token_ids must be non-negative integers; got {bad}")
+        bad_stop = [text for text in self.stop if not isinstance(text, str) or not text]
+        if bad_stop:
+            raise ValueError(f"stop must be non-empty strings; got {bad_stop!r}")
+
+    def _verify_outputs(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n={self.n!r} must be an integer >= 1 (completions per prompt)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
+                raise ValueError(
+                    f"{name}={value!r} must be None or an integer >= 0 (how many top "
+                    "log-probabilities to return per token; 0: only the chosen token's)"
+                )
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens={self.skip_special_tokens!r} must be a bool")
 
     @property
     def is_greedy(self) -> bool:

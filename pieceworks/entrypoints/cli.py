@@ -1,6 +1,7 @@
-"""The ``pieceworks`` command line: ``run``, ``generate``, ``serve``, ``bench``, ``platforms``.
+"""The ``pieceworks`` command line: ``run``, ``generate``, ``chat``, ``serve``, ``bench``,
+``platforms``.
 
-Each subcommand lives in its own module of this package (``run``, ``generate``, ``serve``,
+Each subcommand lives in its own module of this package (``run``, ``generate``, ``chat``, ``serve``,
 ``bench``) as a small function over the Python API, registered here; engine arguments keep vLLM's
 flag names (``--max-num-seqs``, ``--max-model-len``, ``-O``, ``--compilation-config '{json}'``,
 ``--enforce-eager``; ``engine_args``).
@@ -12,7 +13,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pieceworks.entrypoints import bench, generate, run, serve
+from pieceworks.entrypoints import bench, chat, generate, run, serve
 
 
 def cmd_platforms(args: argparse.Namespace) -> int:
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.register(sub)
     generate.register(sub)
+    chat.register(sub)
     serve.register(sub)
     bench.register(sub)
     return parser

