@@ -504,14 +504,17 @@ def measure_static_cache_compiled(
     start = time.perf_counter()
     model_config, model, input_ids = load_hf_baseline(case)
     load_seconds = time.perf_counter() - start
-    decoder = StaticCacheDecoder(model, case.input_len + case.output_len, compile_backend)
-    latencies, step_seconds, tokens, startup, busy = _measure_static_loop(
-        case, decoder, model, input_ids, start, load_seconds, decoder.reset
-    )
     floor_bytes = hf_decode_bytes(model, model_config.hf_config, case)
-    del decoder, model, input_ids
-    torch.compiler.reset()  # drops the compiled step and its graph pool
-    _free_device_memory()
+    decoder: Any = None
+    try:
+        decoder = StaticCacheDecoder(model, case.input_len + case.output_len, compile_backend)
+        latencies, step_seconds, tokens, startup, busy = _measure_static_loop(
+            case, decoder, model, input_ids, start, load_seconds, decoder.reset
+        )
+    finally:  # also when it raised: the compiled step, its graph pool and the weights go
+        decoder = None
+        del model, input_ids
+        _release_compiled()
     return _result(
         "static_compiled", case, latencies, step_seconds, tokens, startup, floor_bytes,
         bandwidth, busy,
@@ -542,14 +545,17 @@ def measure_gpt_fast(
     prompts = _prompts(case, model_config.hf_config["vocab_size"])
     input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
     load_seconds = time.perf_counter() - start
-    decoder = GptFastDecoder(model, compile_backend)
-    latencies, step_seconds, tokens, startup, busy = _measure_static_loop(
-        case, decoder, model, input_ids, start, load_seconds, lambda: None
-    )
     floor_bytes = hf_decode_bytes(model, model_config.hf_config, case)
-    del decoder, model, input_ids
-    torch.compiler.reset()
-    _free_device_memory()
+    decoder: Any = None
+    try:
+        decoder = GptFastDecoder(model, compile_backend)
+        latencies, step_seconds, tokens, startup, busy = _measure_static_loop(
+            case, decoder, model, input_ids, start, load_seconds, lambda: None
+        )
+    finally:
+        decoder = None
+        del model, input_ids
+        _release_compiled()
     return _result(
         "gpt_fast", case, latencies, step_seconds, tokens, startup, floor_bytes, bandwidth, busy
     )
@@ -565,3 +571,9 @@ BASELINES: dict[str, Callable[..., dict[str, Any]]] = {
 def _free_device_memory() -> None:
     gc.collect()
     current_platform().empty_cache()
+
+
+def _release_compiled() -> None:
+    """Drop torch.compile's state (the compiled step, its CUDA graph pool), then free memory."""
+    torch.compiler.reset()
+    _free_device_memory()

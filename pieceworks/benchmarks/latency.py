@@ -134,6 +134,28 @@ def measure_mode(
     start = time.perf_counter()
     llm = LLM(case.model, compilation_config=plan.compilation, **case.engine_args)
     startup_seconds = time.perf_counter() - start
+    try:
+        result = _measure_engine(llm, case, plan, startup_seconds, bandwidth)
+    finally:  # also when a step raised: the graphs and the KV cache go before the next row
+        llm.shutdown()
+        del llm
+        free_device_memory()
+    result["counters"] = {
+        name: getattr(compilation_counter, name) - getattr(before, name) for name in _COUNTERS
+    }
+    return result
+
+
+def free_device_memory() -> None:
+    """Collect garbage and return cached device memory, between rows of a run."""
+    gc.collect()
+    current_platform().empty_cache()
+
+
+def _measure_engine(
+    llm: LLM, case: LatencyCase, plan: ModePlan, startup_seconds: float, bandwidth: float | None
+) -> dict[str, Any]:
+    """Warm-ups, timed generations, the device-busy profile and the floor of a built engine."""
     runner = llm.engine.runner
     compilation = llm.config.compilation_config
     prompts = _prompts(case, llm.config.model_config.hf_config["vocab_size"])
@@ -172,19 +194,12 @@ def measure_mode(
         "capture_s": runner.capture_seconds,
         "graph_memory_gib": runner.graph_memory_bytes / 1024**3,
         "compile_cache": compile_cache_state(runner.model),
-        "counters": {
-            name: getattr(compilation_counter, name) - getattr(before, name) for name in _COUNTERS
-        },
         "first_output_token_ids": outputs[0].outputs[0].token_ids[:16] if outputs else [],
     }
     if bandwidth:
         floor_ms = decode_bytes(llm, case) / bandwidth * 1e3
         result["floor_ms"] = floor_ms
         result["ratio_to_floor"] = decode_ms["median"] / floor_ms if decode_steps else None
-    llm.shutdown()
-    del llm, runner
-    gc.collect()
-    current_platform().empty_cache()
     return result
 
 

@@ -48,21 +48,36 @@ def plan_rows(args: argparse.Namespace, case: Any) -> Any:
 
 def measure_rows(case: Any, plans: list[Any], baselines: list[str], bandwidth: float) -> Any:
     """Each mode, then each baseline, as result dicts; one that raises becomes a failed row."""
-    from pieceworks.benchmarks.latency import failed_result, measure_mode
+    from functools import partial
+
+    from pieceworks.benchmarks.baselines import BASELINES
+    from pieceworks.benchmarks.latency import measure_mode
 
     for plan in plans:
-        try:
-            yield measure_mode(case, plan, bandwidth)
-        except Exception as error:  # noqa: BLE001 (reported in its row; the run goes on)
-            yield failed_result(plan.name, error, level=plan.level, graph_mode=plan.graph_mode)
+        yield _guarded(
+            partial(measure_mode, case, plan, bandwidth),
+            plan.name,
+            level=plan.level,
+            graph_mode=plan.graph_mode,
+        )
     # After the engines: the static loops reset torch.compile's global state when they finish.
-    from pieceworks.benchmarks.baselines import BASELINES
-
     for name in baselines:
-        try:
-            yield BASELINES[name](case, bandwidth)
-        except Exception as error:  # noqa: BLE001
-            yield failed_result(name, error, level=None, graph_mode="baseline")
+        yield _guarded(
+            partial(BASELINES[name], case, bandwidth), name, level=None, graph_mode="baseline"
+        )
+
+
+def _guarded(measure: Any, name: str, **fields: Any) -> dict[str, Any]:
+    """``measure()``, or the failed row of what it raised (after the exception, and the frames
+    holding a failed engine's memory, are gone, that memory is returned)."""
+    from pieceworks.benchmarks.latency import failed_result, free_device_memory
+
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 (reported in its row; the run goes on)
+        result = failed_result(name, error, **fields)
+    free_device_memory()
+    return result
 
 
 def choose_peers(

@@ -186,10 +186,11 @@ def test_static_loop_refuses_a_hybrid_model_with_a_clear_error():
 
 
 @pytest.mark.inductor
-def test_static_loop_under_reduce_overhead_inductor(llama_tiny):
+@pytest.mark.parametrize("measure", [measure_static_cache_compiled, measure_gpt_fast])
+def test_static_loops_under_reduce_overhead_inductor(llama_tiny, measure):
     case, expected, _ = llama_tiny
     case = LatencyCase(case.model, case.batch_size, case.input_len, 4, 0, 1, case.engine_args)
-    result = measure_static_cache_compiled(case, BANDWIDTH)
+    result = measure(case, BANDWIDTH)
     assert result["first_output_token_ids"] == expected[0]
     assert result["compile_s"] > 0.0
 
