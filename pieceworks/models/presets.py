@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pieceworks.models.loader import save_hf_directory
+
 INIT_STD = 0.02  # weights ~ N(0, 0.02): logits of a random model stay O(1)
 NORM_NOISE_STD = 0.1  # norm weights ~ 1 + N(0, 0.1): a norm that ignored its weight would show
 
@@ -361,9 +363,6 @@ def random_hf_checkpoint(
     max_shard_bytes: int | None = None,
 ) -> Path:
     """Save a random-weight HF directory for a preset name or config dict; returns ``path``."""
-    # Imported here: loader imports this module (get_model builds preset weights).
-    from pieceworks.models.loader import save_hf_directory
-
     hf_config = get_preset(name_or_config) if isinstance(name_or_config, str) else name_or_config
     hf_config = {**copy.deepcopy(hf_config), "torch_dtype": _dtype_name(dtype)}
     state_dict = dict(random_hf_weights(hf_config, seed=seed, dtype=dtype))
