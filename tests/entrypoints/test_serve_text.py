@@ -19,7 +19,7 @@ from pieceworks.entrypoints.serve.text import TextStream  # noqa: E402
 class ByteTokenizer:
     """Token i is byte i; decoding replaces an incomplete UTF-8 sequence with U+FFFD."""
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], **options) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
 
 

@@ -31,7 +31,10 @@ def build_context(llm: Any, model_name: str, max_waiting_requests: int) -> Any:
     vocab_size = model_config.hf_config.get("vocab_size")
     limits = ModelLimits(model_config.max_model_len, vocab_size, kv_tokens)
     engine = AsyncLLMEngine(llm.engine, max_waiting_requests=max_waiting_requests)
-    return ServingContext(engine, llm.tokenizer, model_name, limits, ServerMetrics(model_name))
+    metrics = ServerMetrics(model_name)
+    return ServingContext(
+        engine, llm.tokenizer, model_name, limits, metrics, llm.apply_chat_template
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

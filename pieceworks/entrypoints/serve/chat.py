@@ -1,8 +1,8 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, ``n`` choices.
 
-The conversation is rendered with the tokenizer's chat template (with the assistant's turn
-opened, unless ``add_generation_prompt`` is false) and tokenized without adding special tokens
-again, as ``transformers`` does it. Streams follow OpenAI's shape: a first chunk per choice with
+The conversation is rendered by ``LLM.apply_chat_template`` (the model's chat template, the
+assistant's turn opened unless ``add_generation_prompt`` is false, no second BOS), so the server's
+prompt is ``LLM.chat``'s. Streams follow OpenAI's shape: a first chunk per choice with
 the assistant role, content deltas, and a last chunk with the finish reason.
 """
 
@@ -42,14 +42,11 @@ def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
         )
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=body.add_generation_prompt
-        )
+        return ctx.apply_chat_template(messages, None, body.add_generation_prompt)
     except Exception as error:  # a template may refuse a conversation (roles out of order)
         raise bad_request(
             f"the chat template refused these messages: {error}", "messages"
         ) from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _choice(
@@ -110,5 +107,5 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     check_prompt(ids, max_tokens, ctx.limits)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     specs = [ChoiceSpec(ids, sampling_params(body, max_tokens, i, logprobs)) for i in range(body.n)]
-    generation = Generation(ctx.engine, specs, ctx.tokenizer, body.stop_strings(), ctx.metrics)
+    generation = Generation(ctx.engine, specs, ctx.tokenizer, ctx.metrics)
     return await respond(ctx, request, generation, chat_format(body, ctx.tokenizer), body)

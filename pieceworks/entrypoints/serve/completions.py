@@ -97,5 +97,5 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         for i in range(body.n):
             params = sampling_params(body, max_tokens, i, body.logprobs)
             specs.append(ChoiceSpec(ids, params))
-    generation = Generation(ctx.engine, specs, ctx.tokenizer, body.stop_strings(), ctx.metrics)
+    generation = Generation(ctx.engine, specs, ctx.tokenizer, ctx.metrics)
     return await respond(ctx, request, generation, completion_format(body, ctx.tokenizer), body)

@@ -62,13 +62,11 @@ class Generation:
         engine: AsyncLLMEngine,
         choices: list[ChoiceSpec],
         tokenizer: Any,
-        stop: list[str],
         metrics: ServerMetrics,
     ) -> None:
         self.engine = engine
         self.choices = choices
         self.tokenizer = tokenizer
-        self.stop = stop
         self.metrics = metrics
         self.request_id = uuid.uuid4().hex
         self.num_prompt_tokens = sum(len(choice.prompt_token_ids) for choice in choices)
@@ -130,7 +128,11 @@ class Generation:
 
     async def _pump(self, index: int, merged: asyncio.Queue[ChoiceDelta | None]) -> None:
         """Turn choice ``index``'s engine deltas into text deltas on ``merged``; None when done."""
-        text = TextStream(self.tokenizer, self.stop)
+        spec = self.choices[index]
+        params = spec.params
+        text = TextStream(
+            self.tokenizer, list(params.stop), spec.prompt_token_ids, params.skip_special_tokens
+        )
         result, deltas = self.results[index], self._pending[index]
         last = self.arrival
         delta: RequestDelta | None = self._firsts[index]
@@ -146,7 +148,9 @@ class Generation:
                 if choice is not None and choice.finish_reason is not None:
                     break
                 delta = await anext(deltas, None)
-            await deltas.aclose()  # type: ignore[attr-defined]  # a stop string: abort it now
+            if text.stopped:  # a stop string: finish the engine request now
+                self.engine.stop(f"{self.request_id}-{index}")
+            await deltas.aclose()  # type: ignore[attr-defined]
         finally:
             await merged.put(None)
 

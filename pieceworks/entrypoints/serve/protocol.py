@@ -37,6 +37,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     return_token_ids: bool = False
+    skip_special_tokens: bool = True
     user: str | None = None
 
     def stop_strings(self) -> list[str]:

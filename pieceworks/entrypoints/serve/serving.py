@@ -1,11 +1,11 @@
 """What completions and chat share: the serving context and the response flow.
 
 ``ServingContext`` holds what every handler reads (the async engine, the tokenizer, the served
-model name, the model's limits, the metrics). ``respond`` runs a ``Generation`` and answers
-either as server-sent events (``data: {json}`` per chunk, then ``data: [DONE]``) or as one JSON
-body; in both a client that disconnects aborts the generation at once: a stream is cancelled by
-Starlette when the disconnect arrives, and a non-streaming request races its generation against
-the disconnect message.
+model name, the model's limits, the metrics, the chat-template renderer). ``respond`` runs a
+``Generation`` and answers either as server-sent events (``data: {json}`` per chunk, then
+``data: [DONE]``) or as one JSON body; in both a client that disconnects aborts the generation
+at once: a stream is cancelled by Starlette when the disconnect arrives, and a non-streaming
+request races its generation against the disconnect message.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class ServingContext:
     model_name: str
     limits: ModelLimits
     metrics: ServerMetrics
+    # (conversation, chat_template, add_generation_prompt) -> prompt ids: ``LLM.chat``'s own
+    apply_chat_template: Callable[[list[dict[str, str]], str | None, bool], list[int]]
 
 
 @dataclasses.dataclass

@@ -20,7 +20,6 @@ from pieceworks.entrypoints.serve.errors import bad_request
 from pieceworks.entrypoints.serve.protocol import SamplingFields
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
-_SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)}
 
 
 def parse_body(body: bytes, model: type[ModelT]) -> ModelT:
@@ -92,8 +91,10 @@ def sampling_params(
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for choice ``index`` of ``body`` (400 if unsupported).
 
-    With a ``seed`` and ``n`` > 1, choice ``i`` samples with ``seed + i``: reproducible, and the
-    choices differ. Stop strings are matched on the text by the server (``TextStream``).
+    Each choice is one engine request (``n`` = 1): with a ``seed`` and ``n`` > 1, choice ``i``
+    samples with ``seed + i`` (``LLM.generate``'s rule), reproducible, and the choices differ.
+    The server matches ``stop`` strings on the text itself (``TextStream``) and finishes the
+    engine request when one is found.
     """
     if body.presence_penalty or body.frequency_penalty:
         raise bad_request("presence_penalty and frequency_penalty are not supported; send 0")
@@ -105,11 +106,10 @@ def sampling_params(
         "seed": None if body.seed is None else body.seed + index,
         "stop_token_ids": tuple(body.stop_token_ids or ()),
         "ignore_eos": body.ignore_eos,
+        "stop": body.stop_strings(),
+        "logprobs": logprobs,
+        "skip_special_tokens": body.skip_special_tokens,
     }
-    if logprobs is not None:
-        if "logprobs" not in _SAMPLING_FIELDS:
-            raise bad_request("logprobs are not supported by this engine", param="logprobs")
-        fields["logprobs"] = logprobs
     try:
         return SamplingParams(**fields)
     except ValueError as error:
