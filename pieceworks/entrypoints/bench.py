@@ -96,14 +96,20 @@ def choose_peers(
     return [name for name in applicable if name in wanted], skipped + not_asked
 
 
+_CASE_FLAGS = ("model", "batch_size", "input_len", "output_len")
+_NOT_IN_COMMAND = ("help", "commit", "output_json", "plot")
+
+
 def command_line(args: argparse.Namespace) -> str:
-    """The ``pieceworks bench latency`` command that reruns this one (flags not at default)."""
+    """The ``pieceworks bench latency`` command that reruns this one: the flags that define the
+    case always, the others where they differ from their default; where results are written
+    (``--output-json``, ``--plot``) and ``--commit`` are not part of it."""
     words = ["pieceworks", "bench", "latency"]
     for action in args.parser._actions:
-        if not action.option_strings or action.dest in ("help", "commit"):
+        if not action.option_strings or action.dest in _NOT_IN_COMMAND:
             continue
         value = getattr(args, action.dest, action.default)
-        if value == action.default:
+        if value == action.default and action.dest not in _CASE_FLAGS:
             continue
         flag = action.option_strings[-1]
         if action.nargs == 0:  # store_true / store_false

@@ -132,3 +132,16 @@ def test_help_explains_every_column(capsys):
     out = capsys.readouterr().out
     for title, _, meaning in MODE_TABLE_COLUMNS:
         assert f"  {title} " in out and meaning.split()[0] in out
+
+
+def test_the_recorded_command_reruns_the_case_and_leaves_out_where_results_went():
+    from pieceworks.entrypoints.bench import command_line
+    from pieceworks.entrypoints.cli import build_parser
+
+    argv = ["bench", "latency", "--model", "llama-125m", "--compare", "--num-iters", "7"]
+    argv += ["--output-json", "/tmp/x.json", "--plot", "/tmp/x.png", "--commit", "abc"]
+    command = command_line(build_parser().parse_args(argv))
+    assert command == (
+        "pieceworks bench latency --model llama-125m --batch-size 8 --input-len 32 "
+        "--output-len 128 --num-iters 7 --compare"
+    )
