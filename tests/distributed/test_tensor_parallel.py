@@ -9,10 +9,10 @@ tokens are identical; KV caches and Mamba states hold the rank's heads only; lev
 model into exactly the pieces it has at tp 1 (the all-reduce is traced into the pieces, not a
 split point). Under the default ``SamplingParams`` (temperature 1, unseeded), with each rank's
 default generator seeded differently, both ranks hold the same tokens token for token and the
-same logits every step, and those are the tokens and logits of a single process seeded as rank 0. FP8 Llama at tp 2 (per-rank weight scales) stays within FP8's error of the
-unquantized model. A configuration that cannot be sharded and a rank that fails on its own both
-surface as the rank's error in the test, not as a hang. One spawn per model family runs all of
-its configurations.
+same logits every step, and those are the tokens and logits of a single process seeded as rank 0.
+FP8 Llama at tp 2 (per-rank weight scales) stays within FP8's error of the unquantized model. A
+configuration that cannot be sharded and a rank that fails on its own both surface as the rank's
+error in the test, not as a hang. One spawn per model family runs all of its configurations.
 Run: pytest tests/distributed/test_tensor_parallel.py
 """
 
