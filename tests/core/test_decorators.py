@@ -7,6 +7,9 @@ Run: pytest tests/core/test_decorators.py
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -35,6 +38,22 @@ def call(model, config, x):
         return model(x)
 
 
+@contextlib.contextmanager
+def dynamo_conversions() -> Iterator[list[str]]:
+    """The names of the frames Dynamo converts (traces) inside the block."""
+    converted: list[str] = []
+
+    def hook(code, new_code):
+        converted.append(code.co_name)
+        return None
+
+    handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
+    try:
+        yield converted
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("level", [CompilationLevel.DYNAMO_ONCE, CompilationLevel.PIECEWISE])
 def test_guards_are_dropped_after_the_first_trace(level):
     config = config_at(level)
@@ -50,6 +69,19 @@ def test_level_1_evaluates_guards_and_recompiles():
     model = ShapeBranchModel(config=config)
     assert torch.equal(call(model, config, torch.zeros(8, 2)), torch.full((8, 2), 100.0))
     assert torch.equal(call(model, config, torch.zeros(2, 2)), torch.full((2, 2), -100.0))
+
+
+def test_trace_once_after_a_level_1_model_of_the_same_class():
+    """Dynamo's cache entry of the level-1 model must not stand in for the level-2 trace."""
+    as_is = config_at(CompilationLevel.DYNAMO_AS_IS)
+    traced = call(ShapeBranchModel(config=as_is), as_is, torch.zeros(8, 2))
+    assert torch.equal(traced, torch.full((8, 2), 100.0))
+    once = config_at(CompilationLevel.DYNAMO_ONCE)
+    model = ShapeBranchModel(config=once)
+    with dynamo_conversions() as converted:
+        assert torch.equal(call(model, once, torch.zeros(8, 2)), torch.full((8, 2), 100.0))
+    assert converted == ["forward"]
+    assert torch.equal(call(model, once, torch.zeros(2, 2)), torch.full((2, 2), 100.0))  # frozen
 
 
 def test_level_0_is_eager():
