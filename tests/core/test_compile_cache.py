@@ -397,8 +397,12 @@ def test_interleaved_writers_keep_one_artifact_and_every_entry(tmp_path):
     assert second.lookup("piece_1/general", "k0") is None
     first.store("piece_0/general", "k0", lambda path: Path(path).write_bytes(b"first"))
     second.store("piece_1/general", "k0", lambda path: Path(path).write_bytes(b"second"))
-    reread = CompileCache(str(tmp_path), {})
+    reread = CompileCache(str(tmp_path), {"config": {"dtype": "float16"}})
     assert set(reread.entries) == {"piece_0/general", "piece_1/general"}  # no lost update
+    # The layout of docs/compile_cache.md: the index and the key factors inside the directory.
+    assert set(json.loads((tmp_path / "index.json").read_text())["entries"]) == set(reread.entries)
+    factors = json.loads((tmp_path / "cache_key_factors.json").read_text())
+    assert factors == {"config": {"dtype": "float16"}}
     path = reread.lookup("piece_1/general", "k0")  # the first writer's artifact was kept
     assert path is not None and Path(path).read_bytes() == b"first"
     assert reread.lookup("piece_0/general", "k0") == path

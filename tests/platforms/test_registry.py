@@ -161,7 +161,11 @@ def test_two_active_plugins_conflict(plugins, monkeypatch):
     plugins("othervendor", lambda: _qualname(_OtherPluginPlatform))
     with pytest.raises(RuntimeError, match="more than one") as error:
         platforms.current_platform()
-    assert "fakevendor" in str(error.value) and "othervendor" in str(error.value)
+    # The message names both and says how to choose.
+    assert "fakevendor (plugin:fakevendor), othervendor (plugin:othervendor)" in str(error.value)
+    assert str(error.value).endswith(
+        "Choose one with PIECEWORKS_PLATFORM=<name> or restrict PIECEWORKS_PLUGINS to one plugin."
+    )
 
 
 def test_forcing_one_of_two_plugins_resolves_the_conflict(plugins, monkeypatch):
