@@ -78,6 +78,10 @@ class TraceOnceCompiler:
                 recorded.append(new_code)
             return None  # keep Dynamo's code unchanged
 
+        if self.uses_bytecode_dispatch:
+            # An entry a level-1 model of the same class left in Dynamo's cache could pass its
+            # guards and run without a conversion, leaving no code to record: trace anew.
+            torch._dynamo.eval_frame.remove_from_cache(self.original_code)
         handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
         try:
             output = self.compiled_callable(*args, **kwargs)

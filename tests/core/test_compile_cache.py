@@ -1,5 +1,6 @@
 """The compile cache (SPEC §3): warm starts load, identical pieces compile once, the key follows
-traced files, config and env, damage is detected and repaired, racing processes agree.
+traced files, each of the 15 config factors and env, damage (a truncated file, a flipped byte of
+the same length) is detected and repaired, racing processes agree.
 
 A 12-layer toy splits into 13 pieces of 3 distinct structures (the first, 11 identical middle ones,
 the last), so a cold compile is 3 Inductor compiles and 3 artifacts behind 13 index entries. One
@@ -25,13 +26,14 @@ import torch
 from torch import nn
 
 from pieceworks import envs
-from pieceworks.config import EngineConfig, ModelConfig
-from pieceworks.core.cache_key import traced_source_files
+from pieceworks.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from pieceworks.core.cache_key import cache_directory, cache_key_factors, traced_source_files
 from pieceworks.core.compile_cache import CompileCache, sha256_of
-from pieceworks.core.config import CompilationConfig, CUDAGraphMode
+from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode, PassConfig
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import piecewise_backends, support_torch_compile
 from pieceworks.core.forward_context import set_forward_context
+from pieceworks.models.presets import get_preset
 from tests.core.compile_cache_worker import run_toy
 from tests.core.toy_model import SILLY_OP, ToyModel
 
@@ -286,6 +288,85 @@ def test_config_fields_that_change_code_change_the_cache_dir():
     assert toy_cache_dir(eager_config(cudagraph_mode=CUDAGraphMode.NONE)) == base
 
 
+class FixedCompiler:
+    """A compiler whose own factors never change: only the config varies below."""
+
+    def compute_hash_factors(self) -> dict[str, str]:
+        return {"torch": "fixed", "inductor_config": "fixed"}
+
+
+def keyed_directory(config: EngineConfig) -> str:
+    traced_files = [str(REPO_ROOT / "tests/core/toy_model.py")]
+    factors = cache_key_factors(config, FixedCompiler(), traced_files)
+    return cache_directory(config, factors, "model")
+
+
+# Every field EngineConfig.compute_factors() covers, each changed alone from its default.
+KEY_FACTOR_CHANGES = {
+    "hf_config": {
+        "model_config": ModelConfig(
+            hf_config=get_preset("llama-tiny"), dtype="bfloat16", max_model_len=128
+        )
+    },
+    "dtype": {"model_config": ModelConfig(dtype="float16", max_model_len=128)},
+    "quantization": {
+        "model_config": ModelConfig(dtype="bfloat16", max_model_len=128, quantization="fp8")
+    },
+    "max_model_len": {"model_config": ModelConfig(dtype="bfloat16", max_model_len=512)},
+    "block_size": {"cache_config": CacheConfig(block_size=32)},
+    "kv_cache_dtype": {"cache_config": CacheConfig(kv_cache_dtype="fp8")},
+    "mamba_ssm_cache_dtype": {"cache_config": CacheConfig(mamba_ssm_cache_dtype="auto")},
+    "tensor_parallel_size": {"parallel_config": ParallelConfig(tensor_parallel_size=2)},
+    "level": {"compilation": {"level": CompilationLevel.DYNAMO_ONCE}},
+    "backend": {"compilation": {"backend": "inductor"}},
+    "splitting_ops": {"compilation": {"splitting_ops": [SILLY_OP, "pieceworks::mamba_mixer2"]}},
+    "compile_sizes": {"compilation": {"compile_sizes": [2]}},
+    "custom_ops": {"compilation": {"custom_ops": ["none"]}},
+    "pass_config": {"compilation": {"pass_config": PassConfig(enable_fusion=False)}},
+    "inductor_compile_config": {"compilation": {"inductor_compile_config": {"max_autotune": True}}},
+}
+
+
+def config_with(change: dict) -> EngineConfig:
+    compilation = {"backend": "eager", "splitting_ops": [SILLY_OP], **change.get("compilation", {})}
+    parts = {name: part for name, part in change.items() if name != "compilation"}
+    parts.setdefault("model_config", ModelConfig(dtype="bfloat16", max_model_len=128))
+    return EngineConfig(compilation_config=CompilationConfig(**compilation), **parts)
+
+
+def flat_factors(config: EngineConfig) -> dict:
+    factors = config.compute_factors()
+    return {**factors.pop("compilation"), **factors}
+
+
+def test_every_key_factor_changes_the_cache_dir():
+    base = config_with({})
+    assert set(KEY_FACTOR_CHANGES) == set(flat_factors(base)) and len(KEY_FACTOR_CHANGES) == 15
+    directories = {"base": keyed_directory(base)}
+    for factor, change in KEY_FACTOR_CHANGES.items():
+        config = config_with(change)
+        changed = {k for k, v in flat_factors(config).items() if v != flat_factors(base)[k]}
+        assert changed == {factor}  # the change touches this factor only
+        assert config.compute_hash() != base.compute_hash(), factor
+        directories[factor] = keyed_directory(config)
+    assert len(set(directories.values())) == len(directories)  # 16 distinct directories
+    assert keyed_directory(config_with({})) == directories["base"]  # and the key is stable
+
+
+def test_a_flipped_byte_fails_the_checksum_with_a_warning(tmp_path, warnings_text):
+    """Same length, loadable-looking content: only the SHA-256 can tell the artifact changed."""
+    cache = CompileCache(str(tmp_path), {})
+    cache.store("piece_0/general", "k0", lambda path: Path(path).write_bytes(b"artifact " * 100))
+    path = cache.lookup("piece_0/general", "k0")
+    assert path is not None
+    content = bytearray(Path(path).read_bytes())
+    content[len(content) // 2] ^= 0x01
+    Path(path).write_bytes(bytes(content))
+    assert CompileCache(str(tmp_path), {}).lookup("piece_0/general", "k0") is None
+    assert "piece_0/general unusable" in warnings_text()
+    assert "fails its checksum" in warnings_text()
+
+
 def test_env_factor_changes_the_cache_dir(monkeypatch):
     base = toy_cache_dir(eager_config())
     factors = envs.compile_factors()
@@ -316,8 +397,12 @@ def test_interleaved_writers_keep_one_artifact_and_every_entry(tmp_path):
     assert second.lookup("piece_1/general", "k0") is None
     first.store("piece_0/general", "k0", lambda path: Path(path).write_bytes(b"first"))
     second.store("piece_1/general", "k0", lambda path: Path(path).write_bytes(b"second"))
-    reread = CompileCache(str(tmp_path), {})
+    reread = CompileCache(str(tmp_path), {"config": {"dtype": "float16"}})
     assert set(reread.entries) == {"piece_0/general", "piece_1/general"}  # no lost update
+    # The layout of docs/compile_cache.md: the index and the key factors inside the directory.
+    assert set(json.loads((tmp_path / "index.json").read_text())["entries"]) == set(reread.entries)
+    factors = json.loads((tmp_path / "cache_key_factors.json").read_text())
+    assert factors == {"config": {"dtype": "float16"}}
     path = reread.lookup("piece_1/general", "k0")  # the first writer's artifact was kept
     assert path is not None and Path(path).read_bytes() == b"first"
     assert reread.lookup("piece_0/general", "k0") == path

@@ -2,10 +2,15 @@
 
 A model whose output depends on a Python branch on the token count shows it: at levels 2 and 3 the
 branch taken at trace time stays frozen (no guard is evaluated), at level 1 Dynamo re-traces.
+Dimensions declared dynamic are traced once for every size: Dynamo converts no frame again (a
+bytecode hook counts its conversions), also at level 1 where guards are evaluated.
 Run: pytest tests/core/test_decorators.py
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -35,6 +40,22 @@ def call(model, config, x):
         return model(x)
 
 
+@contextlib.contextmanager
+def dynamo_conversions() -> Iterator[list[str]]:
+    """The names of the frames Dynamo converts (traces) inside the block."""
+    converted: list[str] = []
+
+    def hook(code, new_code):
+        converted.append(code.co_name)
+        return None
+
+    handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
+    try:
+        yield converted
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("level", [CompilationLevel.DYNAMO_ONCE, CompilationLevel.PIECEWISE])
 def test_guards_are_dropped_after_the_first_trace(level):
     config = config_at(level)
@@ -50,6 +71,19 @@ def test_level_1_evaluates_guards_and_recompiles():
     model = ShapeBranchModel(config=config)
     assert torch.equal(call(model, config, torch.zeros(8, 2)), torch.full((8, 2), 100.0))
     assert torch.equal(call(model, config, torch.zeros(2, 2)), torch.full((2, 2), -100.0))
+
+
+def test_trace_once_after_a_level_1_model_of_the_same_class():
+    """Dynamo's cache entry of the level-1 model must not stand in for the level-2 trace."""
+    as_is = config_at(CompilationLevel.DYNAMO_AS_IS)
+    traced = call(ShapeBranchModel(config=as_is), as_is, torch.zeros(8, 2))
+    assert torch.equal(traced, torch.full((8, 2), 100.0))
+    once = config_at(CompilationLevel.DYNAMO_ONCE)
+    model = ShapeBranchModel(config=once)
+    with dynamo_conversions() as converted:
+        assert torch.equal(call(model, once, torch.zeros(8, 2)), torch.full((8, 2), 100.0))
+    assert converted == ["forward"]
+    assert torch.equal(call(model, once, torch.zeros(2, 2)), torch.full((2, 2), 100.0))  # frozen
 
 
 def test_level_0_is_eager():
@@ -75,7 +109,8 @@ def test_opted_out_subclass_is_not_compiled():
         call(compiled, config, torch.randn(3, 8, device=device))
 
 
-def test_explicit_dynamic_arg_dims_and_validation():
+@pytest.mark.parametrize("level", [CompilationLevel.DYNAMO_AS_IS, CompilationLevel.DYNAMO_ONCE])
+def test_explicit_dynamic_arg_dims_and_validation(level):
     @support_torch_compile(dynamic_arg_dims={"x": 0})
     class Explicit(nn.Module):
         def __init__(self, *, config, prefix=""):
@@ -84,10 +119,16 @@ def test_explicit_dynamic_arg_dims_and_validation():
         def forward(self, x, scale: float = 2.0):
             return x * scale
 
-    config = config_at(CompilationLevel.DYNAMO_ONCE)
+    config = config_at(level)
     model = Explicit(config=config)
-    assert torch.equal(call(model, config, torch.ones(3)), torch.full((3,), 2.0))
-    assert call(model, config, torch.ones(5)).shape == (5,)  # dim 0 is dynamic: no re-trace
+    with dynamo_conversions() as first:
+        assert torch.equal(call(model, config, torch.ones(3)), torch.full((3,), 2.0))
+    assert first == ["forward"]
+    # dim 0 was traced as dynamic: a new size needs no re-trace even where guards are evaluated
+    # (level 1); a graph specialised to size 3 would fail its guard there and be traced again.
+    with dynamo_conversions() as second:
+        assert torch.equal(call(model, config, torch.ones(5)), torch.full((5,), 2.0))
+    assert second == []
 
     with pytest.raises(ValueError, match="not an argument"):
         support_torch_compile(dynamic_arg_dims={"y": 0})(Explicit)

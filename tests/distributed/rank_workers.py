@@ -26,6 +26,7 @@ from pieceworks.models.loader import load_hf_config
 
 MAX_NUM_SEQS = 4
 NUM_BLOCKS = 32  # fixed, so every rank's scheduler sees the same cache (no memory probing)
+SAMPLING_SEED = 1234  # rank r seeds its default generator with SAMPLING_SEED + r
 
 
 def engine_config(
@@ -62,9 +63,16 @@ def cache_shapes(config: EngineConfig) -> dict[str, list[tuple[int, ...]]]:
 
 
 def generate(
-    config: EngineConfig, prompts: list[list[int]], max_tokens: int
+    config: EngineConfig,
+    prompts: list[list[int]],
+    max_tokens: int,
+    default_seed: int | None = None,
 ) -> tuple[list[list[int]], list[np.ndarray]]:
-    """Greedy tokens per prompt and the logits ``(S, vocab)`` of every step that sampled."""
+    """Tokens per prompt and the logits ``(S, vocab)`` of every step that sampled: greedy, or,
+    with ``default_seed``, the default ``SamplingParams`` (temperature 1, unseeded) drawing from
+    torch's default generator seeded with it once the engine is built."""
+    import torch
+
     from pieceworks.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config)
@@ -78,7 +86,11 @@ def generate(
         return logits
 
     model.compute_logits = recording
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    if default_seed is None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    else:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        torch.manual_seed(default_seed)
     requests = [engine.add_request(prompt, params) for prompt in prompts]
     while engine.has_unfinished_requests():
         engine.step()
@@ -107,6 +119,16 @@ def generate_runs(
             "caches": cache_shapes(config),
         }
     return outputs
+
+
+def sample_on_ranks(
+    rank: int, world_size: int, checkpoint: str, prompts: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    """Unseeded sampling, eager, with a default generator seeded differently on every rank
+    (``SAMPLING_SEED + rank``): only rank 0's broadcast ids keep the ranks in step."""
+    config = engine_config(checkpoint, "eager", world_size, rank)
+    tokens, logits = generate(config, prompts, max_tokens, default_seed=SAMPLING_SEED + rank)
+    return {"tokens": tokens, "logits": logits}
 
 
 def fail_on_rank(rank: int, world_size: int, checkpoint: str, failing_rank: int) -> None:

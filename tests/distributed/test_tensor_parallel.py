@@ -7,10 +7,12 @@ level 0 and level 3 (eager backend) every rank's logits of every step equal the 
 engine's within 1e-4 of the logit scale (the all-reduce sums in another order) and the greedy
 tokens are identical; KV caches and Mamba states hold the rank's heads only; level 3 splits the
 model into exactly the pieces it has at tp 1 (the all-reduce is traced into the pieces, not a
-split point). FP8 Llama at tp 2 (per-rank weight scales) stays within FP8's error of the
-unquantized model. A configuration that cannot be sharded and a rank that fails on its own both
-surface as the rank's error in the test, not as a hang. One spawn per model family runs all of
-its configurations.
+split point). Under the default ``SamplingParams`` (temperature 1, unseeded), with each rank's
+default generator seeded differently, both ranks hold the same tokens token for token and the
+same logits every step, and those are the tokens and logits of a single process seeded as rank 0.
+FP8 Llama at tp 2 (per-rank weight scales) stays within FP8's error of the unquantized model. A
+configuration that cannot be sharded and a rank that fails on its own both surface as the rank's
+error in the test, not as a hang. One spawn per model family runs all of its configurations.
 Run: pytest tests/distributed/test_tensor_parallel.py
 """
 
@@ -26,11 +28,13 @@ from pieceworks.models.presets import get_preset, random_hf_checkpoint
 from tests.distributed.rank_workers import (
     MAX_NUM_SEQS,
     NUM_BLOCKS,
+    SAMPLING_SEED,
     build_engine,
     engine_config,
     fail_on_rank,
     generate,
     generate_runs,
+    sample_on_ranks,
 )
 from tests.distributed.spawn import RankFailed, run_ranks
 
@@ -163,6 +167,22 @@ def test_fp8_tp2_within_fp8_error_of_unquantized(llama_tp, references):
         assert 1e-3 < error < MAX_FP8_RELATIVE_RMS_ERROR  # really quantized, and not broken
     first, second = (outputs["llama-gqa/fp8"]["logits"] for outputs in llama_tp)
     assert all(np.array_equal(a, b) for a, b in zip(first, second))  # ranks agree exactly
+
+
+def test_unseeded_sampling_agrees_across_ranks_token_for_token(llama_checkpoints, tmp_path):
+    checkpoint = llama_checkpoints["llama-gqa"]
+    args = (checkpoint, PROMPTS, MAX_TOKENS)
+    first, second = run_ranks(sample_on_ranks, args, tmp_path / "init", world_size=TP_SIZE)
+    # Rank 1 draws other numbers than rank 0: without rank 0's ids broadcast, its tokens differ,
+    # it feeds them to its next step, and the all-reduced hidden states mix two sequences.
+    assert second["tokens"] == first["tokens"]
+    assert len(second["logits"]) == len(first["logits"])
+    assert all(np.array_equal(a, b) for a, b in zip(first["logits"], second["logits"]))
+    reference = generate(
+        engine_config(checkpoint, "eager"), PROMPTS, MAX_TOKENS, default_seed=SAMPLING_SEED
+    )
+    assert_matches_reference(first, reference, "rank 0 against one process seeded alike")
+    assert len({token for row in first["tokens"] for token in row}) > MAX_TOKENS  # it sampled
 
 
 def test_unshardable_heads_surface_as_the_ranks_error(tmp_path):

@@ -1,7 +1,8 @@
 """The engine end to end on CPU: HF-equal greedy tokens, identical across levels and graph modes.
 
 Also the padding/dispatch path, capture-once counters, rejection of requests that never fit, and
-many more requests than ``max_num_seqs``. Graph modes run on the simgraph example platform, whose
+many more requests than ``max_num_seqs`` with preemption (counted, and every output equal to an
+unpreempted run). Graph modes run on the simgraph example platform, whose
 replay really reads the captured buffers, so a runner that forgot to copy an input would fail.
 Run: pytest tests/engine/test_engine.py
 """
@@ -158,20 +159,26 @@ def test_request_that_never_fits_is_rejected(checkpoint):
         llm.generate([list(range(30))], SamplingParams(max_tokens=8))
 
 
-def test_many_more_requests_than_max_num_seqs(checkpoint):
-    llm = LLM(
-        checkpoint,
-        compilation_config={"level": 0},
-        dtype="float32",
-        max_num_seqs=2,
-        num_gpu_blocks_override=8,
-    )  # 8 blocks of 16 tokens: preemption will happen
+def test_many_more_requests_than_max_num_seqs_with_preemption(checkpoint):
+    """3 blocks of 16 tokens for 2 running requests of up to 11 + 20 tokens (2 blocks each)."""
     batch = prompts([5 + i % 7 for i in range(12)], seed=5)
-    outputs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
-    assert [len(out.outputs[0].token_ids) for out in outputs] == [20] * 12
-    assert llm.engine.scheduler.block_manager.num_free_blocks == 8  # nothing leaked
-    reference = generate(llm.config.model_config.model, "eager", batch[:2])
-    assert [out.outputs[0].token_ids[:6] for out in outputs[:2]] == reference
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    def run(**engine_args):
+        llm = LLM(checkpoint, compilation_config={"level": 0}, dtype="float32", **engine_args)
+        schedule, steps = llm.engine.scheduler.schedule, []
+        llm.engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+        outputs = [out.outputs[0].token_ids for out in llm.generate(batch, params)]
+        num_preempted = sum(len(step.preempted_requests) for step in steps)
+        return llm, outputs, num_preempted
+
+    llm, outputs, num_preempted = run(max_num_seqs=2, num_gpu_blocks_override=3)
+    assert num_preempted > 0
+    assert [len(tokens) for tokens in outputs] == [20] * 12
+    assert llm.engine.scheduler.block_manager.num_free_blocks == 3  # nothing leaked
+    _, reference, reference_preempted = run(max_num_seqs=4)  # ample blocks, other batches
+    assert reference_preempted == 0
+    assert outputs == reference
 
 
 @pytest.mark.platform_agnostic

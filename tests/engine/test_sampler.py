@@ -3,8 +3,9 @@
 Proves: greedy rows equal argmax, also mixed with random rows in one batch; top_k=1 equals greedy;
 top-k and top-p never sample outside the kept set; a seeded row yields the same tokens whatever its
 batch position or neighbours; sampling frequencies follow softmax(logits / temperature) within a
-tolerance; the result is an int64 tensor on the logits' device, and sampling runs on the meta device
-(where any host read of tensor data would raise), so the sampler makes no host sync.
+tolerance, for every row of a batch that mixes seeded, unseeded and greedy requests; the result
+is an int64 tensor on the logits' device, and sampling runs on the meta device (where any host
+read of tensor data would raise), so the sampler makes no host sync.
 
 Run: pytest tests/engine/test_sampler.py
 """
@@ -95,6 +96,30 @@ def test_temperature_frequencies_follow_softmax(temperature):
     token_ids = sample_rows(logits, SamplingParams(temperature=temperature), num_draws=20_000)
     frequencies = torch.bincount(token_ids, minlength=4).float() / 20_000
     assert torch.allclose(frequencies, expected, atol=0.015), (frequencies, expected)
+
+
+def test_every_row_of_a_mixed_seeded_batch_follows_its_distribution():
+    """Seeded rows must not change how the unseeded rows of their batch sample (nor vice versa)."""
+    logits = torch.tensor([0.0, 0.5, 1.0, 2.0], device=DEVICE)
+    expected = logits.softmax(dim=-1)
+    num_rows = 3000  # per kind: seeded, unseeded; plus greedy rows that must stay greedy
+    params = (
+        [SamplingParams(temperature=1.0, seed=seed) for seed in range(num_rows)]
+        + [SamplingParams(temperature=1.0)] * num_rows
+        + [SamplingParams(temperature=0.0)] * 8
+    )
+    generators = [make_generator(param, DEVICE) for param in params]
+    torch.manual_seed(5)
+    batch = logits.expand(len(params), -1).contiguous()
+    token_ids = Sampler().sample(batch, params, generators)
+    # A frequency of n draws has standard deviation sqrt(p (1 - p) / n) <= 0.0092 here; 5 of those
+    # (0.046) fail a correct sampler with probability < 1e-5 per token, and the draws are seeded.
+    # A row kind that stopped sampling puts all its mass on one token: off by >= 0.5.
+    bound = 5 * (expected * (1 - expected) / num_rows).sqrt()
+    for kind, rows in (("seeded", slice(0, num_rows)), ("unseeded", slice(num_rows, 2 * num_rows))):
+        frequencies = torch.bincount(token_ids[rows], minlength=4).float() / num_rows
+        assert ((frequencies - expected).abs() <= bound).all(), (kind, frequencies, expected)
+    assert (token_ids[2 * num_rows :] == 3).all()  # greedy: the argmax
 
 
 def seeded_run(row: int, batch_size: int, seed_params: SamplingParams, num_steps=8) -> list[int]:

@@ -5,7 +5,9 @@ and the sequence limit and lists decodes first; chunked prefills stay within the
 where they stopped; with a tiny block pool requests are preempted, resume by recomputing prompt +
 generated tokens, and produce exactly the tokens of an unpreempted run; no KV block or Mamba state
 slot is shared while held or leaked after the last request finishes; impossible requests are
-rejected with a message; EOS, stop ids, ``ignore_eos`` and ``max_tokens`` stop generation.
+rejected with a message; EOS, stop ids, ``ignore_eos`` and ``max_tokens`` stop generation; no
+step computes a request's last position (prompt + max_tokens - 1) or schedules a request whose
+pending token is its last.
 
 The fake model runner writes each step's tokens into a simulated paged KV cache through
 ``block_ids`` and reads the whole context back through them, so a block handed to two requests at
@@ -158,8 +160,14 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
     assert len(held) == len(set(held)), "a block is held by two requests"
     assert len(held) + scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
     for scheduled in output.scheduled_requests:
+        request = scheduled.request
         needed = scheduled.num_computed_tokens + scheduled.num_new_tokens
-        assert len(scheduled.request.block_ids) == cdiv(needed, scheduler.block_manager.block_size)
+        assert len(request.block_ids) == cdiv(needed, scheduler.block_manager.block_size)
+        # The last token a request may produce is never fed back: a step that computes position
+        # prompt + max_tokens - 1 or later is wasted and writes KV beyond the request's budget.
+        max_tokens = request.sampling_params.max_tokens
+        assert needed <= request.num_prompt_tokens + max_tokens - 1, request.request_id
+        assert request.num_output_tokens + request.num_output_placeholders <= max_tokens
     for request in output.preempted_requests:
         assert request.status == RequestStatus.PREEMPTED and not request.block_ids
         assert request.num_computed_tokens == 0 and request.state_slot is None
@@ -224,6 +232,17 @@ def test_many_more_requests_than_max_num_seqs_all_finish(seed, async_scheduling)
     check_matches_reference(requests)
     assert max(output.num_requests for output in outputs) == 3
     assert any(output.is_uniform_decode for output in outputs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_whose_last_token_is_pending_is_not_scheduled_again(async_scheduling):
+    """max_tokens=3: a prefill and two decodes, then nothing while the third token is in flight."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    request = Request("only", [5, 6, 7], params, eos_token_id=EOS_TOKEN_ID)
+    steps = run_to_completion(make_scheduler(async_scheduling=async_scheduling), [request])
+    assert [step.num_scheduled_tokens for step in steps] == [3, 1, 1]
+    assert request.output_token_ids == reference_output(request)[0]
+    assert request.finish_reason == "length"
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -132,13 +132,40 @@ def test_raising_probe_is_logged_and_reported(plugins, monkeypatch, caplog):
     assert "probe raised OSError('driver exploded')" in platforms.describe_platform_resolution()
 
 
+def test_raising_builtin_probe_is_logged_and_counted_unavailable(plugins, monkeypatch, caplog):
+    from pieceworks.platforms.cuda import CudaPlatform
+
+    def broken(cls) -> bool:
+        raise RuntimeError("driver exploded in the cuda probe")
+
+    monkeypatch.setattr(CudaPlatform, "is_available", classmethod(broken))
+    monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="pieceworks"):
+        platform = platforms.current_platform()
+    assert platform.name != "cuda"
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("'cuda'" in m and "driver exploded in the cuda probe" in m for m in messages)
+    (cuda,) = [p for p in platforms.platform_resolution().probes if p.name == "cuda"]
+    assert not cuda.available
+    assert cuda.reason == "probe raised RuntimeError('driver exploded in the cuda probe')"
+    platforms.reset_platform()
+    monkeypatch.setenv("PIECEWORKS_PLATFORM", "cuda")  # forced: refused, with the probe's error
+    with pytest.raises(RuntimeError, match="driver exploded in the cuda probe"):
+        platforms.current_platform()
+
+
 def test_two_active_plugins_conflict(plugins, monkeypatch):
     monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
     plugins("fakevendor", lambda: _qualname(_PluginPlatform))
     plugins("othervendor", lambda: _qualname(_OtherPluginPlatform))
     with pytest.raises(RuntimeError, match="more than one") as error:
         platforms.current_platform()
-    assert "fakevendor" in str(error.value) and "othervendor" in str(error.value)
+    # The message names both and says how to choose.
+    assert "fakevendor (plugin:fakevendor), othervendor (plugin:othervendor)" in str(error.value)
+    assert str(error.value).endswith(
+        "Choose one with PIECEWORKS_PLATFORM=<name> or restrict PIECEWORKS_PLUGINS to one plugin."
+    )
 
 
 def test_forcing_one_of_two_plugins_resolves_the_conflict(plugins, monkeypatch):

@@ -1,0 +1,224 @@
+"""``CUDAGraphWrapper``'s capture and replay on CPU, through a platform whose graph is a stub.
+
+Proves, without a GPU: one capture per ``BatchDescriptor`` into the platform's one pool, replays
+after (the stub graph counts them; the runnable does not run again and the captured output memory
+comes back); a step whose mode is not the wrapper's, or that has no descriptor, calls through; a
+capture after capturing was closed raises while captured sizes still replay; only a wrapper with
+``weak_ref_output`` returns a weakly referenced output and only one with ``gc_disable`` skips gc;
+in a piecewise toy model only the first piece runs gc and only the last returns weak outputs; with
+debug logging, a replay on inputs at other addresses raises. The same wrapper on real CUDA graphs
+is tested by the GPU tests (``tests/core/test_piecewise.py`` on a GPU machine).
+Run: pytest tests/core/test_cuda_graph.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from pieceworks import platforms
+from pieceworks.config import EngineConfig, SchedulerConfig
+from pieceworks.core import static_graph
+from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
+from pieceworks.core.counters import compilation_counter
+from pieceworks.core.cuda_graph import CUDAGraphWrapper
+from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
+from pieceworks.core.static_graph import CUDAGraphOptions, close_capturing
+from pieceworks.platforms.cpu import CpuPlatform
+from tests.core.toy_model import SILLY_OP, ToyModel
+
+PIECEWISE = CUDAGraphMode.PIECEWISE
+
+
+class StubGraph:
+    """Stands in for ``torch.cuda.CUDAGraph``: counts its replays."""
+
+    def __init__(self) -> None:
+        self.num_replays = 0
+
+    def replay(self) -> None:
+        self.num_replays += 1
+
+
+@dataclasses.dataclass
+class Capture:
+    graph: StubGraph
+    pool: Any
+    skip_gc: bool
+
+
+class StubGraphPlatform(CpuPlatform):
+    """The CPU platform with ``CUDAGraphWrapper`` over stub graphs; records every capture."""
+
+    name: ClassVar[str] = "stubgraph"
+    static_graph_wrapper: ClassVar[str | None] = "pieceworks.core.cuda_graph.CUDAGraphWrapper"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.captures: list[Capture] = []
+
+    def _create_graph_pool(self) -> Any:
+        return object()
+
+    def create_graph(self) -> StubGraph:
+        return StubGraph()
+
+    @contextlib.contextmanager
+    def graph_capture(self, graph: Any, pool: Any, *, skip_gc: bool = False):
+        self.captures.append(Capture(graph, pool, skip_gc))
+        yield
+
+
+@pytest.fixture
+def stub_platform(monkeypatch) -> StubGraphPlatform:
+    platform = StubGraphPlatform()
+    monkeypatch.setattr(platforms, "_current", platform)
+    return platform
+
+
+def piecewise_config(sizes: list[int]) -> EngineConfig:
+    compilation = CompilationConfig(
+        level=CompilationLevel.PIECEWISE,
+        backend="eager",
+        splitting_ops=[SILLY_OP],
+        cudagraph_mode=PIECEWISE,
+        cudagraph_capture_sizes=sizes,
+    )
+    return EngineConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=max(sizes)), compilation_config=compilation
+    )
+
+
+def run(wrapper, config, mode, descriptor, *args):
+    with set_forward_context(
+        None, config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
+    ):
+        return wrapper(*args)
+
+
+class Doubling:
+    """A runnable that counts its calls and keeps each output it returns."""
+
+    def __init__(self) -> None:
+        self.outputs: list[torch.Tensor] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.outputs.append(x * 2)
+        return self.outputs[-1]
+
+
+def is_weak_alias(tensor: torch.Tensor, of: torch.Tensor) -> bool:
+    """``tensor`` views ``of``'s memory through a storage that does not own it."""
+    return tensor.data_ptr() == of.data_ptr() and not tensor.untyped_storage().resizable()
+
+
+def test_captures_once_per_descriptor_into_the_pool_then_replays(stub_platform):
+    config, runnable = piecewise_config([2, 4]), Doubling()
+    wrapper = CUDAGraphWrapper(runnable, config, PIECEWISE)
+    x = torch.arange(4.0)
+    with compilation_counter.expect(num_cudagraph_captured=2):
+        captured = run(wrapper, config, PIECEWISE, BatchDescriptor(4), x)
+        replayed = run(wrapper, config, PIECEWISE, BatchDescriptor(4), x)
+        run(wrapper, config, PIECEWISE, BatchDescriptor(2), x[:2])
+        run(wrapper, config, PIECEWISE, BatchDescriptor(4), x)
+    assert len(runnable.outputs) == 2  # once per descriptor, at capture
+    assert torch.equal(captured, x * 2)
+    assert replayed.data_ptr() == captured.data_ptr()  # the captured output memory
+    graphs = {desc.num_tokens: entry.graph for desc, entry in wrapper.entries.items()}
+    assert (graphs[4].num_replays, graphs[2].num_replays) == (2, 0)
+    assert [capture.graph for capture in stub_platform.captures] == [graphs[4], graphs[2]]
+    assert {id(capture.pool) for capture in stub_platform.captures} == {
+        id(stub_platform.graph_pool())
+    }
+
+
+@pytest.mark.parametrize(
+    "mode, descriptor",
+    [
+        (CUDAGraphMode.FULL, BatchDescriptor(4)),
+        (CUDAGraphMode.NONE, BatchDescriptor(4)),
+        (PIECEWISE, None),
+    ],
+)
+def test_another_mode_or_no_descriptor_calls_through(stub_platform, mode, descriptor):
+    config, runnable = piecewise_config([4]), Doubling()
+    wrapper = CUDAGraphWrapper(runnable, config, PIECEWISE)
+    x = torch.arange(4.0)
+    with compilation_counter.expect(num_cudagraph_captured=0):
+        outputs = [run(wrapper, config, mode, descriptor, x) for _ in range(2)]
+    assert [out is made for out, made in zip(outputs, runnable.outputs)] == [True, True]
+    assert not wrapper.entries and not stub_platform.captures
+
+
+def test_capture_after_close_raises_and_captured_sizes_still_replay(stub_platform):
+    config, runnable = piecewise_config([2, 4]), Doubling()
+    wrapper = CUDAGraphWrapper(runnable, config, PIECEWISE)
+    x = torch.arange(4.0)
+    run(wrapper, config, PIECEWISE, BatchDescriptor(4), x)
+    close_capturing()
+    with pytest.raises(RuntimeError, match="after capturing was closed"):
+        run(wrapper, config, PIECEWISE, BatchDescriptor(2), x[:2])
+    run(wrapper, config, PIECEWISE, BatchDescriptor(4), x)
+    assert wrapper.entries[BatchDescriptor(4)].graph.num_replays == 1
+    assert len(runnable.outputs) == 1 and len(stub_platform.captures) == 1
+
+
+@pytest.mark.parametrize("weak_ref_output", [False, True])
+@pytest.mark.parametrize("gc_disable", [False, True])
+def test_weak_ref_and_gc_options(stub_platform, weak_ref_output, gc_disable):
+    config, runnable = piecewise_config([4]), Doubling()
+    options = CUDAGraphOptions(gc_disable=gc_disable, weak_ref_output=weak_ref_output)
+    wrapper = CUDAGraphWrapper(runnable, config, PIECEWISE, options=options)
+    output = run(wrapper, config, PIECEWISE, BatchDescriptor(4), torch.arange(4.0))
+    (made,) = runnable.outputs
+    if weak_ref_output:  # nothing after the last piece reads it: released into the pool
+        assert output is not made and is_weak_alias(output, made)
+    else:
+        assert output is made
+    assert is_weak_alias(wrapper.entries[BatchDescriptor(4)].output, made)  # kept for replay
+    assert [capture.skip_gc for capture in stub_platform.captures] == [gc_disable]
+
+
+def test_only_the_first_piece_runs_gc_and_only_the_last_returns_weak_outputs(stub_platform):
+    num_layers = 2  # 3 capturable pieces
+    config = piecewise_config([4])
+    torch.manual_seed(0)
+    model = ToyModel(config=config, num_layers=num_layers).requires_grad_(False)
+    x = torch.randn(4, 8)
+    run(model, config, CUDAGraphMode.NONE, None, x)  # trace, compile, warm up
+    wrappers = sorted(
+        (w for w in static_graph._wrappers if w.config is config),
+        key=lambda wrapper: wrapper.runnable.piece_index,
+    )
+    # Checked before capturing: a weak output read by a later piece would be read after free.
+    assert [w.options.gc_disable for w in wrappers] == [False, True, True]
+    assert [w.options.weak_ref_output for w in wrappers] == [False, False, True]
+    assert [w.options.debug_log_enable for w in wrappers] == [True, False, False]
+    output = run(model, config, PIECEWISE, BatchDescriptor(4), x)
+    # Pieces capture in model order: only the first runs gc.
+    assert [capture.skip_gc for capture in stub_platform.captures] == [False, True, True]
+    assert not output.untyped_storage().resizable()  # the model's output is the last piece's
+
+
+@pytest.fixture
+def debug_logging():
+    logger = logging.getLogger("pieceworks.core.cuda_graph")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)  # setLevel, not the attribute: it clears the enabled cache
+    yield
+    logger.setLevel(level)
+
+
+def test_debug_logging_checks_input_addresses_on_replay(stub_platform, debug_logging):
+    config, runnable = piecewise_config([4]), Doubling()
+    wrapper = CUDAGraphWrapper(runnable, config, PIECEWISE)
+    static_x = torch.arange(4.0)
+    run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x)
+    run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x)  # same buffer: fine
+    with pytest.raises(AssertionError, match="input addresses changed"):
+        run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x.clone())
