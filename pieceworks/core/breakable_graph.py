@@ -135,8 +135,11 @@ def capture_breakable(
                 end()
     compilation_counter.num_cudagraph_captured += len(segments)
     compilation_counter.num_breakable_segments_captured += len(segments)
-    entry = BreakableEntry(descriptor, segments, ops, wrapper.retained_output(output))
-    return entry, output
+    kept_ops = [
+        EagerOpCall(op.name, op.op_func, wrapper.retained(op.args), wrapper.retained(op.kwargs))
+        for op in ops
+    ]
+    return BreakableEntry(descriptor, segments, kept_ops, wrapper.retained(output)), output
 
 
 def replay_breakable(wrapper: StaticGraphWrapperBase, entry: BreakableEntry) -> Any:

@@ -90,6 +90,9 @@ class CUDAGraphWrapper(StaticGraphWrapperBase):
     def replay_segment(self, segment: Any) -> None:
         segment.replay()
 
-    def retained_output(self, output: Any) -> Any:
-        # As for FULL graphs: the pool owns the memory, and a smaller capture may reuse it.
-        return weak_ref_tensors(output)
+    def retained(self, value: Any) -> Any:
+        # As for FULL graphs and pieces: the pool owns the memory, and another size's capture may
+        # reuse it, which is safe because graphs of different sizes never replay interleaved.
+        if isinstance(value, dict):
+            return {name: weak_ref_tensors(item) for name, item in value.items()}
+        return weak_ref_tensors(value)

@@ -173,9 +173,10 @@ class StaticGraphWrapperBase:
         """Re-run one recorded segment on the addresses it was captured with."""
         raise NotImplementedError(f"{type(self).__name__} has no segment capture")
 
-    def retained_output(self, output: Any) -> Any:
-        """What a breakable entry keeps of the capture's output (returned by every replay)."""
-        return output
+    def retained(self, value: Any) -> Any:
+        """What a breakable entry keeps of the tensors it replays with: the capture's output and
+        the recorded splitting ops' arguments (default: the tensors themselves)."""
+        return value
 
 
 def release_static_graphs(config: EngineConfig) -> int:
