@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from pieceworks.core.breakable_graph import (
     ActiveCapture,
+    BreakableEntry,
     capture_breakable,
     capture_in_progress,
     replay_breakable,
@@ -189,6 +190,10 @@ def release_static_graphs(config: EngineConfig) -> int:
     released = 0
     for wrapper in list(_wrappers):
         if wrapper.config is config:
-            released += len(wrapper.entries)
+            # A breakable entry holds one graph per segment (num_cudagraph_captured counts them).
+            released += sum(
+                len(entry.segments) if isinstance(entry, BreakableEntry) else 1
+                for entry in wrapper.entries.values()
+            )
             wrapper.entries.clear()
     return released

@@ -108,6 +108,12 @@ def breakable(model: nn.Module, config: EngineConfig) -> StaticGraphWrapperBase:
     return wrapper_cls(model, config, CUDAGraphMode.PIECEWISE, options=options)
 
 
+def warm_up(model, config, x) -> None:
+    """One call without graphs first, as the runner does (lazy device setup is not capturable)."""
+    run(model, config, x, CUDAGraphMode.NONE)
+    step_state["calls"] = 0
+
+
 def run(model, config, x, mode=CUDAGraphMode.PIECEWISE, num_tokens=4) -> torch.Tensor:
     descriptor = BatchDescriptor(num_tokens) if mode != CUDAGraphMode.NONE else None
     with set_forward_context(
@@ -133,6 +139,7 @@ def test_capture_gives_one_segment_more_than_splitting_op_calls(graph_platform):
     model = build(num_layers)
     wrapper = breakable(model, config)
     static_input = torch.randn(4, 8, device=device())
+    warm_up(model, config, static_input)
     # One capture of the forward; each of the L = 3 split-op calls ends a segment: L + 1 = 4.
     with compilation_counter.expect(num_cudagraph_captured=4, num_breakable_segments_captured=4):
         run(wrapper, config, static_input)
@@ -157,6 +164,7 @@ def test_replay_reads_the_captured_buffer_not_the_argument(graph_platform):
     model = build(2)
     wrapper = breakable(model, config)
     static_input = torch.randn(4, 8, device=device())
+    warm_up(model, config, static_input)
     run(wrapper, config, static_input)
     captured_input = static_input.clone()
     fresh = torch.randn(4, 8, device=device())  # a new tensor at a new address: ignored
@@ -171,6 +179,7 @@ def test_unmarked_dynamic_op_is_refused_by_name(graph_platform):
     model = build(2, op_name=UNMARKED_OP)
     wrapper = breakable(model, config)
     x = torch.randn(4, 8, device=device())
+    warm_up(model, config, x)
     with compilation_counter.expect(num_cudagraph_captured=0, num_breakable_segments_captured=0):
         with pytest.raises(DynamicOpCaptureError, match="breakable_toy::unmarked.*not a splitting"):
             run(wrapper, config, x)
@@ -187,6 +196,7 @@ def test_full_capture_records_dynamic_ops_whole(graph_platform):
     wrapper_cls = graph_platform.static_graph_wrapper_cls()
     wrapper = wrapper_cls(model, config, CUDAGraphMode.FULL)
     x = torch.randn(4, 8, device=device())
+    warm_up(model, config, x)
     with compilation_counter.expect(num_cudagraph_captured=1, num_breakable_segments_captured=0):
         run(wrapper, config, x, CUDAGraphMode.FULL)
     torch.testing.assert_close(

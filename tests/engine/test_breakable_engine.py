@@ -82,6 +82,7 @@ def test_breakable_piecewise_counts_and_tokens(checkpoint, graph_platform, eager
         llm = make_llm(path, "breakable_piecewise")
     with compilation_counter.expect(num_cudagraph_captured=0, num_breakable_segments_captured=0):
         assert generate(llm, WORKLOAD) == eager_tokens
+    assert llm.engine.runner.release_graphs() == segments  # one graph per segment, as counted
 
 
 def test_breakable_counts_and_tokens(checkpoint, graph_platform, eager_tokens):
