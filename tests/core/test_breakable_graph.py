@@ -127,6 +127,14 @@ def _reset_step_state():
     step_state.update(scale=1.0, calls=0)
 
 
+def test_piecewise_modes_need_level_0_or_3():
+    for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE):
+        config = CompilationConfig(level=CompilationLevel.NO_COMPILATION, cudagraph_mode=mode)
+        assert config.cudagraph_mode == mode
+        with pytest.raises(ValueError, match="level 3 .* or level 0"):
+            CompilationConfig(level=CompilationLevel.DYNAMO_ONCE, cudagraph_mode=mode)
+
+
 def test_ops_are_marked_dynamic():
     toy_ops()
     assert is_dynamic_op(SPLIT_OP) and is_dynamic_op(UNMARKED_OP)
