@@ -49,7 +49,15 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, str]:
 
 def make_llm(path: str, mode: str) -> LLM:
     compilation = compilation_for_mode(mode, {"backend": "eager"})
-    return LLM(path, compilation_config=compilation, dtype="float32", max_num_seqs=MAX_NUM_SEQS)
+    # A fixed KV cache: sized from free memory, a busy machine would schedule (and pad) the same
+    # workload differently from one mode to the next.
+    return LLM(
+        path,
+        compilation_config=compilation,
+        dtype="float32",
+        max_num_seqs=MAX_NUM_SEQS,
+        num_gpu_blocks_override=64,
+    )
 
 
 def generate(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
