@@ -135,11 +135,15 @@ class CompilationConfig:
                 CUDAGraphMode.FULL_AND_PIECEWISE if piecewise else CUDAGraphMode.NONE
             )
         mode = self.cudagraph_mode
-        if mode.has_piecewise_cudagraphs() and self.level != CompilationLevel.PIECEWISE:
+        # Level 3 captures the pieces of the split graph; level 0 captures the eager forward as
+        # breakable graphs, ended at each splitting op. Levels 1 and 2 have neither.
+        piecewise_levels = (CompilationLevel.NO_COMPILATION, CompilationLevel.PIECEWISE)
+        if mode.has_piecewise_cudagraphs() and self.level not in piecewise_levels:
             raise ValueError(
-                f"cudagraph_mode={mode.name} captures pieces of a split graph, which "
-                f"needs level 3 (PIECEWISE); got level {int(self.level)}. "
-                "Use level=3, or cudagraph_mode FULL / NONE."
+                f"cudagraph_mode={mode.name} captures pieces split at the splitting ops, which "
+                f"needs level 3 (PIECEWISE, compiled pieces) or level 0 (breakable graphs of the "
+                f"eager forward); got level {int(self.level)}. "
+                "Use level=3 or level=0, or cudagraph_mode FULL / NONE."
             )
         if mode.has_piecewise_cudagraphs() and not self.splitting_ops:
             promoted = CUDAGraphMode.FULL

@@ -21,7 +21,8 @@ class CompilationCounter:
     num_backend_compilations: int = 0  # PiecewiseBackend instances built (one per capturable piece)
     num_inductor_compiles: int = 0
     num_eager_compiles: int = 0
-    num_cudagraph_captured: int = 0
+    num_cudagraph_captured: int = 0  # device graphs: one per FULL capture, piece or segment
+    num_breakable_segments_captured: int = 0  # segments of breakable captures (L + 1 per size)
     num_gpu_runner_capture_triggers: int = 0
     num_cache_entries_updated: int = 0
     num_compiled_artifacts_saved: int = 0

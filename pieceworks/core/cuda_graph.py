@@ -4,13 +4,18 @@ It captures through the platform's graph primitives (``create_graph``, ``graph_c
 platform's one shared pool, so this module names no device API. Dispatch by mode and descriptor is
 ``StaticGraphWrapperBase``'s; this class only captures and replays. Inputs are never copied: the
 runner keeps them at fixed addresses, and with debug logging on, replay checks that they are.
+
+Breakable capture (``core/breakable_graph.py``): each segment is one device graph captured through
+the same primitives into the same pool; between segments the splitting op runs eagerly on the
+current stream, and replay launches segment graphs and the ops on that stream in order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -38,6 +43,9 @@ def _tensor_addresses(args: tuple) -> list[int]:
 class CUDAGraphWrapper(StaticGraphWrapperBase):
     """Captures one device graph per BatchDescriptor into the platform's shared pool."""
 
+    supports_breakable_capture: ClassVar[bool] = True
+    _segment: tuple[Any, contextlib.ExitStack] | None = None  # (graph, its open capture)
+
     def capture(self, descriptor: BatchDescriptor, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         platform = current_platform()
         graph = platform.create_graph()
@@ -62,3 +70,29 @@ class CUDAGraphWrapper(StaticGraphWrapperBase):
                 )
         entry.graph.replay()
         return entry.output
+
+    # --- segments of a breakable capture -------------------------------------------------------
+    def begin_segment(self, descriptor: BatchDescriptor, *, first: bool) -> None:
+        platform = current_platform()
+        graph = platform.create_graph()
+        stack = contextlib.ExitStack()
+        # gc and empty_cache once per size (the first segment); later segments only cost time.
+        stack.enter_context(platform.graph_capture(graph, platform.graph_pool(), skip_gc=not first))
+        self._segment = (graph, stack)
+
+    def end_segment(self) -> Any:
+        assert self._segment is not None, "end_segment() without begin_segment()"
+        graph, stack = self._segment
+        self._segment = None
+        stack.close()  # ends the stream capture
+        return graph
+
+    def replay_segment(self, segment: Any) -> None:
+        segment.replay()
+
+    def retained(self, value: Any) -> Any:
+        # As for FULL graphs and pieces: the pool owns the memory, and another size's capture may
+        # reuse it, which is safe because graphs of different sizes never replay interleaved.
+        if isinstance(value, dict):
+            return {name: weak_ref_tensors(item) for name, item in value.items()}
+        return weak_ref_tensors(value)

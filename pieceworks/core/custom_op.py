@@ -5,6 +5,12 @@ all-reduce, which is traced into the pieces and captured with them) are register
 fake implementation so Dynamo can trace through it without running it. The default dispatch key is
 the current platform's, so the call resolves the platform: register ops lazily (on first model
 construction), never at import.
+
+An op registered with ``dynamic=True`` has an execution plan that depends on the step's batch
+(attention, the Mamba2 mixer): captured once, it would replay the capture's plan. Its implementation
+is then guarded: while no static-graph capture is in progress the guard is one module-global test
+and a call; during a capture it goes through ``breakable_graph.run_dynamic_op``, which breaks a
+breakable capture at it (a splitting op) or refuses it by name (not a splitting op).
 """
 
 from __future__ import annotations
@@ -15,11 +21,24 @@ from typing import Any
 import torch
 from torch.library import Library
 
+from pieceworks.core import breakable_graph
 from pieceworks.core.config import LIBRARY_NAMESPACE
 
 # One fragment library for every pieceworks op; "FRAGMENT" lets several modules add ops to it.
 pieceworks_lib = Library(LIBRARY_NAMESPACE, "FRAGMENT")
 _registered: set[tuple[str, str]] = set()
+_dynamic_ops: set[str] = set()  # "<ns>::<name>" of the ops registered with dynamic=True
+
+
+def _guarded(name: str, op_func: Callable[..., Any]) -> Callable[..., Any]:
+    """``op_func``, sent through the capture guard while a static-graph capture is in progress."""
+
+    def dynamic_op(*args: Any, **kwargs: Any) -> Any:
+        if breakable_graph.active_capture is None:
+            return op_func(*args, **kwargs)
+        return breakable_graph.run_dynamic_op(name, op_func, args, kwargs)
+
+    return dynamic_op
 
 
 def direct_register_custom_op(
@@ -29,10 +48,14 @@ def direct_register_custom_op(
     fake_impl: Callable[..., Any] | None = None,
     target_lib: Library | None = None,
     dispatch_key: str | None = None,
+    *,
+    dynamic: bool = False,
 ) -> Callable[..., Any]:
     """Define ``<ns>::op_name`` from ``op_func``'s signature; idempotent per (namespace, name).
 
-    Returns the registered op (``torch.ops.<ns>.<op_name>``).
+    ``dynamic``: the op's plan depends on the batch (see the module docstring); it must be a
+    splitting op wherever pieces are captured. Returns the registered op
+    (``torch.ops.<ns>.<op_name>``).
     """
     lib = target_lib or pieceworks_lib
     key = (lib.ns, op_name)
@@ -43,7 +66,10 @@ def direct_register_custom_op(
             dispatch_key = current_platform().dispatch_key
         schema = torch.library.infer_schema(op_func, mutates_args=mutates_args)
         lib.define(op_name + schema)
-        lib.impl(op_name, op_func, dispatch_key)
+        qualname = f"{lib.ns}::{op_name}"
+        lib.impl(op_name, _guarded(qualname, op_func) if dynamic else op_func, dispatch_key)
+        if dynamic:
+            _dynamic_ops.add(qualname)
         if fake_impl is not None:
             lib._register_fake(op_name, fake_impl)
         _registered.add(key)
@@ -53,3 +79,13 @@ def direct_register_custom_op(
 def is_registered_custom_op(op: torch._ops.OpOverload) -> bool:
     """Whether ``op`` was registered through ``direct_register_custom_op`` (in any namespace)."""
     return (op.namespace, op._schema.name.split("::")[-1]) in _registered
+
+
+def is_dynamic_op(qualname: str) -> bool:
+    """Whether ``"<ns>::<name>"`` was registered with ``dynamic=True``."""
+    return qualname in _dynamic_ops
+
+
+def dynamic_ops() -> list[str]:
+    """Every op registered with ``dynamic=True`` so far, as ``"<ns>::<name>"``."""
+    return sorted(_dynamic_ops)

@@ -6,15 +6,29 @@ not its own it just calls through (this is how a FULL wrapper around the model a
 wrappers around the pieces nest); otherwise it captures once per ``BatchDescriptor`` and replays
 after. ``StaticGraphWrapperBase`` implements that dispatch once; a platform's wrapper implements
 only ``capture`` and ``replay``. Wrappers never copy inputs: the runner owns the static buffers.
+
+A wrapper class that sets ``supports_breakable_capture`` also implements the segment primitives
+(``begin_segment``, ``end_segment``, ``replay_segment``, optionally ``segment_capture``); built with
+``CUDAGraphOptions(breakable=True)`` around the eager model, it captures and replays breakable
+graphs (``core/breakable_graph.py``). Every capture runs with the capture marked in progress, so a
+dynamic op that is not a splitting op is refused during a PIECEWISE capture.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+from pieceworks.core.breakable_graph import (
+    ActiveCapture,
+    BreakableEntry,
+    capture_breakable,
+    capture_in_progress,
+    replay_breakable,
+)
 from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.forward_context import BatchDescriptor, get_forward_context
 from pieceworks.logger import init_logger
@@ -58,6 +72,8 @@ class CUDAGraphOptions:
     debug_log_enable: bool = True  # only the first piece logs each capture
     gc_disable: bool = False  # pieces after the first skip gc during capture (it is slow)
     weak_ref_output: bool = False  # only the last piece: nothing after it reads its output
+    # The whole eager model (level 0): capture segments ended at each splitting op
+    breakable: bool = False
 
 
 @runtime_checkable
@@ -79,6 +95,9 @@ class StaticGraphWrapper(Protocol):
 class StaticGraphWrapperBase:
     """Mode/descriptor dispatch shared by all wrappers; subclasses capture and replay."""
 
+    # Whether the class implements the segment primitives below (breakable capture).
+    supports_breakable_capture: ClassVar[bool] = False
+
     def __init__(
         self,
         runnable: Callable[..., Any],
@@ -95,6 +114,14 @@ class StaticGraphWrapperBase:
         self.config = config
         self.runtime_mode = runtime_mode
         self.options = options or CUDAGraphOptions()
+        if self.options.breakable and not (
+            self.supports_breakable_capture and runtime_mode == CUDAGraphMode.PIECEWISE
+        ):
+            raise ValueError(
+                f"{type(self).__name__} cannot capture breakable {runtime_mode.name} graphs: "
+                "breakable capture is PIECEWISE and needs a wrapper class with "
+                "supports_breakable_capture (check Platform.supports_breakable_graphs())"
+            )
         self.entries: dict[BatchDescriptor, Any] = {}
         _wrappers.add(self)
 
@@ -110,10 +137,17 @@ class StaticGraphWrapperBase:
 
             if self.options.debug_log_enable:
                 logger.debug("capturing %s graph for %s", self.runtime_mode.name, descriptor)
-            entry, output = self.capture(descriptor, args, kwargs)
+            if self.options.breakable:
+                entry, output = capture_breakable(self, descriptor, args, kwargs)
+            else:
+                splitting_ops = frozenset(self.config.compilation_config.splitting_ops or [])
+                with capture_in_progress(ActiveCapture(self.runtime_mode, splitting_ops)):
+                    entry, output = self.capture(descriptor, args, kwargs)
+                compilation_counter.num_cudagraph_captured += 1
             self.entries[descriptor] = entry
-            compilation_counter.num_cudagraph_captured += 1
             return output
+        if self.options.breakable:
+            return replay_breakable(self, entry)
         return self.replay(entry, args, kwargs)
 
     def capture(self, descriptor: BatchDescriptor, args: tuple, kwargs: dict) -> tuple[Any, Any]:
@@ -122,6 +156,28 @@ class StaticGraphWrapperBase:
 
     def replay(self, entry: Any, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError
+
+    # --- segment primitives (breakable capture; supports_breakable_capture) ---------------------
+    def segment_capture(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered once around a whole breakable capture (all of its segments)."""
+        return contextlib.nullcontext()
+
+    def begin_segment(self, descriptor: BatchDescriptor, *, first: bool) -> None:
+        """Start recording device work into a new segment (``first``: the forward's first)."""
+        raise NotImplementedError(f"{type(self).__name__} has no segment capture")
+
+    def end_segment(self) -> Any:
+        """Stop recording; the finished segment, handed back to ``replay_segment``."""
+        raise NotImplementedError(f"{type(self).__name__} has no segment capture")
+
+    def replay_segment(self, segment: Any) -> None:
+        """Re-run one recorded segment on the addresses it was captured with."""
+        raise NotImplementedError(f"{type(self).__name__} has no segment capture")
+
+    def retained(self, value: Any) -> Any:
+        """What a breakable entry keeps of the tensors it replays with: the capture's output and
+        the recorded splitting ops' arguments (default: the tensors themselves)."""
+        return value
 
 
 def release_static_graphs(config: EngineConfig) -> int:
@@ -134,6 +190,10 @@ def release_static_graphs(config: EngineConfig) -> int:
     released = 0
     for wrapper in list(_wrappers):
         if wrapper.config is config:
-            released += len(wrapper.entries)
+            # A breakable entry holds one graph per segment (num_cudagraph_captured counts them).
+            released += sum(
+                len(entry.segments) if isinstance(entry, BreakableEntry) else 1
+                for entry in wrapper.entries.values()
+            )
             wrapper.entries.clear()
     return released

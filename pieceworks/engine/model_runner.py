@@ -20,11 +20,12 @@ import torch
 from tqdm import tqdm
 
 from pieceworks.config import EngineConfig
-from pieceworks.core.config import CUDAGraphMode
+from pieceworks.core.config import CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
 from pieceworks.core.static_graph import (
+    CUDAGraphOptions,
     close_capturing,
     open_capturing,
     release_static_graphs,
@@ -60,10 +61,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.compilation = config.compilation_config
         self.dispatcher = CudagraphDispatcher(config)
-        self.forward_model = self.model
-        if self.compilation.cudagraph_mode.has_full_cudagraphs():  # type: ignore[union-attr]
-            wrapper_cls = self.platform.static_graph_wrapper_cls()
-            self.forward_model = wrapper_cls(self.model, config, CUDAGraphMode.FULL)
+        self.forward_model = self._wrap_for_graphs(self.model)
         scheduler_config = config.scheduler_config
         self.max_num_tokens = max(
             scheduler_config.max_num_batched_tokens, self.compilation.max_capture_size
@@ -102,6 +100,27 @@ class ModelRunner:
         self.graph_memory_bytes = 0
 
     # --- set-up ------------------------------------------------------------------------------
+    def _wrap_for_graphs(self, model: Any) -> Any:
+        """The model as the steps call it: in a FULL wrapper when the mode has FULL graphs; at
+        level 0 with PIECEWISE graphs, first in a breakable wrapper (the eager forward captured
+        as segments ended at each splitting op; level 3 wraps its pieces in the backend)."""
+        mode = self.compilation.cudagraph_mode
+        assert mode is not None  # resolved in CompilationConfig.__post_init__
+        forward_model = model
+        if mode == CUDAGraphMode.NONE:
+            return forward_model
+        wrapper_cls = self.platform.static_graph_wrapper_cls()
+        eager = self.compilation.level == CompilationLevel.NO_COMPILATION
+        if eager and mode.has_piecewise_cudagraphs():
+            options = CUDAGraphOptions(breakable=True)
+            forward_model = wrapper_cls(
+                model, self.config, CUDAGraphMode.PIECEWISE, options=options
+            )
+            logger.info("level 0: %s graphs captured breakable (no compile)", mode.name)
+        if mode.has_full_cudagraphs():
+            forward_model = wrapper_cls(forward_model, self.config, CUDAGraphMode.FULL)
+        return forward_model
+
     @torch.inference_mode()
     def initialize_kv_cache(self) -> int:
         """Compile (first forward, largest size), measure its peak, allocate the KV cache."""

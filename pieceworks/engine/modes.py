@@ -1,8 +1,11 @@
 """Named run modes for the CLI and the benchmark: a compile level plus a static-graph mode.
 
-``eager`` is vLLM's ``enforce_eager`` (no compilation, no graphs); the others compile at level 3
-and differ only in which graphs they capture. On a platform without static graphs every compiled
-mode runs without graphs (the platform turns them off, and the report says so).
+``eager`` is vLLM's ``enforce_eager`` (no compilation, no graphs). ``breakable`` and
+``breakable_piecewise`` compile nothing either (level 0) but capture the eager forward as breakable
+graphs: segments ended at each splitting op (``core/breakable_graph.py``); ``breakable`` also
+captures uniform decode batches whole (FULL). The others compile at level 3 and differ only in
+which graphs they capture. On a platform without static graphs every mode but ``eager`` runs
+without graphs (the platform turns them off, and the report says so).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ MODES: dict[str, tuple[CompilationLevel, CUDAGraphMode]] = {
     "full": (CompilationLevel.PIECEWISE, CUDAGraphMode.FULL),
     "full_decode_only": (CompilationLevel.PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY),
     "full_and_piecewise": (CompilationLevel.PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE),
+    "breakable": (CompilationLevel.NO_COMPILATION, CUDAGraphMode.FULL_AND_PIECEWISE),
+    "breakable_piecewise": (CompilationLevel.NO_COMPILATION, CUDAGraphMode.PIECEWISE),
 }
 
 

@@ -66,6 +66,16 @@ class Platform:
             )
         return resolve_obj_by_qualname(self.static_graph_wrapper)
 
+    def supports_breakable_graphs(self) -> bool:
+        """Whether the static-graph wrapper captures segments (breakable graphs at level 0).
+
+        The wrapper class opts in with ``supports_breakable_capture = True`` and the segment
+        primitives of ``StaticGraphWrapperBase``; ``CUDAGraphWrapper`` does (so ROCm does too).
+        """
+        if not self.supports_static_graphs():
+            return False
+        return bool(getattr(self.static_graph_wrapper_cls(), "supports_breakable_capture", False))
+
     def graph_pool(self) -> Any:
         """One process-wide memory pool shared by every captured graph (None if no graphs)."""
         if not self._graph_pool_created:
@@ -123,7 +133,7 @@ class Platform:
 
     def check_and_update_config(self, config: EngineConfig) -> None:
         """The one place a platform adjusts an EngineConfig. Every change is logged."""
-        from pieceworks.core.config import CUDAGraphMode
+        from pieceworks.core.config import CompilationLevel, CUDAGraphMode
 
         compilation = config.compilation_config
         assert compilation.cudagraph_mode is not None  # resolved in __post_init__
@@ -134,6 +144,16 @@ class Platform:
                 "platform %s has no static graphs: cudagraph_mode %s turned off (NONE)",
                 self.name,
                 compilation.cudagraph_mode.name,
+            )
+            compilation.cudagraph_mode = CUDAGraphMode.NONE
+        breakable = compilation.level == CompilationLevel.NO_COMPILATION
+        mode = compilation.cudagraph_mode
+        if breakable and mode.has_piecewise_cudagraphs() and not self.supports_breakable_graphs():
+            logger.info(
+                "platform %s cannot capture breakable graphs (its static-graph wrapper has no "
+                "segment capture): cudagraph_mode %s at level 0 turned off (NONE)",
+                self.name,
+                mode.name,
             )
             compilation.cudagraph_mode = CUDAGraphMode.NONE
 

@@ -60,6 +60,7 @@ def attention_op():
         unified_attention_with_output,
         mutates_args=["output"],
         fake_impl=unified_attention_with_output_fake,
+        dynamic=True,  # its plan follows the batch: a splitting op wherever pieces are captured
     )
 
 

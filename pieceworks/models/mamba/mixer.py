@@ -52,7 +52,11 @@ def mamba_mixer2_fake(
 def mamba_mixer2_op():
     """``torch.ops.pieceworks.mamba_mixer2``, registered on first use."""
     return direct_register_custom_op(
-        "mamba_mixer2", mamba_mixer2, mutates_args=["output"], fake_impl=mamba_mixer2_fake
+        "mamba_mixer2",
+        mamba_mixer2,
+        mutates_args=["output"],
+        fake_impl=mamba_mixer2_fake,
+        dynamic=True,  # its plan follows the batch: a splitting op wherever pieces are captured
     )
 
 
