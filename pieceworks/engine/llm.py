@@ -1,18 +1,21 @@
 """``LLM``: the offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``.
 
-Prompts are lists of token ids, or strings when the model directory has a tokenizer. Results come
+Prompts are lists of token ids, or strings when the model directory has a tokenizer, or vLLM's
+``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}`` (``engine/inputs.py``). Results come
 back one per prompt, in prompt order, as ``RequestOutput`` with ``outputs[0].token_ids``,
 ``.text`` (with a tokenizer) and ``.finish_reason``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pieceworks.engine.arg_utils import build_engine_config
+from pieceworks.engine.inputs import parse_prompts, sampling_params_for
 from pieceworks.engine.llm_engine import LLMEngine
 from pieceworks.engine.sampling_params import SamplingParams
 
@@ -51,33 +54,39 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = load_tokenizer(engine_args.get("tokenizer") or model)
 
-    def _encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "string prompts need a tokenizer; this model has none (presets "
-                    "have random weights): pass lists of token ids instead"
-                )
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
-
     def generate(
         self,
-        prompts: Sequence[str | Sequence[int]] | str,
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results in prompt order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        encoded = [self._encode(prompt) for prompt in prompts]
-        requests = [self.engine.add_request(ids, p) for (_, ids), p in zip(encoded, params_list)]
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
-        return [self._output(request, text) for request, (text, _) in zip(requests, encoded)]
+        """Generate for every prompt; results in prompt order.
+
+        Prompts take vLLM's forms (``engine/inputs.py``); every prompt and parameter is checked
+        before any request is queued, so an error leaves the engine as it was.
+        """
+        parsed = parse_prompts(prompts, encode=self._text_encoder(), vocab_size=self._vocab_size())
+        params_list = sampling_params_for(sampling_params, len(parsed))
+        requests = self.engine.add_requests([p.token_ids for p in parsed], params_list)
+        self._run_to_completion(requests)
+        return [self._output(request, prompt.text) for request, prompt in zip(requests, parsed)]
+
+    def _run_to_completion(self, requests: list[Any]) -> None:
+        """Step until the engine is idle; an interrupted call (an error, Ctrl-C) aborts its
+        requests, so none of them is left queued for the next call to run."""
+        try:
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # a shut-down engine has nothing to abort
+                for request in requests:
+                    self.engine.abort_request(request.request_id)
+            raise
+
+    def _text_encoder(self) -> Callable[[str], list[int]] | None:
+        return self.tokenizer.encode if self.tokenizer is not None else None
+
+    def _vocab_size(self) -> int | None:
+        return self.config.model_config.hf_config.get("vocab_size")
 
     def shutdown(self) -> None:
         """Free the captured graphs, stop tensor-parallel workers and free the process group
