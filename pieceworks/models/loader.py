@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # weights saved with torch.save, which pieceworks refuses
 # Buffers some HF checkpoints carry that pieceworks recomputes (vLLM skips the same names).
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -129,7 +130,18 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
             f"{path} not found: pass a preset name or a directory in HF format "
             "(config.json + *.safetensors)"
         )
-    return json.loads(path.read_text())
+    return read_json_file(path)
+
+
+def read_json_file(path: Path) -> Any:
+    """A JSON file's content; a ``ValueError`` naming the file and the position if it does not
+    parse."""
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"{path} is not valid JSON ({error}); fix or re-download the file"
+        ) from None
 
 
 def hf_weight_files(model_dir: str | Path) -> list[Path]:
@@ -137,7 +149,12 @@ def hf_weight_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index_path = model_dir / SAFE_WEIGHTS_INDEX_NAME
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        weight_map = read_json_file(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightLoadingError(
+                f"{index_path} has no 'weight_map' of tensor names to shard files; re-save "
+                "the checkpoint"
+            )
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         absent = [str(path) for path in files if not path.is_file()]
         if absent:
@@ -145,9 +162,11 @@ def hf_weight_files(model_dir: str | Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
+        pickles = sorted(p.name for p in model_dir.glob("*") if p.suffix in PICKLE_SUFFIXES)
+        found = f" (found {', '.join(pickles)}: PyTorch pickles, not read)" if pickles else ""
         raise FileNotFoundError(
-            f"{model_dir} has no *.safetensors weights; pieceworks reads safetensors only "
-            "(re-save the model with save_pretrained(..., safe_serialization=True))"
+            f"{model_dir} has no *.safetensors weights{found}; pieceworks reads safetensors "
+            "only: re-save the model with save_pretrained(..., safe_serialization=True)"
         )
     return files
 
@@ -157,7 +176,14 @@ def hf_weights_iterator(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
     from safetensors import safe_open
 
     for path in hf_weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as shard:
+        try:
+            shard = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as error:  # safetensors raises its own SafetensorError (and OSError)
+            raise WeightLoadingError(
+                f"{path} is not a readable safetensors file ({error}); it may be truncated or "
+                "not a checkpoint: re-download or re-save it"
+            ) from None
+        with shard:
             for name in shard.keys():
                 yield name, shard.get_tensor(name)
 
@@ -289,6 +315,53 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names
 
 
+def check_checkpoint_tensor(name: str, tensor: torch.Tensor) -> None:
+    """A ``WeightLoadingError`` naming the tensor unless it is floating point and all finite.
+
+    Integer and bool tensors would be cast silently into the float parameters (a quantized
+    checkpoint's packed ints, a mask), and a NaN or infinity in any weight poisons every logit
+    it reaches. Finiteness is one reduction over the tensor (``non_finite_count`` adds no copy
+    of it); the rare non-finite sum is then counted exactly, chunk by chunk.
+    """
+    if not tensor.is_floating_point():
+        raise WeightLoadingError(
+            f"checkpoint tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
+            "not a floating-point dtype; pieceworks loads float32 / bfloat16 / float16 "
+            "checkpoints (a quantized checkpoint, e.g. GPTQ or AWQ, is not supported: load the "
+            "unquantized model, optionally with quantization='fp8')",
+            tensor_name=name,
+        )
+    num_bad = non_finite_count(tensor)
+    if num_bad:
+        raise WeightLoadingError(
+            f"checkpoint tensor {name!r} holds {num_bad} NaN or infinite value(s) of "
+            f"{tensor.numel()}; the checkpoint is damaged: re-download or re-save it",
+            tensor_name=name,
+        )
+
+
+NON_FINITE_CHUNK = 1 << 22  # elements per exact-count chunk (a 4 MiB mask at most)
+
+
+def non_finite_count(tensor: torch.Tensor) -> int:
+    """How many elements of a floating-point tensor are NaN or infinite.
+
+    A float32 sum is finite exactly when every element is, barring overflow of the sum itself;
+    only when it is not does the exact count run, over chunks so the mask stays small.
+    """
+    if tensor.numel() == 0:
+        return 0
+    flat = tensor.reshape(-1)
+    if tensor.element_size() > 1:  # float8 has no sum kernel: always counted exactly
+        if torch.isfinite(flat.sum(dtype=torch.float32)):
+            return 0
+    count = 0
+    for chunk in flat.split(NON_FINITE_CHUNK):
+        chunk = chunk.float() if chunk.element_size() == 1 else chunk
+        count += int(chunk.numel() - torch.isfinite(chunk).sum())
+    return count
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Feed ``weights`` to ``model.load_weights`` and check that nothing is missing.
 
@@ -300,6 +373,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     def tracked() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             seen.append(name)
+            check_checkpoint_tensor(name, tensor)
             yield name, tensor
 
     try:
