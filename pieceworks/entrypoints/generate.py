@@ -18,20 +18,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pieceworks.engine.llm import LLM
     from pieceworks.engine.sampling_params import SamplingParams
 
-    prompts: list[Any] = [p if args.text else [int(t) for t in p.split(",")] for p in args.prompts]
-    llm = LLM(args.model, compilation_config=compilation_fields(args) or None, **engine_args(args))
-    params = SamplingParams(
+    prompts: list[Any] = [
+        text_arg(text, index) if args.text else token_ids_arg(text, index)
+        for index, text in enumerate(args.prompts)
+    ]
+    params = SamplingParams(  # checked before the model is built
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         max_tokens=args.max_tokens,
         seed=args.sampling_seed,
     )
+    llm = LLM(args.model, compilation_config=compilation_fields(args) or None, **engine_args(args))
     for output in llm.generate(prompts, params):
         completion = output.outputs[0]
         shown = completion.text if completion.text is not None else completion.token_ids
         print(f"[{output.request_id}] ({completion.finish_reason}) {shown}")
     return 0
+
+
+def text_arg(text: str, index: int) -> str:
+    """A command-line text prompt; it must not be empty."""
+    if not text.strip():
+        raise ValueError(f"prompt {index} is empty; pass some text")
+    return text
+
+
+def token_ids_arg(text: str, index: int) -> list[int]:
+    """A command-line prompt of comma-separated token ids, e.g. ``1,2,3``."""
+    pieces = [piece.strip() for piece in text.split(",")]
+    if not all(piece.lstrip("-").isdigit() for piece in pieces):
+        raise ValueError(
+            f"prompt {index} {text!r} is not comma-separated token ids such as 1,2,3; pass "
+            "--text for text prompts"
+        )
+    return [int(piece) for piece in pieces]
 
 
 def register(sub: Any) -> None:
