@@ -352,7 +352,7 @@ def non_finite_count(tensor: torch.Tensor) -> int:
     if tensor.numel() == 0:
         return 0
     flat = tensor.reshape(-1)
-    if tensor.element_size() > 1:  # float8 has no sum kernel: always counted exactly
+    if tensor.element_size() > 1:  # float8 is always counted exactly, upcast chunk by chunk
         if torch.isfinite(flat.sum(dtype=torch.float32)):
             return 0
     count = 0
