@@ -3,7 +3,8 @@
 Proves: every preset and HF transformers' default ``LlamaConfig`` / ``BambaConfig`` pass the
 check; each refused field (activation, rope types, partial rotary on Llama, sliding windows, logit
 scaling and soft-capping, quantized checkpoints, missing or mis-typed sizes) raises naming the
-field, its value and what is supported, through ``LLM`` before anything is built; a
+field, its value and what is supported, through ``LLM`` before anything is built; accepted
+fields (biases, linear rope, ``pretraining_tp``, a non-default eps) give HF's logits; a
 tensor-parallel size the heads cannot be split over is refused before any rank starts; a weight
 with NaN or infinity, or of an integer or bool dtype, is a ``WeightLoadingError`` naming the
 tensor; ``non_finite_count`` is exact (float8 included) and not fooled by a sum that overflows.
@@ -189,3 +190,31 @@ def test_non_finite_count_is_exact():
     assert non_finite_count(values.to(torch.bfloat16)) == 2
     fp8 = torch.tensor([1.0, float("nan"), 2.0]).to(torch.float8_e5m2)
     assert non_finite_count(fp8) == 1
+
+
+def test_accepted_fields_give_hf_logits(tmp_path):
+    """Biases on attention and MLP, linear rope scaling, pretraining_tp and a non-default eps:
+    accepted because implemented, so the logits are HF's."""
+    from tests.models.test_llama_hf import run_and_compare
+
+    fields = {k: v for k, v in LLAMA.items() if k not in ("architectures", "model_type")}
+    fields.update(
+        attention_bias=True,
+        mlp_bias=True,
+        pretraining_tp=2,
+        rms_norm_eps=1e-3,
+        tie_word_embeddings=False,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    hf_config = transformers.LlamaConfig(**fields)
+    hf_config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)  # HF initialises biases to zero, which would hide them
+    hf_model.save_pretrained(tmp_path)
+    assert hf_model.model.rotary_emb.rope_type == "linear"
+    llm = LLM(str(tmp_path), compilation_config={"level": 0}, dtype="float32", max_num_seqs=2)
+    assert run_and_compare(llm, hf_model, [[1, 2, 3, 4], [5, 6, 7]], steps=3) == 2 * 3
