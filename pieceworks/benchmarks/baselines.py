@@ -38,8 +38,8 @@ from pieceworks.benchmarks.latency import _COUNTERS, LatencyCase, _prompts, _sta
 from pieceworks.config import ModelConfig, resolve_dtype
 from pieceworks.engine.arg_utils import build_engine_config, resolve_hf_config
 from pieceworks.logger import init_logger
-from pieceworks.models.loader import WeightLoadingError, hf_weights_iterator, is_ignored_tensor
-from pieceworks.models.presets import is_preset, random_hf_weights
+from pieceworks.models.loader import WeightLoadingError, is_ignored_tensor
+from pieceworks.models.sources import checkpoint_weights
 from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)
@@ -116,13 +116,7 @@ def build_hf_model(model_config: ModelConfig, device: torch.device) -> nn.Module
     dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
-    if is_preset(model_config.model):
-        weights = random_hf_weights(
-            model_config.hf_config, seed=model_config.seed, dtype=dtype, device=device
-        )
-    else:
-        weights = hf_weights_iterator(model_config.model)
-    load_hf_weights(model, weights)
+    load_hf_weights(model, checkpoint_weights(model_config, device))
     model.generation_config.eos_token_id = None  # ignore_eos: always output_len tokens
     return model.eval().requires_grad_(False)
 

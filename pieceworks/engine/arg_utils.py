@@ -1,4 +1,4 @@
-"""Engine arguments (vLLM's names) -> ``EngineConfig``: presets, checkpoint dirs, validation.
+"""Engine arguments (vLLM's names) -> ``EngineConfig``: model sources, validation.
 
 ``build_engine_config(model, compilation_config=None, **engine_args)`` is what ``LLM`` and the CLI
 call; unknown arguments are an error that lists the known ones.
@@ -19,8 +19,8 @@ from pieceworks.config import (
 )
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.models.config_checks import check_hf_config, check_tensor_parallel
-from pieceworks.models.loader import load_hf_config
-from pieceworks.models.presets import get_preset, is_preset, preset_names
+from pieceworks.models.presets import is_preset
+from pieceworks.models.sources import model_hf_config
 
 
 @dataclasses.dataclass
@@ -44,15 +44,8 @@ class EngineArgs:
 
 
 def resolve_hf_config(model: str) -> dict[str, Any]:
-    """The config.json dict of a preset name or an HF-format directory."""
-    if is_preset(model):
-        return get_preset(model)
-    if os.path.isdir(model):
-        return load_hf_config(model)
-    raise ValueError(
-        f"model {model!r} is neither a preset ({', '.join(preset_names())}) nor a "
-        "directory with config.json and *.safetensors"
-    )
+    """The config.json dict of a preset, an HF directory, a GGUF file or ``smollm2-135m``."""
+    return model_hf_config(model)
 
 
 def config_source(model: str) -> str:

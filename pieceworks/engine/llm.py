@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.engine.inputs import parse_prompts, sampling_params_for
 from pieceworks.engine.llm_engine import LLMEngine
 from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.engine.tokenizer import load_tokenizer
 
 
 @dataclasses.dataclass
@@ -36,23 +36,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
 
 
-def load_tokenizer(path: str | None) -> Any:
-    """An HF tokenizer from a directory that has one, else None (presets have none)."""
-    if path is None or not os.path.isdir(path):
-        return None
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any(os.path.exists(os.path.join(path, name)) for name in names):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
 class LLM:
     def __init__(self, model: str, compilation_config: Any = None, **engine_args: Any) -> None:
         self.config = build_engine_config(model, compilation_config, **engine_args)
         self.engine = LLMEngine(self.config)
-        self.tokenizer = load_tokenizer(engine_args.get("tokenizer") or model)
+        self.tokenizer = load_tokenizer(model, engine_args.get("tokenizer"))
 
     def generate(
         self,

@@ -1,5 +1,9 @@
 """Loading HF-format model directories: config.json, safetensors, the weight-loading contract.
 
+Which source a model string names (preset, HF directory, GGUF file) is ``sources.py``'s business;
+``get_model`` takes its weight stream from there, so GGUF weights (``gguf_loader.py``) arrive here
+under HF names like any checkpoint's.
+
 Owns reading (``load_hf_config``, ``hf_weights_iterator`` over ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``), writing (``save_hf_directory``), building a model on the
 ``meta`` device and materialising it (``initialize_model``), and checking a load
@@ -25,7 +29,6 @@ import torch
 from torch import nn
 
 from pieceworks.config import resolve_dtype
-from pieceworks.models.presets import is_preset, random_hf_weights
 from pieceworks.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -37,6 +40,9 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # weights saved with torch.save, which pieceworks refuses
 # Buffers some HF checkpoints carry that pieceworks recomputes (vLLM skips the same names).
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# transformers 5 writes non-finite floats as {"__float__": "Infinity"} (standard JSON has none).
+FLOAT_TAG_KEY = "__float__"
+FLOAT_TAG_VALUES = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
 
 
 class WeightLoadingError(ValueError):
@@ -122,15 +128,37 @@ def _preview(names: list[str], limit: int = 20) -> str:
 # Reading and writing HF directories
 
 
+def _decode_special_float(obj: dict[str, Any]) -> Any:
+    """``{"__float__": "Infinity"}`` (and ``-Infinity``, ``NaN``), as transformers 5 writes
+    non-finite floats into config.json, back to the float; any other object unchanged."""
+    if set(obj) == {FLOAT_TAG_KEY} and obj[FLOAT_TAG_KEY] in FLOAT_TAG_VALUES:
+        return FLOAT_TAG_VALUES[obj[FLOAT_TAG_KEY]]
+    return obj
+
+
+def parse_hf_config(text: str) -> dict[str, Any]:
+    """A config.json text as a dict, as any transformers version writes it: non-finite floats
+    either bare (``Infinity``, older versions) or tagged (``{"__float__": "Infinity"}``, 5.x).
+    Nested rope settings (``rope_parameters``) stay nested; ``get_rope_parameters`` reads both
+    spellings."""
+    config = json.loads(text, object_hook=_decode_special_float)
+    if not isinstance(config, dict):
+        raise ValueError(f"config.json must hold a JSON object, not {type(config).__name__}")
+    return config
+
+
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
-    """The ``config.json`` dict of an HF-format directory."""
+    """The ``config.json`` dict of an HF-format directory (see ``parse_hf_config``)."""
     path = Path(model_dir) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} not found: pass a preset name or a directory in HF format "
+            f"{path} not found: pass a preset name, a *.gguf file or a directory in HF format "
             "(config.json + *.safetensors)"
         )
-    return read_json_file(path)
+    try:
+        return parse_hf_config(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); fix or re-download it") from None
 
 
 def read_json_file(path: Path) -> Any:
@@ -139,9 +167,7 @@ def read_json_file(path: Path) -> Any:
     try:
         return json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(
-            f"{path} is not valid JSON ({error}); fix or re-download the file"
-        ) from None
+        raise ValueError(f"{path} is not valid JSON ({error}); fix or re-download it") from None
 
 
 def hf_weight_files(model_dir: str | Path) -> list[Path]:
@@ -392,17 +418,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
 
 
 def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
-    """The model of ``config`` on ``device``: random weights for a preset, else the checkpoint's."""
-    model_config = config.model_config
+    """The model of ``config`` on ``device``: random weights for a preset, else the checkpoint's
+    (an HF directory or a GGUF file, see ``sources.checkpoint_weights``)."""
+    # Imported here: sources imports this module (the HF-directory readers).
+    from pieceworks.models.sources import checkpoint_weights
+
     model = initialize_model(config, device)
-    if is_preset(model_config.model):
-        dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
-        weights = random_hf_weights(
-            model_config.hf_config, seed=model_config.seed, dtype=dtype, device=device
-        )
-    else:
-        weights = hf_weights_iterator(model_config.model)
-    load_weights(model, weights)
+    load_weights(model, checkpoint_weights(config.model_config, device))
     process_weights_after_loading(model)
     return model.eval()
 

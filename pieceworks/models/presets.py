@@ -94,6 +94,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048,
         tie_word_embeddings=True,
     ),
+    # SmolLM2-135M-Instruct's shape (the trained model is ``smollm2-135m``, models/sources.py):
+    # the GPU benchmarks' model, as the GGUF file is not carried to the GPU machine.
+    "smollm2-135m-random": _llama_config(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
     # meta-llama/Llama-3.1-8B config.json.
     "llama-3.1-8b": _llama_config(
         hidden_size=4096,
