@@ -4,7 +4,8 @@
 pickle, no weights, a missing shard, empty, truncated or garbage safetensors, config.json that
 does not parse or lacks a size, an unimplemented activation), bad ``--compilation-config`` values,
 ``--max-model-len 0``, bad prompts and sampling values (refused before the model is built) and a
-``--tensor-parallel-size`` the heads cannot be split over (refused before any rank starts). Each
+``--tensor-parallel-size`` the heads cannot be split over (refused before any rank starts), a GGUF
+file that does not parse, and the errors that were clear already (limits, unknown model). Each
 gives exit status 2 and one line naming the file, field or flag; ``--debug`` raises instead; the
 same command on a good directory still answers.
 Run: pytest tests/entrypoints/test_cli_errors.py
@@ -199,3 +200,43 @@ def test_debug_shows_the_traceback(capsys, position):
     argv = ["--debug", *argv] if position == "first" else [*argv, "--debug"]
     with pytest.raises(ValueError, match="max_model_len=0"):
         main(argv)
+
+
+@pytest.mark.parametrize(
+    "content", [b"garbage", b"GGUF\x03\x00\x00\x00" + b"\xff" * 40], ids=["garbage", "truncated"]
+)
+def test_a_gguf_file_that_does_not_parse(capsys, tmp_path, content):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    expect_error(capsys, generate(path, "1,2"), f"{path} is not a readable GGUF file")
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragments"),
+    [
+        (["--max-model-len", "100000"], ["max_model_len=100000 exceeds", "=2048"]),
+        (["--block-size", "3"], ["block_size=3 must be a power of two"]),
+        (["--gpu-memory-utilization", "2"], ["gpu_memory_utilization=2.0 must be in (0, 1]"]),
+        (["--max-num-batched-tokens", "1"], ["max_num_batched_tokens=1 is below max_num_seqs"]),
+        (
+            ["--max-model-len", "8", "--max-tokens", "4", "1,2,3,4,5,6,7"],
+            ["exceeds max_model_len=8"],
+        ),
+        (["1,2,999"], ["prompt 0: token id 999 at position 2 is outside"]),
+        (["--text", "hello"], ["prompt 0 is text, which needs a tokenizer"]),
+    ],
+)
+def test_errors_that_were_already_clear_stay_one_line(capsys, extra, fragments):
+    prompt = [] if any("," in arg or arg == "hello" for arg in extra) else ["1,2"]
+    expect_error(
+        capsys, ["generate", "--model", "llama-tiny", "-O", "0", *extra, *prompt], *fragments
+    )
+
+
+def test_unknown_model_names_lists_the_presets(capsys):
+    expect_error(capsys, ["generate", "--model", "no-such-model", "1,2"], "llama-tiny", "*.gguf")
+
+
+def test_fp8_on_an_architecture_without_it(capsys):
+    argv = ["generate", "--model", "bamba-tiny", "-O", "0", "--quantization", "fp8", "1,2"]
+    expect_error(capsys, argv, "quantization='fp8' is implemented for LlamaForCausalLM")
