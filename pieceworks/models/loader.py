@@ -341,13 +341,11 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names
 
 
-def check_checkpoint_tensor(name: str, tensor: torch.Tensor) -> None:
-    """A ``WeightLoadingError`` naming the tensor unless it is floating point and all finite.
+def check_checkpoint_dtype(name: str, tensor: torch.Tensor) -> None:
+    """A ``WeightLoadingError`` naming the tensor unless its dtype is floating point.
 
-    Integer and bool tensors would be cast silently into the float parameters (a quantized
-    checkpoint's packed ints, a mask), and a NaN or infinity in any weight poisons every logit
-    it reaches. Finiteness is one reduction over the tensor (``non_finite_count`` adds no copy
-    of it); the rare non-finite sum is then counted exactly, chunk by chunk.
+    An integer or bool tensor (a quantized checkpoint's packed ints, a mask) would otherwise be
+    cast silently into the float parameter. Reads no data.
     """
     if not tensor.is_floating_point():
         raise WeightLoadingError(
@@ -357,49 +355,68 @@ def check_checkpoint_tensor(name: str, tensor: torch.Tensor) -> None:
             "unquantized model, optionally with quantization='fp8')",
             tensor_name=name,
         )
-    num_bad = non_finite_count(tensor)
-    if num_bad:
-        raise WeightLoadingError(
-            f"checkpoint tensor {name!r} holds {num_bad} NaN or infinite value(s) of "
-            f"{tensor.numel()}; the checkpoint is damaged: re-download or re-save it",
-            tensor_name=name,
-        )
 
 
 NON_FINITE_CHUNK = 1 << 22  # elements per exact-count chunk (a 4 MiB mask at most)
 
 
 def non_finite_count(tensor: torch.Tensor) -> int:
-    """How many elements of a floating-point tensor are NaN or infinite.
-
-    A float32 sum is finite exactly when every element is, barring overflow of the sum itself;
-    only when it is not does the exact count run, over chunks so the mask stays small.
-    """
-    if tensor.numel() == 0:
-        return 0
-    flat = tensor.reshape(-1)
-    if tensor.element_size() > 1:  # float8 is always counted exactly, upcast chunk by chunk
-        if torch.isfinite(flat.sum(dtype=torch.float32)):
-            return 0
+    """How many elements of a floating-point tensor are NaN or infinite (counted in chunks, so
+    the mask stays small; float8 chunks are upcast, having no ``isfinite`` of their own)."""
     count = 0
-    for chunk in flat.split(NON_FINITE_CHUNK):
+    for chunk in tensor.detach().reshape(-1).split(NON_FINITE_CHUNK):
         chunk = chunk.float() if chunk.element_size() == 1 else chunk
         count += int(chunk.numel() - torch.isfinite(chunk).sum())
     return count
+
+
+def check_parameters_finite(model: nn.Module) -> None:
+    """A ``WeightLoadingError`` naming the checkpoint tensors of any loaded parameter that holds
+    NaN or infinity (one would poison every logit it reaches).
+
+    Runs once after loading, where the parameters live (on an accelerator, at its bandwidth):
+    one ``aminmax`` per parameter, which NaN and infinities propagate to, and one host sync for
+    all of them; only a bad parameter is then counted exactly.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.numel() and p.is_floating_point()]
+    flags = []
+    for _, param in named:
+        if param.element_size() == 1:  # float8 has no aminmax
+            flags.append(torch.tensor(non_finite_count(param) > 0, device=param.device))
+            continue
+        low, high = torch.aminmax(param.detach())
+        flags.append(~(torch.isfinite(low) & torch.isfinite(high)))
+    if not flags:
+        return
+    bad = [name for (name, _), flag in zip(named, torch.stack(flags).tolist()) if flag]
+    if not bad:
+        return
+    params = dict(named)
+    sources = _unpack_param_name(bad[0], getattr(model, "packed_modules_mapping", {}))
+    shown = ", ".join(map(repr, sources))
+    into = "" if sources == [bad[0]] else f" (loaded into {bad[0]!r})"
+    others = f"; {len(bad) - 1} more parameter(s) too: {_preview(bad[1:], 5)}" if bad[1:] else ""
+    raise WeightLoadingError(
+        f"checkpoint tensor {shown}{into} holds {non_finite_count(params[bad[0]])} NaN or "
+        f"infinite value(s) of {params[bad[0]].numel()}{others}; the checkpoint is damaged: "
+        "re-download or re-save it",
+        tensor_name=sources[0],
+    )
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Feed ``weights`` to ``model.load_weights`` and check that nothing is missing.
 
     Returns the checkpoint names consumed. Raises ``WeightLoadingError`` naming the tensor for an
-    unexpected or mis-shaped tensor, and listing every missing one.
+    unexpected, mis-shaped or non-float tensor, listing every missing one, and naming the
+    tensors of a parameter that holds NaN or infinity.
     """
     seen: list[str] = []
 
     def tracked() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             seen.append(name)
-            check_checkpoint_tensor(name, tensor)
+            check_checkpoint_dtype(name, tensor)
             yield name, tensor
 
     try:
@@ -414,6 +431,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             f"the checkpoint lacks {len(missing)} tensor(s) that {type(model).__name__} needs: "
             f"{_preview(missing)}"
         )
+    check_parameters_finite(model)
     return set(seen)
 
 

@@ -7,7 +7,8 @@ field, its value and what is supported, through ``LLM`` before anything is built
 fields (biases, linear rope, ``pretraining_tp``, a non-default eps) give HF's logits; a
 tensor-parallel size the heads cannot be split over is refused before any rank starts; a weight
 with NaN or infinity, or of an integer or bool dtype, is a ``WeightLoadingError`` naming the
-tensor; ``non_finite_count`` is exact (float8 included) and not fooled by a sum that overflows.
+tensor (the q, k and v tensors of a merged qkv parameter); ``non_finite_count`` is exact (float8
+included).
 Run: pytest tests/models/test_config_checks.py
 """
 
@@ -167,6 +168,19 @@ DAMAGED = [
 ]
 
 
+def test_a_nan_in_a_merged_parameter_names_its_checkpoint_tensors(tmp_path):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    path = _saved(tmp_path, LLAMA, _set(name, lambda w: w.index_fill(1, torch.tensor([2]), 1e999)))
+    prefix = "model.layers.1.self_attn"
+    with pytest.raises(WeightLoadingError) as error:
+        LLM(path, compilation_config={"level": 0}, dtype="float32")
+    assert (
+        f"checkpoint tensor '{prefix}.q_proj.weight', '{prefix}.k_proj.weight', "
+        f"'{prefix}.v_proj.weight' (loaded into '{prefix}.qkv_proj.weight') holds 32 NaN or "
+        "infinite value(s)"
+    ) in str(error.value)
+
+
 @pytest.mark.parametrize(("edit", "message"), DAMAGED)
 def test_damaged_weights_are_refused_naming_the_tensor(tmp_path, edit, message):
     path = _saved(tmp_path, LLAMA, edit)
@@ -185,7 +199,7 @@ def test_the_same_checkpoint_undamaged_loads_and_serves(tmp_path):
 def test_non_finite_count_is_exact():
     values = torch.tensor([1.0, float("nan"), float("-inf"), 2.0])
     assert non_finite_count(values) == 2
-    assert non_finite_count(torch.full((3,), 3e38)) == 0  # the float32 sum overflows; all finite
+    assert non_finite_count(torch.full((3,), 3e38)) == 0  # large but finite
     assert non_finite_count(torch.zeros(0)) == 0
     assert non_finite_count(values.to(torch.bfloat16)) == 2
     fp8 = torch.tensor([1.0, float("nan"), 2.0]).to(torch.float8_e5m2)
