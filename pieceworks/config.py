@@ -66,6 +66,13 @@ class ModelConfig:
                 f"{self.architecture}; run it unquantized (quantization=None)"
             )
         limit = self.hf_config.get("max_position_embeddings")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
+            raise ValueError(
+                f"max_model_len={self.max_model_len!r} must be a positive integer (tokens of "
+                "prompt plus output per request); raise --max-model-len or leave it unset"
+            )
         if self.max_model_len is None:
             self.max_model_len = min(limit or 2048, 8192)
         elif limit is not None and self.max_model_len > limit:

@@ -8,6 +8,7 @@ Names follow vLLM's ``compilation/config.py`` so that a vLLM user maps them one 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import enum
 from typing import Any
@@ -54,6 +55,21 @@ class CUDAGraphMode(enum.Enum):
 
     def has_piecewise_cudagraphs(self) -> bool:
         return CUDAGraphMode.PIECEWISE in (self.decode_mode(), self.mixed_mode())
+
+
+def _parse_enum(enum_cls: Any, value: Any, field: str) -> Any:
+    """``value`` as a member of ``enum_cls``: a member, its name (any case) or its int value."""
+    if value is None or isinstance(value, enum_cls):
+        return value
+    if isinstance(value, str) and value.upper() in enum_cls.__members__:
+        return enum_cls[value.upper()]
+    if isinstance(value, int) and not isinstance(value, bool):
+        with contextlib.suppress(ValueError):
+            return enum_cls(value)
+    choices = ", ".join(
+        f"{m.value} ({m.name})" if isinstance(m.value, int) else m.name for m in enum_cls
+    )
+    raise ValueError(f"CompilationConfig.{field}={value!r} is not valid; use one of: {choices}")
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -106,10 +122,32 @@ class CompilationConfig:
     # Filled by finalize_capture_sizes(); not user fields.
     _pad_table: list[int] = dataclasses.field(default_factory=list, repr=False)
 
+    @classmethod
+    def from_fields(cls, fields: Any) -> CompilationConfig:
+        """A config from a dict of field names (``--compilation-config`` JSON, ``LLM(...)``).
+
+        Anything but a dict, or a name that is not a field, is a ``ValueError`` that lists the
+        fields.
+        """
+        names = [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
+        names.remove("static_forward_context")
+        if not isinstance(fields, dict):
+            raise ValueError(
+                f"the compilation config must be a JSON object / dict of CompilationConfig "
+                f'fields (e.g. {{"level": 3}}), not {type(fields).__name__} {fields!r}; '
+                f"fields: {', '.join(names)}"
+            )
+        unknown = sorted(set(fields) - set(names))
+        if unknown:
+            raise ValueError(
+                f"unknown CompilationConfig field(s) {', '.join(map(repr, unknown))}; "
+                f"valid fields: {', '.join(names)}"
+            )
+        return cls(**fields)
+
     def __post_init__(self) -> None:
-        self.level = CompilationLevel(self.level)
-        if isinstance(self.cudagraph_mode, str):
-            self.cudagraph_mode = CUDAGraphMode[self.cudagraph_mode.upper()]
+        self.level = _parse_enum(CompilationLevel, self.level, "level")
+        self.cudagraph_mode = _parse_enum(CUDAGraphMode, self.cudagraph_mode, "cudagraph_mode")
         if isinstance(self.pass_config, dict):
             self.pass_config = PassConfig(**self.pass_config)
         if self.backend not in (None, "inductor", "eager"):

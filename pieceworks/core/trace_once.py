@@ -6,6 +6,15 @@ call and runs it directly: Dynamo's frame evaluation and guards never run again,
 re-checked and nothing recompiles. That is safe because the runner keeps shapes inside the traced
 dynamic dims and never changes which arguments are None. Level 1 is plain ``torch.compile``
 (guards and recompiles allowed) and level 0 plain eager.
+
+The trace is isolated from whatever else the process traced. Dynamo keeps per-code-object state
+("automatic dynamic shapes"): when the same ``forward`` code is traced again with a different
+value of some integer or size (a second model of another shape: ``q_size``, ``num_heads``,
+``variance_epsilon``), it marks that value dynamic. Every instance of a model class shares its
+``forward`` code, so the second and later models of a process would trace model constants as
+symbols: different graphs from those a fresh process traces, and compile-cache artifacts that
+do not match their entries. The trace therefore runs with automatic dynamic shapes off, so only
+the dims declared by ``support_torch_compile`` are dynamic and every other value is a constant.
 """
 
 from __future__ import annotations
@@ -84,7 +93,8 @@ class TraceOnceCompiler:
             torch._dynamo.eval_frame.remove_from_cache(self.original_code)
         handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
         try:
-            output = self.compiled_callable(*args, **kwargs)
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                output = self.compiled_callable(*args, **kwargs)
         finally:
             handle.remove()
         if self.uses_bytecode_dispatch:

@@ -7,6 +7,7 @@ call; unknown arguments are an error that lists the known ones.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from pieceworks.config import (
@@ -17,6 +18,8 @@ from pieceworks.config import (
     SchedulerConfig,
 )
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
+from pieceworks.models.config_checks import check_hf_config, check_tensor_parallel
+from pieceworks.models.presets import is_preset
 from pieceworks.models.sources import model_hf_config
 
 
@@ -45,14 +48,21 @@ def resolve_hf_config(model: str) -> dict[str, Any]:
     return model_hf_config(model)
 
 
+def config_source(model: str) -> str:
+    """Where a model's config comes from, as error messages name it."""
+    if is_preset(model):
+        return f"preset {model!r}"
+    return os.path.join(model, "config.json") if os.path.isdir(model) else model
+
+
 def _compilation(compilation_config: Any, enforce_eager: bool) -> CompilationConfig:
     if isinstance(compilation_config, CompilationConfig):
         # A copy: engines never share the layers each registers, nor the sizes each finalises.
         config = dataclasses.replace(compilation_config, static_forward_context={}, _pad_table=[])
-    elif isinstance(compilation_config, int):
-        config = CompilationConfig(level=CompilationLevel(compilation_config))
+    elif isinstance(compilation_config, int) and not isinstance(compilation_config, bool):
+        config = CompilationConfig.from_fields({"level": compilation_config})
     else:
-        config = CompilationConfig(**(compilation_config or {}))
+        config = CompilationConfig.from_fields(compilation_config or {})
     if enforce_eager:  # vLLM's meaning: no compilation, no graphs
         config.level, config.cudagraph_mode = CompilationLevel.NO_COMPILATION, CUDAGraphMode.NONE
     return config
@@ -67,6 +77,8 @@ def build_engine_config(
         raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
     args = EngineArgs(**engine_args)
     hf_config = resolve_hf_config(model)
+    check_hf_config(hf_config, source=config_source(model))
+    check_tensor_parallel(hf_config, args.tensor_parallel_size, config_source(model))
     model_config = ModelConfig(
         model=model,
         hf_config=hf_config,

@@ -182,9 +182,9 @@ class MultiprocExecutor(UniprocExecutor):
             failure = self._worker_failure()
             self._stop_workers()
             destroy_distributed_environment()  # this process can build another engine after
-            if failure is not None:
+            if failure is not None and not isinstance(error, ValueError):
                 raise RuntimeError(f"tensor-parallel start-up failed on {failure}") from error
-            raise
+            raise  # rank 0's own error; a config or checkpoint error is every rank's, said once
         self._released: list[str] = []
         atexit.register(self.shutdown)
 

@@ -1,8 +1,11 @@
 """``LLM``: the offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``.
 
-Prompts are lists of token ids, or strings when the model directory has a tokenizer. Results come
-back one per prompt, in prompt order, as ``RequestOutput`` with ``outputs[i].token_ids``,
-``.text`` (with a tokenizer), ``.logprobs`` and ``.finish_reason`` (``output_processor``).
+Prompts are lists of token ids, strings when the model has a tokenizer, or vLLM's
+``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``; every prompt and parameter is checked
+before any request is queued (``engine/inputs.py``), so an error leaves the engine as it was.
+Results come back one per prompt, in prompt order, as ``RequestOutput`` with
+``outputs[i].token_ids``, ``.text`` (with a tokenizer), ``.logprobs`` and ``.finish_reason``
+(``output_processor``).
 ``stream`` yields each completion's new text as it decodes; ``chat`` applies the tokenizer's
 chat template to conversations first.
 """
@@ -13,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pieceworks.engine.arg_utils import build_engine_config
+from pieceworks.engine.inputs import parse_prompts, sampling_params_for
 from pieceworks.engine.llm_engine import LLMEngine
 from pieceworks.engine.output_processor import (
     CompletionDelta,
@@ -26,7 +30,6 @@ from pieceworks.engine.tokenizer import load_tokenizer
 
 __all__ = ["LLM", "CompletionDelta", "CompletionOutput", "Logprob", "RequestOutput"]
 
-Prompt = str | Sequence[int]
 Conversation = list[dict[str, Any]]
 
 
@@ -37,30 +40,25 @@ class LLM:
         self.tokenizer = load_tokenizer(model, engine_args.get("tokenizer"))
         self.processor = OutputProcessor(self.engine, self.tokenizer)
 
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "string prompts need a tokenizer; this model has none (presets "
-                    "have random weights): pass lists of token ids instead"
-                )
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
-
     def generate(
         self,
-        prompts: Sequence[Prompt] | str,
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results in prompt order."""
+        """Generate for every prompt; results in prompt order. An interrupted call (an error,
+        Ctrl-C) aborts its own requests, so none is left queued for the next call to run."""
         request_ids = self._add_requests(prompts, sampling_params)
-        while self.processor.has_unfinished_requests():
-            self.processor.step(stream=False)
+        try:
+            while self.processor.has_unfinished_requests():
+                self.processor.step(stream=False)
+        except BaseException:
+            self._abort_unfinished(request_ids)
+            raise
         return [self.processor.get_output(rid, forget=True) for rid in request_ids]
 
     def stream(
         self,
-        prompts: Sequence[Prompt] | str,
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[CompletionDelta]:
         """Generate, yielding each completion's new tokens and text as steps come back.
@@ -74,11 +72,7 @@ class LLM:
             while self.processor.has_unfinished_requests():
                 yield from self.processor.step()
         finally:
-            for request_id in request_ids:
-                if not self.processor.get_output(request_id).finished:
-                    self.processor.abort_request(request_id)
-                else:
-                    self.processor.get_output(request_id, forget=True)
+            self._abort_unfinished(request_ids)
 
     def chat(
         self,
@@ -122,21 +116,27 @@ class LLM:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _add_requests(
-        self,
-        prompts: Sequence[Prompt] | str,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[str]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        encoded = [self._encode(prompt) for prompt in prompts]
+        """Queue every prompt's completions, all or none: prompts, parameters, lengths and KV
+        capacity are checked for every prompt before the first is queued."""
+        encode = self.tokenizer.encode if self.tokenizer is not None else None
+        vocab_size = self.config.model_config.hf_config.get("vocab_size")
+        parsed = parse_prompts(prompts, encode=encode, vocab_size=vocab_size)
+        params_list = sampling_params_for(sampling_params, len(parsed))
+        self.engine.check_requests([p.token_ids for p in parsed], params_list)
         return [
-            self.processor.add_request(ids, p, prompt=text)
-            for (text, ids), p in zip(encoded, params_list)
+            self.processor.add_request(prompt.token_ids, params, prompt=prompt.text)
+            for prompt, params in zip(parsed, params_list)
         ]
+
+    def _abort_unfinished(self, request_ids: list[str]) -> None:
+        """Abort the prompts of ``request_ids`` still running and forget the finished ones."""
+        for request_id in request_ids:
+            if self.processor.get_output(request_id).finished:
+                self.processor.get_output(request_id, forget=True)
+            elif not self.engine.is_shut_down:
+                self.processor.abort_request(request_id)
 
     def shutdown(self) -> None:
         """Free the captured graphs, stop tensor-parallel workers and free the process group

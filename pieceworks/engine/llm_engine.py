@@ -56,17 +56,44 @@ class LLMEngine:
     ) -> Request:
         """Queue a request; one that can never fit raises ValueError saying why."""
         self._check_running()
+        request = self._make_request(prompt_token_ids, params, request_id)
+        self.scheduler.add_request(request)
+        return request
+
+    def add_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
+        """Queue several requests, all or none: every one is checked (vocabulary, length, KV
+        capacity) before the first is queued, so a refused one leaves the engine as it was."""
+        requests = self.check_requests(prompts, params)
+        for request in requests:
+            self.scheduler.add_request(request)
+        return requests
+
+    def check_requests(
+        self, prompts: list[list[int]], params: list[SamplingParams]
+    ) -> list[Request]:
+        """The requests ``add_requests`` would queue, each checked (vocabulary, length, KV
+        capacity) with the prompt's index in the error; nothing is queued."""
+        self._check_running()
+        requests = [self._make_request(ids, p, None) for ids, p in zip(prompts, params)]
+        for index, request in enumerate(requests):
+            try:
+                self.scheduler.check_request(request)
+            except ValueError as error:
+                raise ValueError(f"prompt {index}: {error}") from None
+        return requests
+
+    def _make_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None
+    ) -> Request:
         vocab_size = self.config.model_config.hf_config.get("vocab_size")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
-        request = Request(
+        return Request(
             request_id=request_id or str(next(self._request_ids)),
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_id=self.eos_token_id,
         )
-        self.scheduler.add_request(request)
-        return request
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a queued or running request now, with ``finish_reason`` "abort", freeing its KV
@@ -118,6 +145,10 @@ class LLMEngine:
         for request in finished:
             self.executor.release(request.request_id)
         return finished
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._shut_down
 
     def _check_running(self) -> None:
         if self._shut_down:

@@ -37,7 +37,7 @@ def compilation_for_mode(mode: str, base: dict | None = None) -> CompilationConf
     level, graph_mode = MODES[mode]
     fields = dict(base or {})
     fields.update(level=level, cudagraph_mode=graph_mode)
-    return CompilationConfig(**fields)
+    return CompilationConfig.from_fields(fields)
 
 
 def default_modes(has_static_graphs: bool) -> list[str]:

@@ -164,6 +164,10 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def check_request(self, request: Request) -> None:
+        """Raise the ``ValueError`` that ``add_request`` would, queuing nothing."""
+        self._verify_request(request)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 

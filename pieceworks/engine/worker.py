@@ -42,10 +42,12 @@ def run_worker(
             timeout=dist_timeout(),
         )
         runner = start_rank(config, runner_cls)
-    except BaseException:
+    except BaseException as error:
         trace = traceback.format_exc()
         # Printed here too: rank 0 may be blocked in a device collective and learn of it late.
-        logger.error("tensor-parallel rank %d failed at start-up:\n%s", parallel.rank, trace)
+        # A ValueError (a config or checkpoint error, which rank 0 reports itself) in one line.
+        shown = str(error) if isinstance(error, ValueError) else trace
+        logger.error("tensor-parallel rank %d failed at start-up: %s", parallel.rank, shown)
         errors.put((parallel.rank, trace))
         errors.close()
         errors.join_thread()  # the report is out before the process goes

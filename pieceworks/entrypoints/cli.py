@@ -26,6 +26,7 @@ def cmd_platforms(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pieceworks", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("platforms", help="show the platforms probed and the one chosen").set_defaults(
         func=cmd_platforms
@@ -38,13 +39,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a user's input can raise: a bad flag, config, checkpoint file or prompt. Anything else is
+# a bug in pieceworks and keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, RuntimeError, OSError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one subcommand; a user error is one ``error:`` line on stderr and exit status 2
+    (``--debug``, anywhere on the command line, shows its traceback instead)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    args = build_parser().parse_args([arg for arg in argv if arg != "--debug"])
     try:
         return args.func(args)
-    except (ValueError, RuntimeError, TypeError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except USER_ERRORS as error:
+        if debug:
+            raise
+        print(f"error: {one_line(error)} (--debug shows the traceback)", file=sys.stderr)
         return 2
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (an OSError without its own message names its file)."""
+    text = str(error) or type(error).__name__
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -41,10 +41,27 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None) 
     )
     parser.add_argument(
         "--compilation-config",
-        type=json.loads,
         default=None,
-        help="CompilationConfig fields as JSON",
+        help="""CompilationConfig fields as a JSON object, e.g. '{"level": 3}'""",
     )
+
+
+def compilation_config_json(text: str) -> dict[str, Any]:
+    """``--compilation-config``: a JSON object (its fields are checked by CompilationConfig)."""
+    example = """'{"level": 3, "cudagraph_mode": "PIECEWISE"}'"""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"--compilation-config {text!r} is not valid JSON ({error}); pass an object such "
+            f"as {example}"
+        ) from None
+    if not isinstance(fields, dict):
+        raise ValueError(
+            f"--compilation-config {text!r} is a JSON {type(fields).__name__}, not an object of "
+            f"CompilationConfig fields; pass an object such as {example}"
+        )
+    return fields
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -58,7 +75,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compilation_fields(args: argparse.Namespace) -> dict[str, Any]:
-    fields = dict(args.compilation_config or {})
+    fields = compilation_config_json(args.compilation_config) if args.compilation_config else {}
     if args.level is not None:
         fields["level"] = args.level
     return fields

@@ -23,23 +23,44 @@ from pieceworks.entrypoints.engine_args import (
 )
 
 
-def parse_token_ids(prompt: str) -> list[int]:
-    """``"1,2,3"`` -> ``[1, 2, 3]``; a clear error for anything else."""
-    try:
-        return [int(token) for token in prompt.split(",")]
-    except ValueError:
+def parse_token_ids(prompt: str, index: int) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]``; a clear error naming the prompt for anything else."""
+    pieces = [piece.strip() for piece in prompt.split(",")]
+    if not all(piece.lstrip("-").isdigit() for piece in pieces):
         raise ValueError(
-            f"prompt {prompt!r} is not comma-separated token ids; this model has no tokenizer "
-            "(presets have random weights), so prompts must be ids like 1,2,3"
-        ) from None
+            f"prompt {index} {prompt!r} is not comma-separated token ids such as 1,2,3 (the "
+            "model has no tokenizer, or --token-ids was given)"
+        )
+    return [int(piece) for piece in pieces]
+
+
+def check_text(prompt: str, index: int) -> str:
+    """A command-line text prompt; it must not be empty."""
+    if not prompt.strip():
+        raise ValueError(f"prompt {index} is empty; pass some text")
+    return prompt
+
+
+def early_token_ids(args: argparse.Namespace) -> list[list[int]] | None:
+    """The prompts as token ids, parsed before the model is built where that is already known
+    (``--token-ids``, or a preset, which has no tokenizer); None when they may be text. Empty
+    prompts are refused either way."""
+    from pieceworks.models.presets import is_preset
+
+    texts = [check_text(prompt, index) for index, prompt in enumerate(args.prompts)]
+    if not (args.token_ids or is_preset(args.model)):
+        return None
+    if args.chat:
+        raise ValueError("--chat needs a model with a tokenizer and chat template")
+    return [parse_token_ids(text, index) for index, text in enumerate(texts)]
 
 
 def build_prompts(llm: Any, args: argparse.Namespace) -> list[Any]:
     """The prompts as ``LLM.generate`` takes them: token ids, text, or chat-templated ids."""
-    if args.token_ids or llm.tokenizer is None:
+    if llm.tokenizer is None:
         if args.chat:
             raise ValueError("--chat needs a model with a tokenizer and chat template")
-        return [parse_token_ids(prompt) for prompt in args.prompts]
+        return [parse_token_ids(prompt, index) for index, prompt in enumerate(args.prompts)]
     has_template = bool(getattr(llm.tokenizer, "chat_template", None))
     use_chat = has_template if args.chat is None else args.chat
     if not use_chat:
@@ -51,9 +72,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Generate for every prompt and print each completion (its text, or its token ids)."""
     from pieceworks.engine.llm import LLM
 
+    params = sampling_params(args)  # checked before the model is built
+    token_ids = early_token_ids(args)
     llm = LLM(args.model, compilation_config=compilation_fields(args) or None, **engine_args(args))
-    prompts = build_prompts(llm, args)
-    for output in llm.generate(prompts, sampling_params(args)):
+    prompts = token_ids if token_ids is not None else build_prompts(llm, args)
+    for output in llm.generate(prompts, params):
         for completion in output.outputs:
             shown = completion.text if completion.text is not None else completion.token_ids
             label = (

@@ -79,7 +79,13 @@ def open_gguf(path: str | Path) -> GGUFReader:
     resolved = Path(path).resolve()
     if not resolved.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    return _cached_reader(str(resolved), resolved.stat().st_mtime_ns)
+    try:
+        return _cached_reader(str(resolved), resolved.stat().st_mtime_ns)
+    except (ValueError, OSError, IndexError) as error:  # gguf's parse errors are ValueErrors
+        raise GGUFMetadataError(
+            f"{path} is not a readable GGUF file ({error}); it may be truncated or not a GGUF "
+            "model: re-download or re-convert it"
+        ) from None
 
 
 def metadata_value(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 CONFIG_NAME = "config.json"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # weights saved with torch.save, which pieceworks refuses
 # Buffers some HF checkpoints carry that pieceworks recomputes (vLLM skips the same names).
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 # transformers 5 writes non-finite floats as {"__float__": "Infinity"} (standard JSON has none).
@@ -154,7 +155,19 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
             f"{path} not found: pass a preset name, a *.gguf file or a directory in HF format "
             "(config.json + *.safetensors)"
         )
-    return parse_hf_config(path.read_text())
+    try:
+        return parse_hf_config(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); fix or re-download it") from None
+
+
+def read_json_file(path: Path) -> Any:
+    """A JSON file's content; a ``ValueError`` naming the file and the position if it does not
+    parse."""
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); fix or re-download it") from None
 
 
 def hf_weight_files(model_dir: str | Path) -> list[Path]:
@@ -162,7 +175,12 @@ def hf_weight_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index_path = model_dir / SAFE_WEIGHTS_INDEX_NAME
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        weight_map = read_json_file(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightLoadingError(
+                f"{index_path} has no 'weight_map' of tensor names to shard files; re-save "
+                "the checkpoint"
+            )
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         absent = [str(path) for path in files if not path.is_file()]
         if absent:
@@ -170,9 +188,11 @@ def hf_weight_files(model_dir: str | Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
+        pickles = sorted(p.name for p in model_dir.glob("*") if p.suffix in PICKLE_SUFFIXES)
+        found = f" (found {', '.join(pickles)}: PyTorch pickles, not read)" if pickles else ""
         raise FileNotFoundError(
-            f"{model_dir} has no *.safetensors weights; pieceworks reads safetensors only "
-            "(re-save the model with save_pretrained(..., safe_serialization=True))"
+            f"{model_dir} has no *.safetensors weights{found}; pieceworks reads safetensors "
+            "only: re-save the model with save_pretrained(..., safe_serialization=True)"
         )
     return files
 
@@ -182,7 +202,14 @@ def hf_weights_iterator(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
     from safetensors import safe_open
 
     for path in hf_weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as shard:
+        try:
+            shard = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as error:  # safetensors raises its own SafetensorError (and OSError)
+            raise WeightLoadingError(
+                f"{path} is not a readable safetensors file ({error}); it may be truncated or "
+                "not a checkpoint: re-download or re-save it"
+            ) from None
+        with shard:
             for name in shard.keys():
                 yield name, shard.get_tensor(name)
 
@@ -314,17 +341,82 @@ def expected_checkpoint_names(model: nn.Module) -> set[str]:
     return names
 
 
+def check_checkpoint_dtype(name: str, tensor: torch.Tensor) -> None:
+    """A ``WeightLoadingError`` naming the tensor unless its dtype is floating point.
+
+    An integer or bool tensor (a quantized checkpoint's packed ints, a mask) would otherwise be
+    cast silently into the float parameter. Reads no data.
+    """
+    if not tensor.is_floating_point():
+        raise WeightLoadingError(
+            f"checkpoint tensor {name!r} has dtype {str(tensor.dtype).removeprefix('torch.')}, "
+            "not a floating-point dtype; pieceworks loads float32 / bfloat16 / float16 "
+            "checkpoints (a quantized checkpoint, e.g. GPTQ or AWQ, is not supported: load the "
+            "unquantized model, optionally with quantization='fp8')",
+            tensor_name=name,
+        )
+
+
+NON_FINITE_CHUNK = 1 << 22  # elements per exact-count chunk (a 4 MiB mask at most)
+
+
+def non_finite_count(tensor: torch.Tensor) -> int:
+    """How many elements of a floating-point tensor are NaN or infinite (counted in chunks, so
+    the mask stays small; float8 chunks are upcast, having no ``isfinite`` of their own)."""
+    count = 0
+    for chunk in tensor.detach().reshape(-1).split(NON_FINITE_CHUNK):
+        chunk = chunk.float() if chunk.element_size() == 1 else chunk
+        count += int(chunk.numel() - torch.isfinite(chunk).sum())
+    return count
+
+
+def check_parameters_finite(model: nn.Module) -> None:
+    """A ``WeightLoadingError`` naming the checkpoint tensors of any loaded parameter that holds
+    NaN or infinity (one would poison every logit it reaches).
+
+    Runs once after loading, where the parameters live (on an accelerator, at its bandwidth):
+    one ``aminmax`` per parameter, which NaN and infinities propagate to, and one host sync for
+    all of them; only a bad parameter is then counted exactly.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.numel() and p.is_floating_point()]
+    flags = []
+    for _, param in named:
+        if param.element_size() == 1:  # float8 has no aminmax
+            flags.append(torch.tensor(non_finite_count(param) > 0, device=param.device))
+            continue
+        low, high = torch.aminmax(param.detach())
+        flags.append(~(torch.isfinite(low) & torch.isfinite(high)))
+    if not flags:
+        return
+    bad = [name for (name, _), flag in zip(named, torch.stack(flags).tolist()) if flag]
+    if not bad:
+        return
+    params = dict(named)
+    sources = _unpack_param_name(bad[0], getattr(model, "packed_modules_mapping", {}))
+    shown = ", ".join(map(repr, sources))
+    into = "" if sources == [bad[0]] else f" (loaded into {bad[0]!r})"
+    others = f"; {len(bad) - 1} more parameter(s) too: {_preview(bad[1:], 5)}" if bad[1:] else ""
+    raise WeightLoadingError(
+        f"checkpoint tensor {shown}{into} holds {non_finite_count(params[bad[0]])} NaN or "
+        f"infinite value(s) of {params[bad[0]].numel()}{others}; the checkpoint is damaged: "
+        "re-download or re-save it",
+        tensor_name=sources[0],
+    )
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Feed ``weights`` to ``model.load_weights`` and check that nothing is missing.
 
     Returns the checkpoint names consumed. Raises ``WeightLoadingError`` naming the tensor for an
-    unexpected or mis-shaped tensor, and listing every missing one.
+    unexpected, mis-shaped or non-float tensor, listing every missing one, and naming the
+    tensors of a parameter that holds NaN or infinity.
     """
     seen: list[str] = []
 
     def tracked() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             seen.append(name)
+            check_checkpoint_dtype(name, tensor)
             yield name, tensor
 
     try:
@@ -339,6 +431,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             f"the checkpoint lacks {len(missing)} tensor(s) that {type(model).__name__} needs: "
             f"{_preview(missing)}"
         )
+    check_parameters_finite(model)
     return set(seen)
 
 

@@ -1,0 +1,293 @@
+"""Which config.json fields each architecture implements, and the check that refuses the rest.
+
+A field that changes the computation is either implemented (and its value checked) or refused with
+the field, its value and the supported values, before anything is built or compiled: a config
+that pieceworks would run differently from HF transformers must fail, never load and give other
+logits. Each architecture has one table of ``FieldRule``s (``ARCHITECTURE_RULES``); fields the
+computation does not depend on (token ids, ``use_cache``, ``initializer_range``, training-only
+losses, output flags) are not listed and pass. ``docs/models.md`` lists the decisions.
+``check_hf_config`` is called by the engine when it builds the model config; this module reads no
+files and builds nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from pieceworks.models.layers.linear import divide, shard_or_replicate
+from pieceworks.models.layers.rotary_embedding import SUPPORTED_ROPE_TYPES, get_rope_parameters
+from pieceworks.models.registry import supported_architectures
+
+_REQUIRED = object()  # FieldRule.default of a field config.json must carry
+
+
+class ModelConfigError(ValueError):
+    """A config.json field pieceworks does not implement, or a value it cannot run."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any) -> bool:
+    return _is_int(value) and value > 0
+
+
+def _non_negative_number(value: Any) -> bool:
+    return _is_number(value) and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _one_of(*choices: Any) -> Callable[[Any], bool]:
+    return lambda value: value in choices
+
+
+def _neutral(*neutral: Any) -> Callable[[Any], bool]:
+    """For features pieceworks does not implement: only the values that switch them off pass."""
+    return lambda value: value is None or value in neutral
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldRule:
+    """One config.json field: which values are implemented (``supported`` says it in words)."""
+
+    name: str
+    accepts: Callable[[Any], bool]
+    supported: str
+    default: Any = None  # the value when the field is absent; _REQUIRED: it must be present
+
+
+def _size(name: str) -> FieldRule:
+    return FieldRule(name, _positive_int, "a positive integer", _REQUIRED)
+
+
+_DTYPE_NAMES = ("float32", "float", "bfloat16", "float16", "half")
+
+# Fields every supported architecture reads the same way.
+COMMON_RULES = [
+    _size("vocab_size"),
+    _size("hidden_size"),
+    _size("intermediate_size"),
+    _size("num_hidden_layers"),
+    _size("num_attention_heads"),
+    FieldRule("num_key_value_heads", _positive_int, "a positive integer dividing the heads"),
+    FieldRule("head_dim", _positive_int, "a positive integer (absent: hidden_size / heads)"),
+    FieldRule("hidden_act", _one_of("silu"), "'silu' (the MLP is silu(gate) * up)", "silu"),
+    FieldRule("attention_bias", _is_bool, "true or false (biases on q, k, v and o)", False),
+    FieldRule("mlp_bias", _is_bool, "true or false (biases on gate, up and down)", False),
+    FieldRule("rms_norm_eps", _non_negative_number, "a finite number >= 0", 1e-6),
+    FieldRule("max_position_embeddings", _positive_int, "a positive integer", 2048),
+    FieldRule("tie_word_embeddings", _is_bool, "true or false", False),
+    FieldRule("attention_dropout", _non_negative_number, "a number (no dropout at inference)", 0),
+    FieldRule("torch_dtype", _neutral(*_DTYPE_NAMES), ", ".join(_DTYPE_NAMES)),
+    FieldRule("dtype", _neutral(*_DTYPE_NAMES), ", ".join(_DTYPE_NAMES)),
+    # Features of other architectures that a Llama-shaped config may carry: refused unless off.
+    FieldRule("sliding_window", _neutral(), "null (pieceworks attends to the whole context)"),
+    FieldRule("use_sliding_window", _neutral(False), "false (full attention only)"),
+    FieldRule("final_logit_softcapping", _neutral(), "null (no logit soft-capping)"),
+    FieldRule("attn_logit_softcapping", _neutral(), "null (no attention soft-capping)"),
+    FieldRule("logit_scale", _neutral(1, 1.0), "null or 1.0 (no logit scaling)"),
+    FieldRule("logits_scaling", _neutral(1, 1.0), "null or 1.0 (no logit scaling)"),
+    FieldRule("embedding_multiplier", _neutral(1, 1.0), "null or 1.0"),
+    FieldRule("residual_multiplier", _neutral(1, 1.0), "null or 1.0"),
+    FieldRule("attention_multiplier", _neutral(), "null (attention scale is head_dim ** -0.5)"),
+    FieldRule("query_pre_attn_scalar", _neutral(), "null (attention scale is head_dim ** -0.5)"),
+    FieldRule(
+        "quantization_config",
+        _neutral(),
+        "null: load an unquantized checkpoint (pieceworks quantizes itself with "
+        "quantization='fp8')",
+    ),
+]
+
+LLAMA_RULES = [
+    *COMMON_RULES,
+    # HF's Llama computes the same result for every value: the slices are summed back.
+    FieldRule("pretraining_tp", _positive_int, "a positive integer (any value computes alike)", 1),
+]
+
+BAMBA_RULES = [
+    *COMMON_RULES,
+    _size("mamba_n_heads"),
+    _size("mamba_d_state"),
+    FieldRule(
+        "mamba_d_head",
+        lambda value: value == "auto" or _positive_int(value),
+        "'auto' or a positive integer",
+        "auto",
+    ),
+    FieldRule("mamba_n_groups", _positive_int, "a positive integer dividing mamba_n_heads", 1),
+    FieldRule("mamba_d_conv", _positive_int, "a positive integer", 4),
+    FieldRule("mamba_expand", lambda v: _is_number(v) and v > 0, "a positive number", 2),
+    FieldRule("mamba_chunk_size", _positive_int, "a positive integer (any value computes alike)"),
+    FieldRule("mamba_conv_bias", _is_bool, "true or false", True),
+    FieldRule("mamba_proj_bias", _is_bool, "true or false", False),
+    FieldRule(
+        "time_step_limit",
+        lambda value: (
+            isinstance(value, (list, tuple))
+            and len(value) == 2
+            and all(isinstance(v, (int, float)) and not math.isnan(v) for v in value)
+            and value[0] <= value[1]
+        ),
+        "a pair [low, high] with low <= high",
+    ),
+    FieldRule(
+        "attn_layer_indices",
+        lambda value: isinstance(value, list) and all(_is_int(i) for i in value),
+        "a list of layer indices",
+    ),
+]
+
+ARCHITECTURE_RULES: dict[str, list[FieldRule]] = {
+    "LlamaForCausalLM": LLAMA_RULES,
+    "BambaForCausalLM": BAMBA_RULES,
+}
+# Bamba rotates part of each head; HF's Llama rotates all of it.
+_PARTIAL_ROTARY = {"LlamaForCausalLM": False, "BambaForCausalLM": True}
+
+
+def architecture_of(hf_config: dict[str, Any], source: str) -> str:
+    """The first supported name in ``architectures``; an error naming the supported ones."""
+    architectures = hf_config.get("architectures") or []
+    for architecture in architectures:
+        if architecture in ARCHITECTURE_RULES:
+            return architecture
+    raise ModelConfigError(
+        f"{source}: architectures={architectures!r} is not supported; pieceworks supports "
+        f"{', '.join(supported_architectures())} (set 'architectures' to one of them if the "
+        "model is one)"
+    )
+
+
+def check_hf_config(hf_config: Any, source: str = "config.json") -> str:
+    """Refuse a config whose computation pieceworks would not match; return its architecture.
+
+    ``source`` names where the config came from (a file path or a preset) in the messages.
+    """
+    if not isinstance(hf_config, dict):
+        raise ModelConfigError(
+            f"{source}: a model config must be a JSON object, not {type(hf_config).__name__}"
+        )
+    architecture = architecture_of(hf_config, source)
+    for rule in ARCHITECTURE_RULES[architecture]:
+        _check_field(hf_config, rule, architecture, source)
+    _check_heads(hf_config, source)
+    _check_rope(hf_config, architecture, source)
+    if architecture == "BambaForCausalLM":
+        _check_bamba_layers(hf_config, source)
+    return architecture
+
+
+def _check_field(
+    hf_config: dict[str, Any], rule: FieldRule, architecture: str, source: str
+) -> None:
+    if rule.name not in hf_config:
+        if rule.default is _REQUIRED:
+            raise ModelConfigError(
+                f"{source} lacks {rule.name!r} ({rule.supported}), which {architecture} "
+                "needs; add it"
+            )
+        return
+    value = hf_config[rule.name]
+    if value is None and rule.default is not _REQUIRED:
+        return  # null means the default, as in HF transformers
+    if not rule.accepts(value):
+        raise ModelConfigError(
+            f"{source}: {rule.name}={value!r} is not supported by pieceworks' {architecture}; "
+            f"supported: {rule.supported}"
+        )
+
+
+def _check_heads(hf_config: dict[str, Any], source: str) -> None:
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ModelConfigError(
+            f"{source}: num_key_value_heads={kv_heads} must divide num_attention_heads={heads}"
+        )
+    if not hf_config.get("head_dim") and hf_config["hidden_size"] % heads:
+        raise ModelConfigError(
+            f"{source}: hidden_size={hf_config['hidden_size']} is not divisible by "
+            f"num_attention_heads={heads}; set head_dim"
+        )
+
+
+def _check_rope(hf_config: dict[str, Any], architecture: str, source: str) -> None:
+    """Rope type, theta and partial rotary, from ``rope_scaling`` and ``rope_parameters``."""
+    try:
+        base, rope_scaling, partial = get_rope_parameters(hf_config)
+    except (TypeError, ValueError) as error:
+        raise ModelConfigError(f"{source}: rope_scaling / rope_parameters: {error}") from None
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"{source}: rope type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    needed = {"linear": ["factor"], "llama3": ["factor", "low_freq_factor", "high_freq_factor"]}
+    needed["llama3"].append("original_max_position_embeddings")
+    absent = [key for key in needed.get(rope_type, []) if key not in (rope_scaling or {})]
+    if absent:
+        raise ModelConfigError(f"{source}: rope type {rope_type!r} needs {', '.join(absent)}")
+    if not math.isfinite(base) or base <= 0:
+        raise ModelConfigError(f"{source}: rope_theta={base} must be a positive number")
+    if _PARTIAL_ROTARY[architecture]:
+        if not 0 < partial <= 1:
+            raise ModelConfigError(
+                f"{source}: partial_rotary_factor={partial} is not supported; use a value in (0, 1]"
+            )
+    elif partial != 1.0:
+        raise ModelConfigError(
+            f"{source}: partial_rotary_factor={partial} is not supported by {architecture} "
+            "(HF's Llama rotates every dim of a head); supported: 1.0"
+        )
+
+
+def _check_bamba_layers(hf_config: dict[str, Any], source: str) -> None:
+    num_layers = hf_config["num_hidden_layers"]
+    bad = [i for i in hf_config.get("attn_layer_indices") or [] if not 0 <= i < num_layers]
+    if bad:
+        raise ModelConfigError(
+            f"{source}: attn_layer_indices {bad} are outside the {num_layers} layers "
+            f"(0 to {num_layers - 1})"
+        )
+    heads, groups = hf_config["mamba_n_heads"], hf_config.get("mamba_n_groups") or 1
+    if heads % groups:
+        raise ModelConfigError(
+            f"{source}: mamba_n_groups={groups} must divide mamba_n_heads={heads}"
+        )
+
+
+def check_tensor_parallel(hf_config: dict[str, Any], tp_size: int, source: str) -> None:
+    """The sharding errors every rank would hit while building its model, raised once here,
+    before any rank starts (the config has passed ``check_hf_config``)."""
+    if not _is_int(tp_size) or tp_size <= 1:
+        return
+    heads = hf_config["num_attention_heads"]
+    checks = [
+        lambda: divide(heads, tp_size, "num_attention_heads"),
+        lambda: shard_or_replicate(
+            hf_config.get("num_key_value_heads") or heads, 0, tp_size, "num_key_value_heads"
+        ),
+        lambda: divide(hf_config["intermediate_size"], tp_size, "intermediate_size"),
+    ]
+    if "mamba_n_heads" in hf_config:
+        checks.append(lambda: divide(hf_config["mamba_n_heads"], tp_size, "mamba_n_heads"))
+        groups = hf_config.get("mamba_n_groups") or 1
+        checks.append(lambda: shard_or_replicate(groups, 0, tp_size, "mamba_n_groups"))
+    for check in checks:
+        try:
+            check()
+        except ValueError as error:
+            raise ModelConfigError(f"{source}: {error}") from None
