@@ -137,7 +137,11 @@ BAD_REQUESTS = [
     ("top_p > 1", b'{"prompt": [1], "top_p": 1.5}', "'top_p'"),
     ("n = 0", b'{"prompt": [1], "n": 0}', "'n'"),
     ("prompt too long", b'{"prompt": [1, 2, 3], "max_tokens": 126}', "maximum context length"),
-    ("ids outside the vocabulary", b'{"prompt": [1, 256]}', "must be in [0, 256)"),
+    (
+        "ids outside the vocabulary",
+        b'{"prompt": [1, 256]}',
+        "outside this model's vocabulary [0, 256)",
+    ),
     ("empty prompt", b'{"prompt": []}', "the prompt is empty"),
     ("text without a tokenizer", b'{"prompt": "hello"}', "no tokenizer"),
     ("invalid UTF-8", b'{"prompt": "\xff\xfe"}', "not valid UTF-8"),

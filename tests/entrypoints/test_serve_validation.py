@@ -37,7 +37,8 @@ def test_default_max_tokens_is_what_is_left():
     "prompt, max_tokens, reason",
     [
         ([], 1, "the prompt is empty"),
-        ([1, 50], 1, r"must be in \[0, 50\)"),
+        ([1, 50], 1, r"token id 50 at position 1 is outside this model's vocabulary \[0, 50\)"),
+        ([1, 2.0], 1, "token ids must be ints; position 1 holds 2.0"),
         ([1] * 90, 11, "maximum context length is 100"),
     ],
 )

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from pieceworks.engine.inputs import PromptError, check_token_ids
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.entrypoints.serve.errors import bad_request
 from pieceworks.entrypoints.serve.protocol import SamplingFields
@@ -56,14 +57,12 @@ class ModelLimits:
 
 
 def check_prompt(prompt_token_ids: list[int], max_tokens: int, limits: ModelLimits) -> None:
-    """Refuse an empty prompt, ids outside the vocabulary, or one too long for the context."""
-    if not prompt_token_ids:
-        raise bad_request("the prompt is empty; send at least one token", param="prompt")
-    vocab_size = limits.vocab_size
-    if vocab_size is not None and any(
-        not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt_token_ids
-    ):
-        raise bad_request(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    """Refuse an empty prompt, ids that are not ints of the vocabulary (``LLM.generate``'s own
+    check, ``engine.inputs.check_token_ids``), or a prompt too long for the context."""
+    try:
+        check_token_ids(prompt_token_ids, limits.vocab_size, "the prompt")
+    except PromptError as error:
+        raise bad_request(str(error), param="prompt") from None
     if len(prompt_token_ids) + max_tokens > limits.max_model_len:
         raise bad_request(
             f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
