@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 
 # Temperatures below this are treated as greedy: dividing logits by them overflows (vLLM's rule).
@@ -60,6 +61,10 @@ class SamplingParams:
         self._verify_outputs()
 
     def _verify_sampling(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name}={value!r} must be a number")
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
             raise ValueError(
                 f"temperature={self.temperature} must be a finite number >= 0 "
@@ -77,7 +82,11 @@ class SamplingParams:
     def _verify_stopping(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        bad = [token for token in self.stop_token_ids if not isinstance(token, int) or token < 0]
+        bad = [
+            token
+            for token in self.stop_token_ids
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0
+        ]
         if bad:
             raise ValueError(f"stop_token_ids must be non-negative integers; got {bad}")
         bad_stop = [text for text in self.stop if not isinstance(text, str) or not text]

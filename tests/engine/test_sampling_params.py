@@ -45,3 +45,17 @@ def test_completion_params_of_n():
     unseeded = _completion_params(SamplingParams(n=2), 1)
     assert unseeded.seed is None
     assert _completion_params(SamplingParams(), 0) == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"temperature": "0.5"}, "temperature='0.5' must be a number"),
+        ({"top_p": None}, "top_p=None must be a number"),
+        ({"temperature": True}, "temperature=True must be a number"),
+        ({"stop_token_ids": [True]}, r"stop_token_ids must be non-negative integers; got \[True\]"),
+    ],
+)
+def test_values_of_the_wrong_type_are_refused_with_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
