@@ -3,13 +3,17 @@
 # docs/performance.md as bench JSON (and a plot per file), then run the GPU tests.
 #
 # Usage: OUT=dir bash benchmarks/gpu_suite.sh [steps...]
-#   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 bamba tests
+#   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 bamba
+#   breakable serve throughput tests
 #   OUT: where JSON, plots and logs go (default docs/bench); COMMIT: recorded in each JSON
 #   (default: git's HEAD where this is a checkout).
 # Every step is guarded: one that fails is logged with its exit status and the next one runs.
 # Each bench JSON is rewritten after every row, so a step cut short keeps what it measured.
 # Afterwards: python benchmarks/perf_table.py "$OUT"/bench_*.json   (the markdown table)
 #
+# Steps breakable, serve and throughput record the breakable-graph rows, `bench serve` at
+# concurrency 8 and 64 (a server started per model) and offline throughput. Put the serve extra
+# as wheels in .wheels/ on a machine with no network (the install step installs them).
 # Time on an H200, estimated from its parts (8B compile + capture about 26 s per mode, Inductor
 # for each static-loop peer about as long; the whole suite not yet timed): bench125m ~2 min,
 # smollm2 ~3 min, bench8b ~6 min, fp8 ~3 min, bamba ~3 min, tests ~4 min: about 20 minutes. Split it over several calls where one call is limited,
@@ -22,7 +26,7 @@ mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
 COMMIT=${COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
-steps=${*:-"install versions bench125m smollm2 bench8b fp8 bamba tests"}
+steps=${*:-"install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput tests"}
 failed=()
 
 step() {  # name, command...: log to $OUT/logs/<name>.log and the console, never stop the suite
@@ -64,11 +68,35 @@ EOF
   echo "$dir"
 }
 
+serve() {  # name, model, serve flags...: start the server, load it at concurrency 8 and 64, stop it
+  local name=$1 model=$2; shift 2
+  local port=8123 log="$OUT/logs/${name}_server.log"
+  python3 -m pieceworks.entrypoints.cli serve "$model" --port "$port" "$@" >"$log" 2>&1 &
+  local pid=$! waited=0
+  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; do
+    sleep 2; waited=$((waited + 2))
+    if ! kill -0 "$pid" 2>/dev/null || [ "$waited" -ge 300 ]; then
+      echo "=== $name: server did not come up (log: $log)"; tail -n 20 "$log"; kill "$pid" 2>/dev/null
+      failed+=("$name"); return
+    fi
+  done
+  echo "=== $name: server up after ${waited} s"
+  for c in 8 64; do
+    step "${name}_c$c" python3 -m pieceworks.entrypoints.cli bench serve \
+      --base-url "http://127.0.0.1:$port" --num-prompts 256 --input-len 128 --output-len 128 \
+      --max-concurrency "$c" --output-json "$OUT/serve_${name}_c$c.json"
+  done
+  kill -INT "$pid"; wait "$pid" 2>/dev/null
+}
+
 EIGHT_B=(--model llama-3.1-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3)
 
 for name in $steps; do
   case $name in
-    install) step install python3 -m pip install -q --no-deps --no-build-isolation -e . -e examples/pieceworks-simgraph ;;
+    install) if compgen -G ".wheels/*.whl" >/dev/null; then  # the serve extra, carried as wheels
+               step wheels python3 -m pip install -q --no-deps .wheels/*.whl
+             fi
+             step install python3 -m pip install -q --no-deps --no-build-isolation -e . -e examples/pieceworks-simgraph ;;
     versions) step versions python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
               step platforms python3 -m pieceworks.entrypoints.cli platforms ;;
     bench125m) bench llama125m_b8 --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --compare ;;
@@ -76,8 +104,13 @@ for name in $steps; do
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     fp8) bench llama8b_fp8 "${EIGHT_B[@]}" --quantization fp8 --batch-size 1,64 --modes full_and_piecewise --compare --peers gpt_fast ;;
     bamba) bench bamba9b_b1 --model bamba-9b --batch-size 1 --input-len 128 --output-len 32 --num-iters-warmup 1 --num-iters 3 --modes piecewise,full_and_piecewise --compare ;;
+    breakable) bench breakable_125m --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --num-iters-warmup 1 --num-iters 3 --modes breakable,breakable_piecewise,piecewise,full_and_piecewise
+               bench breakable_8b "${EIGHT_B[@]}" --batch-size 1,64 --modes breakable,breakable_piecewise,piecewise,full_and_piecewise ;;
+    serve) serve smollm2 "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64
+           serve llama8b llama-3.1-8b --max-num-seqs 64 ;;
+    throughput) step throughput python3 -m pieceworks.entrypoints.cli bench throughput --model "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 --num-prompts 512 --input-len 128 --output-len 128 --output-json "$OUT/throughput_smollm2.json" ;;
     tests) step tests python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 bamba tests)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput tests)"; failed+=("$name") ;;
   esac
 done
 
