@@ -25,7 +25,19 @@ echo "== lint (ruff)"
 "$VENV/bin/ruff" format --check pieceworks tests examples benchmarks
 echo "== type (mypy)"
 "$VENV/bin/mypy" pieceworks
+# Test processes (pytest-xdist): one per core by default, a test file's tests in one process so
+# its module fixtures (a loaded model, a started server) are built once; one torch thread each, so
+# the processes do not oversubscribe the cores. PYTEST_WORKERS=0 runs in this process.
+WORKERS=${PYTEST_WORKERS:-$("$VENV/bin/python" -c "import os; print(len(os.sched_getaffinity(0)))")}
+if [ "$WORKERS" = 0 ]; then
+  PARALLEL=()
+else
+  PARALLEL=(-n "$WORKERS" --dist loadfile)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
 echo "== cpu (pytest on the CPU platform)"
-PIECEWORKS_PLATFORM=cpu "$VENV/bin/python" -m pytest tests -m "not gpu" -q "$@"
+PIECEWORKS_PLATFORM=cpu "$VENV/bin/python" -m pytest tests -m "not gpu" -q --durations=15 \
+  "${PARALLEL[@]}" "$@"
 echo "== plugin (platform-agnostic tests through the simgraph platform)"
-PIECEWORKS_PLATFORM=simgraph "$VENV/bin/python" -m pytest tests -m "platform_agnostic and not gpu" -q "$@"
+PIECEWORKS_PLATFORM=simgraph "$VENV/bin/python" -m pytest tests -m "platform_agnostic and not gpu" \
+  -q "${PARALLEL[@]}" "$@"
