@@ -168,3 +168,9 @@ class TraceOnceCompiler:
             return self.compiled_callable(*args, **kwargs)
         with self.dispatch_to_compiled_code():
             return self.module.forward(*args, **kwargs)
+
+
+def trace_once_compilers(model: torch.nn.Module) -> list[TraceOnceCompiler]:
+    """The ``TraceOnceCompiler`` of each ``support_torch_compile`` module in ``model``."""
+    compilers = [getattr(module, "_pieceworks_compiler", None) for module in model.modules()]
+    return [compiler for compiler in compilers if isinstance(compiler, TraceOnceCompiler)]
