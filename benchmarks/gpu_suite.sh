@@ -3,7 +3,8 @@
 # docs/performance.md as bench JSON (and a plot per file), then run the GPU tests.
 #
 # Usage: OUT=dir bash benchmarks/gpu_suite.sh [steps...]
-#   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 bamba tests
+#   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 bamba
+#   startup tests
 #   OUT: where JSON, plots and logs go (default docs/bench); COMMIT: recorded in each JSON
 #   (default: git's HEAD where this is a checkout).
 # Every step is guarded: one that fails is logged with its exit status and the next one runs.
@@ -22,7 +23,7 @@ mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
 COMMIT=${COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
-steps=${*:-"install versions bench125m smollm2 bench8b fp8 bamba tests"}
+steps=${*:-"install versions bench125m smollm2 bench8b fp8 bamba startup tests"}
 failed=()
 
 step() {  # name, command...: log to $OUT/logs/<name>.log and the console, never stop the suite
@@ -64,6 +65,12 @@ EOF
   echo "$dir"
 }
 
+startup() {  # name, bench startup flags...: cold and warm start-up, each in a fresh process
+  local name=$1; shift
+  step "startup_$name" python3 -m pieceworks.entrypoints.cli bench startup "$@" \
+    --output-json "$OUT/startup_$name.json"
+}
+
 EIGHT_B=(--model llama-3.1-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3)
 
 for name in $steps; do
@@ -76,8 +83,11 @@ for name in $steps; do
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     fp8) bench llama8b_fp8 "${EIGHT_B[@]}" --quantization fp8 --batch-size 1,64 --modes full_and_piecewise --compare --peers gpt_fast ;;
     bamba) bench bamba9b_b1 --model bamba-9b --batch-size 1 --input-len 128 --output-len 32 --num-iters-warmup 1 --num-iters 3 --modes piecewise,full_and_piecewise --compare ;;
+    startup) startup llama8b --model llama-3.1-8b --batch-size 1
+             startup llama125m --model llama-125m --batch-size 1
+             startup smollm2_135m --model "$(smollm2_model)" --batch-size 1 ;;
     tests) step tests python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 bamba tests)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 bamba startup tests)"; failed+=("$name") ;;
   esac
 done
 
