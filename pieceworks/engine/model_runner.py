@@ -223,7 +223,11 @@ class ModelRunner:
                 compilation_counter.num_gpu_runner_capture_triggers += 1
             self.platform.synchronize()
             self.capture_seconds = time.perf_counter() - start
-        except torch.OutOfMemoryError as error:
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            # The allocator raises OutOfMemoryError; the driver (instantiating a graph) a
+            # RuntimeError saying "out of memory". Any other error propagates as it is.
+            if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error):
+                raise
             raise RuntimeError(self._capture_oom_message(len(descriptors))) from error
         finally:
             gc.unfreeze()

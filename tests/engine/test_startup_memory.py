@@ -104,12 +104,19 @@ def test_every_warm_up_runs_before_the_first_capture(checkpoint, graph_platform,
     assert CUDAGraphMode.NONE not in modes[first_capture:]
 
 
-def test_out_of_memory_in_capture_names_the_settings(checkpoint, graph_platform, monkeypatch):
+@pytest.mark.parametrize(
+    "error",
+    [torch.OutOfMemoryError("simulated: the allocator is out of memory"),
+     RuntimeError("CUDA error: out of memory (simulated: instantiating a graph)")],
+)  # fmt: skip
+def test_out_of_memory_in_capture_names_the_settings(
+    checkpoint, graph_platform, monkeypatch, error
+):
     dummy_forward = ModelRunner._dummy_forward
 
     def out_of_memory_in_capture(self, num_tokens, mode=CUDAGraphMode.NONE, descriptor=None):
         if mode != CUDAGraphMode.NONE:
-            raise torch.OutOfMemoryError("simulated: the device is full")
+            raise error
         return dummy_forward(self, num_tokens, mode, descriptor)
 
     monkeypatch.setattr(ModelRunner, "_dummy_forward", out_of_memory_in_capture)
@@ -118,3 +125,18 @@ def test_out_of_memory_in_capture_names_the_settings(checkpoint, graph_platform,
     message = str(raised.value)
     assert "gpu_memory_utilization (now 0.9)" in message
     assert "max_num_seqs, now 4" in message and "cudagraph_capture_sizes" in message
+
+
+def test_other_errors_in_capture_are_not_called_out_of_memory(
+    checkpoint, graph_platform, monkeypatch
+):
+    dummy_forward = ModelRunner._dummy_forward
+
+    def failing_capture(self, num_tokens, mode=CUDAGraphMode.NONE, descriptor=None):
+        if mode != CUDAGraphMode.NONE:
+            raise RuntimeError("simulated: an unrelated capture failure")
+        return dummy_forward(self, num_tokens, mode, descriptor)
+
+    monkeypatch.setattr(ModelRunner, "_dummy_forward", failing_capture)
+    with pytest.raises(RuntimeError, match="an unrelated capture failure"):
+        graph_engine(checkpoint)
