@@ -4,7 +4,7 @@
 #
 # Usage: OUT=dir bash benchmarks/gpu_suite.sh [steps...]
 #   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 bamba
-#   breakable serve throughput tests
+#   breakable serve throughput startup tests
 #   OUT: where JSON, plots and logs go (default docs/bench); COMMIT: recorded in each JSON
 #   (default: git's HEAD where this is a checkout).
 # Every step is guarded: one that fails is logged with its exit status and the next one runs.
@@ -26,7 +26,7 @@ mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
 COMMIT=${COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
-steps=${*:-"install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput tests"}
+steps=${*:-"install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput startup tests"}
 failed=()
 
 step() {  # name, command...: log to $OUT/logs/<name>.log and the console, never stop the suite
@@ -89,6 +89,12 @@ serve() {  # name, model, serve flags...: start the server, load it at concurren
   kill -INT "$pid"; wait "$pid" 2>/dev/null
 }
 
+startup() {  # name, bench startup flags...: cold and warm start-up, each in a fresh process
+  local name=$1; shift
+  step "startup_$name" python3 -m pieceworks.entrypoints.cli bench startup "$@" \
+    --output-json "$OUT/startup_$name.json"
+}
+
 EIGHT_B=(--model llama-3.1-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3)
 
 for name in $steps; do
@@ -109,8 +115,11 @@ for name in $steps; do
     serve) serve smollm2 "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64
            serve llama8b llama-3.1-8b --max-num-seqs 64 ;;
     throughput) step throughput python3 -m pieceworks.entrypoints.cli bench throughput --model "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 --num-prompts 512 --input-len 128 --output-len 128 --output-json "$OUT/throughput_smollm2.json" ;;
+    startup) startup llama8b --model llama-3.1-8b --batch-size 1
+             startup llama125m --model llama-125m --batch-size 1
+             startup smollm2_135m --model "$(smollm2_model)" --batch-size 1 ;;
     tests) step tests python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput tests)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput startup tests)"; failed+=("$name") ;;
   esac
 done
 

@@ -96,6 +96,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     mamba_ssm_cache_dtype: str = "float32"  # "float32" | "auto" (model dtype)
     kv_cache_dtype: str = "auto"
+    # At most this many bytes of KV cache (None: what gpu_memory_utilization leaves). Platforms
+    # whose device memory is host RAM (the CPU) set a default: see check_and_update_config.
+    kv_cache_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -103,6 +106,11 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be a positive number "
+                "of bytes (or None to size the KV cache from gpu_memory_utilization)"
             )
         if self.mamba_ssm_cache_dtype not in ("float32", "auto"):
             raise ValueError(

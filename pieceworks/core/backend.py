@@ -10,6 +10,7 @@ graph mode captures pieces. The stitched module is what later calls run.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from types import CodeType
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pieceworks.core.cache_key import cache_directory, cache_key_factors, traced_source_files
+from pieceworks.core.cache_miss import explain_miss
 from pieceworks.core.compile_cache import CompileCache
 from pieceworks.core.compiler_interface import make_compiler
 from pieceworks.core.compiler_manager import CompilerManager
@@ -100,10 +102,11 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
 class PiecewiseCompileBackend:
     """The callable handed to ``torch.compile(backend=...)`` at level 3.
 
-    After the call, ``cache_dir`` is this model's compile-cache directory and ``cache_key_factors``
-    what its hash covers (both None when the key could not be computed), and ``compile_cache`` the
-    open cache: None when disabled, unwritable, or for the eager compiler, which has nothing to
-    save (``cache_off_reason`` says which).
+    After the call, ``cache_dir`` is this model's compile-cache directory, ``backend_seconds`` the
+    time the call took (split, compile or load each piece), ``cache_key_factors`` what its hash
+    covers (it and ``cache_dir`` None when the key could not be computed), and ``compile_cache``
+    the open cache: None when disabled, when the directory can be neither written nor read, or for
+    the eager compiler, which has nothing to save (``cache_off_reason`` says which).
     """
 
     def __init__(
@@ -120,11 +123,14 @@ class PiecewiseCompileBackend:
         self.cache_key_factors: dict[str, Any] | None = None
         self.compile_cache: CompileCache | None = None
         self.cache_off_reason: str | None = None  # why compile_cache is None: "disabled (...)"
+        self.graph_received_at: float | None = None  # perf_counter() when Dynamo's graph came
+        self.backend_seconds = 0.0  # split, compile or load every piece, wrap
 
     def __call__(
         self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]
     ) -> Callable[..., Any]:
         compilation = self.config.compilation_config
+        self.graph_received_at = time.perf_counter()  # Dynamo's trace ends here
         compilation_counter.num_graphs_seen += 1
         self.compile_cache = self._open_cache()
         split_gm, items = split_graph(graph, compilation.splitting_ops or [])
@@ -137,6 +143,7 @@ class PiecewiseCompileBackend:
             *example_inputs
         )
         self.split_gm = split_gm
+        self.backend_seconds = time.perf_counter() - self.graph_received_at
         self._dump(split_gm)
         if compilation.cudagraph_copy_inputs:
             placeholders = graph.graph.find_nodes(op="placeholder")
@@ -151,6 +158,9 @@ class PiecewiseCompileBackend:
             try:
                 cache = CompileCache(self.cache_dir, self.cache_key_factors)
                 logger.info("compile cache: %s", self.cache_dir)
+                if not cache.entries:
+                    reason = explain_miss(self.cache_dir, self.cache_key_factors)
+                    logger.info("compile cache miss (compiling every piece): %s", reason)
                 return cache
             except OSError as error:
                 logger.warning(

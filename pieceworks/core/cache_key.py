@@ -1,19 +1,23 @@
 """The compile-cache key: what it hashes, and the cache directory it names.
 
 The key covers everything that changes the code compiled for a model: pieceworks' env factors
-(``envs.compile_factors()``), the config fields ``EngineConfig.compute_hash()`` covers, the
-contents of every source file Dynamo traced (the forward and every function it inlined) and the
-compiler's own factors (torch and Inductor config, ...). Dynamo itself records the code objects it
-traces in the active ``TracingContext``, so no patch is needed; the record is complete only once
-tracing ended, so the cache directory is decided inside the backend call, when the graph arrives.
-The factors are written beside the artifacts as ``cache_key_factors.json``. Storage is
-``compile_cache.py``.
+(``envs.compile_factors()``), the config fields ``EngineConfig.compute_hash()`` covers, the contents
+of every source file Dynamo traced (the forward and every function it inlined) and the compiler's
+own factors (torch and Inductor config, ...). A traced file is named by its path inside its package
+(``pieceworks/models/llama.py``, ``torch/nn/modules/linear.py``), taken from the module it was
+imported as, never by where it is installed: the same software installed under another path, or a
+cache directory copied to another machine, keys the same. A file imported under no module name (code
+loaded from a path) keeps its absolute path. Dynamo itself records the code objects it traces in the
+active ``TracingContext``, so no patch is needed; the record is complete only once tracing ended, so
+the cache directory is decided inside the backend call, when the graph arrives. The factors are
+written beside the artifacts as ``cache_key_factors.json``. Storage is ``compile_cache.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
@@ -42,12 +46,27 @@ def traced_source_files(forward_code: CodeType | None = None) -> list[str] | Non
     return sorted(path for path in files if os.path.isfile(path))  # drops "<string>", "<eval...>"
 
 
+def module_relative_paths() -> dict[str, str]:
+    """Real path of every imported module's file -> its path inside its package."""
+    paths = {}
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or not file.endswith(".py"):
+            continue
+        stem = name.replace(".", "/")
+        relative = f"{stem}/__init__.py" if file.endswith("__init__.py") else f"{stem}.py"
+        paths[os.path.realpath(file)] = relative
+    return paths
+
+
 def hash_source_files(paths: list[str]) -> dict[str, str]:
-    """Path -> SHA-256 of its contents."""
+    """Package-relative path (absolute outside any module) -> SHA-256 of the file's contents."""
+    relative_paths = module_relative_paths()
     digests = {}
     for path in paths:
         with open(path, "rb") as file:
-            digests[path] = hashlib.sha256(file.read()).hexdigest()
+            digest = hashlib.sha256(file.read()).hexdigest()
+        digests[relative_paths.get(os.path.realpath(path), path)] = digest
     return digests
 
 

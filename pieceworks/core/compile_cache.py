@@ -8,13 +8,15 @@ Layout of ``<cache_root>/torch_compile_cache/<hash>/rank_<r>/<prefix>/``::
     .lock                    serialises writers across processes
 
 Identical pieces (the middle layers of a model) share one artifact: the artifact key is a hash of
-the piece's structure (``artifact_key.py``), and their index entries point to the same file.
-Every file is written to a temporary name in the same directory and ``os.replace``d into place;
-writers hold an exclusive ``flock`` for the artifact + index update, so processes compiling the
-same model at once all succeed and leave a consistent index. Readers take no lock: an artifact
-whose SHA-256 does not match its index entry, or an index that does not parse, is reported with
-a warning and treated as missing, so the piece is recompiled and the entry rewritten. What to
-compile and when is ``compiler_manager.py``; the key is ``cache_key.py``.
+the piece's structure (``artifact_key.py``), and their index entries point to the same file. Every
+file is written to a temporary name in the same directory and ``os.replace``d into place; writers
+hold an exclusive ``flock`` for the artifact + index update, so processes compiling the same model
+at once all succeed and leave a consistent index. Readers take no lock: an artifact whose SHA-256
+does not match its index entry, or an index that does not parse, is reported with a warning and
+treated as missing, so the piece is recompiled and the entry rewritten. A cache directory this
+process cannot write (a read-only mount, a shared cache owned by another user) is still read: its
+artifacts load, and only the writes are skipped, with one log line saying so. What to compile and
+when is ``compiler_manager.py``; the key is ``cache_key.py``.
 """
 
 from __future__ import annotations
@@ -57,12 +59,36 @@ class CompileCache:
 
     def __init__(self, directory: str, factors: dict[str, Any]) -> None:
         self.directory = directory
-        os.makedirs(os.path.join(directory, "artifacts"), exist_ok=True)
         self.index_path = os.path.join(directory, "index.json")
-        text = json.dumps(factors, indent=2, sort_keys=True, default=str)
-        write_atomic(os.path.join(directory, KEY_FACTORS_FILE), text.encode())
+        # An existing cache this process cannot write is read, and nothing is written to it.
+        self.read_only = False
+        try:
+            os.makedirs(os.path.join(directory, "artifacts"), exist_ok=True)
+            if not os.access(os.path.join(directory, "artifacts"), os.W_OK):
+                raise PermissionError(f"{directory} is not writable")
+            self._write_factors(factors)
+        except OSError as error:
+            if not os.path.isfile(self.index_path):
+                raise  # nothing to read either: the caller turns the cache off
+            self.read_only = True
+            logger.info(
+                "compile cache %s is read-only (%s): its artifacts are loaded, but nothing "
+                "compiled in this run is written back",
+                directory,
+                error,
+            )
         self.entries = self._read_index(warn=True)
         self.checksums: dict[str, str] = {}  # artifact name -> SHA-256, saved or verified here
+
+    def _write_factors(self, factors: dict[str, Any]) -> None:
+        """Write ``cache_key_factors.json`` unless it already holds exactly these factors."""
+        path = os.path.join(self.directory, KEY_FACTORS_FILE)
+        data = json.dumps(factors, indent=2, sort_keys=True, default=str).encode()
+        if os.path.isfile(path):
+            with open(path, "rb") as file:
+                if file.read() == data:
+                    return
+        write_atomic(path, data)
 
     def lookup(self, entry_name: str, artifact_key: str) -> str | None:
         """Path of this entry's artifact if it is there and intact; None (with a warning) if not."""
@@ -88,11 +114,13 @@ class CompileCache:
         return path
 
     def warn_corrupt(self, entry_name: str, reason: str) -> None:
+        repair = "the read-only cache is left as it is" if self.read_only else "rewriting the entry"
         logger.warning(
-            "compile cache %s: %s unusable (%s); recompiling it and rewriting the entry",
+            "compile cache %s: %s unusable (%s); recompiling it, %s",
             self.directory,
             entry_name,
             reason,
+            repair,
         )
 
     def store(
@@ -108,6 +136,8 @@ class CompileCache:
         first writer wins, so entries pointing to it stay valid. ``replace`` overwrites it anyway
         (it passed its checksum but failed to load).
         """
+        if self.read_only:
+            return
         name = self.artifact_name(artifact_key)
         with self._locked():
             checksum = None if replace else self._intact_checksum(name)
@@ -119,8 +149,8 @@ class CompileCache:
     def record(self, entry_name: str, artifact_key: str) -> None:
         """Point ``entry_name`` at an artifact this process already saved or loaded."""
         name = self.artifact_name(artifact_key)
-        if name not in self.checksums:
-            return  # the artifact could not be saved: nothing to point at
+        if name not in self.checksums or self.read_only:
+            return  # the artifact could not be saved, or the cache is not ours to update
         entry = {"artifact": name, "sha256": self.checksums[name]}
         if self.entries.get(entry_name) != entry:
             with self._locked():

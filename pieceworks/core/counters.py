@@ -15,6 +15,7 @@ from collections.abc import Iterator
 @dataclasses.dataclass
 class CompilationCounter:
     num_models_seen: int = 0
+    num_dynamo_traces: int = 0  # first calls that ran Dynamo (levels 2 and 3)
     num_graphs_seen: int = 0
     num_piecewise_graphs_seen: int = 0  # submodules produced by split_graph
     num_piecewise_capturable_graphs_seen: int = 0  # ... of which are compiled and capturable

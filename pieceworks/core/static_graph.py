@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _capturing_enabled = True
+_num_captures_since_open = 0  # the first capture of a capture phase runs gc; later ones skip it
 # Every wrapper alive in this process: the compiled code (Dynamo's cache) keeps the piecewise
 # wrappers alive beyond the runner, so releasing their graphs cannot wait for garbage collection.
 _wrappers: weakref.WeakSet[StaticGraphWrapperBase] = weakref.WeakSet()
@@ -52,8 +53,21 @@ def close_capturing() -> None:
 
 def open_capturing() -> None:
     """Allow captures (the runner calls this before ``capture_model``)."""
-    global _capturing_enabled
+    global _capturing_enabled, _num_captures_since_open
     _capturing_enabled = True
+    _num_captures_since_open = 0
+
+
+def captures_since_open() -> int:
+    """Captures (FULL, piece or breakable) since capturing was last opened. A wrapper runs gc and
+    returns cached memory only for the first: the runner collected just before, and repeating it
+    for each of a hundred captures only costs time (a full gc pass and a device sync each)."""
+    return _num_captures_since_open
+
+
+def _record_capture() -> None:
+    global _num_captures_since_open
+    _num_captures_since_open += 1
 
 
 def validate_capturing_enabled(descriptor: BatchDescriptor) -> None:
@@ -145,6 +159,7 @@ class StaticGraphWrapperBase:
                     entry, output = self.capture(descriptor, args, kwargs)
                 compilation_counter.num_cudagraph_captured += 1
             self.entries[descriptor] = entry
+            _record_capture()
             return output
         if self.options.breakable:
             return replay_breakable(self, entry)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import os
+import time
 from collections.abc import Callable, Iterator
 from types import CodeType
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,10 @@ class TraceOnceCompiler:
         self.original_code: CodeType = type(module).forward.__code__
         self.compiled_code: CodeType | None = None
         self.piecewise_backend: PiecewiseCompileBackend | None = None  # level 3 only
+        # Seconds of the first call, of its Dynamo trace and of the backend (level 3; else 0).
+        self.first_call_seconds = 0.0
+        self.trace_seconds = 0.0
+        self.compile_seconds = 0.0
         self.compiled_callable = self._build_compiled_callable(prefix)
 
     def _build_compiled_callable(self, prefix: str) -> Callable[..., Any]:
@@ -92,11 +97,14 @@ class TraceOnceCompiler:
             # guards and run without a conversion, leaving no code to record: trace anew.
             torch._dynamo.eval_frame.remove_from_cache(self.original_code)
         handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
+        compilation_counter.num_dynamo_traces += 1
+        start = time.perf_counter()
         try:
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 output = self.compiled_callable(*args, **kwargs)
         finally:
             handle.remove()
+        self._record_times(start, time.perf_counter())
         if self.uses_bytecode_dispatch:
             if not recorded:
                 raise RuntimeError(
@@ -111,6 +119,15 @@ class TraceOnceCompiler:
             self._check_no_buffer_mutation(self.compiled_code)
             self._dump_transformed_code(self.compiled_code)
         return output
+
+    def _record_times(self, start: float, end: float) -> None:
+        """Split the first call into the Dynamo trace and the backend's split-and-compile (what
+        is left of it ran the compiled model once)."""
+        self.first_call_seconds = end - start
+        backend = self.piecewise_backend
+        if backend is not None and backend.graph_received_at is not None:
+            self.trace_seconds = backend.graph_received_at - start
+            self.compile_seconds = backend.backend_seconds
 
     def _check_no_buffer_mutation(self, code: CodeType) -> None:
         mode = self.config.compilation_config.cudagraph_mode
@@ -151,3 +168,9 @@ class TraceOnceCompiler:
             return self.compiled_callable(*args, **kwargs)
         with self.dispatch_to_compiled_code():
             return self.module.forward(*args, **kwargs)
+
+
+def trace_once_compilers(model: torch.nn.Module) -> list[TraceOnceCompiler]:
+    """The ``TraceOnceCompiler`` of each ``support_torch_compile`` module in ``model``."""
+    compilers = [getattr(module, "_pieceworks_compiler", None) for module in model.modules()]
+    return [compiler for compiler in compilers if isinstance(compiler, TraceOnceCompiler)]

@@ -38,6 +38,7 @@ class EngineArgs:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
     mamba_ssm_cache_dtype: str = "float32"
     tokenizer: str | None = None
     async_scheduling: bool = True
@@ -96,6 +97,7 @@ def build_engine_config(
             block_size=args.block_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         ),
         scheduler_config=SchedulerConfig(

@@ -1,8 +1,11 @@
 """KV-cache sizing and allocation: how many paged blocks fit, and binding them to the layers.
 
 The runner profiles one forward at the largest token count, then gives the KV cache what is left
-of ``gpu_memory_utilization`` after the weights, that peak, and a budget for captured graphs. The
-cache is capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens could ever use.
+of ``gpu_memory_utilization`` after the weights, that peak, and the memory the captured graphs
+will take (``estimate_graph_memory``, counted before the cache is sized and compared with the real
+footprint after capture). The cache is capped at what ``max_num_seqs`` sequences of
+``max_model_len`` tokens could ever use, and at ``kv_cache_memory_bytes`` when set (the CPU
+platform sets it by default: there device memory is host RAM).
 Sizes are per tensor-parallel rank: each ``Attention`` layer knows its rank's KV heads (a
 replicated KV head counts once per rank that holds it).
 """
@@ -18,8 +21,11 @@ from pieceworks.engine.block_manager import cdiv
 from pieceworks.models.attention.layer import Attention
 from pieceworks.models.attention.ops import DecodeWorkspace
 
-GRAPH_MEMORY_BUDGET_BYTES = 512 * 1024**2  # held back for captured graphs (SPEC §6: <= 0.5 GiB)
 GIB = 1024**3
+# Device memory one instantiated graph takes beyond the tensors in the pool (its kernel nodes'
+# parameters and the driver's bookkeeping). A round upper figure; the runner logs the estimate
+# beside the measured footprint after every capture, which is what to check it against.
+GRAPH_OVERHEAD_BYTES = 2 * 1024**2
 
 
 @dataclasses.dataclass
@@ -53,18 +59,44 @@ def max_useful_blocks(config: EngineConfig) -> int:
     return config.scheduler_config.max_num_seqs * per_seq
 
 
-def num_blocks_that_fit(
-    config: EngineConfig, spec: KVCacheSpec, free_bytes: int, total_bytes: int, used_bytes: int
+def num_graphs_to_capture(config: EngineConfig, modes: list[CUDAGraphMode]) -> int:
+    """Device graphs the captures of these modes (one per descriptor) will make: one per FULL
+    descriptor; one per piece (or breakable segment) per PIECEWISE one, a piece around each of
+    the L splitting layers and one more."""
+    num_pieces = len(config.compilation_config.static_forward_context) + 1
+    return sum(1 if mode == CUDAGraphMode.FULL else num_pieces for mode in modes)
+
+
+def estimate_graph_memory(
+    config: EngineConfig, num_graphs: int, activation_bytes_per_token: float
 ) -> int:
-    """Blocks the memory budget allows, after weights, activations and the graph budget."""
+    """Bytes the captured graphs will hold: the pool keeps the activations of the largest capture
+    (every capture shares it and they run largest first, so smaller ones reuse that memory), plus
+    ``GRAPH_OVERHEAD_BYTES`` per graph."""
+    if num_graphs == 0:
+        return 0
+    max_capture_size = config.compilation_config.max_capture_size
+    return int(activation_bytes_per_token * max_capture_size) + num_graphs * GRAPH_OVERHEAD_BYTES
+
+
+def num_blocks_that_fit(
+    config: EngineConfig,
+    spec: KVCacheSpec,
+    free_bytes: int,
+    total_bytes: int,
+    used_bytes: int,
+    graph_bytes: int = 0,
+) -> int:
+    """Blocks the memory budget allows, after weights, activations and the graphs' estimate."""
     cache_config = config.cache_config
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
     if not spec.layers:  # a pure Mamba model: blocks are bookkeeping only and cost no memory
         return max_useful_blocks(config)
     budget = min(free_bytes, int(total_bytes * cache_config.gpu_memory_utilization) - used_bytes)
-    if config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-        budget -= GRAPH_MEMORY_BUDGET_BYTES
+    budget -= graph_bytes
+    if cache_config.kv_cache_memory_bytes is not None:
+        budget = min(budget, cache_config.kv_cache_memory_bytes)
     num_blocks = min(max(budget, 0) // spec.bytes_per_block, max_useful_blocks(config))
     max_model_len = config.model_config.max_model_len or 0
     needed = cdiv(max_model_len, cache_config.block_size)
@@ -74,7 +106,8 @@ def num_blocks_that_fit(
             f"activations ({used_bytes / GIB:.2f} GiB) holds {num_blocks} blocks of "
             f"{cache_config.block_size} tokens, but one sequence of max_model_len="
             f"{max_model_len} needs {needed}. Lower --max-model-len or --max-num-batched-tokens, "
-            "raise gpu_memory_utilization, or use a larger device."
+            "raise gpu_memory_utilization (or --kv-cache-memory-bytes where it is set), or use a "
+            "larger device."
         )
     return num_blocks
 

@@ -37,7 +37,9 @@ from pieceworks.engine.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
     attention_layers,
+    estimate_graph_memory,
     num_blocks_that_fit,
+    num_graphs_to_capture,
 )
 from pieceworks.engine.logprobs import TokenLogprobs, prompt_logprobs, sample_logprobs
 from pieceworks.engine.mamba_cache import allocate_mamba_cache, mamba_cache_spec
@@ -96,8 +98,10 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator | None] = {}
         self.num_blocks = 0
         self.compile_seconds = 0.0
-        self.capture_seconds = 0.0
+        self.capture_seconds = 0.0  # recording only; the warm-ups before it are warmup_seconds
+        self.warmup_seconds = 0.0
         self.graph_memory_bytes = 0
+        self.graph_memory_estimate_bytes = 0
 
     # --- set-up ------------------------------------------------------------------------------
     def _wrap_for_graphs(self, model: Any) -> Any:
@@ -140,14 +144,22 @@ class ModelRunner:
             )
         self.platform.synchronize()
         self.platform.reset_peak_memory_stats()
+        allocated_before = self.platform.memory_allocated()
         start = time.perf_counter()
         self._dummy_forward(self.max_num_tokens)
         self.platform.synchronize()
         self.compile_seconds = time.perf_counter() - start
         free, total = self.platform.mem_get_info()
         peak = self.platform.max_memory_allocated()
+        activation_bytes_per_token = max(peak - allocated_before, 0) / self.max_num_tokens
+        modes = [mode for mode, _ in self.dispatcher.capture_descriptors()]
+        self.graph_memory_estimate_bytes = estimate_graph_memory(
+            self.config, num_graphs_to_capture(self.config, modes), activation_bytes_per_token
+        )
         self.num_blocks = smallest_over_ranks(
-            num_blocks_that_fit(self.config, spec, free, total, peak)
+            num_blocks_that_fit(
+                self.config, spec, free, total, peak, self.graph_memory_estimate_bytes
+            )
         )
         allocate_kv_cache(spec, self.num_blocks, self.device)
         logger.info(
@@ -190,32 +202,64 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_model(self) -> None:
-        """Capture every (mode, descriptor), largest first, then close capturing."""
+        """Warm every batch shape up, then capture every (mode, descriptor), largest first, then
+        close capturing. All warm-ups run before the first capture, once per distinct shape, so
+        every kernel is compiled and tuned (Triton specialisations, static-size compiles) before
+        capturing starts and the captures only record; gc runs once, before them all."""
         descriptors = self.dispatcher.capture_descriptors()
         if not descriptors:
             return
         open_capturing()
         free_before, _ = self.platform.mem_get_info()
-        start = time.perf_counter()
         gc.collect()
         gc.freeze()  # objects alive now are never collected during capture: faster gc passes
         try:
+            start = time.perf_counter()
+            self._warm_up([descriptor for _, descriptor in descriptors])
+            self.warmup_seconds = time.perf_counter() - start
+            start = time.perf_counter()
             for mode, descriptor in tqdm(descriptors, desc="capturing graphs", leave=False):
-                for _ in range(self.compilation.cudagraph_num_of_warmups):
-                    self._dummy_forward(descriptor.num_tokens, CUDAGraphMode.NONE, descriptor)
                 self._dummy_forward(descriptor.num_tokens, mode, descriptor)
                 compilation_counter.num_gpu_runner_capture_triggers += 1
+            self.platform.synchronize()
+            self.capture_seconds = time.perf_counter() - start
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            # The allocator raises OutOfMemoryError; the driver (instantiating a graph) a
+            # RuntimeError saying "out of memory". Any other error propagates as it is.
+            if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error):
+                raise
+            raise RuntimeError(self._capture_oom_message(len(descriptors))) from error
         finally:
             gc.unfreeze()
-        self.platform.synchronize()
         close_capturing()
-        self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = max(free_before - self.platform.mem_get_info()[0], 0)
         logger.info(
-            "captured %d graphs in %.1f s, %.3f GiB",
+            "captured %d graphs in %.2f s after %.2f s of warm-up; graphs hold %.3f GiB "
+            "(estimated %.3f GiB before the KV cache was sized)",
             len(descriptors),
             self.capture_seconds,
+            self.warmup_seconds,
             self.graph_memory_bytes / GIB,
+            self.graph_memory_estimate_bytes / GIB,
+        )
+
+    def _warm_up(self, descriptors: list[BatchDescriptor]) -> None:
+        """``cudagraph_num_of_warmups`` uncaptured runs of each distinct shape."""
+        shapes = {(d.num_tokens, d.uniform_decode): d for d in descriptors}
+        for descriptor in shapes.values():
+            for _ in range(self.compilation.cudagraph_num_of_warmups):
+                self._dummy_forward(descriptor.num_tokens, CUDAGraphMode.NONE, descriptor)
+
+    def _capture_oom_message(self, num_descriptors: int) -> str:
+        cache_config = self.config.cache_config
+        return (
+            f"out of device memory while capturing {num_descriptors} graph shapes "
+            f"({self.graph_memory_estimate_bytes / GIB:.2f} GiB was estimated for their graphs "
+            f"and held back from the KV cache). Lower gpu_memory_utilization (now "
+            f"{cache_config.gpu_memory_utilization}) to leave more outside the KV cache, or "
+            f"capture fewer or smaller sizes (lower max_num_seqs, now "
+            f"{self.config.scheduler_config.max_num_seqs}, or set cudagraph_capture_sizes), or "
+            "run without graphs (cudagraph_mode=NONE)."
         )
 
     def release_graphs(self) -> int:

@@ -1,5 +1,5 @@
-"""``pieceworks bench ...``: the product benchmarks (``bench latency``; ``bench serve`` and
-``bench throughput`` in ``bench_serve``)."""
+"""``pieceworks bench ...``: the product benchmarks (``bench latency``, ``bench startup``;
+``bench serve`` and ``bench throughput`` in ``bench_serve``)."""
 
 from __future__ import annotations
 
@@ -196,6 +196,54 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_bench_startup(args: argparse.Namespace) -> int:
+    """Cold and warm start-up, each in a fresh process, phase by phase; a table and JSON."""
+    from pieceworks.benchmarks.report import write_json
+    from pieceworks.benchmarks.startup import format_startup_table, run_startup
+
+    engine = {"max_num_seqs": max(args.batch_size, 8), **engine_args(args)}
+    rows = run_startup(
+        args.model,
+        args.batch_size,
+        args.input_len,
+        engine,
+        compilation_fields(args),
+        reuse_inductor_cache=args.reuse_inductor_cache,
+    )
+    print(format_startup_table(rows))
+    if args.output_json:
+        payload = {
+            "model": args.model,
+            "batch_size": args.batch_size,
+            "input_len": args.input_len,
+            "engine_args": engine,
+            "reuse_inductor_cache": args.reuse_inductor_cache,
+            "results": rows,
+        }
+        write_json(Path(args.output_json), payload)
+    return 0 if all(row["status"] == "ok" for row in rows) else 1
+
+
+def register_startup(bench: Any) -> None:
+    startup = bench.add_parser(
+        "startup",
+        help="cold and warm start-up, each in a fresh process, split into phases",
+        description="Build the engine and run its first step in a fresh process twice: cold "
+        "(pieceworks', Inductor's and Triton's caches empty) and warm (pieceworks' cache as the "
+        "cold run left it; Inductor's and Triton's empty again unless --reuse-inductor-cache).",
+    )
+    add_engine_args(startup, "llama-125m")
+    startup.add_argument("--batch-size", type=int, default=1)
+    startup.add_argument("--input-len", type=int, default=32)
+    startup.add_argument(
+        "--reuse-inductor-cache",
+        action="store_true",
+        help="the warm run keeps the cold run's Inductor and Triton caches as well",
+    )
+    startup.add_argument("--output-json", default=None)
+    startup.set_defaults(func=cmd_bench_startup, parser=startup)
+
+
 def register(sub: Any) -> None:
     from pieceworks.benchmarks.report import column_help
 
@@ -239,4 +287,5 @@ def register(sub: Any) -> None:
         "--commit", default=None, help="source commit recorded in the JSON (default: git's)"
     )
     latency.set_defaults(func=cmd_bench_latency, parser=latency)
+    register_startup(bench)
     register_serve(bench)

@@ -15,6 +15,7 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--block-size", {"type": int, "default": None}),
     ("--gpu-memory-utilization", {"type": float, "default": None}),
     ("--num-gpu-blocks-override", {"type": int, "default": None}),
+    ("--kv-cache-memory-bytes", {"type": int, "default": None}),
     ("--quantization", {"default": None, "choices": ["fp8"]}),
     ("--tensor-parallel-size", {"type": int, "default": None}),
     ("--seed", {"type": int, "default": None}),

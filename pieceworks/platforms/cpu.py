@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from pieceworks.logger import init_logger
 from pieceworks.platforms.interface import Platform
+
+if TYPE_CHECKING:
+    from pieceworks.config import EngineConfig
+
+logger = init_logger(__name__)
+
+# The KV cache's default size where device memory is host memory (vLLM's CPU default is 4 GiB).
+DEFAULT_KV_CACHE_MEMORY_BYTES = 4 * 1024**3
 
 
 class CpuPlatform(Platform):
@@ -20,3 +29,17 @@ class CpuPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    def check_and_update_config(self, config: EngineConfig) -> None:
+        """The base adjustments, and a KV cache capped at ``DEFAULT_KV_CACHE_MEMORY_BYTES``:
+        device memory is host RAM here, and sizing the cache from it would take most of it."""
+        super().check_and_update_config(config)
+        cache_config = config.cache_config
+        if cache_config.kv_cache_memory_bytes is None:
+            cache_config.kv_cache_memory_bytes = DEFAULT_KV_CACHE_MEMORY_BYTES
+            logger.info(
+                "platform %s: KV cache capped at %.1f GiB of host memory (set "
+                "kv_cache_memory_bytes / --kv-cache-memory-bytes to change it)",
+                self.name,
+                DEFAULT_KV_CACHE_MEMORY_BYTES / 1024**3,
+            )

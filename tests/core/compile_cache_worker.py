@@ -2,17 +2,20 @@
 
 Builds ``ToyModel`` with Inductor and the compile cache at ``--cache-root``, runs it on fixed
 inputs (token counts 4, 3, 1: the dynamic-shape artifact serves them all) and writes a
-``torch.save`` file with the outputs, the compilation-counter deltas and the cache directory.
+``torch.save`` file with the outputs, the compilation-counter deltas, the cache directory and the
+directory the ``pieceworks`` package was imported from.
 Run (from the repository root): python -m tests.core.compile_cache_worker --cache-root DIR --out F
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import torch
 
+import pieceworks
 from pieceworks.config import EngineConfig, SchedulerConfig
 from pieceworks.core.config import CompilationConfig, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
@@ -56,7 +59,12 @@ def run_toy(cache_root: str, num_layers: int) -> dict[str, Any]:
         name: value - getattr(before, name) for name, value in vars(compilation_counter).items()
     }
     backend = model._pieceworks_compiler.piecewise_backend
-    return {"outputs": outputs, "counters": counters, "cache_dir": backend.cache_dir}
+    return {
+        "outputs": outputs,
+        "counters": counters,
+        "cache_dir": backend.cache_dir,
+        "package_dir": os.path.dirname(pieceworks.__file__),  # which copy was imported
+    }
 
 
 def main() -> None:

@@ -1,0 +1,193 @@
+"""``pieceworks bench startup``: an engine's time from construction to its first decode step, cold
+and warm, split into phases (after ``vllm bench startup``).
+
+Each run is a fresh process (``python -m pieceworks.benchmarks.startup``, ``main`` below), so
+nothing an earlier run compiled or imported is in memory. Caches live under one temporary
+directory: the cold run starts with pieceworks' compile cache (``CompilationConfig.cache_dir``),
+Inductor's (``TORCHINDUCTOR_CACHE_DIR``) and Triton's (``TRITON_CACHE_DIR``) all empty; the warm
+run reuses pieceworks' cache and, as SPEC §6 defines a warm start, gets empty Inductor and Triton
+caches again, so what it loads comes from pieceworks' artifacts alone (``reuse_inductor_cache``
+keeps theirs as well). The phases, in the order start-up runs them:
+
+    weight_load_s      build the model and load its weights
+    dynamo_trace_s     Dynamo tracing ``forward`` (first call until the graph reaches the backend)
+    compile_or_load_s  split the graph, compile or load every piece, wrap the pieces
+    profile_run_s      the rest of the first forward (the profiling run that sizes the KV cache)
+    kernel_warmup_s    the uncaptured warm-up of every capture shape (kernels compile here)
+    capture_s          recording the static graphs
+    other_s            the rest of engine construction (config, buffers, KV cache allocation)
+    first_step_s       one request of ``input_len`` tokens per batch row: prefill, one decode step
+
+``engine_s`` is construction alone and ``total_s`` construction plus the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ENGINE_PHASES = (
+    "weight_load_s",
+    "dynamo_trace_s",
+    "compile_or_load_s",
+    "profile_run_s",
+    "kernel_warmup_s",
+    "capture_s",
+)
+PHASES = (*ENGINE_PHASES, "other_s", "first_step_s")
+COUNTERS = (
+    "num_dynamo_traces",
+    "num_inductor_compiles",
+    "num_compiled_artifacts_loaded",
+    "num_compiled_artifacts_saved",
+    "num_cudagraph_captured",
+)
+
+
+def engine_phases(llm: Any, engine_seconds: float) -> dict[str, float]:
+    """The phases of an engine built in ``engine_seconds``, from what its runner recorded."""
+    from pieceworks.core.trace_once import trace_once_compilers
+
+    runner = llm.engine.runner
+    compilers = trace_once_compilers(runner.model)
+    trace = sum(compiler.trace_seconds for compiler in compilers)
+    compile_or_load = sum(compiler.compile_seconds for compiler in compilers)
+    phases = {
+        "weight_load_s": runner.load_seconds,
+        "dynamo_trace_s": trace,
+        "compile_or_load_s": compile_or_load,
+        "profile_run_s": max(runner.compile_seconds - trace - compile_or_load, 0.0),
+        "kernel_warmup_s": runner.warmup_seconds,
+        "capture_s": runner.capture_seconds,
+    }
+    phases["other_s"] = max(engine_seconds - sum(phases.values()), 0.0)
+    return phases
+
+
+def measure_startup(
+    model: str,
+    batch_size: int,
+    input_len: int,
+    engine_args: dict[str, Any],
+    compilation: dict[str, Any],
+) -> dict[str, Any]:
+    """Build the engine, run one step of ``batch_size`` prompts, and time each phase."""
+    from pieceworks.core.counters import compilation_counter
+    from pieceworks.engine.llm import LLM
+    from pieceworks.engine.sampling_params import SamplingParams
+
+    before = compilation_counter.clone()
+    start = time.perf_counter()
+    llm = LLM(model, compilation_config=compilation, **engine_args)
+    engine_seconds = time.perf_counter() - start
+    prompts = [list(range(1, input_len + 1)) for _ in range(batch_size)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # prefill + 1 decode
+    start = time.perf_counter()
+    llm.generate(prompts, greedy)
+    first_step = time.perf_counter() - start
+    phases = {**engine_phases(llm, engine_seconds), "first_step_s": first_step}
+    runner = llm.engine.runner
+    counters = {
+        name: getattr(compilation_counter, name) - getattr(before, name) for name in COUNTERS
+    }
+    llm.shutdown()
+    return {
+        "status": "ok",
+        **phases,
+        "engine_s": engine_seconds,
+        "total_s": engine_seconds + first_step,
+        "graph_memory_gib": runner.graph_memory_bytes / 1024**3,
+        "graph_memory_estimate_gib": runner.graph_memory_estimate_bytes / 1024**3,
+        "counters": counters,
+    }
+
+
+def run_fresh_process(
+    spec: dict[str, Any], environment: dict[str, str], out: Path, timeout_s: float
+) -> dict[str, Any]:
+    """``measure_startup(**spec)`` in a new Python process with ``environment``; its result."""
+    command = [sys.executable, "-m", "pieceworks.benchmarks.startup"]
+    command += ["--spec", json.dumps(spec), "--out", str(out)]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=environment, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "error": f"no result within {timeout_s:.0f} s"}
+    process_seconds = time.perf_counter() - start
+    if done.returncode != 0 or not out.exists():
+        return {"status": "failed", "error": f"the run exited with status {done.returncode}"}
+    return {**json.loads(out.read_text()), "process_s": process_seconds}
+
+
+def run_startup(
+    model: str,
+    batch_size: int,
+    input_len: int,
+    engine_args: dict[str, Any],
+    compilation: dict[str, Any],
+    reuse_inductor_cache: bool = False,
+    timeout_s: float = 1800.0,
+) -> list[dict[str, Any]]:
+    """The cold row, then the warm row, each from a fresh process (see the module docstring)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pieceworks-startup-") as work_dir:
+        root = Path(work_dir)
+        spec = {
+            "model": model,
+            "batch_size": batch_size,
+            "input_len": input_len,
+            "engine_args": engine_args,
+            "compilation": {**compilation, "cache_dir": str(root / "pieceworks")},
+        }
+        environment = {
+            k: v for k, v in os.environ.items() if k != "PIECEWORKS_DISABLE_COMPILE_CACHE"
+        }
+        for run in ("cold", "warm"):
+            compiler_caches = "cold" if reuse_inductor_cache else run
+            environment["TORCHINDUCTOR_CACHE_DIR"] = str(root / f"inductor-{compiler_caches}")
+            environment["TRITON_CACHE_DIR"] = str(root / f"triton-{compiler_caches}")
+            result = run_fresh_process(spec, environment, root / f"{run}.json", timeout_s)
+            rows.append({"run": run, **result})
+    return rows
+
+
+def format_startup_table(rows: list[dict[str, Any]]) -> str:
+    """One line per run: each phase, construction, total, and what was traced, compiled, loaded."""
+    names = [phase.removesuffix("_s") for phase in PHASES]
+    header = ["run", *names, "engine", "total", "traces", "compiles", "loads", "captures"]
+    lines = [" | ".join(header)]
+    for row in rows:
+        if row.get("status") != "ok":
+            lines.append(f"{row['run']} | FAILED: {row.get('error')}")
+            continue
+        counters = row["counters"]
+        cells = [row["run"], *(f"{row[phase]:.2f}" for phase in PHASES)]
+        cells += [f"{row['engine_s']:.2f}", f"{row['total_s']:.2f}"]
+        cells += [
+            str(counters[name]) for name in COUNTERS if name != "num_compiled_artifacts_saved"
+        ]
+        lines.append(" | ".join(cells))
+    lines.append("(seconds; traces, compiles, loads, captures: Dynamo traces, Inductor compiles,")
+    lines.append(" artifacts loaded from the compile cache, graphs captured)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """One start-up measurement (the fresh process ``run_fresh_process`` starts)."""
+    parser = argparse.ArgumentParser(description="one start-up measurement; JSON to --out")
+    parser.add_argument("--spec", required=True, help="measure_startup's arguments as JSON")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result = measure_startup(**json.loads(args.spec))
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

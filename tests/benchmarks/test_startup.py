@@ -1,0 +1,39 @@
+"""``bench startup``: cold and warm runs, each in a fresh process, report every start-up phase.
+
+Runs the CLI on llama-tiny at level 3 with the eager backend (Dynamo traces and the graph is split,
+nothing is compiled or captured on the CPU), so the trace and backend phases are real and short.
+Proves: two rows (cold, warm) whose phases are all present, non-negative and add up to the total,
+the Dynamo trace counted once per fresh process, the JSON and the table written.
+Run: pytest tests/benchmarks/test_startup.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pieceworks.benchmarks.startup import PHASES
+from pieceworks.entrypoints.cli import main
+
+
+def test_bench_startup_reports_each_phase_cold_and_warm(tmp_path, capsys):
+    out = tmp_path / "startup.json"
+    status = main(
+        ["bench", "startup", "--model", "llama-tiny", "--dtype", "float32", "--max-num-seqs", "4",
+         "--compilation-config", '{"level": 3, "backend": "eager"}', "--output-json", str(out)]
+    )  # fmt: skip
+    assert status == 0
+    table = capsys.readouterr().out
+    assert "dynamo_trace | compile_or_load" in table
+    rows = json.loads(out.read_text())["results"]
+    assert [row["run"] for row in rows] == ["cold", "warm"]
+    for row in rows:
+        assert row["status"] == "ok"
+        assert all(row[phase] >= 0 for phase in PHASES)
+        for phase in ("weight_load_s", "dynamo_trace_s", "compile_or_load_s", "first_step_s"):
+            assert row[phase] > 0, phase
+        assert sum(row[phase] for phase in PHASES) == pytest.approx(row["total_s"], abs=1e-6)
+        assert row["process_s"] > row["total_s"]  # the process also imported torch
+        assert row["counters"]["num_dynamo_traces"] == 1  # a fresh process traces once
+        assert row["counters"]["num_inductor_compiles"] == 0  # the eager backend

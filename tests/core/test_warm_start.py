@@ -1,0 +1,212 @@
+"""A compile cache that travels, and says why it missed (SPEC §3 compile cache).
+
+Proves: the same package copied under another path keys the same cache and loads it without an
+Inductor compile (traced files are keyed by package-relative path and content); a read-only cache
+(``chmod -R a-w``) is read, not ignored; a miss is logged with its reason, and ``explain_miss``
+names an edited source file, a torch version or a config change. One module-scoped cold compile of a
+2-layer toy (3 pieces, 3 distinct structures: first, middle, last) is shared; fresh processes
+(``compile_cache_worker.py``) do the warm starts. About a minute on 2 CPU cores.
+Run: pytest tests/core/test_warm_start.py
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pieceworks.core.cache_miss import differences, explain_miss
+from pieceworks.core.compile_cache import KEY_FACTORS_FILE
+from tests.core.compile_cache_worker import run_toy
+from tests.core.test_compile_cache import HelperModel, compiled_backend, eager_config, load_helper
+
+NUM_LAYERS = 2
+NUM_DISTINCT = 3  # first piece, the one middle piece, last piece
+REPO_ROOT = Path(__file__).resolve().parents[2]
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+
+class LogRecords(logging.Handler):
+    """The messages logged to it, as text."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """The toy compiled cold in this process into a fresh cache root: (root, result), the result
+    holding what the backend logged."""
+    root = tmp_path_factory.mktemp("cold_root")
+    logger = logging.getLogger("pieceworks.core.backend")
+    records = LogRecords()
+    logger.addHandler(records)
+    try:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+            result = run_toy(str(root), NUM_LAYERS)
+    finally:
+        logger.removeHandler(records)
+    assert result["counters"]["num_inductor_compiles"] == NUM_DISTINCT
+    return root, {**result, "log": records.messages}
+
+
+def copy_package(destination: Path) -> Path:
+    """``pieceworks`` and ``tests`` copied under ``destination`` (another install path)."""
+    shutil.copytree(REPO_ROOT / "pieceworks", destination / "pieceworks", ignore=IGNORED)
+    shutil.copytree(REPO_ROOT / "tests", destination / "tests", ignore=IGNORED)
+    return destination
+
+
+def run_worker(
+    source_root: Path, cache_root: Path, tmp_path: Path, prefix: list[str] | None = None
+) -> tuple[dict, str]:
+    """The worker from ``source_root`` in a fresh process with empty Inductor and Triton caches:
+    (its result, its log)."""
+    environment = {k: v for k, v in os.environ.items() if k != "PIECEWORKS_DISABLE_COMPILE_CACHE"}
+    environment.update(
+        PYTHONPATH=str(source_root),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        TRITON_CACHE_DIR=str(tmp_path / "triton"),
+        PIECEWORKS_LOGGING_LEVEL="INFO",
+    )
+    out = tmp_path / "result.pt"
+    command = [*(prefix or []), sys.executable, "-m", "tests.core.compile_cache_worker"]
+    command += ["--cache-root", str(cache_root), "--out", str(out)]
+    command += ["--num-layers", str(NUM_LAYERS)]
+    done = subprocess.run(
+        command, cwd=source_root, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return torch.load(out), done.stderr
+
+
+def assert_warm(result: dict, reference: dict) -> None:
+    """Loaded every distinct artifact, compiled and wrote nothing, computed the same outputs."""
+    counters = result["counters"]
+    assert counters["num_inductor_compiles"] == 0
+    assert counters["num_compiled_artifacts_loaded"] == NUM_DISTINCT
+    assert counters["num_compiled_artifacts_saved"] == 0
+    assert counters["num_cache_entries_updated"] == 0
+    for output, expected in zip(result["outputs"], reference["outputs"], strict=True):
+        assert torch.equal(output, expected)
+
+
+@pytest.mark.inductor
+def test_same_package_under_another_path_loads_the_cache(cold, tmp_path):
+    root, reference = cold
+    source_root = copy_package(tmp_path / "elsewhere")
+    result, _ = run_worker(source_root, root, tmp_path)
+    assert result["package_dir"] == str(source_root / "pieceworks")  # the copy ran
+    assert result["cache_dir"] == reference["cache_dir"]
+    assert_warm(result, reference)
+
+
+def read_only_prefix() -> list[str]:
+    """What makes a root process obey file modes (drop the capabilities that bypass them)."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: chmod cannot make a directory read-only")
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+
+
+@pytest.mark.inductor
+def test_read_only_cache_is_read(cold, tmp_path):
+    root, reference = cold
+    shutil.copytree(root, tmp_path / "root")
+    read_only_root = tmp_path / "root"
+    subprocess.run(["chmod", "-R", "a-w", str(read_only_root)], check=True)
+    try:
+        result, log = run_worker(REPO_ROOT, read_only_root, tmp_path, read_only_prefix())
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(read_only_root)], check=True)
+    assert "is read-only" in log
+    assert "cannot write" not in log  # the cache was not turned off
+    assert_warm(result, reference)
+
+
+@pytest.mark.inductor
+def test_a_first_compile_logs_the_miss(cold):
+    _, result = cold
+    assert any(
+        "compile cache miss (compiling every piece): no other compile cache" in message
+        for message in result["log"]
+    )
+
+
+def test_an_edited_source_file_is_named_as_the_reason(tmp_path):
+    helper_file = tmp_path / "scale_helper.py"
+    helper_file.write_text("def scale(x):\n    return x * 0.5\n")
+    config = eager_config(cache_dir=str(tmp_path / "root"))
+    backend = compiled_backend(
+        HelperModel(config=config, scale=load_helper(helper_file).scale), config
+    )
+    write_neighbour(Path(backend.cache_dir), backend.cache_key_factors)
+    helper_file.write_text("def scale(x):\n    return x * 0.25\n")
+    edited = compiled_backend(
+        HelperModel(config=config, scale=load_helper(helper_file).scale), config
+    )
+    reason = explain_miss(edited.cache_dir, edited.cache_key_factors)
+    assert f"differs in 1 factor(s): traced_files.{helper_file}: changed" in reason
+
+
+def write_neighbour(cache_dir: Path, factors: dict) -> None:
+    cache_dir.mkdir(parents=True)
+    (cache_dir / KEY_FACTORS_FILE).write_text(json.dumps(factors, default=str))
+
+
+FACTORS = {
+    "env": {"PIECEWORKS_X": "1"},
+    "config": {"max_model_len": 2048, "dtype": "torch.bfloat16"},
+    "traced_files": {"pieceworks/models/llama.py": "aa"},
+    "compiler": {"torch": "2.13.0", "triton": "3.6.0"},
+}
+
+
+def cache_dir_of(root: Path, key: str) -> Path:
+    return root / "torch_compile_cache" / key / "rank_0" / "model"
+
+
+def test_a_torch_version_change_is_named_as_the_reason(tmp_path):
+    write_neighbour(cache_dir_of(tmp_path, "old"), {**FACTORS, "compiler": {"torch": "2.11.0"}})
+    reason = explain_miss(str(cache_dir_of(tmp_path, "new")), FACTORS)
+    assert "differs in 2 factor(s)" in reason
+    assert "compiler.torch: '2.11.0' -> '2.13.0'" in reason
+    assert "compiler.triton: added" in reason
+
+
+def test_the_nearest_of_several_caches_is_reported(tmp_path):
+    far = {**FACTORS, "config": {"max_model_len": 4096, "dtype": "torch.float16"}}
+    near = {**FACTORS, "config": {"max_model_len": 4096, "dtype": "torch.bfloat16"}}
+    write_neighbour(cache_dir_of(tmp_path, "far"), far)
+    write_neighbour(cache_dir_of(tmp_path, "near"), near)
+    reason = explain_miss(str(cache_dir_of(tmp_path, "new")), FACTORS)
+    assert f"{cache_dir_of(tmp_path, 'near')}, differs in 1 factor(s)" in reason
+    assert "config.max_model_len: 4096 -> 2048" in reason
+
+
+def test_a_first_compile_says_so(tmp_path):
+    write_neighbour(tmp_path / "torch_compile_cache" / "k" / "rank_1" / "model", FACTORS)
+    reason = explain_miss(str(cache_dir_of(tmp_path, "new")), FACTORS)  # rank 0: no neighbour
+    assert reason.startswith("no other compile cache of model")
+
+
+def test_source_digests_are_not_printed():
+    changed = {**FACTORS, "traced_files": {"pieceworks/models/llama.py": "bb", "b.py": "cc"}}
+    assert differences(FACTORS, changed) == [
+        "traced_files.b.py: added",
+        "traced_files.pieceworks/models/llama.py: changed",
+    ]
