@@ -43,6 +43,7 @@ from pieceworks.engine.logprobs import TokenLogprobs, prompt_logprobs, sample_lo
 from pieceworks.engine.mamba_cache import allocate_mamba_cache, mamba_cache_spec
 from pieceworks.engine.sampled_tokens import SampledTokens
 from pieceworks.engine.sampler import Sampler, make_generator
+from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.scheduler import SchedulerOutput
 from pieceworks.logger import init_logger
 from pieceworks.models.loader import get_model
@@ -236,7 +237,7 @@ class ModelRunner:
     ) -> tuple[StepShape, CUDAGraphMode, BatchDescriptor | None]:
         """Pad the step to a capture size and pick its graph mode."""
         num_tokens, num_seqs = output.num_scheduled_tokens, output.num_requests
-        max_query_len = max(s.num_new_tokens for s in output.scheduled_requests)
+        max_query_len = output.max_query_len
         uniform = output.is_uniform_decode
         if num_tokens <= self.compilation.max_capture_size:
             padded = self.compilation.pad_for_cudagraph(num_tokens)
@@ -267,16 +268,14 @@ class ModelRunner:
         if self.buffers.num_logits == 0:
             return SampledTokens(None, None, prompt_logprobs=prompt)
         logits = self.model.compute_logits(self.buffers.logits_rows(hidden_states))  # (S, V)
-        requests = [scheduled.request for scheduled in output.producing_requests]
-        generators = [self._generator(request) for request in requests]
-        params = [r.sampling_params for r in requests]
+        params, generators, rows = self._sampling_inputs(output)
         token_ids = self.sampler.sample(logits, params, generators)
         token_ids = same_on_every_rank(token_ids)
         self.last_sampled = token_ids
-        self.last_sampled_rows = {r.request_id: row for row, r in enumerate(requests)}
+        self.last_sampled_rows = rows
         self._num_steps += 1
         index = self._num_steps % 2
-        staging = self._token_staging[index][: len(requests)]
+        staging = self._token_staging[index][: len(params)]
         staging.copy_(token_ids, non_blocking=True)
         event = self._token_events[index]
         if event is not None:
@@ -345,6 +344,23 @@ class ModelRunner:
             request_id: (first, values.slice(row, row + count))
             for request_id, (first, row, count) in spans.items()
         }
+
+    def _sampling_inputs(
+        self, output: SchedulerOutput
+    ) -> tuple[list[SamplingParams], list[torch.Generator | None], dict[str, int]]:
+        """The producing requests' parameters and generators, and each one's sampled row."""
+        params, generators, rows = [], [], {}
+        known = self.generators
+        for row, scheduled in enumerate(output.producing_requests):
+            request = scheduled.request
+            params.append(request.sampling_params)
+            request_id = request.request_id
+            rows[request_id] = row
+            if request_id in known:
+                generators.append(known[request_id])
+            else:
+                generators.append(self._generator(request))
+        return params, generators, rows
 
     def _generator(self, request) -> torch.Generator | None:
         if request.request_id not in self.generators:
