@@ -107,10 +107,13 @@ class InputBuffers:
         self.num_logits = 0  # rows of the step's hidden states that are sampled
         self._logits_rows_lead = False  # they are rows 0 .. num_logits - 1
         self._views: dict[tuple[int, int], _StepViews] = {}
+        self._copy_plans: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         # Per staging buffer: the layout of the step it last held (None: unknown, a dummy step)
         # and whether that step's sampled rows lead the hidden states.
         self._layouts: list[tuple | None] = [None, None]
         self._logits_lead = [False, False]
+        # (first dst, first src) when the placeholder rows are two runs of consecutive rows.
+        self._placeholder_runs: list[tuple[int, int] | None] = [None, None]
         # Per staging buffer and block-table row: (the block-id list written, ids written).
         self._table_rows: list[list[tuple[list[int] | None, int]]] = [
             [_EMPTY_ROW] * max_num_seqs for _ in range(2)
@@ -154,6 +157,7 @@ class InputBuffers:
         each writes every field in full (the reference that tests compare the incremental
         updates against)."""
         self._layouts = [None, None]
+        self._placeholder_runs = [None, None]
         self._table_rows = [[_EMPTY_ROW] * self.max_num_seqs for _ in range(2)]
         for views in self._staging_views:
             views["block_tables"][:] = 0
@@ -236,6 +240,9 @@ class InputBuffers:
                 dst[:] = columns.placeholder_dst
                 host["placeholder_src"][:num_placeholders] = columns.placeholder_src
                 host["input_ids"][dst] = 0  # overwritten on the device
+            self._placeholder_runs[self._staging_index] = _runs(
+                columns.placeholder_dst, columns.placeholder_src
+            )
         if num_tokens == shape.num_seqs:  # one token per sequence: a decode step
             request_index, positions = np.arange(num_tokens), computed
         else:
@@ -276,12 +283,9 @@ class InputBuffers:
         decodes whose token the host has not seen: one slice copy when both sides are runs of
         consecutive rows (a steady decode batch), else an indexed copy."""
         count = self.num_placeholders
-        host_dst, host_src = (
-            self.host["placeholder_dst"][:count],
-            self.host["placeholder_src"][:count],
-        )
-        if count and _is_range(host_dst, host_dst[0]) and _is_range(host_src, host_src[0]):
-            first_dst, first_src = int(host_dst[0]), int(host_src[0])
+        runs = self._placeholder_runs[self._staging_index]
+        if count and runs is not None:
+            first_dst, first_src = runs
             rows = self["input_ids"][first_dst : first_dst + count]
             rows.copy_(sampled[first_src : first_src + count])
             return
@@ -324,11 +328,33 @@ class InputBuffers:
         self.packed_host, self.host = self._staging[index], self._staging_views[index]
 
     def _copy_to_device(self, shape: StepShape, num_logits: int = 0) -> None:
-        for start, end in self.copy_ranges(shape, num_logits, self.num_placeholders):
-            self.packed_device[start:end].copy_(self.packed_host[start:end], non_blocking=True)
+        for device_bytes, host_bytes in self._copy_views(shape, num_logits):
+            device_bytes.copy_(host_bytes, non_blocking=True)
         event = self._copy_events[self._staging_index]
         if event is not None:
             event.record()
+
+    def _copy_views(
+        self, shape: StepShape, num_logits: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device, staging) byte views of ``copy_ranges``, made once per step size and buffer."""
+        key = (
+            self._staging_index,
+            shape.num_tokens_padded,
+            shape.num_seqs_padded,
+            num_logits,
+            self.num_placeholders,
+        )
+        views = self._copy_plans.get(key)
+        if views is None:
+            if len(self._copy_plans) >= MAX_CACHED_VIEWS:
+                self._copy_plans.clear()
+            ranges = self.copy_ranges(shape, num_logits, self.num_placeholders)
+            views = self._copy_plans[key] = [
+                (self.packed_device[start:end], self.packed_host[start:end])
+                for start, end in ranges
+            ]
+        return views
 
     def copy_ranges(
         self, shape: StepShape, num_logits: int = 0, num_placeholders: int = 0
@@ -493,6 +519,18 @@ def _field_view(packed: torch.Tensor, field: _Field) -> torch.Tensor:
     """``field`` as a typed tensor viewing its bytes of the packed uint8 buffer."""
     num_bytes = field.row_bytes * field.shape[0]
     return packed[field.offset : field.offset + num_bytes].view(field.dtype).view(field.shape)
+
+
+def _runs(dst: list[int], src: list[int]) -> tuple[int, int] | None:
+    """``(dst[0], src[0])`` when both lists are runs of consecutive rows, else None."""
+    if not dst:
+        return None
+    first_dst, first_src = dst[0], src[0]
+    if dst[-1] - first_dst != len(dst) - 1 or src[-1] - first_src != len(src) - 1:
+        return None
+    if dst != list(range(first_dst, first_dst + len(dst))):
+        return None
+    return (first_dst, first_src) if src == list(range(first_src, first_src + len(src))) else None
 
 
 def _is_range(values: np.ndarray, start: int) -> bool:

@@ -36,7 +36,7 @@ from pieceworks.models.loader import save_hf_directory
 from pieceworks.models.presets import get_preset, random_hf_weights
 
 ABORTED = "e"
-ABORT_STEP = 7
+ABORT_STEP = 5
 NUM_BLOCKS = 4  # of 16 tokens, for up to 4 running requests of up to 3 blocks: preemption
 
 
@@ -67,8 +67,11 @@ def workload(stop_string: str | None, stop_token: int | None) -> dict[int, list[
     stop = [stop_string] if stop_string else []
     stop_token_ids = [stop_token] if stop_token is not None else []
     return {
-        0: [("a", prompt(14), greedy(12)), ("b", prompt(9), seeded(16, 1, stop=stop))],
-        1: [(ABORTED, prompt(6), greedy(20))],
+        0: [
+            ("a", prompt(14), greedy(12)),
+            (ABORTED, prompt(6), greedy(20)),  # aborted between two running requests
+            ("b", prompt(9), seeded(16, 1, stop=stop)),
+        ],
         2: [("c", prompt(3), seeded(10, 2, stop_token_ids=stop_token_ids))],
         3: [("d", prompt(20), greedy(20))],  # crosses a block boundary while decoding
         5: [("f", prompt(7), seeded(8, 3)), ("g", prompt(4), greedy(1))],
