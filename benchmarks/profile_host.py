@@ -12,10 +12,13 @@ async scheduling the device sits idle whenever it exceeds the device's time per 
 On a GPU ``forward`` is the launch (a graph replay, or the pieces' launches in PIECEWISE) and the
 device time shows up in ``wait``; on the CPU the forward runs inline. ``--num-layers`` rebuilds a
 preset with fewer layers (random weights, a temporary HF directory), e.g. the SmolLM2 shape with 2
-layers on the CPU. ``--cprofile N`` prints the N functions with the most own time instead.
+layers on the CPU. ``--stub-model`` replaces the forward and the LM head with stubs that return
+zeros, so a step costs only the engine's own work (tokens are then meaningless). ``--cprofile N``
+prints the N functions with the most own time instead.
 
     python benchmarks/profile_host.py --model llama-tiny --batch-sizes 1,8,64
     python benchmarks/profile_host.py --model smollm2-135m-random --num-layers 2
+    python benchmarks/profile_host.py --model llama-tiny --mode eager --stub-model --clock cpu
     python benchmarks/profile_host.py --model llama-125m --mode full_and_piecewise   # on a GPU
 """
 
@@ -114,6 +117,15 @@ def instrumented(llm: LLM, clock: PhaseClock) -> Iterator[None]:
                 object.__setattr__(obj, name, original)
 
 
+def stub_model(llm: LLM) -> None:
+    """Forward and LM head that return zeros at once: a step then costs only the engine."""
+    runner, hf_config = llm.engine.runner, llm.config.model_config.hf_config
+    hidden = torch.zeros(runner.max_num_tokens, hf_config["hidden_size"], device=runner.device)
+    logits = torch.zeros(runner.max_num_tokens, hf_config["vocab_size"], device=runner.device)
+    runner.forward_model = lambda input_ids, positions: hidden[: input_ids.shape[0]]
+    object.__setattr__(runner.model, "compute_logits", lambda rows: logits[: rows.shape[0]])
+
+
 def model_source(model: str, num_layers: int | None, workdir: str) -> str:
     if num_layers is None:
         return model
@@ -128,6 +140,11 @@ def decode_until_uniform(llm: LLM, batch_size: int) -> None:
     engine = llm.engine
     engine.step_seconds.clear()
     while not engine.step_seconds or engine.step_seconds[-1][:2] != (True, batch_size):
+        if not engine.has_unfinished_requests():
+            raise SystemExit(
+                f"batch {batch_size} never decoded as one batch (the KV cache is too small for "
+                "it); lower --batch-sizes or --input-len"
+            )
         llm.processor.step(stream=False)
     for _ in range(2):
         llm.processor.step(stream=False)
@@ -137,9 +154,10 @@ def profile_batch(llm: LLM, args: argparse.Namespace, batch_size: int) -> dict[s
     rng = random.Random(batch_size)
     vocab_size = llm.config.model_config.hf_config["vocab_size"]
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 16, ignore_eos=True)
+    request_ids = []
     for _ in range(batch_size):
         prompt = [rng.randrange(vocab_size) for _ in range(args.input_len)]
-        llm.processor.add_request(prompt, params)
+        request_ids.append(llm.processor.add_request(prompt, params))
     decode_until_uniform(llm, batch_size)
     clock = PhaseClock(CLOCKS[args.clock])
     step_seconds = []
@@ -158,7 +176,7 @@ def profile_batch(llm: LLM, args: argparse.Namespace, batch_size: int) -> dict[s
     uniform = all(u and n == batch_size for u, n, _ in llm.engine.step_seconds[-args.steps :])
     while llm.processor.has_unfinished_requests():  # drain and forget the batch
         llm.processor.step(stream=False)
-    for request_id in list(llm.processor._prompts):
+    for request_id in request_ids:
         llm.processor.get_output(request_id, forget=True)
     if profiler is not None:
         stats = pstats.Stats(profiler).sort_stats("tottime")
@@ -206,6 +224,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--stub-model", action="store_true")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument(
@@ -230,9 +249,12 @@ def main() -> None:
             dtype=args.dtype,
             async_scheduling=not args.no_async_scheduling,
         )
+        if args.stub_model:
+            stub_model(llm)
         rows = [profile_batch(llm, args, batch_size) for batch_size in batch_sizes]
         llm.engine.shutdown()
     layers = f", {args.num_layers} layers" if args.num_layers else ""
+    layers += ", stub forward and LM head" if args.stub_model else ""
     platform = current_platform().name
     print(f"{args.model}{layers}, mode {mode}, platform {platform}, {args.clock} clock")
     if not args.cprofile:

@@ -51,6 +51,10 @@ from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)
 
+# Step plans kept (one per batch shape: token count, requests, longest query, uniform decode)
+# before the cache starts over; decode shapes are few, prefill and mixed ones many.
+MAX_CACHED_PLANS = 4096
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
@@ -90,6 +94,7 @@ class ModelRunner:
         ]
         self._token_events = [self.platform.create_event() for _ in range(2)]
         self._num_steps = 0
+        self._plans: dict[tuple[int, int, int, bool], Any] = {}  # batch shape -> plan()
         self.mamba_spec = mamba_cache_spec(config)
         # State slots the scheduler hands out (0: no Mamba layers, no slots).
         self.num_state_slots = self.mamba_spec.num_slots if self.mamba_spec else 0
@@ -235,10 +240,24 @@ class ModelRunner:
     def plan(
         self, output: SchedulerOutput
     ) -> tuple[StepShape, CUDAGraphMode, BatchDescriptor | None]:
-        """Pad the step to a capture size and pick its graph mode."""
-        num_tokens, num_seqs = output.num_scheduled_tokens, output.num_requests
-        max_query_len = output.max_query_len
-        uniform = output.is_uniform_decode
+        """Pad the step to a capture size and pick its graph mode (worked out once per batch
+        shape: the capture sizes and captured graphs never change while serving)."""
+        key = (
+            output.num_scheduled_tokens,
+            output.num_requests,
+            output.max_query_len,
+            output.is_uniform_decode,
+        )
+        planned = self._plans.get(key)
+        if planned is None:
+            if len(self._plans) >= MAX_CACHED_PLANS:
+                self._plans.clear()
+            planned = self._plans[key] = self._plan(*key)
+        return planned
+
+    def _plan(
+        self, num_tokens: int, num_seqs: int, max_query_len: int, uniform: bool
+    ) -> tuple[StepShape, CUDAGraphMode, BatchDescriptor | None]:
         if num_tokens <= self.compilation.max_capture_size:
             padded = self.compilation.pad_for_cudagraph(num_tokens)
             mode, descriptor = self.dispatcher.dispatch(BatchDescriptor(padded, uniform))
