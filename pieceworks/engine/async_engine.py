@@ -34,8 +34,6 @@ logger = init_logger(__name__)
 
 # How long the idle engine loop sleeps before it looks at its stop flag again.
 _IDLE_POLL_SECONDS = 0.5
-# Step timings the engine keeps (it appends one per step) before the loop trims the oldest half.
-_MAX_STEP_TIMINGS = 10_000
 
 
 class QueueFullError(RuntimeError):
@@ -201,10 +199,6 @@ class AsyncLLMEngine:
                     self.engine.step()
                     self._num_steps += 1
                     self._publish()
-                    # The engine keeps every step's timing for offline reports; a server runs
-                    # for days, so keep only the recent ones.
-                    if len(self.engine.step_seconds) > _MAX_STEP_TIMINGS:
-                        del self.engine.step_seconds[: -_MAX_STEP_TIMINGS // 2]
                 self.stats = self._snapshot()
         except BaseException as error:  # the loop is dead: tell every caller, keep the reason
             logger.exception("engine loop stopped on an error")

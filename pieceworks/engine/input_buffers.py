@@ -11,11 +11,19 @@ may still be queued; before a buffer is refilled, the copy that last read it is 
 event; in practice long done). A decode token that is still on the device (async scheduling) is
 not staged: ``prepare`` lists where it goes and which row of the previous step's sampled ids holds
 it (``placeholder_dst`` / ``placeholder_src``), and the runner copies it on the device.
+
+A staging buffer is updated, not rebuilt: the scheduled requests' values are gathered in one pass
+over them (``_StepColumns``), a block-table row is written only where its request's block ids
+changed, and when a step has the same layout as the one the buffer last held (the same requests
+with the same query lengths, state slots and placeholder rows: a steady decode batch) the fields
+that follow from the layout alone (query start locations, state indices, logits rows, placeholder
+rows, padding) are left as they are; only lengths, positions and slots are written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -100,6 +108,17 @@ class InputBuffers:
         self.num_logits = 0  # rows of the step's hidden states that are sampled
         self._logits_rows_lead = False  # they are rows 0 .. num_logits - 1
         self._views: dict[tuple[int, int], _StepViews] = {}
+        self._copy_plans: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Per staging buffer: the layout of the step it last held (None: unknown, a dummy step)
+        # and whether that step's sampled rows lead the hidden states.
+        self._layouts: list[tuple | None] = [None, None]
+        self._logits_lead = [False, False]
+        # (first dst, first src) when the placeholder rows are two runs of consecutive rows.
+        self._placeholder_runs: list[tuple[int, int] | None] = [None, None]
+        # Per staging buffer and block-table row: (the block-id list written, ids written).
+        self._table_rows: list[list[tuple[list[int] | None, int]]] = [
+            [_EMPTY_ROW] * max_num_seqs for _ in range(2)
+        ]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.device_buffers[name]
@@ -117,85 +136,137 @@ class InputBuffers:
         needed for every request whose token is still on the device (async scheduling).
         """
         self._next_staging()
-        query_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, len(scheduled))
-        computed = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
-        self._fill_sequences(scheduled, query_lens, computed, shape)
-        self._fill_tokens(scheduled, query_lens, computed, shape, block_size, sampled_rows or {})
-        self.num_logits = self._fill_logits_indices(scheduled)
+        columns = _StepColumns.gather(scheduled, sampled_rows or {})
+        layout = columns.layout(shape)
+        # The same layout as this staging buffer's last step (a steady decode batch): the fields
+        # that follow from the layout alone already hold the right values.
+        same_layout = layout == self._layouts[self._staging_index]
+        self._layouts[self._staging_index] = layout
+        query_lens = np.array(columns.query_lens, dtype=np.int64)
+        computed = np.array(columns.computed, dtype=np.int64)
+        self._fill_sequences(scheduled, columns, query_lens, computed, shape, same_layout)
+        self._fill_tokens(columns, query_lens, computed, shape, block_size, same_layout)
+        if not same_layout:
+            self._fill_logits_indices(columns.producing_rows, shape.num_seqs)
+        self.num_logits = len(columns.producing_rows)
+        self._logits_rows_lead = self._logits_lead[self._staging_index]
         self._copy_to_device(shape, self.num_logits)
-        num_decodes = sum(1 for s in scheduled if s.is_decode)
-        return self.metadata(shape, num_decodes)
+        return self.metadata(shape, columns.num_decodes)
+
+    def reset_staged(self) -> None:
+        """Forget what the staging buffers hold, as if freshly allocated: the next ``prepare`` of
+        each writes every field in full (the reference that tests compare the incremental
+        updates against)."""
+        self._layouts = [None, None]
+        self._placeholder_runs = [None, None]
+        self._table_rows = [[_EMPTY_ROW] * self.max_num_seqs for _ in range(2)]
+        for views in self._staging_views:
+            views["block_tables"][:] = 0
 
     def _fill_sequences(
         self,
         scheduled: Sequence[ScheduledRequest],
+        columns: _StepColumns,
         query_lens: np.ndarray,
         computed: np.ndarray,
         shape: StepShape,
+        same_layout: bool,
     ) -> None:
         host, num_seqs, padded = self.host, shape.num_seqs, shape.num_seqs_padded
+        host["seq_lens"][:num_seqs] = computed + query_lens
+        host["has_initial_state"][:num_seqs] = computed > 0
+        self._fill_block_tables(scheduled, padded, same_layout)
+        if same_layout:
+            return
         host["query_start_loc"][0] = 0
         np.cumsum(query_lens, out=host["query_start_loc"][1 : num_seqs + 1])
         host["query_start_loc"][num_seqs + 1 : padded + 1] = shape.num_tokens  # length 0
-        host["seq_lens"][:num_seqs] = computed + query_lens
         host["seq_lens"][num_seqs:padded] = 0
-        host["block_tables"][:padded] = 0
+        host["state_indices"][:num_seqs] = columns.state_slots
+        host["state_indices"][num_seqs:padded] = 0  # the null slot, never read back
+        host["has_initial_state"][num_seqs:padded] = False
+
+    def _fill_block_tables(
+        self, scheduled: Sequence[ScheduledRequest], num_padded: int, same_layout: bool
+    ) -> None:
+        """Each row's block ids, written only where they changed since this staging buffer last
+        held the step; padded rows are zero.
+
+        A row remembers the block-id list it was written from and how many ids it holds (the
+        rest of the row is zero). ``BlockManager`` only ever appends to a request's list (freeing
+        replaces it with a new one), so while a request stays in its row, only the ids appended
+        since are written: a decode step usually writes none.
+        """
+        table, rows = self.host["block_tables"], self._table_rows[self._staging_index]
         for row, item in enumerate(scheduled):
             block_ids = item.request.block_ids
-            host["block_tables"][row, : len(block_ids)] = block_ids
-        slots = [item.request.state_slot or 0 for item in scheduled]
-        host["state_indices"][:num_seqs] = slots
-        host["state_indices"][num_seqs:padded] = 0  # the null slot, never read back
-        host["has_initial_state"][:num_seqs] = computed > 0
-        host["has_initial_state"][num_seqs:padded] = False
+            held, num_written = rows[row]
+            num_blocks = len(block_ids)
+            if held is block_ids and num_written <= num_blocks:
+                if num_written < num_blocks:
+                    table[row, num_written:num_blocks] = block_ids[num_written:]
+            else:
+                table[row, :num_blocks] = block_ids
+                if num_written > num_blocks:
+                    table[row, num_blocks:num_written] = 0
+            rows[row] = (block_ids, num_blocks)
+        if not same_layout:  # else the padded rows are zero since this buffer's last step
+            self._zero_table_rows(len(scheduled), num_padded)
+
+    def _zero_table_rows(self, start: int, end: int) -> None:
+        """Zero block-table rows [start, end) of the current staging buffer."""
+        table, rows = self.host["block_tables"], self._table_rows[self._staging_index]
+        for row in range(start, end):
+            if rows[row][1]:
+                table[row, : rows[row][1]] = 0
+            rows[row] = _EMPTY_ROW
 
     def _fill_tokens(
         self,
-        scheduled: Sequence[ScheduledRequest],
+        columns: _StepColumns,
         query_lens: np.ndarray,
         computed: np.ndarray,
         shape: StepShape,
         block_size: int,
-        sampled_rows: Mapping[str, int],
+        same_layout: bool,
     ) -> None:
         host, num_tokens, padded = self.host, shape.num_tokens, shape.num_tokens_padded
-        offset, num_placeholders = 0, 0
-        for item in scheduled:
-            new_ids = item.new_token_ids
-            offset += len(new_ids)
-            if new_ids[-1] == PLACEHOLDER_TOKEN_ID:  # only a decode's one token can be pending
-                request_id = item.request.request_id
-                if request_id not in sampled_rows:
-                    raise RuntimeError(
-                        f"request {request_id!r}: its last token is still on the device but the "
-                        "previous step did not sample it; this is a scheduler/runner bug"
-                    )
-                host["placeholder_dst"][num_placeholders] = offset - 1
-                host["placeholder_src"][num_placeholders] = sampled_rows[request_id]
-                num_placeholders += 1
-                new_ids = new_ids[:-1] + [0]  # overwritten on the device
-            host["input_ids"][offset - len(new_ids) : offset] = new_ids
-        self.num_placeholders = num_placeholders
-        starts = host["query_start_loc"][: shape.num_seqs].astype(np.int64)
-        request_index = np.repeat(np.arange(shape.num_seqs), query_lens)  # (T,)
-        positions = np.arange(num_tokens) - starts[request_index] + computed[request_index]
+        num_placeholders = self.num_placeholders = len(columns.placeholder_dst)
+        # Every token still on the device, in the layout staged last time: the staged ids are
+        # overwritten on the device anyway, and the placeholder rows are staged already.
+        if not (same_layout and num_placeholders == num_tokens):
+            host["input_ids"][:num_tokens] = columns.token_ids
+            if num_placeholders:
+                dst = host["placeholder_dst"][:num_placeholders]
+                dst[:] = columns.placeholder_dst
+                host["placeholder_src"][:num_placeholders] = columns.placeholder_src
+                host["input_ids"][dst] = 0  # overwritten on the device
+            self._placeholder_runs[self._staging_index] = _runs(
+                columns.placeholder_dst, columns.placeholder_src
+            )
+        if num_tokens == shape.num_seqs:  # one token per sequence: a decode step
+            request_index, positions = np.arange(num_tokens), computed
+        else:
+            starts = host["query_start_loc"][: shape.num_seqs].astype(np.int64)
+            request_index = np.repeat(np.arange(shape.num_seqs), query_lens)  # (T,)
+            positions = np.arange(num_tokens) - starts[request_index] + computed[request_index]
         host["positions"][:num_tokens] = positions
         blocks = host["block_tables"][request_index, positions // block_size]
         host["slot_mapping"][:num_tokens] = (
             blocks.astype(np.int64) * block_size + positions % block_size
         )
+        if same_layout:
+            return
         host["input_ids"][num_tokens:padded] = 0
         host["positions"][num_tokens:padded] = 0
         host["slot_mapping"][num_tokens:padded] = -1  # padded tokens are never stored
 
-    def _fill_logits_indices(self, scheduled: Sequence[ScheduledRequest]) -> int:
-        """The last token row of each request that samples a token; returns how many."""
-        ends = self.host["query_start_loc"][1 : len(scheduled) + 1]
-        producing = [row for row, item in enumerate(scheduled) if item.produces_token]
-        indices = ends[producing] - 1
-        self.host["logits_indices"][: len(producing)] = indices
-        self._logits_rows_lead = _is_range(indices, start=0)
-        return len(producing)
+    def _fill_logits_indices(self, producing_rows: list[int], num_seqs: int) -> None:
+        """The last token row of each request that samples a token."""
+        ends = self.host["query_start_loc"][1 : num_seqs + 1]
+        indices = ends[producing_rows] - 1
+        self.host["logits_indices"][: len(producing_rows)] = indices
+        self._logits_lead[self._staging_index] = _is_range(indices, start=0)
 
     def logits_indices(self) -> torch.Tensor:
         """(num_logits,) int64 on the device: the rows of the hidden states to sample from."""
@@ -213,12 +284,9 @@ class InputBuffers:
         decodes whose token the host has not seen: one slice copy when both sides are runs of
         consecutive rows (a steady decode batch), else an indexed copy."""
         count = self.num_placeholders
-        host_dst, host_src = (
-            self.host["placeholder_dst"][:count],
-            self.host["placeholder_src"][:count],
-        )
-        if count and _is_range(host_dst, host_dst[0]) and _is_range(host_src, host_src[0]):
-            first_dst, first_src = int(host_dst[0]), int(host_src[0])
+        runs = self._placeholder_runs[self._staging_index]
+        if count and runs is not None:
+            first_dst, first_src = runs
             rows = self["input_ids"][first_dst : first_dst + count]
             rows.copy_(sampled[first_src : first_src + count])
             return
@@ -233,6 +301,7 @@ class InputBuffers:
         only the null state slot 0.
         """
         self._next_staging()
+        self._layouts[self._staging_index] = None
         self.num_placeholders = self.num_logits = 0
         host, num_seqs, padded_seqs = self.host, shape.num_seqs, shape.num_seqs_padded
         query_lens = np.full(num_seqs, shape.num_tokens // num_seqs, dtype=np.int64)
@@ -242,7 +311,7 @@ class InputBuffers:
         host["query_start_loc"][num_seqs + 1 : padded_seqs + 1] = shape.num_tokens
         host["seq_lens"][:num_seqs] = query_lens
         host["seq_lens"][num_seqs:padded_seqs] = 0
-        host["block_tables"][:padded_seqs] = 0
+        self._zero_table_rows(0, padded_seqs)
         host["state_indices"][:padded_seqs] = 0  # dummy runs only touch the null state slot
         host["has_initial_state"][:padded_seqs] = False
         host["input_ids"][: shape.num_tokens_padded] = 0
@@ -260,11 +329,33 @@ class InputBuffers:
         self.packed_host, self.host = self._staging[index], self._staging_views[index]
 
     def _copy_to_device(self, shape: StepShape, num_logits: int = 0) -> None:
-        for start, end in self.copy_ranges(shape, num_logits, self.num_placeholders):
-            self.packed_device[start:end].copy_(self.packed_host[start:end], non_blocking=True)
+        for device_bytes, host_bytes in self._copy_views(shape, num_logits):
+            device_bytes.copy_(host_bytes, non_blocking=True)
         event = self._copy_events[self._staging_index]
         if event is not None:
             event.record()
+
+    def _copy_views(
+        self, shape: StepShape, num_logits: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device, staging) byte views of ``copy_ranges``, made once per step size and buffer."""
+        key = (
+            self._staging_index,
+            shape.num_tokens_padded,
+            shape.num_seqs_padded,
+            num_logits,
+            self.num_placeholders,
+        )
+        views = self._copy_plans.get(key)
+        if views is None:
+            if len(self._copy_plans) >= MAX_CACHED_VIEWS:
+                self._copy_plans.clear()
+            ranges = self.copy_ranges(shape, num_logits, self.num_placeholders)
+            views = self._copy_plans[key] = [
+                (self.packed_device[start:end], self.packed_host[start:end])
+                for start, end in ranges
+            ]
+        return views
 
     def copy_ranges(
         self, shape: StepShape, num_logits: int = 0, num_placeholders: int = 0
@@ -332,6 +423,63 @@ class InputBuffers:
         return views
 
 
+_EMPTY_ROW: tuple[list[int] | None, int] = (None, 0)
+
+
+@dataclasses.dataclass
+class _StepColumns:
+    """The scheduled requests' per-step values as flat lists, gathered in one pass."""
+
+    query_lens: list[int]
+    computed: list[int]
+    state_slots: list[int]
+    token_ids: list[int]  # every scheduled token; a placeholder stays PLACEHOLDER_TOKEN_ID
+    producing_rows: list[int]  # rows of the requests that sample a token
+    placeholder_dst: list[int]  # token rows whose id is still on the device ...
+    placeholder_src: list[int]  # ... and their rows in the previous step's sampled ids
+    num_decodes: int
+
+    @classmethod
+    def gather(
+        cls, scheduled: Sequence[ScheduledRequest], sampled_rows: Mapping[str, int]
+    ) -> _StepColumns:
+        # One comprehension per column: each runs as a tight loop, cheaper per request than
+        # one loop appending to every column.
+        token_ids = list(itertools.chain.from_iterable(s.new_token_ids for s in scheduled))
+        pending = [s.request for s in scheduled if s.new_token_ids[-1] == PLACEHOLDER_TOKEN_ID]
+        try:
+            placeholder_src = [sampled_rows[request.request_id] for request in pending]
+        except KeyError as error:
+            raise RuntimeError(
+                f"request {error.args[0]!r}: its last token is still on the device but the "
+                "previous step did not sample it; this is a scheduler/runner bug"
+            ) from None
+        return cls(
+            query_lens=[s.num_new_tokens for s in scheduled],
+            computed=[s.num_computed_tokens for s in scheduled],
+            state_slots=[s.request.state_slot or 0 for s in scheduled],
+            token_ids=token_ids,
+            producing_rows=[row for row, s in enumerate(scheduled) if s.produces_token],
+            # Only a decode's one token can be pending, so these are its request's rows.
+            placeholder_dst=[i for i, t in enumerate(token_ids) if t == PLACEHOLDER_TOKEN_ID],
+            placeholder_src=placeholder_src,
+            num_decodes=[s.is_decode for s in scheduled].count(True),
+        )
+
+    def layout(self, shape: StepShape) -> tuple:
+        """What the layout-only fields follow from (positions and lengths are not in it)."""
+        return (
+            shape.num_tokens,
+            shape.num_tokens_padded,
+            shape.num_seqs_padded,
+            self.query_lens,
+            self.state_slots,
+            self.producing_rows,
+            self.placeholder_dst,
+            self.placeholder_src,
+        )
+
+
 class _StepViews(NamedTuple):
     """Prefix views of the device fields for one padded (num_seqs, num_tokens)."""
 
@@ -372,6 +520,18 @@ def _field_view(packed: torch.Tensor, field: _Field) -> torch.Tensor:
     """``field`` as a typed tensor viewing its bytes of the packed uint8 buffer."""
     num_bytes = field.row_bytes * field.shape[0]
     return packed[field.offset : field.offset + num_bytes].view(field.dtype).view(field.shape)
+
+
+def _runs(dst: list[int], src: list[int]) -> tuple[int, int] | None:
+    """``(dst[0], src[0])`` when both lists are runs of consecutive rows, else None."""
+    if not dst:
+        return None
+    first_dst, first_src = dst[0], src[0]
+    if dst[-1] - first_dst != len(dst) - 1 or src[-1] - first_src != len(src) - 1:
+        return None
+    if dst != list(range(first_dst, first_dst + len(dst))):
+        return None
+    return (first_dst, first_src) if src == list(range(first_src, first_src + len(src))) else None
 
 
 def _is_range(values: np.ndarray, start: int) -> bool:

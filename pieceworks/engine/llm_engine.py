@@ -23,6 +23,10 @@ from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
 
+# Step timings an engine keeps (``LLMEngine.step_seconds``): far more than one benchmark run's
+# decode steps, a few MiB at most.
+MAX_STEP_TIMINGS = 65_536
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -48,7 +52,8 @@ class LLMEngine:
             self.eos_token_id = self.eos_token_id[0]
         self._request_ids = itertools.count()
         self._shut_down = False
-        # (uniform decode?, number of requests, wall seconds) of each step
+        # (uniform decode?, number of requests, wall seconds) of each recent step: at most
+        # MAX_STEP_TIMINGS, the oldest half dropped when full (an engine serving for days).
         self.step_seconds: list[tuple[bool, int, float]] = []
 
     def add_request(
@@ -128,7 +133,10 @@ class LLMEngine:
         self._in_flight = (output, sampled)
         if not self.async_scheduling:
             finished += self._finish_in_flight()
-        self.step_seconds.append(
+        step_seconds = self.step_seconds
+        if len(step_seconds) >= MAX_STEP_TIMINGS:
+            del step_seconds[: MAX_STEP_TIMINGS // 2]
+        step_seconds.append(
             (output.is_uniform_decode, output.num_requests, time.perf_counter() - start)
         )
         return finished

@@ -45,12 +45,17 @@ from pieceworks.engine.logprobs import TokenLogprobs, prompt_logprobs, sample_lo
 from pieceworks.engine.mamba_cache import allocate_mamba_cache, mamba_cache_spec
 from pieceworks.engine.sampled_tokens import SampledTokens
 from pieceworks.engine.sampler import Sampler, make_generator
+from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.scheduler import SchedulerOutput
 from pieceworks.logger import init_logger
 from pieceworks.models.loader import get_model
 from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)
+
+# Step plans kept (one per batch shape: token count, requests, longest query, uniform decode)
+# before the cache starts over; decode shapes are few, prefill and mixed ones many.
+MAX_CACHED_PLANS = 4096
 
 
 class ModelRunner:
@@ -91,6 +96,7 @@ class ModelRunner:
         ]
         self._token_events = [self.platform.create_event() for _ in range(2)]
         self._num_steps = 0
+        self._plans: dict[tuple[int, int, int, bool], Any] = {}  # batch shape -> plan()
         self.mamba_spec = mamba_cache_spec(config)
         # State slots the scheduler hands out (0: no Mamba layers, no slots).
         self.num_state_slots = self.mamba_spec.num_slots if self.mamba_spec else 0
@@ -278,10 +284,24 @@ class ModelRunner:
     def plan(
         self, output: SchedulerOutput
     ) -> tuple[StepShape, CUDAGraphMode, BatchDescriptor | None]:
-        """Pad the step to a capture size and pick its graph mode."""
-        num_tokens, num_seqs = output.num_scheduled_tokens, output.num_requests
-        max_query_len = max(s.num_new_tokens for s in output.scheduled_requests)
-        uniform = output.is_uniform_decode
+        """Pad the step to a capture size and pick its graph mode (worked out once per batch
+        shape: the capture sizes and captured graphs never change while serving)."""
+        key = (
+            output.num_scheduled_tokens,
+            output.num_requests,
+            output.max_query_len,
+            output.is_uniform_decode,
+        )
+        planned = self._plans.get(key)
+        if planned is None:
+            if len(self._plans) >= MAX_CACHED_PLANS:
+                self._plans.clear()
+            planned = self._plans[key] = self._plan(*key)
+        return planned
+
+    def _plan(
+        self, num_tokens: int, num_seqs: int, max_query_len: int, uniform: bool
+    ) -> tuple[StepShape, CUDAGraphMode, BatchDescriptor | None]:
         if num_tokens <= self.compilation.max_capture_size:
             padded = self.compilation.pad_for_cudagraph(num_tokens)
             mode, descriptor = self.dispatcher.dispatch(BatchDescriptor(padded, uniform))
@@ -311,16 +331,14 @@ class ModelRunner:
         if self.buffers.num_logits == 0:
             return SampledTokens(None, None, prompt_logprobs=prompt)
         logits = self.model.compute_logits(self.buffers.logits_rows(hidden_states))  # (S, V)
-        requests = [scheduled.request for scheduled in output.producing_requests]
-        generators = [self._generator(request) for request in requests]
-        params = [r.sampling_params for r in requests]
+        params, generators, rows = self._sampling_inputs(output)
         token_ids = self.sampler.sample(logits, params, generators)
         token_ids = same_on_every_rank(token_ids)
         self.last_sampled = token_ids
-        self.last_sampled_rows = {r.request_id: row for row, r in enumerate(requests)}
+        self.last_sampled_rows = rows
         self._num_steps += 1
         index = self._num_steps % 2
-        staging = self._token_staging[index][: len(requests)]
+        staging = self._token_staging[index][: len(params)]
         staging.copy_(token_ids, non_blocking=True)
         event = self._token_events[index]
         if event is not None:
@@ -389,6 +407,23 @@ class ModelRunner:
             request_id: (first, values.slice(row, row + count))
             for request_id, (first, row, count) in spans.items()
         }
+
+    def _sampling_inputs(
+        self, output: SchedulerOutput
+    ) -> tuple[list[SamplingParams], list[torch.Generator | None], dict[str, int]]:
+        """The producing requests' parameters and generators, and each one's sampled row."""
+        params, generators, rows = [], [], {}
+        known = self.generators
+        for row, scheduled in enumerate(output.producing_requests):
+            request = scheduled.request
+            params.append(request.sampling_params)
+            request_id = request.request_id
+            rows[request_id] = row
+            if request_id in known:
+                generators.append(known[request_id])
+            else:
+                generators.append(self._generator(request))
+        return params, generators, rows
 
     def _generator(self, request) -> torch.Generator | None:
         if request.request_id not in self.generators:

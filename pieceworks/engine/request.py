@@ -21,18 +21,21 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     """Where a request is: queued, running, preempted (back in the queue), or finished."""
 
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
-    FINISHED_STOPPED = enum.auto()  # EOS or a stop token
-    FINISHED_LENGTH_CAPPED = enum.auto()  # max_tokens generated
-    FINISHED_ABORTED = enum.auto()  # aborted by the caller (a client went away)
+    # The finished statuses come last: ``is_finished`` compares values (checked per request per
+    # step, so it avoids hashing the member).
+    WAITING = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4  # EOS or a stop token
+    FINISHED_LENGTH_CAPPED = 5  # max_tokens generated
+    FINISHED_ABORTED = 6  # aborted by the caller (a client went away)
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        return self._value_ >= _FIRST_FINISHED_VALUE
 
 
+_FIRST_FINISHED_VALUE = RequestStatus.FINISHED_STOPPED.value
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections import deque
 from collections.abc import Sequence
 from typing import Final
@@ -45,26 +46,26 @@ class ScheduledRequest:
     advances by ``num_new_tokens``). ``produces_token`` is True when the step reaches the end of
     the request's tokens (``num_computed_tokens + num_new_tokens == request.num_tokens``): the
     logits of its last scheduled position are sampled and the token is appended. A chunk of a
-    prompt that stops short of its end produces no token. ``new_token_ids`` are the token ids this
-    step computes; one still on the device (async scheduling) is ``PLACEHOLDER_TOKEN_ID``.
+    prompt that stops short of its end produces no token. ``is_decode``: one token on top of a
+    computed context, sampled (the shape a decode graph serves). ``new_token_ids`` are the token
+    ids this step computes; one still on the device (async scheduling) is
+    ``PLACEHOLDER_TOKEN_ID``.
     """
 
     request: Request
     num_new_tokens: int
     num_computed_tokens: int = dataclasses.field(init=False)
     produces_token: bool = dataclasses.field(init=False)
+    is_decode: bool = dataclasses.field(init=False)
     new_token_ids: list[int] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.num_computed_tokens = self.request.num_computed_tokens
-        end = self.num_computed_tokens + self.num_new_tokens
-        self.produces_token = end == self.request.num_tokens
-        self.new_token_ids = _token_ids(self.request, self.num_computed_tokens, end)
-
-    @property
-    def is_decode(self) -> bool:
-        """One token on top of a computed context, sampled: the shape a decode graph serves."""
-        return self.num_new_tokens == 1 and self.produces_token and self.num_computed_tokens > 0
+        request, num_new_tokens = self.request, self.num_new_tokens
+        self.num_computed_tokens = computed = request.num_computed_tokens
+        end = computed + num_new_tokens
+        self.produces_token = end == request.num_tokens
+        self.is_decode = num_new_tokens == 1 and self.produces_token and computed > 0
+        self.new_token_ids = _token_ids(request, computed, end)
 
     def detached(self) -> ScheduledRequest:
         """A copy for another rank: the snapshot plus a request holding only what a runner reads
@@ -77,11 +78,15 @@ class ScheduledRequest:
 def _token_ids(request: Request, start: int, end: int) -> list[int]:
     """Token ids at positions [start, end); a token still on the device is a placeholder."""
     prompt, output = request.prompt_token_ids, request.output_token_ids
+    num_prompt_tokens = len(prompt)
     # Slice the two lists separately: a decode must not copy the whole sequence each step.
-    output_start = max(start - len(prompt), 0)
-    output_end = max(end - len(prompt), 0)
-    ids = prompt[start:end] + output[output_start:output_end]
-    return ids + [PLACEHOLDER_TOKEN_ID] * (end - start - len(ids))
+    if start >= num_prompt_tokens:  # a decode: generated tokens only
+        ids = output[start - num_prompt_tokens : end - num_prompt_tokens]
+    else:
+        ids = prompt[start:end] + output[: max(end - num_prompt_tokens, 0)]
+    if len(ids) < end - start:
+        ids += [PLACEHOLDER_TOKEN_ID] * (end - start - len(ids))
+    return ids
 
 
 @dataclasses.dataclass
@@ -89,7 +94,8 @@ class SchedulerOutput:
     """One step's batch: decodes first, then prefills (new, resumed or continuing chunks).
 
     ``preempted_requests`` were evicted this step (their blocks and state slots are already free);
-    a runner that keeps per-request state drops it for them.
+    a runner that keeps per-request state drops it for them. The counts over the batch are
+    computed once, on first use: the batch never changes after ``schedule`` returns it.
     """
 
     scheduled_requests: list[ScheduledRequest]
@@ -99,11 +105,16 @@ class SchedulerOutput:
     def num_requests(self) -> int:
         return len(self.scheduled_requests)
 
-    @property
+    @functools.cached_property
     def num_scheduled_tokens(self) -> int:
         return sum(scheduled.num_new_tokens for scheduled in self.scheduled_requests)
 
-    @property
+    @functools.cached_property
+    def max_query_len(self) -> int:
+        """The most tokens any request computes this step (0 for an empty step)."""
+        return max((scheduled.num_new_tokens for scheduled in self.scheduled_requests), default=0)
+
+    @functools.cached_property
     def num_decodes(self) -> int:
         return sum(scheduled.is_decode for scheduled in self.scheduled_requests)
 
@@ -120,7 +131,7 @@ class SchedulerOutput:
             [request.runner_view() for request in self.preempted_requests],
         )
 
-    @property
+    @functools.cached_property
     def producing_requests(self) -> list[ScheduledRequest]:
         """The scheduled requests that get a sampled token, in scheduled order."""
         return [scheduled for scheduled in self.scheduled_requests if scheduled.produces_token]
@@ -202,7 +213,8 @@ class Scheduler:
             self._schedule_waiting(scheduled, token_budget)
         # Admission order already lists decodes first (a prompt is cut only when the budget runs
         # out, so only the last request served can be mid-prefill); the stable sort guarantees it.
-        scheduled.sort(key=lambda item: not item.is_decode)
+        if not _decodes_lead(scheduled):
+            scheduled.sort(key=lambda item: not item.is_decode)
         for item in scheduled:  # the step is launched: its KV is being computed from now on
             item.request.num_computed_tokens += item.num_new_tokens
             item.request.num_output_placeholders += item.produces_token
@@ -229,10 +241,8 @@ class Scheduler:
         tokens = _tokens_per_request(scheduler_output, sampled_token_ids)  # validate first
         self._pending_outputs.popleft()
         finished = []
-        for scheduled, token_id in zip(scheduler_output.scheduled_requests, tokens):
+        for scheduled, token_id in tokens:
             request = scheduled.request
-            if token_id is None:
-                continue
             request.num_output_placeholders -= 1
             if request.is_finished:
                 continue  # it stopped on the previous step's token: this one is past its end
@@ -247,13 +257,17 @@ class Scheduler:
         self, scheduled: list[ScheduledRequest], preempted: list[Request], token_budget: int
     ) -> int:
         """Serve running requests oldest first, preempting from the newest end when short."""
-        index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
-            if _reaches_max_tokens(request):
+        index, running = 0, self.running
+        while index < len(running) and token_budget > 0:
+            request = running[index]
+            num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
+            pending = request.num_output_placeholders
+            if pending and _reaches_max_tokens(request):
                 index += 1  # its pending token is its last: it finishes on the update
                 continue
-            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
+            # request.num_uncomputed_tokens, without the property chain (once per request and step)
+            num_uncomputed = num_known + pending - request.num_computed_tokens
+            num_new_tokens = min(num_uncomputed, token_budget)
             if not self._allocate_or_preempt(request, num_new_tokens, preempted):
                 break  # the request preempted itself: it was the newest left
             scheduled.append(ScheduledRequest(request, num_new_tokens))
@@ -348,19 +362,31 @@ class Scheduler:
             )
 
 
+def _decodes_lead(scheduled: list[ScheduledRequest]) -> bool:
+    """Whether no prefill comes before a decode (then the sort would change nothing)."""
+    seen_prefill = False
+    for item in scheduled:
+        if not item.is_decode:
+            seen_prefill = True
+        elif seen_prefill:
+            return False
+    return True
+
+
 def _tokens_per_request(
     scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
-) -> list[int | None]:
-    """Align sampled tokens with scheduled requests: the token, or None if it produces none."""
-    produces = [scheduled.produces_token for scheduled in scheduler_output.scheduled_requests]
-    if len(sampled_token_ids) == len(produces):
-        return [int(token) if flag else None for token, flag in zip(sampled_token_ids, produces)]
-    if len(sampled_token_ids) == sum(produces):
-        tokens = iter(sampled_token_ids)
-        return [int(next(tokens)) if flag else None for flag in produces]
+) -> list[tuple[ScheduledRequest, int]]:
+    """Pair each scheduled request that produces a token with its token, in scheduled order."""
+    producing = scheduler_output.producing_requests
+    if len(sampled_token_ids) == len(producing):
+        return [(scheduled, int(token)) for scheduled, token in zip(producing, sampled_token_ids)]
+    scheduled_requests = scheduler_output.scheduled_requests
+    if len(sampled_token_ids) == len(scheduled_requests):
+        pairs = zip(scheduled_requests, sampled_token_ids)
+        return [(scheduled, int(token)) for scheduled, token in pairs if scheduled.produces_token]
     raise ValueError(
-        f"got {len(sampled_token_ids)} sampled tokens for a step of {len(produces)} requests of "
-        f"which {sum(produces)} produce a token; pass one token per producing request"
+        f"got {len(sampled_token_ids)} sampled tokens for a step of {len(scheduled_requests)} "
+        f"requests of which {len(producing)} produce a token; pass one token per producing request"
     )
 
 
@@ -380,6 +406,6 @@ def _check_stop(request: Request, token_id: int) -> RequestStatus | None:
         return RequestStatus.FINISHED_STOPPED
     if token_id in params.stop_token_ids:
         return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= params.max_tokens:
+    if len(request.output_token_ids) >= params.max_tokens:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
