@@ -24,6 +24,7 @@ import torch
 from pieceworks import platforms
 from pieceworks.config import EngineConfig, SchedulerConfig
 from pieceworks.core import static_graph
+from pieceworks.core.breakable_graph import BreakableEntry
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.cuda_graph import CUDAGraphWrapper
@@ -222,3 +223,26 @@ def test_debug_logging_checks_input_addresses_on_replay(stub_platform, debug_log
     run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x)  # same buffer: fine
     with pytest.raises(AssertionError, match="input addresses changed"):
         run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x.clone())
+
+
+def test_release_static_graphs_drops_only_that_configs_graphs_and_counts_each(stub_platform):
+    """Engine shutdown: every graph of the engine's wrappers goes (a breakable capture counts one
+    graph per segment), another engine's wrappers keep theirs and still replay."""
+    config, other_config = piecewise_config([2, 4]), piecewise_config([4])
+    first, second = (CUDAGraphWrapper(Doubling(), config, PIECEWISE) for _ in range(2))
+    other = CUDAGraphWrapper(Doubling(), other_config, PIECEWISE)
+    x = torch.arange(4.0)
+    for size in (2, 4):
+        run(first, config, PIECEWISE, BatchDescriptor(size), x[:size])
+    run(second, config, PIECEWISE, BatchDescriptor(4), x)
+    run(other, other_config, PIECEWISE, BatchDescriptor(4), x)
+    descriptor = BatchDescriptor(8)
+    second.entries[descriptor] = BreakableEntry(descriptor, [StubGraph()] * 3, [], None)
+    assert static_graph.release_static_graphs(config) == 2 + 1 + 3
+    assert first.entries == {} and second.entries == {}
+    assert static_graph.release_static_graphs(config) == 0  # nothing left to drop
+    close_capturing()
+    with pytest.raises(RuntimeError, match="after capturing was closed"):
+        run(first, config, PIECEWISE, BatchDescriptor(4), x)
+    run(other, other_config, PIECEWISE, BatchDescriptor(4), x)
+    assert other.entries[BatchDescriptor(4)].graph.num_replays == 1

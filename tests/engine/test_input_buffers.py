@@ -162,6 +162,12 @@ def test_prepare_dummy_values():
     assert metadata.block_tables.eq(0).all() and metadata.state_indices.eq(0).all()
     assert not metadata.has_initial_state.any()
     assert [t.tolist() for t in buffers.model_inputs(StepShape(7, 8, 3, 4, 3))] == [[0] * 8] * 2
+    # Nothing of the real step is left to sample or to fill in: no logits rows, no placeholders,
+    # and the sequences are prefills unless the caller asks for a uniform decode.
+    assert metadata.num_decodes == 0 and buffers.num_logits == buffers.num_placeholders == 0
+    assert buffers.logits_indices().tolist() == []
+    decode = buffers.prepare_dummy(StepShape(3, 4, 3, 4, 1), uniform_decode=True)
+    assert decode.num_decodes == 4 and decode.query_start_loc.tolist() == [0, 1, 2, 3, 3]
 
 
 def test_addresses_fixed_across_steps_of_one_padded_shape():
@@ -216,10 +222,11 @@ def test_one_copy_at_default_sizes():
 
 
 def decode_step(buffers: InputBuffers, sampled_rows: dict[str, int], prefill_first: bool = False):
-    """Three decodes whose token is still on the device (placeholders), optionally behind a
-    prefill chunk that samples nothing; returns the scheduled requests and the step's shape."""
+    """One decode per ``sampled_rows`` entry (``r0``, ``r10``, ...) whose token is still on the
+    device (a placeholder), optionally behind a prefill chunk that samples nothing; returns the
+    scheduled requests and the step's shape."""
     scheduled = []
-    for i in range(3):  # 4 prompt tokens, 1 known output token, 1 sampled on the device
+    for i in range(len(sampled_rows)):  # 4 prompt tokens, 1 known output token, 1 on the device
         request = scheduled_request(4, 1, 0, 1, 10 * i).request
         request.num_computed_tokens, request.num_output_placeholders = 5, 1
         scheduled.append(ScheduledRequest(request, 1))
@@ -252,6 +259,8 @@ def test_logits_rows_view_the_first_rows_of_a_decode_step_else_gather(prefill_fi
         ({"r0": 0, "r10": 1, "r20": 2}, False),  # in order: one slice copy
         ({"r0": 1, "r10": 2, "r20": 3}, True),  # in order from row 1, behind a chunk
         ({"r0": 2, "r10": 0, "r20": 1}, False),  # shuffled: the indexed copy
+        ({"r0": 2}, False),  # a single pending decode: a one-row slice copy
+        ({"r0": 0}, True),
     ],
 )
 def test_fill_placeholders_writes_each_decode_its_sampled_id(sampled_rows, prefill_first):
@@ -260,8 +269,9 @@ def test_fill_placeholders_writes_each_decode_its_sampled_id(sampled_rows, prefi
     sampled = torch.tensor([900, 901, 902, 903])  # the previous step's ids, on the "device"
     buffers.fill_placeholders(sampled)
     input_ids, _ = buffers.model_inputs(shape)
-    decode_rows = [4, 5, 6] if prefill_first else [0, 1, 2]
-    expected = [900 + sampled_rows[item.request.request_id] for item in scheduled[-3:]]
+    num_decodes = len(sampled_rows)
+    decode_rows = [row + 4 * prefill_first for row in range(num_decodes)]
+    expected = [900 + sampled_rows[item.request.request_id] for item in scheduled[-num_decodes:]]
     assert input_ids[decode_rows].tolist() == expected
     if prefill_first:  # the chunk's prompt tokens are untouched
         assert input_ids[:4].tolist() == scheduled[0].request.all_token_ids[:4]

@@ -339,6 +339,48 @@ def test_impossible_requests_are_rejected_with_a_message():
     with pytest.raises(ValueError, match="request 'fits' is already scheduled"):
         scheduler.add_request(Request("fits", [1], SamplingParams()))
     assert scheduler.get_num_unfinished_requests() == 1
+    with pytest.raises(ValueError, match=r"request 'checked'.*KV cache for 19 tokens"):
+        scheduler.check_request(Request("checked", [1] * 10, SamplingParams(max_tokens=10)))
+    scheduler.check_request(Request("unqueued", [1] * 8, SamplingParams(max_tokens=9)))
+    assert list(scheduler.requests) == ["fits"] and len(scheduler.waiting) == 1  # nothing queued
+
+
+def test_num_unfinished_requests_counts_running_and_waiting():
+    scheduler = make_scheduler(max_num_seqs=2)
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=2)) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    output = scheduler.schedule()  # two run, one waits for a seat
+    assert (len(scheduler.running), len(scheduler.waiting)) == (2, 1)
+    assert scheduler.get_num_unfinished_requests() == 3
+    scheduler.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.get_num_unfinished_requests() == 2
+    scheduler.update_from_output(output, [7, 7])
+
+
+def test_detached_step_keeps_what_a_runner_reads_and_drops_the_tokens():
+    """The view of a step sent to other tensor-parallel ranks: every scheduled field, and per
+    request its id, sampling parameters, EOS id, blocks and state slot, but no token history."""
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=6, num_state_slots=4)
+    params = SamplingParams(temperature=0.7, top_k=5, max_tokens=3, seed=11)
+    short, long = Request("short", [1, 2], params, 0), Request("long", [3] * 10, params, 9)
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    output = scheduler.schedule()
+    detached = output.detached()
+    assert detached.preempted_requests == []
+    assert len(detached.scheduled_requests) == 2
+    for original, copy in zip(output.scheduled_requests, detached.scheduled_requests):
+        fields = ("num_new_tokens", "num_computed_tokens", "produces_token", "new_token_ids")
+        for field in fields:
+            assert getattr(copy, field) == getattr(original, field), field
+        view, request = copy.request, original.request
+        assert view is not request and view.request_id == request.request_id
+        assert view.sampling_params == request.sampling_params
+        assert view.eos_token_id == request.eos_token_id
+        assert view.block_ids == request.block_ids and view.block_ids is not request.block_ids
+        assert view.state_slot == request.state_slot is not None
+        assert view.prompt_token_ids == [] and view.output_token_ids == []
 
 
 def generate_scripted(params: SamplingParams, script: list[int]) -> Request:
@@ -419,6 +461,7 @@ def test_block_manager_allocates_on_demand_and_all_or_nothing():
     manager = BlockManager(num_blocks=3, block_size=4)
     request = Request("r", [1] * 5)
     assert manager.blocks_needed(request, 5) == 2
+    assert manager.can_allocate(request, 12) and not manager.can_allocate(request, 13)
     assert manager.allocate(request, 5) and len(request.block_ids) == 2
     request.num_computed_tokens = 5
     assert manager.blocks_needed(request, 3) == 0  # positions 5..7 fit in block 2
