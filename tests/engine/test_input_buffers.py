@@ -8,7 +8,8 @@ input of a padded shape has the same address on every step of that shape (a capt
 them there); (3) a step's copies cover every used byte of every field, one copy at the default
 sizes and more only across gaps of at least ``MAX_COPY_GAP_BYTES``; (4) the rows to sample are a
 view of the hidden states in a decode-only step and a gather otherwise, and the decodes' tokens
-still on the device are filled from the previous step's sampled ids, in order or shuffled.
+still on the device are filled from the previous step's sampled ids, in order, shuffled or
+alone; one the previous step did not sample is refused with a message naming the request.
 
 The "device" is the CPU here: device and staging buffers are still separate tensors, so a field
 the copies missed would read stale values.
@@ -149,6 +150,8 @@ def test_prepare_matches_reference_then_a_smaller_step():
         scheduled_request(2, 4, 5, 1, first_block=50),
     ]
     assert_step_matches(buffers, decodes, StepShape(2, 4, 2, 4, 1))
+    chunk = [scheduled_request(6, 0, 1, 3, first_block=60, slot=2)]  # resumes at position 1
+    assert_step_matches(buffers, chunk, StepShape(3, 4, 1, 2, 3))
 
 
 @pytest.mark.usefixtures("copy_gap")
@@ -275,3 +278,16 @@ def test_fill_placeholders_writes_each_decode_its_sampled_id(sampled_rows, prefi
     assert input_ids[decode_rows].tolist() == expected
     if prefill_first:  # the chunk's prompt tokens are untouched
         assert input_ids[:4].tolist() == scheduled[0].request.all_token_ids[:4]
+
+
+def test_a_pending_token_the_previous_step_did_not_sample_is_refused():
+    request = scheduled_request(4, 1, 0, 1, first_block=0).request
+    request.num_computed_tokens, request.num_output_placeholders = 5, 1
+    with pytest.raises(
+        RuntimeError,
+        match=r"request 'r0': its last token is still on the device but the previous step did "
+        "not sample it; this is a scheduler/runner bug",
+    ):
+        make_buffers().prepare(
+            [ScheduledRequest(request, 1)], StepShape(1, 1, 1, 1, 1), BLOCK_SIZE, {"r10": 0}
+        )
