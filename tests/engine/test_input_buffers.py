@@ -9,7 +9,8 @@ them there); (3) a step's copies cover every used byte of every field, one copy 
 sizes and more only across gaps of at least ``MAX_COPY_GAP_BYTES``; (4) the rows to sample are a
 view of the hidden states in a decode-only step and a gather otherwise, and the decodes' tokens
 still on the device are filled from the previous step's sampled ids, in order, shuffled or
-alone; one the previous step did not sample is refused with a message naming the request.
+alone; one the previous step did not sample is refused with a message naming the request; (5)
+the two staging buffers alternate and a step waits only on the copy two steps back.
 
 The "device" is the CPU here: device and staging buffers are still separate tensors, so a field
 the copies missed would read stale values.
@@ -266,6 +267,7 @@ def test_logits_rows_view_the_first_rows_of_a_decode_step_else_gather(prefill_fi
         ({"r0": 0}, True),
     ],
 )
+@pytest.mark.usefixtures("copy_gap")
 def test_fill_placeholders_writes_each_decode_its_sampled_id(sampled_rows, prefill_first):
     buffers = make_buffers()
     scheduled, shape = decode_step(buffers, sampled_rows, prefill_first)
@@ -291,3 +293,42 @@ def test_a_pending_token_the_previous_step_did_not_sample_is_refused():
         make_buffers().prepare(
             [ScheduledRequest(request, 1)], StepShape(1, 1, 1, 1, 1), BLOCK_SIZE, {"r10": 0}
         )
+
+
+class RecordingEvent:
+    """Stands in for a device event: ``synchronize`` logs whether a copy was recorded on it."""
+
+    def __init__(self, index: int, log: list[tuple[int, bool]]) -> None:
+        self.index, self.log, self.recorded = index, log, False
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        self.log.append((self.index, self.recorded))
+
+
+def test_a_step_waits_for_the_copy_two_steps_back_never_the_last_one():
+    """Two staging buffers alternate: before a step refills one, it waits on the event recorded
+    after the copy that last read it (two steps back), so the previous step's copy may still run
+    while the host prepares the next (no host sync on the step just launched)."""
+    log: list[tuple[int, bool]] = []
+    events: list[RecordingEvent] = []
+
+    def create_event() -> RecordingEvent:
+        events.append(RecordingEvent(len(events), log))
+        return events[-1]
+
+    buffers = InputBuffers(
+        MAX_NUM_TOKENS, MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ, torch.device("cpu"), False, create_event
+    )
+    staging = []
+    for step in range(4):
+        if step % 2:
+            buffers.prepare_dummy(StepShape(2, 2, 2, 2, 1))
+        else:
+            assert_step_matches(buffers, *mixed_step())
+        staging.append(buffers.packed_host.data_ptr())
+    # Steps 0 and 1 find fresh buffers; steps 2 and 3 wait on the copies of steps 0 and 1.
+    assert log == [(0, False), (1, False), (0, True), (1, True)]
+    assert staging[0] == staging[2] != staging[1] == staging[3]
