@@ -200,6 +200,8 @@ def test_addresses_fixed_across_steps_of_one_padded_shape():
     names = ["input_ids", "positions", "query_start_loc", "seq_lens", "block_tables",
              "slot_mapping", "state_indices", "has_initial_state", "logits_indices"]  # fmt: skip
     assert first == [buffers[name].data_ptr() for name in names]
+    # The views themselves are made once per padded shape: a step builds no tensors for them.
+    assert buffers.metadata(shape, 0).seq_lens is buffers.metadata(shape, 0).seq_lens
 
 
 @pytest.mark.parametrize("max_num_tokens", [64, 2048, 16384])
