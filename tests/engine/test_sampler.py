@@ -176,7 +176,22 @@ def test_sampler_rejects_mismatched_rows():
 def test_make_generator_only_for_seeded_random_requests():
     assert make_generator(SamplingParams(), DEVICE) is None
     assert make_generator(SamplingParams(temperature=0.0, seed=1), DEVICE) is None
-    assert isinstance(make_generator(SamplingParams(seed=1), DEVICE), torch.Generator)
+    generator = make_generator(SamplingParams(seed=1), DEVICE)
+    assert isinstance(generator, torch.Generator) and generator.initial_seed() == 1
+
+
+def test_make_generator_creates_it_on_the_logits_device(monkeypatch):
+    """A seeded row draws its noise on the device of the logits: a CPU generator cannot fill a
+    CUDA tensor. Only CPU generators exist here, so the requested device is recorded."""
+    devices, cpu_generator = [], torch.Generator
+
+    def generator_on(device):
+        devices.append(device)
+        return cpu_generator()
+
+    monkeypatch.setattr(torch, "Generator", generator_on)
+    make_generator(SamplingParams(seed=3), "cuda:1")
+    assert devices == ["cuda:1"]
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ Run: pytest tests/engine/test_scheduler.py
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Sequence
 
 import pytest
@@ -480,6 +481,7 @@ def test_state_slot_manager_never_hands_out_the_null_slot():
     assert slots.num_free_slots == 1 and requests[0].state_slot is None
     with pytest.raises(ValueError, match="slot 0 is the null slot"):
         StateSlotManager(num_slots=1)
+    assert StateSlotManager(num_slots=2).free_slots == deque([1])  # the smallest: one request
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
