@@ -6,7 +6,10 @@ comes back); a step whose mode is not the wrapper's, or that has no descriptor, 
 capture after capturing was closed raises while captured sizes still replay; only a wrapper with
 ``weak_ref_output`` returns a weakly referenced output and only one with ``gc_disable`` skips gc;
 in a piecewise toy model only the first piece runs gc and only the last returns weak outputs; with
-debug logging, a replay on inputs at other addresses raises. The same wrapper on real CUDA graphs
+debug logging, a replay on inputs at other addresses raises and only a wrapper with
+``debug_log_enable`` logs its captures; a wrapper refuses a mode other than FULL or PIECEWISE and
+a breakable FULL capture, saying why; ``release_static_graphs`` drops one engine's graphs (a
+breakable capture's segments counted one by one) and no other's. The same wrapper on real CUDA graphs
 is tested by the GPU tests (``tests/core/test_piecewise.py`` on a GPU machine).
 Run: pytest tests/core/test_cuda_graph.py
 """
@@ -246,3 +249,37 @@ def test_release_static_graphs_drops_only_that_configs_graphs_and_counts_each(st
         run(first, config, PIECEWISE, BatchDescriptor(4), x)
     run(other, other_config, PIECEWISE, BatchDescriptor(4), x)
     assert other.entries[BatchDescriptor(4)].graph.num_replays == 1
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.NONE, CUDAGraphMode.FULL_AND_PIECEWISE])
+def test_a_wrapper_captures_only_full_or_piecewise(mode):
+    with pytest.raises(ValueError, match=f"captures FULL or PIECEWISE, not {mode.name}$"):
+        CUDAGraphWrapper(Doubling(), piecewise_config([4]), mode)
+
+
+def test_breakable_capture_is_piecewise_only_and_says_where_to_check():
+    options = CUDAGraphOptions(breakable=True)
+    with pytest.raises(ValueError) as error:
+        CUDAGraphWrapper(Doubling(), piecewise_config([4]), CUDAGraphMode.FULL, options=options)
+    assert str(error.value) == (
+        "CUDAGraphWrapper cannot capture breakable FULL graphs: breakable capture is PIECEWISE "
+        "and needs a wrapper class with supports_breakable_capture (check "
+        "Platform.supports_breakable_graphs())"
+    )
+    wrapper = CUDAGraphWrapper(Doubling(), piecewise_config([4]), PIECEWISE, options=options)
+    assert wrapper.options.breakable
+
+
+@pytest.mark.parametrize("debug_log_enable", [True, False])
+def test_only_a_wrapper_with_debug_log_enable_logs_its_captures(
+    stub_platform, debug_logging, caplog, monkeypatch, debug_log_enable
+):
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    config = piecewise_config([4])
+    options = CUDAGraphOptions(debug_log_enable=debug_log_enable)
+    wrapper = CUDAGraphWrapper(Doubling(), config, PIECEWISE, options=options)
+    with caplog.at_level(logging.DEBUG, logger="pieceworks.core.static_graph"):
+        run(wrapper, config, PIECEWISE, BatchDescriptor(4), torch.arange(4.0))
+    messages = {r.getMessage() for r in caplog.records if r.name == "pieceworks.core.static_graph"}
+    expected = {f"capturing PIECEWISE graph for {BatchDescriptor(4)}"}
+    assert messages == (expected if debug_log_enable else set())
