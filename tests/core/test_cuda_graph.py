@@ -10,8 +10,7 @@ debug logging, a replay on inputs at other addresses raises and only a wrapper w
 ``debug_log_enable`` logs its captures; a wrapper refuses a mode other than FULL or PIECEWISE and
 a breakable FULL capture, saying why; ``release_static_graphs`` drops one engine's graphs (a
 breakable capture's segments counted one by one) and no other's. The same wrapper on real CUDA
-graphs
-is tested by the GPU tests (``tests/core/test_piecewise.py`` on a GPU machine).
+graphs is tested by the GPU tests (``tests/core/test_piecewise.py`` on a GPU machine).
 Run: pytest tests/core/test_cuda_graph.py
 """
 

@@ -201,7 +201,7 @@ def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps=2
         if scheduler.max_pending_outputs == 1 and in_flight is not None:
             num_finished += len(scheduler.update_from_output(*in_flight))
             in_flight = None
-        if launched is not None:
+        if launched is not None or output.preempted_requests:  # a step may only preempt
             outputs.append(output)
     assert not scheduler.has_unfinished_requests(), "requests left unfinished"
     assert num_finished == len(requests)
@@ -284,7 +284,9 @@ def test_preemption_resumes_with_the_same_tokens(seed, num_state_slots, async_sc
         async_scheduling=async_scheduling,
     )
     outputs = run_to_completion(tiny, requests)
-    assert sum(len(output.preempted_requests) for output in outputs) > 0
+    num_preempted = sum(len(output.preempted_requests) for output in outputs)
+    assert num_preempted > 0
+    assert sum(request.num_preemptions for request in requests) == num_preempted
     for with_preemption, without in zip(requests, ample):
         assert with_preemption.output_token_ids == without.output_token_ids
         assert with_preemption.finish_reason == without.finish_reason
@@ -477,6 +479,7 @@ def test_state_slot_manager_never_hands_out_the_null_slot():
     requests = [Request(f"r{index}", [1]) for index in range(3)]
     assert [slots.allocate(request) for request in requests] == [True, True, False]
     assert sorted(request.state_slot for request in requests[:2]) == [1, 2]
+    assert slots.allocate(requests[1]) and requests[1].state_slot == 2  # it keeps its slot
     slots.free(requests[0])
     assert slots.num_free_slots == 1 and requests[0].state_slot is None
     with pytest.raises(ValueError, match="slot 0 is the null slot"):
