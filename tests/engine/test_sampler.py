@@ -88,6 +88,15 @@ def test_apply_top_k_top_p_per_row_and_disabled_rows_keep_everything():
     assert kept == [[False, False, True, True], [True] * 4, [False, False, False, True]]
 
 
+def test_top_p_nucleus_that_reaches_top_p_exactly_is_kept_alone():
+    """Four equal logits: each probability is exactly 1/4, so top_p = n/4 is reached by exactly
+    n tokens, and a token more would exceed the smallest set that reaches top_p."""
+    logits = torch.zeros(4, 4, device=DEVICE)
+    top_p = torch.tensor([0.25, 0.5, 0.75, 1.0], device=DEVICE)
+    masked = apply_top_k_top_p(logits, None, top_p)
+    assert torch.isfinite(masked).sum(dim=-1).tolist() == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_temperature_frequencies_follow_softmax(temperature):
     logits = torch.tensor([0.0, 0.5, 1.0, 2.0], device=DEVICE)
