@@ -1,11 +1,13 @@
 """The sampler picks the right tokens, and ``SamplingParams`` rejects bad values with a message.
 
 Proves: greedy rows equal argmax, also mixed with random rows in one batch; top_k=1 equals greedy;
-top-k and top-p never sample outside the kept set; a seeded row yields the same tokens whatever its
-batch position or neighbours; sampling frequencies follow softmax(logits / temperature) within a
-tolerance, for every row of a batch that mixes seeded, unseeded and greedy requests; the result
-is an int64 tensor on the logits' device, and sampling runs on the meta device (where any host
-read of tensor data would raise), so the sampler makes no host sync.
+top-k and top-p never sample outside the kept set, and a nucleus whose mass reaches top_p exactly
+keeps no token more; a seeded row yields the same tokens whatever its batch position or
+neighbours, from a generator made on the logits' device; sampling frequencies follow
+softmax(logits / temperature) within a tolerance, for every row of a batch that mixes seeded,
+unseeded and greedy requests; the result is an int64 tensor on the logits' device, and sampling
+runs on the meta device (where any host read of tensor data would raise), so the sampler makes no
+host sync.
 
 Run: pytest tests/engine/test_sampler.py
 """
