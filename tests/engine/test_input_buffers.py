@@ -151,6 +151,9 @@ def test_prepare_matches_reference_then_a_smaller_step():
         scheduled_request(2, 4, 5, 1, first_block=50),
     ]
     assert_step_matches(buffers, decodes, StepShape(2, 4, 2, 4, 1))
+    # One sequence, unpadded: each per-sequence field is a single row (a 1-byte bool included).
+    first_chunk = [scheduled_request(6, 0, 0, 3, first_block=60, slot=2)]
+    assert_step_matches(buffers, first_chunk, StepShape(3, 3, 1, 1, 3))
     chunk = [scheduled_request(6, 0, 1, 3, first_block=60, slot=2)]  # resumes at position 1
     assert_step_matches(buffers, chunk, StepShape(3, 4, 1, 2, 3))
 
@@ -172,6 +175,10 @@ def test_prepare_dummy_values():
     assert buffers.logits_indices().tolist() == []
     decode = buffers.prepare_dummy(StepShape(3, 4, 3, 4, 1), uniform_decode=True)
     assert decode.num_decodes == 4 and decode.query_start_loc.tolist() == [0, 1, 2, 3, 3]
+    full = buffers.prepare_dummy(
+        StepShape(MAX_NUM_SEQS, MAX_NUM_SEQS, MAX_NUM_SEQS, MAX_NUM_SEQS, 1)
+    )
+    assert full.query_start_loc.tolist() == list(range(MAX_NUM_SEQS + 1))  # the largest batch
 
 
 def test_addresses_fixed_across_steps_of_one_padded_shape():
