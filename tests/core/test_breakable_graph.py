@@ -228,6 +228,15 @@ def test_wrapper_without_segments_cannot_be_built_breakable():
     options = CUDAGraphOptions(breakable=True)
     with pytest.raises(ValueError, match="NoSegmentsWrapper cannot capture breakable"):
         NoSegmentsWrapper(nn.Identity(), config, CUDAGraphMode.PIECEWISE, options=options)
+    wrapper = NoSegmentsWrapper(nn.Identity(), config, CUDAGraphMode.PIECEWISE)
+    primitives = [
+        lambda: wrapper.begin_segment(BatchDescriptor(1), first=True),
+        wrapper.end_segment,
+        lambda: wrapper.replay_segment(None),
+    ]
+    for primitive in primitives:
+        with pytest.raises(NotImplementedError, match="^NoSegmentsWrapper has no segment capture$"):
+            primitive()
 
 
 @support_torch_compile

@@ -165,8 +165,13 @@ def test_capture_after_close_raises_and_captured_sizes_still_replay(stub_platfor
     x = torch.arange(4.0)
     run(wrapper, config, PIECEWISE, BatchDescriptor(4), x)
     close_capturing()
-    with pytest.raises(RuntimeError, match="after capturing was closed"):
+    with pytest.raises(RuntimeError) as error:
         run(wrapper, config, PIECEWISE, BatchDescriptor(2), x[:2])
+    assert str(error.value) == (
+        f"static-graph capture of {BatchDescriptor(2)} attempted after capturing was closed: "
+        "this batch shape was not captured in capture_model(); the runner must dispatch it to "
+        "a captured size or to mode NONE"
+    )
     run(wrapper, config, PIECEWISE, BatchDescriptor(4), x)
     assert wrapper.entries[BatchDescriptor(4)].graph.num_replays == 1
     assert len(runnable.outputs) == 1 and len(stub_platform.captures) == 1
