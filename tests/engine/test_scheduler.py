@@ -534,3 +534,19 @@ def test_abort_frees_the_cache_at_once_and_the_others_keep_their_tokens(async_sc
             scheduler.update_from_output(output, runner.execute(output))
     check_no_leaks(scheduler)
     check_matches_reference(rest)
+
+
+def test_update_from_output_takes_the_oldest_step_only():
+    """With async scheduling two steps are in flight: the newer one, or one already updated,
+    is refused (its tokens would land on the wrong positions)."""
+    scheduler = make_scheduler(async_scheduling=True)
+    scheduler.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    message = "^update_from_output\\(\\) must get the oldest scheduled output not yet updated$"
+    with pytest.raises(RuntimeError, match=message):
+        scheduler.update_from_output(second, [7])
+    scheduler.update_from_output(first, [7])
+    with pytest.raises(RuntimeError, match=message):
+        scheduler.update_from_output(first, [7])
+    scheduler.update_from_output(second, [8])
+    assert scheduler.requests["r"].output_token_ids == [7, 8]
