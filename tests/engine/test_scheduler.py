@@ -330,17 +330,34 @@ def test_resumed_request_recomputes_prompt_and_generated_tokens():
 
 def test_impossible_requests_are_rejected_with_a_message():
     scheduler = Scheduler(SchedulerConfig(4, 64), CacheConfig(block_size=4), 32, num_blocks=4)
-    with pytest.raises(
-        ValueError, match=r"request 'long'.*30 tokens.*max_tokens=16.*max_model_len=32"
-    ):
-        scheduler.add_request(Request("long", [1] * 30, SamplingParams(max_tokens=16)))
-    with pytest.raises(ValueError, match=r"request 'kv'.*KV cache for 19 tokens.*holds 16"):
-        scheduler.add_request(Request("kv", [1] * 10, SamplingParams(max_tokens=10)))
-    with pytest.raises(ValueError, match="request 'empty' has an empty prompt"):
-        scheduler.add_request(Request("empty", [], SamplingParams()))
+
+    def refused(request: Request) -> str:
+        with pytest.raises(ValueError) as error:
+            scheduler.add_request(request)
+        return str(error.value)
+
+    # Each message names the request, what does not fit, and what to change.
+    assert refused(Request("long", [1] * 30, SamplingParams(max_tokens=16))) == (
+        "request 'long': prompt of 30 tokens + max_tokens=16 = 46 exceeds max_model_len=32; "
+        "shorten the prompt, lower max_tokens, or raise max_model_len"
+    )
+    assert refused(Request("kv", [1] * 10, SamplingParams(max_tokens=10))) == (
+        "request 'kv': prompt of 10 tokens + max_tokens=10 needs KV cache for 19 tokens, but the "
+        "whole KV cache holds 16 (4 blocks of 4); shorten the prompt or lower max_tokens, or give "
+        "the KV cache more memory (gpu_memory_utilization, num_gpu_blocks_override)"
+    )
+    assert refused(Request("empty", [], SamplingParams())) == (
+        "request 'empty' has an empty prompt; pass at least one token"
+    )
+    assert refused(Request("at-limit", [1] * 16, SamplingParams(max_tokens=16))).endswith(
+        "needs KV cache for 31 tokens, but the whole KV cache holds 16 (4 blocks of 4); shorten "
+        "the prompt or lower max_tokens, or give the KV cache more memory "
+        "(gpu_memory_utilization, num_gpu_blocks_override)"
+    )  # 16 + 16 = max_model_len exactly: allowed by length, refused by the KV cache
     scheduler.add_request(Request("fits", [1] * 8, SamplingParams(max_tokens=9)))  # 16 KV tokens
-    with pytest.raises(ValueError, match="request 'fits' is already scheduled"):
-        scheduler.add_request(Request("fits", [1], SamplingParams()))
+    assert refused(Request("fits", [1], SamplingParams())) == (
+        "request 'fits' is already scheduled; give each request a unique id"
+    )
     assert scheduler.get_num_unfinished_requests() == 1
     with pytest.raises(ValueError, match=r"request 'checked'.*KV cache for 19 tokens"):
         scheduler.check_request(Request("checked", [1] * 10, SamplingParams(max_tokens=10)))
