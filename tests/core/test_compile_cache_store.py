@@ -7,9 +7,9 @@ and a file no index entry vouches for (a crashed writer's, a damaged one) is ove
 when the entry changes, and does nothing for an artifact it never saved or verified; a save that
 raises leaves no file behind; an entry that points to another piece's artifact, a missing
 artifact and an unreadable or malformed index are each reported with a warning saying what was
-wrong and that the piece is recompiled; ``cache_key_factors.json`` is sorted, indented JSON (two
-files diff line by line); the cache directory is ``<root>/torch_compile_cache/<hash>/rank_<r>/
-<prefix>``. Each test runs in milliseconds.
+wrong and that the piece is recompiled; a writer waits for the directory's lock;
+``cache_key_factors.json`` is sorted, indented JSON (two files diff line by line); the cache
+directory is ``<root>/torch_compile_cache/<hash>/rank_<r>/<prefix>``. About two seconds in all.
 Run: pytest tests/core/test_compile_cache_store.py
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,31 @@ def test_an_unreadable_index_is_ignored_with_a_warning_and_rewritten(
     assert "ignoring it: pieces are recompiled and the index rewritten" in text
     cache.store(ENTRY, "k0", writer(b"piece"))
     assert set(index_on_disk(tmp_path)["entries"]) == {ENTRY}
+
+
+def test_an_index_that_is_not_utf8_is_ignored_with_a_warning(tmp_path, warnings_text):
+    (tmp_path / "index.json").write_bytes(b"\xff\xfe{")
+    assert CompileCache(str(tmp_path), {}).entries == {}
+    assert "is unreadable ('utf-8' codec can't decode" in warnings_text()
+
+
+def test_a_store_waits_for_the_lock_another_writer_holds(tmp_path):
+    """``flock`` locks belong to an open file, so a second open in this process contends like
+    another process would: the store runs only once the holder lets go."""
+    holder, writer_cache = CompileCache(str(tmp_path), {}), CompileCache(str(tmp_path), {})
+    done = threading.Event()
+
+    def store() -> None:
+        writer_cache.store(ENTRY, "k0", writer(b"piece"))
+        done.set()
+
+    with holder._locked():
+        thread = threading.Thread(target=store)
+        thread.start()
+        assert not done.wait(timeout=0.3)  # blocked on the lock
+        assert not (tmp_path / "index.json").exists()
+    thread.join(timeout=10)
+    assert done.is_set() and set(index_on_disk(tmp_path)["entries"]) == {ENTRY}
 
 
 def test_key_factors_file_is_sorted_indented_json(tmp_path):
