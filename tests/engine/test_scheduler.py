@@ -153,6 +153,7 @@ def random_requests(seed: int, num_requests: int, max_prompt_len=40, max_tokens=
 def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
     """Per-step invariants: limits, decode-first order, progress, exclusive blocks and slots."""
     assert output.num_requests > 0, "unfinished requests but nothing scheduled"
+    assert all(scheduled.num_new_tokens > 0 for scheduled in output.scheduled_requests)
     assert output.num_scheduled_tokens <= scheduler.max_num_batched_tokens
     assert output.num_requests <= scheduler.max_num_seqs
     decode_flags = [scheduled.is_decode for scheduled in output.scheduled_requests]
@@ -557,13 +558,44 @@ def test_update_from_output_takes_the_oldest_step_only():
     """With async scheduling two steps are in flight: the newer one, or one already updated,
     is refused (its tokens would land on the wrong positions)."""
     scheduler = make_scheduler(async_scheduling=True)
-    scheduler.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True)))
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    scheduler.add_request(request)
     first, second = scheduler.schedule(), scheduler.schedule()
     message = "^update_from_output\\(\\) must get the oldest scheduled output not yet updated$"
     with pytest.raises(RuntimeError, match=message):
         scheduler.update_from_output(second, [7])
-    scheduler.update_from_output(first, [7])
+    assert scheduler.update_from_output(first, [7]) == []
     with pytest.raises(RuntimeError, match=message):
         scheduler.update_from_output(first, [7])
-    scheduler.update_from_output(second, [8])
-    assert scheduler.requests["r"].output_token_ids == [7, 8]
+    assert scheduler.update_from_output(second, [8]) == [request]  # the finished requests
+    assert request.output_token_ids == [7, 8] and request.finish_reason == "length"
+
+
+def test_a_full_budget_serves_every_running_request_each_step():
+    """Budget 3, three requests of one prompt token: three prefills, then three decodes per
+    step; the last token of budget is spent, never left over."""
+    scheduler = make_scheduler(max_num_seqs=3, max_num_batched_tokens=3)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for index in range(3):
+        scheduler.add_request(Request(f"r{index}", [index + 1], params))
+    steps = []
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        steps.append(output.num_scheduled_tokens)
+        scheduler.update_from_output(output, [9] * len(output.producing_requests))
+    assert steps == [3, 3, 3, 3]
+
+
+def test_a_request_awaiting_its_last_token_does_not_hold_back_the_next():
+    """Async: r0's pending token is its last (max_tokens=2), so the third step skips r0 and
+    still serves r1 behind it."""
+    scheduler = make_scheduler(async_scheduling=True)
+    first = Request("r0", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    second = Request("r1", [4, 5, 6], SamplingParams(max_tokens=10, ignore_eos=True))
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    prefill, decode = scheduler.schedule(), scheduler.schedule()
+    assert [s.request for s in decode.scheduled_requests] == [first, second]
+    scheduler.update_from_output(prefill, [7, 8])
+    third = scheduler.schedule()
+    assert [(s.request, s.num_new_tokens) for s in third.scheduled_requests] == [(second, 1)]
