@@ -359,6 +359,13 @@ def test_impossible_requests_are_rejected_with_a_message():
     assert refused(Request("fits", [1], SamplingParams())) == (
         "request 'fits' is already scheduled; give each request a unique id"
     )
+    scheduler.schedule()  # synchronous by default: one step at a time
+    with pytest.raises(RuntimeError) as error:
+        scheduler.schedule()
+    assert str(error.value) == (
+        "schedule() called with 1 steps awaiting update_from_output() (the most this scheduler "
+        "allows); update first"
+    )
     assert scheduler.get_num_unfinished_requests() == 1
     with pytest.raises(ValueError, match=r"request 'checked'.*KV cache for 19 tokens"):
         scheduler.check_request(Request("checked", [1] * 10, SamplingParams(max_tokens=10)))
@@ -561,6 +568,8 @@ def test_update_from_output_takes_the_oldest_step_only():
     request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     scheduler.add_request(request)
     first, second = scheduler.schedule(), scheduler.schedule()
+    with pytest.raises(RuntimeError, match="called with 2 steps awaiting"):
+        scheduler.schedule()  # async scheduling runs at most one step ahead
     message = "^update_from_output\\(\\) must get the oldest scheduled output not yet updated$"
     with pytest.raises(RuntimeError, match=message):
         scheduler.update_from_output(second, [7])
