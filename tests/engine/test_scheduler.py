@@ -359,6 +359,11 @@ def test_impossible_requests_are_rejected_with_a_message():
     assert refused(Request("fits", [1], SamplingParams())) == (
         "request 'fits' is already scheduled; give each request a unique id"
     )
+    assert scheduler.get_num_unfinished_requests() == 1
+    with pytest.raises(ValueError, match=r"request 'checked'.*KV cache for 19 tokens"):
+        scheduler.check_request(Request("checked", [1] * 10, SamplingParams(max_tokens=10)))
+    scheduler.check_request(Request("unqueued", [1] * 8, SamplingParams(max_tokens=9)))
+    assert list(scheduler.requests) == ["fits"] and len(scheduler.waiting) == 1  # nothing queued
     scheduler.schedule()  # synchronous by default: one step at a time
     with pytest.raises(RuntimeError) as error:
         scheduler.schedule()
@@ -366,11 +371,6 @@ def test_impossible_requests_are_rejected_with_a_message():
         "schedule() called with 1 steps awaiting update_from_output() (the most this scheduler "
         "allows); update first"
     )
-    assert scheduler.get_num_unfinished_requests() == 1
-    with pytest.raises(ValueError, match=r"request 'checked'.*KV cache for 19 tokens"):
-        scheduler.check_request(Request("checked", [1] * 10, SamplingParams(max_tokens=10)))
-    scheduler.check_request(Request("unqueued", [1] * 8, SamplingParams(max_tokens=9)))
-    assert list(scheduler.requests) == ["fits"] and len(scheduler.waiting) == 1  # nothing queued
 
 
 def test_num_unfinished_requests_counts_running_and_waiting():
