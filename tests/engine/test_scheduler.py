@@ -5,9 +5,10 @@ and the sequence limit and lists decodes first; chunked prefills stay within the
 where they stopped; with a tiny block pool requests are preempted, resume by recomputing prompt +
 generated tokens, and produce exactly the tokens of an unpreempted run; no KV block or Mamba state
 slot is shared while held or leaked after the last request finishes; impossible requests are
-rejected with a message; EOS, stop ids, ``ignore_eos`` and ``max_tokens`` stop generation; no
-step computes a request's last position (prompt + max_tokens - 1) or schedules a request whose
-pending token is its last.
+rejected with a message (matched in full); EOS, stop ids, ``ignore_eos`` and ``max_tokens`` stop
+generation; no step computes a request's last position (prompt + max_tokens - 1) or schedules a
+request whose pending token is its last, and such a request holds back no other; a full budget is
+spent; the views sent to other ranks keep what a runner reads; steps are updated oldest first.
 
 The fake model runner writes each step's tokens into a simulated paged KV cache through
 ``block_ids`` and reads the whole context back through them, so a block handed to two requests at
@@ -32,7 +33,12 @@ from pieceworks.config import CacheConfig, SchedulerConfig
 from pieceworks.engine.block_manager import BlockManager, StateSlotManager, cdiv
 from pieceworks.engine.request import Request, RequestStatus
 from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.engine.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerOutput
+from pieceworks.engine.scheduler import (
+    PLACEHOLDER_TOKEN_ID,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerOutput,
+)
 
 VOCAB_SIZE = 48
 EOS_TOKEN_ID = 0
@@ -608,3 +614,27 @@ def test_a_request_awaiting_its_last_token_does_not_hold_back_the_next():
     scheduler.update_from_output(prefill, [7, 8])
     third = scheduler.schedule()
     assert [(s.request, s.num_new_tokens) for s in third.scheduled_requests] == [(second, 1)]
+
+
+def test_a_resumed_request_computes_prompt_then_generated_tokens_chunk_by_chunk():
+    """After a preemption the prompt and the generated tokens are one prefill; chunks of it,
+    inside the prompt, across the boundary and inside the outputs, each hold their own tokens."""
+    request = Request("r", [1, 2, 3, 4, 5, 6], output_token_ids=[7, 8, 9])
+    chunks = []
+    for num_new_tokens in (4, 3, 1, 1):  # [0, 4) prompt, [4, 7) across, [7, 8), [8, 9) outputs
+        scheduled = ScheduledRequest(request, num_new_tokens)
+        chunks.append((scheduled.new_token_ids, scheduled.produces_token))
+        request.num_computed_tokens += num_new_tokens
+    assert chunks == [([1, 2, 3, 4], False), ([5, 6, 7], False), ([8], False), ([9], True)]
+
+
+def test_block_manager_needs_at_least_one_block_of_at_least_one_token():
+    message = (
+        "num_blocks={} and block_size={} must both be >= 1; the KV cache has no room (give it "
+        "more memory)"
+    )
+    for num_blocks, block_size in ((0, 16), (16, 0)):
+        with pytest.raises(ValueError) as error:
+            BlockManager(num_blocks, block_size)
+        assert str(error.value) == message.format(num_blocks, block_size)
+    assert BlockManager(num_blocks=1, block_size=1).num_tokens_capacity == 1
