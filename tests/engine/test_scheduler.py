@@ -366,10 +366,6 @@ def test_impossible_requests_are_rejected_with_a_message():
         "request 'fits' is already scheduled; give each request a unique id"
     )
     assert scheduler.get_num_unfinished_requests() == 1
-    with pytest.raises(ValueError, match=r"request 'checked'.*KV cache for 19 tokens"):
-        scheduler.check_request(Request("checked", [1] * 10, SamplingParams(max_tokens=10)))
-    scheduler.check_request(Request("unqueued", [1] * 8, SamplingParams(max_tokens=9)))
-    assert list(scheduler.requests) == ["fits"] and len(scheduler.waiting) == 1  # nothing queued
     scheduler.schedule()  # synchronous by default: one step at a time
     with pytest.raises(RuntimeError) as error:
         scheduler.schedule()
@@ -495,7 +491,6 @@ def test_block_manager_allocates_on_demand_and_all_or_nothing():
     manager = BlockManager(num_blocks=3, block_size=4)
     request = Request("r", [1] * 5)
     assert manager.blocks_needed(request, 5) == 2
-    assert manager.can_allocate(request, 12) and not manager.can_allocate(request, 13)
     assert manager.allocate(request, 5) and len(request.block_ids) == 2
     request.num_computed_tokens = 5
     assert manager.blocks_needed(request, 3) == 0  # positions 5..7 fit in block 2
@@ -638,3 +633,22 @@ def test_block_manager_needs_at_least_one_block_of_at_least_one_token():
             BlockManager(num_blocks, block_size)
         assert str(error.value) == message.format(num_blocks, block_size)
     assert BlockManager(num_blocks=1, block_size=1).num_tokens_capacity == 1
+
+
+def test_check_request_raises_what_add_request_would_and_queues_nothing():
+    scheduler = Scheduler(SchedulerConfig(4, 64), CacheConfig(block_size=4), 32, num_blocks=4)
+    with pytest.raises(ValueError, match=r"request 'checked'.*KV cache for 19 tokens"):
+        scheduler.check_request(Request("checked", [1] * 10, SamplingParams(max_tokens=10)))
+    scheduler.check_request(Request("unqueued", [1] * 8, SamplingParams(max_tokens=9)))
+    assert (
+        not scheduler.requests and not scheduler.waiting and scheduler.schedule().num_requests == 0
+    )
+
+
+def test_can_allocate_counts_the_blocks_a_request_still_needs():
+    manager = BlockManager(num_blocks=3, block_size=4)
+    request = Request("r", [1] * 5)
+    assert manager.can_allocate(request, 12) and not manager.can_allocate(request, 13)
+    manager.allocate(request, 5)  # 2 blocks held, 1 free
+    request.num_computed_tokens = 5
+    assert manager.can_allocate(request, 7) and not manager.can_allocate(request, 8)
