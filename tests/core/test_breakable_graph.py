@@ -228,7 +228,10 @@ def test_wrapper_without_segments_cannot_be_built_breakable():
     options = CUDAGraphOptions(breakable=True)
     with pytest.raises(ValueError, match="NoSegmentsWrapper cannot capture breakable"):
         NoSegmentsWrapper(nn.Identity(), config, CUDAGraphMode.PIECEWISE, options=options)
-    wrapper = NoSegmentsWrapper(nn.Identity(), config, CUDAGraphMode.PIECEWISE)
+
+
+def test_a_wrapper_without_segments_says_so_for_each_primitive():
+    wrapper = NoSegmentsWrapper(nn.Identity(), make_config(), CUDAGraphMode.PIECEWISE)
     primitives = [
         lambda: wrapper.begin_segment(BatchDescriptor(1), first=True),
         wrapper.end_segment,
