@@ -229,8 +229,12 @@ def test_debug_logging_checks_input_addresses_on_replay(stub_platform, debug_log
     static_x = torch.arange(4.0)
     run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x)
     run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x)  # same buffer: fine
-    with pytest.raises(AssertionError, match="input addresses changed"):
+    with pytest.raises(AssertionError) as error:
         run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x.clone())
+    assert str(error.value) == (
+        f"input addresses changed since the capture of {BatchDescriptor(4)}: static inputs must "
+        "be copied into the runner's persistent buffers"
+    )
 
 
 def test_release_static_graphs_drops_only_that_configs_graphs_and_counts_each(stub_platform):

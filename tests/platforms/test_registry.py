@@ -382,3 +382,11 @@ def test_a_raising_plugin_is_warned_about_by_name(plugins, monkeypatch, caplog):
     # The resolution itself is logged at debug level, as `pieceworks platforms` prints it.
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert platforms.describe_platform_resolution() in debug
+
+
+def test_unregistering_an_unknown_plugin_is_a_no_op(plugins):
+    plugins("fakevendor", lambda: _qualname(_PluginPlatform))
+    platforms.unregister_platform_plugin("never-registered")
+    platforms.unregister_platform_plugin("fakevendor")
+    platforms.unregister_platform_plugin("fakevendor")  # twice: still fine
+    assert "fakevendor" not in registry._allowed_plugins()
