@@ -158,10 +158,13 @@ def test_a_missing_artifact_is_reported_and_recompiled(tmp_path, warning_message
     "index_text, reason",
     [
         ("{not json", "Expecting property name"),
-        (json.dumps({"version": 2, "entries": {}}), "not a version-1 index"),
-        (json.dumps(["version", 1]), "not a version-1 index"),
-        (json.dumps({"version": 1}), "no entries"),
-        (json.dumps({"version": 1, "entries": {ENTRY: {"artifact": "a"}}}), "lacks artifact"),
+        (json.dumps({"version": 2, "entries": {}}), "(not a version-1 index)"),
+        (json.dumps(["version", 1]), "(not a version-1 index)"),
+        (json.dumps({"version": 1}), "(no entries)"),
+        (
+            json.dumps({"version": 1, "entries": {ENTRY: {"artifact": "a"}}}),
+            f"(entry {ENTRY!r} lacks artifact or sha256)",
+        ),
         (json.dumps({"version": 1, "entries": {ENTRY: "artifacts/k0.bin"}}), "lacks artifact"),
     ],
 )

@@ -292,3 +292,21 @@ def test_only_a_wrapper_with_debug_log_enable_logs_its_captures(
     messages = {r.getMessage() for r in caplog.records if r.name == "pieceworks.core.static_graph"}
     expected = {f"capturing PIECEWISE graph for {BatchDescriptor(4)}"}
     assert messages == (expected if debug_log_enable else set())
+
+
+def test_capture_passes_keyword_arguments_and_only_debug_logging_checks_addresses(stub_platform):
+    """A FULL wrapper around a model is called with keyword arguments; without debug logging a
+    replay costs no address check (keeping the inputs in place is the runner's contract)."""
+    config = piecewise_config([4])
+
+    def scaled(x: torch.Tensor, *, scale: float) -> torch.Tensor:
+        return x * scale
+
+    wrapper = CUDAGraphWrapper(scaled, config, PIECEWISE)
+    with set_forward_context(
+        None, config, cudagraph_runtime_mode=PIECEWISE, batch_descriptor=BatchDescriptor(4)
+    ):
+        captured = wrapper(torch.ones(4), scale=3.0)
+        wrapper(torch.ones(4), scale=3.0)  # inputs elsewhere: replayed without a check
+    assert captured.tolist() == [3.0] * 4
+    assert wrapper.entries[BatchDescriptor(4)].input_addresses is None
