@@ -180,6 +180,7 @@ def test_an_unreadable_index_is_ignored_with_a_warning_and_rewritten(
     assert "ignoring it: pieces are recompiled and the index rewritten" in text
     cache.store(ENTRY, "k0", writer(b"piece"))
     assert set(index_on_disk(tmp_path)["entries"]) == {ENTRY}
+    assert warnings_text() == text  # the rewrite itself warns no more
 
 
 def test_an_index_that_is_not_utf8_is_ignored_with_a_warning(tmp_path, warnings_text):

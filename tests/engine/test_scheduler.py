@@ -652,3 +652,20 @@ def test_can_allocate_counts_the_blocks_a_request_still_needs():
     manager.allocate(request, 5)  # 2 blocks held, 1 free
     request.num_computed_tokens = 5
     assert manager.can_allocate(request, 7) and not manager.can_allocate(request, 8)
+
+
+def test_running_requests_beyond_the_budget_wait_for_the_next_step():
+    """Budget 2, three decoding requests: two decode per step and the third waits; none is
+    scheduled with zero tokens."""
+    scheduler = make_scheduler(max_num_seqs=3, max_num_batched_tokens=3)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for index in range(3):
+        scheduler.add_request(Request(f"r{index}", [index + 1], params))
+    prefill = scheduler.schedule()
+    scheduler.update_from_output(prefill, [9, 9, 9])
+    scheduler.max_num_batched_tokens = 2
+    decode = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in decode.scheduled_requests] == [
+        ("r0", 1),
+        ("r1", 1),
+    ]
