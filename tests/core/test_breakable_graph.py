@@ -230,6 +230,18 @@ def test_wrapper_without_segments_cannot_be_built_breakable():
         NoSegmentsWrapper(nn.Identity(), config, CUDAGraphMode.PIECEWISE, options=options)
 
 
+def test_a_wrapper_without_segments_says_so_for_each_primitive():
+    wrapper = NoSegmentsWrapper(nn.Identity(), make_config(), CUDAGraphMode.PIECEWISE)
+    primitives = [
+        lambda: wrapper.begin_segment(BatchDescriptor(1), first=True),
+        wrapper.end_segment,
+        lambda: wrapper.replay_segment(None),
+    ]
+    for primitive in primitives:
+        with pytest.raises(NotImplementedError, match="^NoSegmentsWrapper has no segment capture$"):
+            primitive()
+
+
 @support_torch_compile
 class ToyCompiledModel(nn.Module):
     """A split op, then an unmarked dynamic op that the split leaves inside a piece."""

@@ -6,8 +6,11 @@ comes back); a step whose mode is not the wrapper's, or that has no descriptor, 
 capture after capturing was closed raises while captured sizes still replay; only a wrapper with
 ``weak_ref_output`` returns a weakly referenced output and only one with ``gc_disable`` skips gc;
 in a piecewise toy model only the first piece runs gc and only the last returns weak outputs; with
-debug logging, a replay on inputs at other addresses raises. The same wrapper on real CUDA graphs
-is tested by the GPU tests (``tests/core/test_piecewise.py`` on a GPU machine).
+debug logging, a replay on inputs at other addresses raises and only a wrapper with
+``debug_log_enable`` logs its captures; a wrapper refuses a mode other than FULL or PIECEWISE and
+a breakable FULL capture, saying why; ``release_static_graphs`` drops one engine's graphs (a
+breakable capture's segments counted one by one) and no other's. The same wrapper on real CUDA
+graphs is tested by the GPU tests (``tests/core/test_piecewise.py`` on a GPU machine).
 Run: pytest tests/core/test_cuda_graph.py
 """
 
@@ -24,6 +27,7 @@ import torch
 from pieceworks import platforms
 from pieceworks.config import EngineConfig, SchedulerConfig
 from pieceworks.core import static_graph
+from pieceworks.core.breakable_graph import BreakableEntry
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.cuda_graph import CUDAGraphWrapper
@@ -161,8 +165,13 @@ def test_capture_after_close_raises_and_captured_sizes_still_replay(stub_platfor
     x = torch.arange(4.0)
     run(wrapper, config, PIECEWISE, BatchDescriptor(4), x)
     close_capturing()
-    with pytest.raises(RuntimeError, match="after capturing was closed"):
+    with pytest.raises(RuntimeError) as error:
         run(wrapper, config, PIECEWISE, BatchDescriptor(2), x[:2])
+    assert str(error.value) == (
+        f"static-graph capture of {BatchDescriptor(2)} attempted after capturing was closed: "
+        "this batch shape was not captured in capture_model(); the runner must dispatch it to "
+        "a captured size or to mode NONE"
+    )
     run(wrapper, config, PIECEWISE, BatchDescriptor(4), x)
     assert wrapper.entries[BatchDescriptor(4)].graph.num_replays == 1
     assert len(runnable.outputs) == 1 and len(stub_platform.captures) == 1
@@ -220,5 +229,84 @@ def test_debug_logging_checks_input_addresses_on_replay(stub_platform, debug_log
     static_x = torch.arange(4.0)
     run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x)
     run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x)  # same buffer: fine
-    with pytest.raises(AssertionError, match="input addresses changed"):
+    with pytest.raises(AssertionError) as error:
         run(wrapper, config, PIECEWISE, BatchDescriptor(4), static_x.clone())
+    assert str(error.value) == (
+        f"input addresses changed since the capture of {BatchDescriptor(4)}: static inputs must "
+        "be copied into the runner's persistent buffers"
+    )
+
+
+def test_release_static_graphs_drops_only_that_configs_graphs_and_counts_each(stub_platform):
+    """Engine shutdown: every graph of the engine's wrappers goes (a breakable capture counts one
+    graph per segment), another engine's wrappers keep theirs and still replay."""
+    config, other_config = piecewise_config([2, 4]), piecewise_config([4])
+    first, second = (CUDAGraphWrapper(Doubling(), config, PIECEWISE) for _ in range(2))
+    other = CUDAGraphWrapper(Doubling(), other_config, PIECEWISE)
+    x = torch.arange(4.0)
+    for size in (2, 4):
+        run(first, config, PIECEWISE, BatchDescriptor(size), x[:size])
+    run(second, config, PIECEWISE, BatchDescriptor(4), x)
+    run(other, other_config, PIECEWISE, BatchDescriptor(4), x)
+    descriptor = BatchDescriptor(8)
+    second.entries[descriptor] = BreakableEntry(descriptor, [StubGraph()] * 3, [], None)
+    assert static_graph.release_static_graphs(config) == 2 + 1 + 3
+    assert first.entries == {} and second.entries == {}
+    assert static_graph.release_static_graphs(config) == 0  # nothing left to drop
+    close_capturing()
+    with pytest.raises(RuntimeError, match="after capturing was closed"):
+        run(first, config, PIECEWISE, BatchDescriptor(4), x)
+    run(other, other_config, PIECEWISE, BatchDescriptor(4), x)
+    assert other.entries[BatchDescriptor(4)].graph.num_replays == 1
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.NONE, CUDAGraphMode.FULL_AND_PIECEWISE])
+def test_a_wrapper_captures_only_full_or_piecewise(mode):
+    with pytest.raises(ValueError, match=f"captures FULL or PIECEWISE, not {mode.name}$"):
+        CUDAGraphWrapper(Doubling(), piecewise_config([4]), mode)
+
+
+def test_breakable_capture_is_piecewise_only_and_says_where_to_check():
+    options = CUDAGraphOptions(breakable=True)
+    with pytest.raises(ValueError) as error:
+        CUDAGraphWrapper(Doubling(), piecewise_config([4]), CUDAGraphMode.FULL, options=options)
+    assert str(error.value) == (
+        "CUDAGraphWrapper cannot capture breakable FULL graphs: breakable capture is PIECEWISE "
+        "and needs a wrapper class with supports_breakable_capture (check "
+        "Platform.supports_breakable_graphs())"
+    )
+    wrapper = CUDAGraphWrapper(Doubling(), piecewise_config([4]), PIECEWISE, options=options)
+    assert wrapper.options.breakable
+
+
+@pytest.mark.parametrize("debug_log_enable", [True, False])
+def test_only_a_wrapper_with_debug_log_enable_logs_its_captures(
+    stub_platform, debug_logging, caplog, monkeypatch, debug_log_enable
+):
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    config = piecewise_config([4])
+    options = CUDAGraphOptions(debug_log_enable=debug_log_enable)
+    wrapper = CUDAGraphWrapper(Doubling(), config, PIECEWISE, options=options)
+    with caplog.at_level(logging.DEBUG, logger="pieceworks.core.static_graph"):
+        run(wrapper, config, PIECEWISE, BatchDescriptor(4), torch.arange(4.0))
+    messages = {r.getMessage() for r in caplog.records if r.name == "pieceworks.core.static_graph"}
+    expected = {f"capturing PIECEWISE graph for {BatchDescriptor(4)}"}
+    assert messages == (expected if debug_log_enable else set())
+
+
+def test_capture_passes_keyword_arguments_and_only_debug_logging_checks_addresses(stub_platform):
+    """A FULL wrapper around a model is called with keyword arguments; without debug logging a
+    replay costs no address check (keeping the inputs in place is the runner's contract)."""
+    config = piecewise_config([4])
+
+    def scaled(x: torch.Tensor, *, scale: float) -> torch.Tensor:
+        return x * scale
+
+    wrapper = CUDAGraphWrapper(scaled, config, PIECEWISE)
+    with set_forward_context(
+        None, config, cudagraph_runtime_mode=PIECEWISE, batch_descriptor=BatchDescriptor(4)
+    ):
+        captured = wrapper(torch.ones(4), scale=3.0)
+        wrapper(torch.ones(4), scale=3.0)  # inputs elsewhere: replayed without a check
+    assert captured.tolist() == [3.0] * 4
+    assert wrapper.entries[BatchDescriptor(4)].input_addresses is None

@@ -53,6 +53,8 @@ def test_full_decode_only(graph_platform):
     d = dispatcher(CUDAGraphMode.FULL_DECODE_ONLY, graph_platform)
     assert d.dispatch(BD(2, True)) == (FULL, BD(2, True))
     assert d.dispatch(BD(2)) == (NONE, None)
+    assert d.dispatch(BD(8, True)) == (NONE, None)  # a decode graph serves <= max_num_seqs rows
+    assert d.cudagraph_keys[PIECEWISE] == set()
 
 
 def test_none(graph_platform):
@@ -65,3 +67,13 @@ def test_capture_order_is_largest_first(graph_platform):
     d = dispatcher(CUDAGraphMode.FULL_AND_PIECEWISE, graph_platform)
     sizes = [desc.num_tokens for _, desc in d.capture_descriptors()]
     assert sizes == sorted(sizes, reverse=True)
+    # Each size once per mode; at one size the FULL decode graph comes before the piecewise one.
+    assert d.capture_descriptors() == [
+        (PIECEWISE, BD(8)),
+        (FULL, BD(4, True)),
+        (PIECEWISE, BD(4)),
+        (FULL, BD(2, True)),
+        (PIECEWISE, BD(2)),
+        (FULL, BD(1, True)),
+        (PIECEWISE, BD(1)),
+    ]

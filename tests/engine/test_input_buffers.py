@@ -8,7 +8,9 @@ input of a padded shape has the same address on every step of that shape (a capt
 them there); (3) a step's copies cover every used byte of every field, one copy at the default
 sizes and more only across gaps of at least ``MAX_COPY_GAP_BYTES``; (4) the rows to sample are a
 view of the hidden states in a decode-only step and a gather otherwise, and the decodes' tokens
-still on the device are filled from the previous step's sampled ids, in order or shuffled.
+still on the device are filled from the previous step's sampled ids, in order, shuffled or
+alone; one the previous step did not sample is refused with a message naming the request; (5)
+the two staging buffers alternate and a step waits only on the copy two steps back.
 
 The "device" is the CPU here: device and staging buffers are still separate tensors, so a field
 the copies missed would read stale values.
@@ -149,6 +151,11 @@ def test_prepare_matches_reference_then_a_smaller_step():
         scheduled_request(2, 4, 5, 1, first_block=50),
     ]
     assert_step_matches(buffers, decodes, StepShape(2, 4, 2, 4, 1))
+    # One sequence, unpadded: each per-sequence field is a single row (a 1-byte bool included).
+    first_chunk = [scheduled_request(6, 0, 0, 3, first_block=60, slot=2)]
+    assert_step_matches(buffers, first_chunk, StepShape(3, 3, 1, 1, 3))
+    chunk = [scheduled_request(6, 0, 1, 3, first_block=60, slot=2)]  # resumes at position 1
+    assert_step_matches(buffers, chunk, StepShape(3, 4, 1, 2, 3))
 
 
 @pytest.mark.usefixtures("copy_gap")
@@ -162,6 +169,16 @@ def test_prepare_dummy_values():
     assert metadata.block_tables.eq(0).all() and metadata.state_indices.eq(0).all()
     assert not metadata.has_initial_state.any()
     assert [t.tolist() for t in buffers.model_inputs(StepShape(7, 8, 3, 4, 3))] == [[0] * 8] * 2
+    # Nothing of the real step is left to sample or to fill in: no logits rows, no placeholders,
+    # and the sequences are prefills unless the caller asks for a uniform decode.
+    assert metadata.num_decodes == 0 and buffers.num_logits == buffers.num_placeholders == 0
+    assert buffers.logits_indices().tolist() == []
+    decode = buffers.prepare_dummy(StepShape(3, 4, 3, 4, 1), uniform_decode=True)
+    assert decode.num_decodes == 4 and decode.query_start_loc.tolist() == [0, 1, 2, 3, 3]
+    full = buffers.prepare_dummy(
+        StepShape(MAX_NUM_SEQS, MAX_NUM_SEQS, MAX_NUM_SEQS, MAX_NUM_SEQS, 1)
+    )
+    assert full.query_start_loc.tolist() == list(range(MAX_NUM_SEQS + 1))  # the largest batch
 
 
 def test_addresses_fixed_across_steps_of_one_padded_shape():
@@ -190,6 +207,8 @@ def test_addresses_fixed_across_steps_of_one_padded_shape():
     names = ["input_ids", "positions", "query_start_loc", "seq_lens", "block_tables",
              "slot_mapping", "state_indices", "has_initial_state", "logits_indices"]  # fmt: skip
     assert first == [buffers[name].data_ptr() for name in names]
+    # The views themselves are made once per padded shape: a step builds no tensors for them.
+    assert buffers.metadata(shape, 0).seq_lens is buffers.metadata(shape, 0).seq_lens
 
 
 @pytest.mark.parametrize("max_num_tokens", [64, 2048, 16384])
@@ -216,10 +235,11 @@ def test_one_copy_at_default_sizes():
 
 
 def decode_step(buffers: InputBuffers, sampled_rows: dict[str, int], prefill_first: bool = False):
-    """Three decodes whose token is still on the device (placeholders), optionally behind a
-    prefill chunk that samples nothing; returns the scheduled requests and the step's shape."""
+    """One decode per ``sampled_rows`` entry (``r0``, ``r10``, ...) whose token is still on the
+    device (a placeholder), optionally behind a prefill chunk that samples nothing; returns the
+    scheduled requests and the step's shape."""
     scheduled = []
-    for i in range(3):  # 4 prompt tokens, 1 known output token, 1 sampled on the device
+    for i in range(len(sampled_rows)):  # 4 prompt tokens, 1 known output token, 1 on the device
         request = scheduled_request(4, 1, 0, 1, 10 * i).request
         request.num_computed_tokens, request.num_output_placeholders = 5, 1
         scheduled.append(ScheduledRequest(request, 1))
@@ -252,16 +272,72 @@ def test_logits_rows_view_the_first_rows_of_a_decode_step_else_gather(prefill_fi
         ({"r0": 0, "r10": 1, "r20": 2}, False),  # in order: one slice copy
         ({"r0": 1, "r10": 2, "r20": 3}, True),  # in order from row 1, behind a chunk
         ({"r0": 2, "r10": 0, "r20": 1}, False),  # shuffled: the indexed copy
+        ({"r0": 2}, False),  # a single pending decode: a one-row slice copy
+        ({"r0": 0}, True),
     ],
 )
+@pytest.mark.usefixtures("copy_gap")
 def test_fill_placeholders_writes_each_decode_its_sampled_id(sampled_rows, prefill_first):
     buffers = make_buffers()
     scheduled, shape = decode_step(buffers, sampled_rows, prefill_first)
     sampled = torch.tensor([900, 901, 902, 903])  # the previous step's ids, on the "device"
     buffers.fill_placeholders(sampled)
     input_ids, _ = buffers.model_inputs(shape)
-    decode_rows = [4, 5, 6] if prefill_first else [0, 1, 2]
-    expected = [900 + sampled_rows[item.request.request_id] for item in scheduled[-3:]]
+    num_decodes = len(sampled_rows)
+    decode_rows = [row + 4 * prefill_first for row in range(num_decodes)]
+    expected = [900 + sampled_rows[item.request.request_id] for item in scheduled[-num_decodes:]]
     assert input_ids[decode_rows].tolist() == expected
     if prefill_first:  # the chunk's prompt tokens are untouched
         assert input_ids[:4].tolist() == scheduled[0].request.all_token_ids[:4]
+
+
+def test_a_pending_token_the_previous_step_did_not_sample_is_refused():
+    request = scheduled_request(4, 1, 0, 1, first_block=0).request
+    request.num_computed_tokens, request.num_output_placeholders = 5, 1
+    with pytest.raises(
+        RuntimeError,
+        match=r"request 'r0': its last token is still on the device but the previous step did "
+        "not sample it; this is a scheduler/runner bug",
+    ):
+        make_buffers().prepare(
+            [ScheduledRequest(request, 1)], StepShape(1, 1, 1, 1, 1), BLOCK_SIZE, {"r10": 0}
+        )
+
+
+class RecordingEvent:
+    """Stands in for a device event: ``synchronize`` logs whether a copy was recorded on it."""
+
+    def __init__(self, index: int, log: list[tuple[int, bool]]) -> None:
+        self.index, self.log, self.recorded = index, log, False
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        self.log.append((self.index, self.recorded))
+
+
+def test_a_step_waits_for_the_copy_two_steps_back_never_the_last_one():
+    """Two staging buffers alternate: before a step refills one, it waits on the event recorded
+    after the copy that last read it (two steps back), so the previous step's copy may still run
+    while the host prepares the next (no host sync on the step just launched)."""
+    log: list[tuple[int, bool]] = []
+    events: list[RecordingEvent] = []
+
+    def create_event() -> RecordingEvent:
+        events.append(RecordingEvent(len(events), log))
+        return events[-1]
+
+    buffers = InputBuffers(
+        MAX_NUM_TOKENS, MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ, torch.device("cpu"), False, create_event
+    )
+    staging = []
+    for step in range(4):
+        if step % 2:
+            buffers.prepare_dummy(StepShape(2, 2, 2, 2, 1))
+        else:
+            assert_step_matches(buffers, *mixed_step())
+        staging.append(buffers.packed_host.data_ptr())
+    # Steps 0 and 1 find fresh buffers; steps 2 and 3 wait on the copies of steps 0 and 1.
+    assert log == [(0, False), (1, False), (0, True), (1, True)]
+    assert staging[0] == staging[2] != staging[1] == staging[3]

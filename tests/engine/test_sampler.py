@@ -1,11 +1,13 @@
 """The sampler picks the right tokens, and ``SamplingParams`` rejects bad values with a message.
 
 Proves: greedy rows equal argmax, also mixed with random rows in one batch; top_k=1 equals greedy;
-top-k and top-p never sample outside the kept set; a seeded row yields the same tokens whatever its
-batch position or neighbours; sampling frequencies follow softmax(logits / temperature) within a
-tolerance, for every row of a batch that mixes seeded, unseeded and greedy requests; the result
-is an int64 tensor on the logits' device, and sampling runs on the meta device (where any host
-read of tensor data would raise), so the sampler makes no host sync.
+top-k and top-p never sample outside the kept set, and a nucleus whose mass reaches top_p exactly
+keeps no token more; a seeded row yields the same tokens whatever its batch position or
+neighbours, from a generator made on the logits' device; sampling frequencies follow
+softmax(logits / temperature) within a tolerance, for every row of a batch that mixes seeded,
+unseeded and greedy requests; the result is an int64 tensor on the logits' device, and sampling
+runs on the meta device (where any host read of tensor data would raise), so the sampler makes no
+host sync.
 
 Run: pytest tests/engine/test_sampler.py
 """
@@ -86,6 +88,15 @@ def test_apply_top_k_top_p_per_row_and_disabled_rows_keep_everything():
     masked = apply_top_k_top_p(logits, top_k, top_p)
     kept = torch.isfinite(masked).tolist()
     assert kept == [[False, False, True, True], [True] * 4, [False, False, False, True]]
+
+
+def test_top_p_nucleus_that_reaches_top_p_exactly_is_kept_alone():
+    """Four equal logits: each probability is exactly 1/4, so top_p = n/4 is reached by exactly
+    n tokens, and a token more would exceed the smallest set that reaches top_p."""
+    logits = torch.zeros(4, 4, device=DEVICE)
+    top_p = torch.tensor([0.25, 0.5, 0.75, 1.0], device=DEVICE)
+    masked = apply_top_k_top_p(logits, None, top_p)
+    assert torch.isfinite(masked).sum(dim=-1).tolist() == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
@@ -176,7 +187,22 @@ def test_sampler_rejects_mismatched_rows():
 def test_make_generator_only_for_seeded_random_requests():
     assert make_generator(SamplingParams(), DEVICE) is None
     assert make_generator(SamplingParams(temperature=0.0, seed=1), DEVICE) is None
-    assert isinstance(make_generator(SamplingParams(seed=1), DEVICE), torch.Generator)
+    generator = make_generator(SamplingParams(seed=1), DEVICE)
+    assert isinstance(generator, torch.Generator) and generator.initial_seed() == 1
+
+
+def test_make_generator_creates_it_on_the_logits_device(monkeypatch):
+    """A seeded row draws its noise on the device of the logits: a CPU generator cannot fill a
+    CUDA tensor. Only CPU generators exist here, so the requested device is recorded."""
+    devices, cpu_generator = [], torch.Generator
+
+    def generator_on(device):
+        devices.append(device)
+        return cpu_generator()
+
+    monkeypatch.setattr(torch, "Generator", generator_on)
+    make_generator(SamplingParams(seed=3), "cuda:1")
+    assert devices == ["cuda:1"]
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,10 @@ and the sequence limit and lists decodes first; chunked prefills stay within the
 where they stopped; with a tiny block pool requests are preempted, resume by recomputing prompt +
 generated tokens, and produce exactly the tokens of an unpreempted run; no KV block or Mamba state
 slot is shared while held or leaked after the last request finishes; impossible requests are
-rejected with a message; EOS, stop ids, ``ignore_eos`` and ``max_tokens`` stop generation; no
-step computes a request's last position (prompt + max_tokens - 1) or schedules a request whose
-pending token is its last.
+rejected with a message (matched in full); EOS, stop ids, ``ignore_eos`` and ``max_tokens`` stop
+generation; no step computes a request's last position (prompt + max_tokens - 1) or schedules a
+request whose pending token is its last, and such a request holds back no other; a full budget is
+spent; the views sent to other ranks keep what a runner reads; steps are updated oldest first.
 
 The fake model runner writes each step's tokens into a simulated paged KV cache through
 ``block_ids`` and reads the whole context back through them, so a block handed to two requests at
@@ -23,6 +24,7 @@ Run: pytest tests/engine/test_scheduler.py
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Sequence
 
 import pytest
@@ -31,7 +33,12 @@ from pieceworks.config import CacheConfig, SchedulerConfig
 from pieceworks.engine.block_manager import BlockManager, StateSlotManager, cdiv
 from pieceworks.engine.request import Request, RequestStatus
 from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.engine.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerOutput
+from pieceworks.engine.scheduler import (
+    PLACEHOLDER_TOKEN_ID,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerOutput,
+)
 
 VOCAB_SIZE = 48
 EOS_TOKEN_ID = 0
@@ -152,6 +159,7 @@ def random_requests(seed: int, num_requests: int, max_prompt_len=40, max_tokens=
 def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
     """Per-step invariants: limits, decode-first order, progress, exclusive blocks and slots."""
     assert output.num_requests > 0, "unfinished requests but nothing scheduled"
+    assert all(scheduled.num_new_tokens > 0 for scheduled in output.scheduled_requests)
     assert output.num_scheduled_tokens <= scheduler.max_num_batched_tokens
     assert output.num_requests <= scheduler.max_num_seqs
     decode_flags = [scheduled.is_decode for scheduled in output.scheduled_requests]
@@ -200,7 +208,7 @@ def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps=2
         if scheduler.max_pending_outputs == 1 and in_flight is not None:
             num_finished += len(scheduler.update_from_output(*in_flight))
             in_flight = None
-        if launched is not None:
+        if launched is not None or output.preempted_requests:  # a step may only preempt
             outputs.append(output)
     assert not scheduler.has_unfinished_requests(), "requests left unfinished"
     assert num_finished == len(requests)
@@ -283,7 +291,9 @@ def test_preemption_resumes_with_the_same_tokens(seed, num_state_slots, async_sc
         async_scheduling=async_scheduling,
     )
     outputs = run_to_completion(tiny, requests)
-    assert sum(len(output.preempted_requests) for output in outputs) > 0
+    num_preempted = sum(len(output.preempted_requests) for output in outputs)
+    assert num_preempted > 0
+    assert sum(request.num_preemptions for request in requests) == num_preempted
     for with_preemption, without in zip(requests, ample):
         assert with_preemption.output_token_ids == without.output_token_ids
         assert with_preemption.finish_reason == without.finish_reason
@@ -327,18 +337,80 @@ def test_resumed_request_recomputes_prompt_and_generated_tokens():
 
 def test_impossible_requests_are_rejected_with_a_message():
     scheduler = Scheduler(SchedulerConfig(4, 64), CacheConfig(block_size=4), 32, num_blocks=4)
-    with pytest.raises(
-        ValueError, match=r"request 'long'.*30 tokens.*max_tokens=16.*max_model_len=32"
-    ):
-        scheduler.add_request(Request("long", [1] * 30, SamplingParams(max_tokens=16)))
-    with pytest.raises(ValueError, match=r"request 'kv'.*KV cache for 19 tokens.*holds 16"):
-        scheduler.add_request(Request("kv", [1] * 10, SamplingParams(max_tokens=10)))
-    with pytest.raises(ValueError, match="request 'empty' has an empty prompt"):
-        scheduler.add_request(Request("empty", [], SamplingParams()))
+
+    def refused(request: Request) -> str:
+        with pytest.raises(ValueError) as error:
+            scheduler.add_request(request)
+        return str(error.value)
+
+    # Each message names the request, what does not fit, and what to change.
+    assert refused(Request("long", [1] * 30, SamplingParams(max_tokens=16))) == (
+        "request 'long': prompt of 30 tokens + max_tokens=16 = 46 exceeds max_model_len=32; "
+        "shorten the prompt, lower max_tokens, or raise max_model_len"
+    )
+    assert refused(Request("kv", [1] * 10, SamplingParams(max_tokens=10))) == (
+        "request 'kv': prompt of 10 tokens + max_tokens=10 needs KV cache for 19 tokens, but the "
+        "whole KV cache holds 16 (4 blocks of 4); shorten the prompt or lower max_tokens, or give "
+        "the KV cache more memory (gpu_memory_utilization, num_gpu_blocks_override)"
+    )
+    assert refused(Request("empty", [], SamplingParams())) == (
+        "request 'empty' has an empty prompt; pass at least one token"
+    )
+    assert refused(Request("at-limit", [1] * 16, SamplingParams(max_tokens=16))).endswith(
+        "needs KV cache for 31 tokens, but the whole KV cache holds 16 (4 blocks of 4); shorten "
+        "the prompt or lower max_tokens, or give the KV cache more memory "
+        "(gpu_memory_utilization, num_gpu_blocks_override)"
+    )  # 16 + 16 = max_model_len exactly: allowed by length, refused by the KV cache
     scheduler.add_request(Request("fits", [1] * 8, SamplingParams(max_tokens=9)))  # 16 KV tokens
-    with pytest.raises(ValueError, match="request 'fits' is already scheduled"):
-        scheduler.add_request(Request("fits", [1], SamplingParams()))
+    assert refused(Request("fits", [1], SamplingParams())) == (
+        "request 'fits' is already scheduled; give each request a unique id"
+    )
     assert scheduler.get_num_unfinished_requests() == 1
+    scheduler.schedule()  # synchronous by default: one step at a time
+    with pytest.raises(RuntimeError) as error:
+        scheduler.schedule()
+    assert str(error.value) == (
+        "schedule() called with 1 steps awaiting update_from_output() (the most this scheduler "
+        "allows); update first"
+    )
+
+
+def test_num_unfinished_requests_counts_running_and_waiting():
+    scheduler = make_scheduler(max_num_seqs=2)
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(max_tokens=2)) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    output = scheduler.schedule()  # two run, one waits for a seat
+    assert (len(scheduler.running), len(scheduler.waiting)) == (2, 1)
+    assert scheduler.get_num_unfinished_requests() == 3
+    scheduler.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.get_num_unfinished_requests() == 2
+    scheduler.update_from_output(output, [7, 7])
+
+
+def test_detached_step_keeps_what_a_runner_reads_and_drops_the_tokens():
+    """The view of a step sent to other tensor-parallel ranks: every scheduled field, and per
+    request its id, sampling parameters, EOS id, blocks and state slot, but no token history."""
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=6, num_state_slots=4)
+    params = SamplingParams(temperature=0.7, top_k=5, max_tokens=3, seed=11)
+    short, long = Request("short", [1, 2], params, 0), Request("long", [3] * 10, params, 9)
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    output = scheduler.schedule()
+    detached = output.detached()
+    assert detached.preempted_requests == []
+    assert len(detached.scheduled_requests) == 2
+    for original, copy in zip(output.scheduled_requests, detached.scheduled_requests):
+        fields = ("num_new_tokens", "num_computed_tokens", "produces_token", "new_token_ids")
+        for field in fields:
+            assert getattr(copy, field) == getattr(original, field), field
+        view, request = copy.request, original.request
+        assert view is not request and view.request_id == request.request_id
+        assert view.sampling_params == request.sampling_params
+        assert view.eos_token_id == request.eos_token_id
+        assert view.block_ids == request.block_ids and view.block_ids is not request.block_ids
+        assert view.state_slot == request.state_slot is not None
+        assert view.prompt_token_ids == [] and view.output_token_ids == []
 
 
 def generate_scripted(params: SamplingParams, script: list[int]) -> Request:
@@ -433,10 +505,12 @@ def test_state_slot_manager_never_hands_out_the_null_slot():
     requests = [Request(f"r{index}", [1]) for index in range(3)]
     assert [slots.allocate(request) for request in requests] == [True, True, False]
     assert sorted(request.state_slot for request in requests[:2]) == [1, 2]
+    assert slots.allocate(requests[1]) and requests[1].state_slot == 2  # it keeps its slot
     slots.free(requests[0])
     assert slots.num_free_slots == 1 and requests[0].state_slot is None
     with pytest.raises(ValueError, match="slot 0 is the null slot"):
         StateSlotManager(num_slots=1)
+    assert StateSlotManager(num_slots=2).free_slots == deque([1])  # the smallest: one request
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -486,3 +560,112 @@ def test_abort_frees_the_cache_at_once_and_the_others_keep_their_tokens(async_sc
             scheduler.update_from_output(output, runner.execute(output))
     check_no_leaks(scheduler)
     check_matches_reference(rest)
+
+
+def test_update_from_output_takes_the_oldest_step_only():
+    """With async scheduling two steps are in flight: the newer one, or one already updated,
+    is refused (its tokens would land on the wrong positions)."""
+    scheduler = make_scheduler(async_scheduling=True)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    scheduler.add_request(request)
+    first, second = scheduler.schedule(), scheduler.schedule()
+    with pytest.raises(RuntimeError, match="called with 2 steps awaiting"):
+        scheduler.schedule()  # async scheduling runs at most one step ahead
+    message = "^update_from_output\\(\\) must get the oldest scheduled output not yet updated$"
+    with pytest.raises(RuntimeError, match=message):
+        scheduler.update_from_output(second, [7])
+    assert scheduler.update_from_output(first, [7]) == []
+    with pytest.raises(RuntimeError, match=message):
+        scheduler.update_from_output(first, [7])
+    assert scheduler.update_from_output(second, [8]) == [request]  # the finished requests
+    assert request.output_token_ids == [7, 8] and request.finish_reason == "length"
+
+
+def test_a_full_budget_serves_every_running_request_each_step():
+    """Budget 3, three requests of one prompt token: three prefills, then three decodes per
+    step; the last token of budget is spent, never left over."""
+    scheduler = make_scheduler(max_num_seqs=3, max_num_batched_tokens=3)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for index in range(3):
+        scheduler.add_request(Request(f"r{index}", [index + 1], params))
+    steps = []
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        steps.append(output.num_scheduled_tokens)
+        scheduler.update_from_output(output, [9] * len(output.producing_requests))
+    assert steps == [3, 3, 3, 3]
+
+
+def test_a_request_awaiting_its_last_token_does_not_hold_back_the_next():
+    """Async: r0's pending token is its last (max_tokens=2), so the third step skips r0 and
+    still serves r1 behind it."""
+    scheduler = make_scheduler(async_scheduling=True)
+    first = Request("r0", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    second = Request("r1", [4, 5, 6], SamplingParams(max_tokens=10, ignore_eos=True))
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    prefill, decode = scheduler.schedule(), scheduler.schedule()
+    assert [s.request for s in decode.scheduled_requests] == [first, second]
+    scheduler.update_from_output(prefill, [7, 8])
+    third = scheduler.schedule()
+    assert [(s.request, s.num_new_tokens) for s in third.scheduled_requests] == [(second, 1)]
+
+
+def test_a_resumed_request_computes_prompt_then_generated_tokens_chunk_by_chunk():
+    """After a preemption the prompt and the generated tokens are one prefill; chunks of it,
+    inside the prompt, across the boundary and inside the outputs, each hold their own tokens."""
+    request = Request("r", [1, 2, 3, 4, 5, 6], output_token_ids=[7, 8, 9])
+    chunks = []
+    for num_new_tokens in (4, 3, 1, 1):  # [0, 4) prompt, [4, 7) across, [7, 8), [8, 9) outputs
+        scheduled = ScheduledRequest(request, num_new_tokens)
+        chunks.append((scheduled.new_token_ids, scheduled.produces_token))
+        request.num_computed_tokens += num_new_tokens
+    assert chunks == [([1, 2, 3, 4], False), ([5, 6, 7], False), ([8], False), ([9], True)]
+
+
+def test_block_manager_needs_at_least_one_block_of_at_least_one_token():
+    message = (
+        "num_blocks={} and block_size={} must both be >= 1; the KV cache has no room (give it "
+        "more memory)"
+    )
+    for num_blocks, block_size in ((0, 16), (16, 0)):
+        with pytest.raises(ValueError) as error:
+            BlockManager(num_blocks, block_size)
+        assert str(error.value) == message.format(num_blocks, block_size)
+    assert BlockManager(num_blocks=1, block_size=1).num_tokens_capacity == 1
+
+
+def test_check_request_raises_what_add_request_would_and_queues_nothing():
+    scheduler = Scheduler(SchedulerConfig(4, 64), CacheConfig(block_size=4), 32, num_blocks=4)
+    with pytest.raises(ValueError, match=r"request 'checked'.*KV cache for 19 tokens"):
+        scheduler.check_request(Request("checked", [1] * 10, SamplingParams(max_tokens=10)))
+    scheduler.check_request(Request("unqueued", [1] * 8, SamplingParams(max_tokens=9)))
+    assert (
+        not scheduler.requests and not scheduler.waiting and scheduler.schedule().num_requests == 0
+    )
+
+
+def test_can_allocate_counts_the_blocks_a_request_still_needs():
+    manager = BlockManager(num_blocks=3, block_size=4)
+    request = Request("r", [1] * 5)
+    assert manager.can_allocate(request, 12) and not manager.can_allocate(request, 13)
+    manager.allocate(request, 5)  # 2 blocks held, 1 free
+    request.num_computed_tokens = 5
+    assert manager.can_allocate(request, 7) and not manager.can_allocate(request, 8)
+
+
+def test_running_requests_beyond_the_budget_wait_for_the_next_step():
+    """Budget 2, three decoding requests: two decode per step and the third waits; none is
+    scheduled with zero tokens."""
+    scheduler = make_scheduler(max_num_seqs=3, max_num_batched_tokens=3)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for index in range(3):
+        scheduler.add_request(Request(f"r{index}", [index + 1], params))
+    prefill = scheduler.schedule()
+    scheduler.update_from_output(prefill, [9, 9, 9])
+    scheduler.max_num_batched_tokens = 2
+    decode = scheduler.schedule()
+    assert [(s.request.request_id, s.num_new_tokens) for s in decode.scheduled_requests] == [
+        ("r0", 1),
+        ("r1", 1),
+    ]

@@ -1,5 +1,10 @@
 """Platform resolution: forced by env, plugins and the allow-list, probes, conflicts, laziness.
 
+Also: a plugin is forced by its entry-point name or its platform's name; installed entry points
+are read from the ``pieceworks.platforms`` group; an allow-list naming an absent plugin is warned
+about; the text of the resolution's description, of each warning and of the unknown-name error
+(every probe on a line, then what to do) is matched in full.
+
 Run: pytest tests/platforms/test_registry.py
 """
 
@@ -245,3 +250,143 @@ def test_importing_pieceworks_does_not_resolve_the_platform():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_describe_names_the_rule_and_every_probe_in_aligned_columns():
+    probes = [
+        registry.PlatformProbe("fakevendor", "plugin:vendor", True, "", "a.B"),
+        registry.PlatformProbe("cuda", "builtin", False, "no CUDA support"),
+        registry.PlatformProbe("cpu", "builtin", True),
+    ]
+    rules = {
+        "env": "forced by PIECEWORKS_PLATFORM",
+        "plugin": "out-of-tree plugin",
+        "probe": "first available built-in (cuda, rocm, cpu)",
+    }
+    for rule, words in rules.items():
+        text = registry.PlatformResolution("cpu", rule, probes).describe()
+        assert text.splitlines() == [
+            f"resolved platform: cpu ({words})",
+            "  fakevendor [plugin:vendor] available",
+            "  cuda       [builtin] unavailable: no CUDA support",
+            "  cpu        [builtin] available",
+        ]
+
+
+def test_unknown_forced_name_error_lists_each_probe_and_says_what_to_do(plugins, monkeypatch):
+    plugins("ghost", lambda: _qualname(_UnavailablePlatform))
+    monkeypatch.setenv("PIECEWORKS_PLATFORM", "tpu9000")
+    with pytest.raises(RuntimeError) as error:
+        platforms.current_platform()
+    lines = str(error.value).splitlines()
+    assert lines[0] == "PIECEWORKS_PLATFORM='tpu9000' is not a known platform. Platforms known:"
+    assert lines[1] == "  ghost [plugin:ghost]: unavailable: is_available() returned False"
+    assert [line.split(" [")[0] for line in lines[2:5]] == ["  cuda", "  rocm", "  cpu"]
+    assert lines[4] == "  cpu [builtin]: available"
+    assert lines[5] == (
+        "Unset PIECEWORKS_PLATFORM to pick automatically, or install the plugin that provides it."
+    )
+
+
+def test_a_plugin_is_forced_by_its_entry_point_name_or_its_platform_name(plugins, monkeypatch):
+    """The plugin ``vendor-plugin`` provides the platform ``fakevendor``: either name forces it;
+    an unavailable match is skipped for an available one of the same name."""
+    plugins("vendor-plugin", lambda: _qualname(_PluginPlatform))
+    plugins("ghost", lambda: _qualname(_UnavailablePlatform))
+    for name in ("vendor-plugin", "fakevendor"):
+        platforms.reset_platform()
+        monkeypatch.setenv("PIECEWORKS_PLATFORM", name)
+        assert platforms.current_platform().name == "fakevendor"
+        (probe,) = [p for p in platforms.platform_resolution().probes if p.name == "fakevendor"]
+        assert (probe.source, probe.qualname) == (
+            "plugin:vendor-plugin",
+            _qualname(_PluginPlatform),
+        )
+    platforms.reset_platform()
+    plugins("cpu-too", lambda: _qualname(_UnavailableCpu))  # "cpu", unavailable, probed first
+    monkeypatch.setenv("PIECEWORKS_PLATFORM", "cpu")
+    assert type(platforms.current_platform()) is CpuPlatform
+
+
+class _UnavailableCpu(CpuPlatform):
+    name = "cpu"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return False
+
+
+def test_an_unavailable_plugin_is_recorded_under_its_platform_name(plugins, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
+    plugins("ghost-plugin", lambda: _qualname(_UnavailablePlatform))
+    probes = platforms.platform_resolution().probes
+    assert probes[0] == registry.PlatformProbe(
+        "ghost",
+        "plugin:ghost-plugin",
+        False,
+        "is_available() returned False",
+        _qualname(_UnavailablePlatform),
+    )
+    assert [p.source for p in probes[1:]] == ["builtin"] * 3  # plugins, then built-ins
+    assert platforms.platform_resolution().rule == "probe"
+
+
+def test_installed_entry_points_are_probed_and_obey_the_allow_list(
+    fresh_platform, monkeypatch, caplog
+):
+    class EntryPoint:
+        name = "vendor"
+
+        @staticmethod
+        def load():
+            return lambda: _qualname(_PluginPlatform)
+
+    groups = []
+    monkeypatch.setattr(
+        registry, "entry_points", lambda group: groups.append(group) or [EntryPoint]
+    )
+    monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
+    monkeypatch.delenv("PIECEWORKS_PLUGINS", raising=False)
+    assert platforms.current_platform().name == "fakevendor"
+    assert groups == ["pieceworks.platforms"]
+    assert platforms.platform_resolution().rule == "plugin"
+    platforms.reset_platform()
+    monkeypatch.setenv("PIECEWORKS_PLUGINS", "vendr")  # a typo: warned, and nothing allowed
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="pieceworks"):
+        assert platforms.current_platform().name != "fakevendor"
+    assert (
+        "PIECEWORKS_PLUGINS names 'vendr', but no such plugin is installed (installed: ['vendor'])"
+    ) in caplog.text
+    platforms.reset_platform()
+    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pieceworks"):
+        platforms.current_platform()
+    assert "no such plugin is installed (installed: none)" in caplog.text
+
+
+def test_a_raising_plugin_is_warned_about_by_name(plugins, monkeypatch, caplog):
+    def broken() -> str:
+        raise OSError("driver exploded")
+
+    plugins("broken", broken)
+    monkeypatch.delenv("PIECEWORKS_PLATFORM", raising=False)
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    with caplog.at_level(logging.DEBUG, logger="pieceworks"):
+        platforms.current_platform()
+    warnings = {r.getMessage() for r in caplog.records if r.levelno == logging.WARNING}
+    assert warnings == {"platform plugin 'broken' raised while probing: OSError('driver exploded')"}
+    (broken_probe,) = [p for p in platforms.platform_resolution().probes if p.name == "broken"]
+    assert broken_probe.source == "plugin:broken" and not broken_probe.available
+    # The resolution itself is logged at debug level, as `pieceworks platforms` prints it.
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert platforms.describe_platform_resolution() in debug
+
+
+def test_unregistering_an_unknown_plugin_is_a_no_op(plugins):
+    plugins("fakevendor", lambda: _qualname(_PluginPlatform))
+    platforms.unregister_platform_plugin("never-registered")
+    platforms.unregister_platform_plugin("fakevendor")
+    platforms.unregister_platform_plugin("fakevendor")  # twice: still fine
+    assert "fakevendor" not in registry._allowed_plugins()
