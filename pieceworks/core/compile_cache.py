@@ -114,9 +114,13 @@ class CompileCache:
         return path
 
     def warn_corrupt(self, entry_name: str, reason: str) -> None:
-        repair = "the read-only cache is left as it is" if self.read_only else "rewriting the entry"
+        repair = (
+            "; the read-only cache is left as it is"
+            if self.read_only
+            else " and rewriting the entry"
+        )
         logger.warning(
-            "compile cache %s: %s unusable (%s); recompiling it, %s",
+            "compile cache %s: %s unusable (%s); recompiling it%s",
             self.directory,
             entry_name,
             reason,
