@@ -77,10 +77,10 @@ class EagerAdaptor(CompilerInterface):
 
 def inductor_launch_options() -> dict[str, Any]:
     """Inductor's side of programmatic dependent launch: on where pieceworks' kernels use it
-    (``platforms/programmatic_launch.py``), so the whole decode graph is chained."""
+    (``kernels/programmatic_launch.py``), so the whole decode graph is chained."""
     from torch._inductor import config as inductor_config
 
-    from pieceworks.platforms.programmatic_launch import programmatic_launch_enabled
+    from pieceworks.kernels.programmatic_launch import programmatic_launch_enabled
 
     if programmatic_launch_enabled() and hasattr(inductor_config.triton, "enable_pdl"):
         return {"triton.enable_pdl": True}

@@ -120,7 +120,7 @@ class Platform:
 
     def supports_warpgroup_mma(self) -> bool:
         """Whether the device has Hopper's warpgroup MMA (``wgmma``; NVIDIA compute capability
-        9.x, not Blackwell), which the resident-weight FP8 GEMV (``models/layers/resident_gemv.py``)
+        9.x, not Blackwell), which the resident-weight FP8 GEMV (``kernels/gemv/resident_gemv.py``)
         is written for."""
         return False
 

@@ -82,7 +82,7 @@ def test_scaled_mm_matches_reference_gemm(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 7, 256])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_triton_fused_kernel_matches_reference_at_8b_width(num_tokens, with_residual):
-    from pieceworks.models.layers.quantization import triton_norm_quant
+    from pieceworks.kernels.norm_quant import triton_norm_quant
 
     generator = torch.Generator(device=device()).manual_seed(0)
     shape = (num_tokens, 4096)

@@ -4,15 +4,15 @@ A method owns the layer's GEMM (``apply``) and the one-time rewrite of its loade
 (``process_weights_after_loading``, called by the loader after every checkpoint tensor landed).
 Layers keep a method instance each; methods keep no per-layer state of their own beyond flags.
 In compiled graphs the unquantized GEMM goes through ``pieceworks::small_m_linear``
-(``layers/triton_gemv.py``), a Triton GEMV for <= 16 tokens, where the platform runs pieceworks'
-Triton kernels (``PIECEWORKS_SMALL_M_GEMV`` overrides this, read when the method is built). Eager
-calls keep ``F.linear``: the op's dispatch and the Triton launch cost more host time than a
-cuBLAS call, and only a captured graph hides host time. ``apply_silu_and_mul`` is the MLP's
+(``kernels/gemv/triton_gemv.py``), a Triton GEMV for <= 16 tokens, where the platform runs
+pieceworks' Triton kernels (``PIECEWORKS_SMALL_M_GEMV`` overrides this, read when the method is
+built). Eager calls keep ``F.linear``: the op's dispatch and the Triton launch cost more host time
+than a cuBLAS call, and only a captured graph hides host time. ``apply_silu_and_mul`` is the MLP's
 gate/up projection followed by its activation; in compiled graphs it is one GEMV whose epilogue
 computes the activation (``pieceworks::small_m_silu_and_mul_linear``). ``apply_rope`` is the
 attention's qkv projection followed by the rotary embedding of its q and k heads; in compiled
 graphs, for neox-style rotary on every dim, it is one GEMV whose epilogue rotates them
-(``pieceworks::small_m_rope_linear``, ``layers/triton_gemv_rope.py``).
+(``pieceworks::small_m_rope_linear``, ``kernels/gemv/triton_gemv_rope.py``).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pieceworks import envs
-from pieceworks.models.layers.activation import silu_and_mul
-from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
-from pieceworks.models.layers.triton_gemv import (
+from pieceworks.kernels.gemv.triton_gemv import (
     small_m_linear_op,
     small_m_silu_and_mul_linear_op,
 )
-from pieceworks.models.layers.triton_gemv_rope import small_m_rope_linear_op
+from pieceworks.kernels.gemv.triton_gemv_rope import small_m_rope_linear_op
+from pieceworks.models.layers.activation import silu_and_mul
+from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 from pieceworks.platforms import current_platform
 
 

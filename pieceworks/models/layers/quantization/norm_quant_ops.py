@@ -52,7 +52,7 @@ def register_norm_quant_ops() -> None:
         fused_add_rms_norm_static_fp8_quant_reference,
     )
     if current_platform().supports_fp8():
-        from pieceworks.models.layers.quantization import triton_norm_quant
+        from pieceworks.kernels.norm_quant import triton_norm_quant
 
         plain = triton_norm_quant.rms_norm_static_fp8_quant
         with_add = triton_norm_quant.fused_add_rms_norm_static_fp8_quant
