@@ -45,7 +45,7 @@ from pieceworks.engine.sampled_tokens import SampledTokens
 from pieceworks.engine.sampler import Sampler, make_generator
 from pieceworks.engine.scheduler import SchedulerOutput
 from pieceworks.logger import init_logger
-from pieceworks.models.loader import get_model
+from pieceworks.models.sources import get_model
 from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)

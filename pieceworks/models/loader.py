@@ -1,8 +1,9 @@
 """Loading HF-format model directories: config.json, safetensors, the weight-loading contract.
 
-Which source a model string names (preset, HF directory, GGUF file) is ``sources.py``'s business;
-``get_model`` takes its weight stream from there, so GGUF weights (``gguf_loader.py``) arrive here
-under HF names like any checkpoint's.
+Which source a model string names (preset, HF directory, GGUF file) is ``sources.py``'s business,
+and so is ``get_model``, which takes its weight stream from there, so GGUF weights
+(``gguf_loader.py``) arrive here under HF names like any checkpoint's. Nothing here imports
+``sources`` or ``presets``: both import this module.
 
 Owns reading (``load_hf_config``, ``hf_weights_iterator`` over ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``), writing (``save_hf_directory``), building a model on the
@@ -433,18 +434,6 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         )
     check_parameters_finite(model)
     return set(seen)
-
-
-def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
-    """The model of ``config`` on ``device``: random weights for a preset, else the checkpoint's
-    (an HF directory or a GGUF file, see ``sources.checkpoint_weights``)."""
-    # Imported here: sources imports this module (the HF-directory readers).
-    from pieceworks.models.sources import checkpoint_weights
-
-    model = initialize_model(config, device)
-    load_weights(model, checkpoint_weights(config.model_config, device))
-    process_weights_after_loading(model)
-    return model.eval()
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
