@@ -6,10 +6,9 @@ its launch and set-up overlap the previous kernel (``kernels/triton_launch.py``)
 kernels take part through its own switch (``triton.enable_pdl``), which the Inductor adaptor sets
 from this decision (``core/compiler_interface.py``), so a whole decode graph is chained.
 
-The decision is the platform's capability (``Platform.supports_programmatic_launch``) and
-``PIECEWORKS_PDL``: unset means ``PDL_BY_DEFAULT``; 1 asks for it (a warning where the platform
-has none), 0 turns it off. Resolved once per process.
-"""
+The decision is the platform's capability (``Platform.device_capability()`` has
+``programmatic_launch``) and ``PIECEWORKS_PDL``: unset means ``PDL_BY_DEFAULT``; 1 asks for it (a
+warning where the platform has none), 0 turns it off. Resolved once per process."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import functools
 from pieceworks import envs
 from pieceworks.logger import init_logger
 from pieceworks.platforms import current_platform
+from pieceworks.platforms.capability import PROGRAMMATIC_LAUNCH
 
 logger = init_logger(__name__)
 
@@ -30,7 +30,7 @@ PDL_BY_DEFAULT = True
 def programmatic_launch_enabled() -> bool:
     """Whether pieceworks' and Inductor's kernels use PDL in this process."""
     platform = current_platform()
-    supported = platform.supports_programmatic_launch()
+    supported = platform.device_capability().has(PROGRAMMATIC_LAUNCH)
     requested = envs.PIECEWORKS_PDL
     if requested is True and not supported:
         logger.warning(

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from pieceworks.kernels.programmatic_launch import programmatic_launch_enabled
 from pieceworks.platforms import current_platform
+from pieceworks.platforms.capability import TRITON
 
 
 @triton.jit
@@ -68,4 +69,4 @@ def compiled_kernels_run_on(device: torch.device) -> bool:
 
 def _platform_runs_kernels_on(device: torch.device) -> bool:
     platform = current_platform()
-    return platform.runs_triton_kernels() and device.type == platform.device_type
+    return platform.device_capability().has(TRITON) and device.type == platform.device_type

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from pieceworks.platforms.capability import CPU_CAPABILITY, DeviceCapability
 from pieceworks.platforms.interface import Platform
 
 
@@ -20,3 +21,6 @@ class CpuPlatform(Platform):
     @classmethod
     def is_available(cls) -> bool:
         return True
+
+    def _probe_capability(self) -> DeviceCapability:
+        return CPU_CAPABILITY

@@ -14,13 +14,20 @@ from pieceworks.core.compiler_interface import inductor_launch_options
 from pieceworks.kernels import programmatic_launch as pdl
 from pieceworks.kernels import triton_launch
 from pieceworks.platforms import current_platform
+from pieceworks.platforms.capability import PROGRAMMATIC_LAUNCH, TRITON, DeviceCapability
+
+
+def with_capability(monkeypatch, platform: type, features: set[str]) -> None:
+    """``platform``'s device, for the test, has exactly ``features``."""
+    capability = DeviceCapability(vendor="test", features=frozenset(features))
+    monkeypatch.setattr(platform, "device_capability", lambda self: capability)
 
 
 @pytest.fixture
 def platform_with_pdl(monkeypatch):
     """The current platform, claiming programmatic launch; the decision re-resolved after."""
     platform = type(current_platform())
-    monkeypatch.setattr(platform, "supports_programmatic_launch", lambda self: True)
+    with_capability(monkeypatch, platform, {PROGRAMMATIC_LAUNCH})
     pdl.programmatic_launch_enabled.cache_clear()
     yield platform
     pdl.programmatic_launch_enabled.cache_clear()
@@ -42,7 +49,7 @@ def test_the_variable_overrides_the_default_where_supported(monkeypatch, platfor
 
 
 def test_the_variable_cannot_force_it_and_says_so(monkeypatch, platform_with_pdl, caplog):
-    monkeypatch.setattr(platform_with_pdl, "supports_programmatic_launch", lambda self: False)
+    with_capability(monkeypatch, platform_with_pdl, set())
     with caplog.at_level(logging.WARNING, logger="pieceworks"):
         assert _decide(monkeypatch, "1") is False
     assert "PIECEWORKS_PDL=1 is ignored" in caplog.text
@@ -53,11 +60,11 @@ def test_kernels_use_it_only_where_they_run_compiled(monkeypatch, platform_with_
     """On the platform's own device where it runs pieceworks' Triton kernels, not interpreted;
     never on another device (the CPU on a GPU platform) nor where the platform runs none."""
     _decide(monkeypatch, "1")
-    monkeypatch.setattr(platform_with_pdl, "runs_triton_kernels", lambda self: True)
+    with_capability(monkeypatch, platform_with_pdl, {PROGRAMMATIC_LAUNCH, TRITON})
     own = torch.device(current_platform().device_type)
     assert triton_launch.programmatic_launch(own) is not triton_launch.INTERPRETED
     assert triton_launch.programmatic_launch(torch.device("meta")) is False
-    monkeypatch.setattr(platform_with_pdl, "runs_triton_kernels", lambda self: False)
+    with_capability(monkeypatch, platform_with_pdl, {PROGRAMMATIC_LAUNCH})
     assert triton_launch.programmatic_launch(own) is False
     assert triton_launch.launch_options(True) == {"launch_pdl": True}
     assert triton_launch.launch_options(False) == {}

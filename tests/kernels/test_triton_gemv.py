@@ -405,17 +405,19 @@ def test_fp8_ops_fall_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
 
 def test_gemv_is_on_by_default_where_the_platform_runs_triton_kernels(monkeypatch):
     from pieceworks.models.layers.quantization import UnquantizedLinearMethod
+    from pieceworks.platforms.capability import TRITON
+    from tests.kernels.test_programmatic_launch import with_capability
 
     monkeypatch.delenv("PIECEWORKS_SMALL_M_GEMV", raising=False)
     assert envs.PIECEWORKS_SMALL_M_GEMV is None
     platform = type(current_platform())
-    monkeypatch.setattr(platform, "runs_triton_kernels", lambda self: False)
+    with_capability(monkeypatch, platform, set())
     assert UnquantizedLinearMethod().small_m_gemv is False
-    monkeypatch.setattr(platform, "runs_triton_kernels", lambda self: True)
+    with_capability(monkeypatch, platform, {TRITON})
     assert UnquantizedLinearMethod().small_m_gemv is True
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
     assert UnquantizedLinearMethod().small_m_gemv is False  # the variable wins
-    monkeypatch.setattr(platform, "runs_triton_kernels", lambda self: False)
+    with_capability(monkeypatch, platform, set())
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
     assert UnquantizedLinearMethod().small_m_gemv is True
 

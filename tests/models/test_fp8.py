@@ -60,7 +60,7 @@ def relative_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def test_cpu_has_no_native_fp8():
-    assert current_platform().supports_fp8() is False
+    assert current_platform().device_capability().has("fp8_gemm") is False
 
 
 def test_weight_quantization_per_tensor_round_trip():

@@ -53,6 +53,7 @@ from pieceworks.kernels.triton_launch import launch_options, programmatic_launch
 from pieceworks.kernels.triton_rounding import TRITON_DTYPES
 from pieceworks.logger import init_logger
 from pieceworks.platforms import current_platform
+from pieceworks.platforms.capability import WARPGROUP_MMA
 
 try:  # Gluon is experimental; checked with Triton 3.6 and 3.9
     from triton.experimental import gluon
@@ -427,7 +428,7 @@ def uses_resident_gemv(
         return False
     if rope is not None and (rope.head_size // 2) % (BLOCK_N // 2):
         return False  # a program's pairs must lie in one head
-    if not current_platform().supports_warpgroup_mma():
+    if not current_platform().device_capability().has(WARPGROUP_MMA):
         return False  # the kernel is written for Hopper's MMA
     num_chunks = in_features // BLOCK_K
     shared = triton_gemv_config.max_shared_bytes(x.device) or 0

@@ -30,6 +30,7 @@ from pieceworks.kernels.gemv.triton_gemv_rope import small_m_rope_linear_op
 from pieceworks.models.layers.activation import silu_and_mul
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 from pieceworks.platforms import current_platform
+from pieceworks.platforms.capability import TRITON
 
 
 def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
@@ -43,7 +44,7 @@ def small_m_gemv_enabled() -> bool:
     """Whether compiled graphs route decode-sized GEMMs to the Triton GEMV: where the platform
     runs pieceworks' Triton kernels, unless ``PIECEWORKS_SMALL_M_GEMV`` says otherwise."""
     choice = envs.PIECEWORKS_SMALL_M_GEMV
-    return current_platform().runs_triton_kernels() if choice is None else choice
+    return current_platform().device_capability().has(TRITON) if choice is None else choice
 
 
 class LinearMethod:

@@ -1,13 +1,13 @@
 """FP8 (e4m3) linear layers with static per-tensor scales (``quantization="fp8"``).
 
-Weights are loaded in the model dtype and quantized once, after loading, to ``float8_e4m3fn``
-with one scale per weight tensor: ``weight_scale = max|W| / 448`` (a merged ``qkv_proj`` or
+Weights are loaded in the model dtype and quantized once, after loading, to ``float8_e4m3fn`` with
+one scale per weight tensor: ``weight_scale = max|W| / 448`` (a merged ``qkv_proj`` or
 ``gate_up_proj`` gets one scale for the whole merged tensor). Activations are quantized on every
 call with a static scale ``input_scale`` (see ``docs/passes.md``, "FP8", for the rule:
 ``FP8_STATIC_INPUT_SCALE``, values saturate at +-448 * scale). The GEMM is ``torch._scaled_mm``
-where ``current_platform().supports_fp8()``, else the torch reference: dequantize both operands
-to float32, multiply, scale, cast back. Both read the same FP8 tensors, so the CPU reference
-computes what the GPU computes up to float32 accumulation order.
+where the platform's device capability has ``fp8_gemm``, else the torch reference: dequantize both
+operands to float32, multiply, scale, cast back. Both read the same FP8 tensors, so the CPU
+reference computes what the GPU computes up to float32 accumulation order.
 
 The activation quantization is ``core.norm_quant.static_scaled_fp8_quant`` in plain ATen: Inductor
 fuses it into whatever produced the activation, and where that is an RMSNorm the fusion pass
@@ -51,6 +51,7 @@ from pieceworks.models.layers.quantization.base import (
     small_m_gemv_enabled,
 )
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
+from pieceworks.platforms.capability import FP8_GEMM
 
 # The static activation scale of every FP8 linear layer (see the module docstring).
 FP8_STATIC_INPUT_SCALE = 1.0
@@ -254,7 +255,7 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         input_scale = torch.tensor(self.config.input_scale, dtype=torch.float32)
         layer.input_scale = nn.Parameter(input_scale.to(weight.device), requires_grad=False)
-        self.native = current_platform().supports_fp8()
+        self.native = current_platform().device_capability().has(FP8_GEMM)
 
     def quantized_operands(
         self, layer: nn.Module, x: torch.Tensor
