@@ -1,6 +1,7 @@
-"""Launch configurations of the small-M GEMV (``triton_gemv.py``), from shapes alone.
+"""Launch configurations of the small-M GEMV (``triton_gemv.py``), from shapes and the GPU.
 
-``gemv_config`` holds the tile rules measured on an H200 (its docstring gives the sweeps);
+``gemv_config`` takes a base tile from the device's tuned tiles (``tiles/NVIDIA_H200.json``) or
+the shape rule measured on an H200 (``rule_tile``; ``gemv_config``'s docstring gives the sweeps);
 ``rope_config`` narrows a tile for the rotary epilogue; ``launch_config`` resolves and checks the
 configuration of one launch (tokens, epilogue), raising a ValueError that says what does not fit.
 """
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
 
 from pieceworks.kernels import triton_launch
 
+TILES_DIR = Path(__file__).parent / "tiles"
 MAX_KERNEL_TOKENS = 64  # what the kernel takes (benchmarks measure 32 and 64 against cuBLAS)
 MIN_BLOCK_M = 16  # tokens padded to at least the smallest tensor-core tile
 
@@ -39,8 +43,13 @@ def gemv_config(
     element_size: int = 2,
     max_shared_bytes: int | None = None,
     gated: bool = False,
+    device_name: str | None = None,
 ) -> GemvConfig:
-    """The launch configuration for an (m, k) x (n, k)^T product, from shapes alone.
+    """The launch configuration for an (m, k) x (n, k)^T product, from its shapes and the GPU.
+
+    The base tile comes from the device's tuned tiles (``tiles/<device name>.json``, spaces as
+    underscores) where its shape is listed, else from ``rule_tile``; the adjustments below apply
+    to either.
 
     From H200 sweeps (``benchmarks/gemv_decode.py``, bfloat16, the four 8B shapes, M 1 to 16,
     block_n 16/32/64 x block_k 128/256/512 x warps/stages 4x3, 4x4, 8x4, then the tiles again
@@ -61,16 +70,7 @@ def gemv_config(
     The rotary epilogue stacks the two halves of a head the same way and passes ``gated=True``
     (``rope_config`` then narrows ``block_n`` to divide half a head).
     """
-    num_stages = 4
-    if element_size == 1:  # FP8: 64 x 256 everywhere; 4 stages for gate_up, 8 for down, else 6
-        block_n, block_k = 64, 128
-        num_stages = 4 if n >= 16384 else 8 if k >= 8192 else 6
-    elif n >= 16384:
-        block_n, block_k = 64, 128
-    elif k >= 8192:
-        block_n, block_k = 32, 512
-    else:
-        block_n, block_k = 64, 256
+    block_n, block_k, num_stages = base_tile(n, k, element_size, device_name)
     weight_rows = block_n
     if gated:
         block_n //= 2
@@ -83,6 +83,50 @@ def gemv_config(
         while block_k > 16 and num_stages * stage_bytes() > max_shared_bytes:
             block_k //= 2
     return GemvConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=num_stages)
+
+
+def rule_tile(n: int, k: int, element_size: int) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_stages)`` by shape rule (the H200 sweeps' findings, above):
+    ``block_k`` in 16-bit elements, before ``gemv_config`` scales it to the element size."""
+    if element_size == 1:  # FP8: 64 x 256 everywhere; 4 stages for gate_up, 8 for down, else 6
+        return 64, 128, 4 if n >= 16384 else 8 if k >= 8192 else 6
+    if n >= 16384:
+        return 64, 128, 4
+    if k >= 8192:
+        return 32, 512, 4
+    return 64, 256, 4
+
+
+def base_tile(n: int, k: int, element_size: int, device_name: str | None) -> tuple[int, int, int]:
+    """The device's tuned tile for an (n, k) weight, else ``rule_tile``'s."""
+    width = "8bit" if element_size == 1 else "16bit"
+    tile = tuned_tiles(device_name).get(width, {}).get(f"{n}x{k}") if device_name else None
+    if tile is None:
+        return rule_tile(n, k, element_size)
+    return tile["block_n"], tile["block_k"], tile["num_stages"]
+
+
+@functools.cache
+def tuned_tiles(device_name: str) -> dict[str, dict[str, dict[str, int]]]:
+    """``{"16bit" | "8bit": {"NxK": tile}}`` from ``tiles/<device name>.json``; empty where the
+    device has no file."""
+    path = TILES_DIR / f"{device_name.replace(' ', '_')}.json"
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())["tiles"]
+
+
+def device_name(device: torch.device) -> str | None:
+    """The name of ``device``'s GPU (what names its tiles file), or None where the kernels do not
+    run compiled on it."""
+    if not triton_launch.compiled_kernels_run_on(device):
+        return None
+    return _device_name(device.index or 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
 
 
 def max_shared_bytes(device: torch.device) -> int | None:
@@ -173,8 +217,9 @@ def launch_config(
     if config is None:
         shared = max_shared_bytes(x.device)
         element_size = x.element_size()
+        name = device_name(x.device)
         config = gemv_config(
-            num_tokens, weight.shape[0], in_features, element_size, shared, stacked
+            num_tokens, weight.shape[0], in_features, element_size, shared, stacked, name
         )
     if rope is not None:
         config = checked_rope_config(config, weight, rope, num_tokens)
