@@ -18,13 +18,13 @@ import gc
 import pytest
 import torch
 
+from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.core.norm_quant import (
     FP8_DTYPE,
     fused_add_rms_norm_static_fp8_quant_reference,
     rms_norm_static_fp8_quant_reference,
 )
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.layers.quantization.fp8 import fp8_gemm, quantize_weight_per_tensor
 from pieceworks.models.presets import get_preset, random_hf_checkpoint
