@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from pieceworks.config import resolve_dtype
+from pieceworks.kernels.chooser import kernel_selection
 from pieceworks.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -314,7 +315,9 @@ def initialize_model(config: EngineConfig, device: torch.device | str) -> nn.Mod
     model_config = config.model_config
     model_cls = get_model_class(model_config.hf_config)
     dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
-    with set_default_torch_dtype(dtype), torch.device("meta"):
+    # layers choose their kernels as they are built, following the model's custom_ops
+    selection = kernel_selection(config.compilation_config.custom_ops)
+    with set_default_torch_dtype(dtype), torch.device("meta"), selection:
         model = model_cls(config=config)
     return materialize_model(model, device)
 

@@ -243,8 +243,9 @@ def test_llama_decodes_the_same_tokens_through_the_gemv(
     kernel_on_cpu, traced_rotations, monkeypatch
 ):
     """Compiled (level 3, eager backend: Dynamo traces the op), the decode steps' linear layers
-    run the kernel and decode what cuBLAS decodes; eager (level 0) never calls it. The qkv
-    launch rotates q and k in its epilogue, and the compiled graph holds no rotation of its own."""
+    run the kernel and decode what cuBLAS decodes; eager (level 0) runs the same ops, so it calls
+    the kernel as often and decodes the same tokens. The qkv launch rotates q and k in its
+    epilogue, and the compiled graph holds no rotation of its own."""
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
     assert envs.compile_factors()["PIECEWORKS_SMALL_M_GEMV"] is False  # enters the cache hash
     tokens, logits = greedy_decode(num_tokens=4, level=3)
@@ -252,10 +253,13 @@ def test_llama_decodes_the_same_tokens_through_the_gemv(
     assert traced_rotations  # without the GEMV the graph rotates q and k itself
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
     eager_tokens, _ = greedy_decode(num_tokens=4, level=0)
-    assert kernel_on_cpu == []  # eager calls keep F.linear even when asked for the GEMV
+    eager_launches = list(kernel_on_cpu)
+    assert eager_launches  # eager (level 0) runs the GEMV ops, as compiled code does
     assert eager_tokens == tokens
+    kernel_on_cpu.clear()
     traced_rotations.clear()
     gemv_tokens, gemv_logits = greedy_decode(num_tokens=4, level=3)
+    assert kernel_on_cpu == eager_launches  # the same launches, token count for token count
     # 2 layers x (qkv, o, gate_up, down) per forward of <= 16 tokens; the prefill (29) has none
     assert kernel_on_cpu and len(kernel_on_cpu) % 8 == 0
     assert all(num_tokens <= MAX_GEMV_TOKENS for num_tokens in kernel_on_cpu)

@@ -33,9 +33,9 @@ float32 (``max_num_imprecise_acc=32``) is much slower, so the kernel keeps the d
 ``small_m_linear`` is the entry point and the op ``pieceworks::small_m_linear``: the kernel when
 there are at most ``MAX_GEMV_TOKENS`` tokens on a GPU Triton targets, else ``F.linear``. The
 choice is made inside the op at run time, because the token count is symbolic when Dynamo
-traces the op (inside a static graph it is fixed per capture size). Compiled graphs route
-unquantized linear layers here where the platform runs pieceworks' Triton kernels
-(``quantization/base.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides); eager calls keep ``F.linear``.
+traces the op (inside a static graph it is fixed per capture size). Linear layers route
+here where the kernel chooser picks the GEMV for the platform (``quantization/base.py``,
+``kernels/chooser.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides), eager and compiled alike.
 ``pieceworks::small_m_silu_and_mul_linear`` is the gated form (the MLP's gate/up projection),
 ``pieceworks::small_m_rope_linear`` (``triton_gemv_rope.py``) the rope form (the attention's qkv
 projection), and ``quantization/fp8.py`` registers the FP8 forms of all three. Beside this

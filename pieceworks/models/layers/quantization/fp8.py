@@ -240,7 +240,7 @@ class Fp8LinearMethod(LinearMethod):
         self.config = config
         self.native = False  # decided after loading, when the weights are on their device
         register_norm_quant_ops()  # the fusion pass replaces RMSNorm -> quant with these
-        self.small_m_gemv = small_m_gemv_enabled()
+        self.small_m_gemv = small_m_gemv_enabled("fp8_linear")
         if self.small_m_gemv:
             register_small_m_fp8_ops()
             small_m_fp8_rope_linear_op()
