@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pieceworks.core.config import CompilationConfig
 from pieceworks.platforms.capability import DeviceCapability
 
 
@@ -86,7 +87,7 @@ class Choice:
 
 _REGISTRY: dict[str, list[KernelImpl]] = {}
 _CHOSEN: dict[str, Choice] = {}
-_CUSTOM_OPS: list[list[str]] = []  # the custom_ops of the models being built, innermost last
+_BUILDING: list[CompilationConfig] = []  # of the models being built, innermost last
 
 
 def register_kernel(
@@ -155,7 +156,7 @@ def choose(
         capability = capability or platform.device_capability()
         platform_name = platform_name or platform.name
     if prefer_native is None:
-        prefer_native = bool(_CUSTOM_OPS) and prefers_native(op, _CUSTOM_OPS[-1])
+        prefer_native = bool(_BUILDING) and not _BUILDING[-1].custom_op_enabled(op, True)
     chosen: KernelImpl | None = None
     passed_over: list[tuple[str, str]] = []
     for impl in implementations(op):
@@ -201,23 +202,14 @@ def warmup_kernels() -> list[Choice]:
     return [choice for choice in _CHOSEN.values() if choice.impl.jitted]
 
 
-def prefers_native(op: str, custom_ops: list[str] | None) -> bool:
-    """Whether vLLM-style ``custom_ops`` (``"all"``, ``"none"``, ``"+op"``, ``"-op"``) asks
-    ``op`` to run its torch form: ``-op``, or ``none`` without ``+op``."""
-    entries = custom_ops or []
-    if f"-{op}" in entries:
-        return True
-    return "none" in entries and f"+{op}" not in entries
-
-
 @contextlib.contextmanager
-def kernel_selection(custom_ops: list[str]) -> Iterator[None]:
+def kernel_selection(compilation: CompilationConfig) -> Iterator[None]:
     """While a model is built: choices follow its ``CompilationConfig.custom_ops``."""
-    _CUSTOM_OPS.append(list(custom_ops))
+    _BUILDING.append(compilation)
     try:
         yield
     finally:
-        _CUSTOM_OPS.pop()
+        _BUILDING.pop()
 
 
 def _ensure_builtins() -> None:

@@ -316,7 +316,7 @@ def initialize_model(config: EngineConfig, device: torch.device | str) -> nn.Mod
     model_cls = get_model_class(model_config.hf_config)
     dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
     # layers choose their kernels as they are built, following the model's custom_ops
-    selection = kernel_selection(config.compilation_config.custom_ops)
+    selection = kernel_selection(config.compilation_config)
     with set_default_torch_dtype(dtype), torch.device("meta"), selection:
         model = model_cls(config=config)
     return materialize_model(model, device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pieceworks.core.config import CompilationConfig
 from pieceworks.kernels import chooser
 from pieceworks.kernels.chooser import Supports, choose, kernel_selection, register_kernel
 from pieceworks.platforms.capability import amd_capability, nvidia_capability
@@ -63,7 +64,7 @@ def test_cpu_runs_every_op_in_torch_and_says_why():
 
 def test_custom_ops_switch_kernels_off_and_on_as_in_vllm():
     def linear_with(custom_ops: list[str]) -> str:
-        with kernel_selection(custom_ops):
+        with kernel_selection(CompilationConfig(custom_ops=custom_ops)):
             return choose("linear", capability=H200, platform_name="cuda").impl.name
 
     assert linear_with([]) == "triton_gemv"
@@ -71,7 +72,7 @@ def test_custom_ops_switch_kernels_off_and_on_as_in_vllm():
     assert linear_with(["-linear"]) == "torch"
     assert linear_with(["none"]) == "torch"
     assert linear_with(["none", "+linear"]) == "triton_gemv"
-    with kernel_selection(["-linear"]):
+    with kernel_selection(CompilationConfig(custom_ops=["-linear"])):
         passed = dict(choose("linear", capability=H200, platform_name="cuda").passed_over)
     assert passed["triton_gemv"] == "switched off (custom_ops)"
 
