@@ -114,15 +114,24 @@ class Platform:
         """What this platform's device is and has (vendor, architecture, compute units, shared
         memory, features, FP8 format), asked once and remembered. Kernels choose their
         implementations from it; subclasses override ``_probe_capability``."""
-        if self._capability is None:
+        if getattr(self, "_capability", None) is None:  # a subclass may skip __init__
             self._capability = self._probe_capability()
+        assert self._capability is not None
         return self._capability
 
     def _probe_capability(self) -> DeviceCapability:
         return DeviceCapability(vendor=self.name)
 
     def check_and_update_config(self, config: EngineConfig) -> None:
-        """The one place a platform adjusts an EngineConfig. Every change is logged."""
+        """The one place a platform adjusts an EngineConfig. Every change is logged. An override
+        need not call this: ``apply_declared_defaults`` runs after it in any case."""
+        self.apply_declared_defaults(config)
+
+    def apply_declared_defaults(self, config: EngineConfig) -> None:
+        """What the platform's class attributes and capabilities declare, applied to ``config``
+        after ``check_and_update_config`` (so an override that skips the base class still gets
+        them): the compile backend where none was asked for, static graphs off where the
+        platform has none, breakable graphs off where its wrapper cannot capture segments."""
         from pieceworks.core.config import CompilationLevel, CUDAGraphMode
 
         compilation = config.compilation_config
