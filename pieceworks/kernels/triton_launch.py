@@ -24,21 +24,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
+from pieceworks.kernels.nvidia_pdl import pdl_start
 from pieceworks.kernels.programmatic_launch import programmatic_launch_enabled
 from pieceworks.platforms import current_platform
 from pieceworks.platforms.capability import TRITON
 
-
-@triton.jit
-def pdl_start():
-    """Let the next kernel be scheduled, then wait for the previous one (kernels launched with
-    PDL call this before touching memory that another kernel reads or writes)."""
-    tl.extra.cuda.gdc_launch_dependents()
-    tl.extra.cuda.gdc_wait()
-
+__all__ = ["INTERPRETED", "launch_options", "pdl_start", "programmatic_launch"]
 
 INTERPRETED = type(pdl_start).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1
 

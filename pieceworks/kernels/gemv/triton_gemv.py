@@ -69,6 +69,7 @@ from pieceworks.kernels.gemv.triton_gemv_config import (
     max_shared_bytes,
     rope_config,
 )
+from pieceworks.kernels.nvidia_pdl import gdc_launch_dependents, gdc_wait
 from pieceworks.kernels.triton_launch import launch_options, programmatic_launch
 from pieceworks.kernels.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
 
@@ -132,7 +133,7 @@ def _gemv_kernel(
     # ROPE: the same stacking for the pairs (i, i + D/2) of one head of a merged qkv weight;
     # "columns" count pairs, BLOCK_N of them per program, and BLOCK_N divides D/2.
     if RELEASE_AT_START:  # the next kernel may be scheduled now, on SMs this GEMV leaves idle;
-        tl.extra.cuda.gdc_launch_dependents()  # it waits for this one (releases_at_start)
+        gdc_launch_dependents()  # it waits for this one (releases_at_start)
     BLOCK_ROWS: tl.constexpr = 2 * BLOCK_N if GATED or ROPE else BLOCK_N
     first_column = tl.program_id(0) * BLOCK_N
     rows = tl.arange(0, BLOCK_ROWS)
@@ -163,7 +164,7 @@ def _gemv_kernel(
             positions_ptr, cos_sin_ptr + pairs[:, None], stride_cos_sin, half, tokens, token_mask
         )
     if PDL:  # launched early, while the kernel before (x's producer) may still run
-        tl.extra.cuda.gdc_wait()
+        gdc_wait()
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
@@ -180,7 +181,7 @@ def _gemv_kernel(
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
     if PDL and not RELEASE_AT_START:  # W is streamed: the next kernel may be scheduled now
-        tl.extra.cuda.gdc_launch_dependents()  # (it waits for this one)
+        gdc_launch_dependents()  # (it waits for this one)
     if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
         acc = acc * scale
     if GATED:  # silu(gate) * up, from gate and up as the unfused GEMM would have stored them
