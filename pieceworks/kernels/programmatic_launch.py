@@ -3,8 +3,9 @@
 With PDL a kernel may be scheduled while the kernel before it on the stream still runs; it waits
 for that kernel inside (``griddepcontrol.wait``) before it reads its inputs or writes anything, so
 its launch and set-up overlap the previous kernel (``kernels/triton_launch.py``). Inductor's
-kernels take part through its own switch (``triton.enable_pdl``), which the Inductor adaptor sets
-from this decision (``core/compiler_interface.py``), so a whole decode graph is chained.
+kernels take part through its own switch (``triton.enable_pdl``), which the engine puts into the
+compilation config from this decision (``inductor_launch_options``), so a whole decode graph is
+chained.
 
 The decision is the platform's capability (``Platform.device_capability()`` has
 ``programmatic_launch``) and ``PIECEWORKS_PDL``: unset means ``PDL_BY_DEFAULT``; 1 asks for it (a
@@ -13,6 +14,7 @@ warning where the platform has none), 0 turns it off. Resolved once per process.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from pieceworks import envs
 from pieceworks.logger import init_logger
@@ -39,3 +41,15 @@ def programmatic_launch_enabled() -> bool:
             platform.name,
         )
     return supported and (PDL_BY_DEFAULT if requested is None else requested)
+
+
+def inductor_launch_options() -> dict[str, Any]:
+    """Inductor's side of the decision: ``{"triton.enable_pdl": True}`` where pieceworks' kernels
+    use PDL (and this Inductor has the switch), so the whole decode graph is chained. The engine
+    puts it into ``CompilationConfig.inductor_compile_config`` (``engine/arg_utils.py``), which
+    enters the compile-cache key."""
+    from torch._inductor import config as inductor_config
+
+    if programmatic_launch_enabled() and hasattr(inductor_config.triton, "enable_pdl"):
+        return {"triton.enable_pdl": True}
+    return {}

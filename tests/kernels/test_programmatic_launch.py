@@ -10,9 +10,10 @@ import logging
 import pytest
 import torch
 
-from pieceworks.core.compiler_interface import inductor_launch_options
+from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.kernels import programmatic_launch as pdl
 from pieceworks.kernels import triton_launch
+from pieceworks.kernels.programmatic_launch import inductor_launch_options
 from pieceworks.platforms import current_platform
 from pieceworks.platforms.capability import PROGRAMMATIC_LAUNCH, TRITON, DeviceCapability
 
@@ -78,6 +79,11 @@ def test_inductor_kernels_follow_the_decision(monkeypatch, platform_with_pdl):
     _decide(monkeypatch, "1")
     expected = {"triton.enable_pdl": True} if hasattr(inductor_config.triton, "enable_pdl") else {}
     assert inductor_launch_options() == expected
+    engine_config = build_engine_config("llama-tiny", {"level": 3})
+    assert engine_config.compilation_config.inductor_compile_config == expected
+    user_config = {"level": 3, "inductor_compile_config": {"triton.enable_pdl": False}}
+    engine_config = build_engine_config("llama-tiny", user_config)
+    assert engine_config.compilation_config.inductor_compile_config == {"triton.enable_pdl": False}
 
 
 def test_the_variable_enters_the_compile_cache_key(monkeypatch):
