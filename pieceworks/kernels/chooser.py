@@ -120,7 +120,11 @@ def register_kernel(
 
 def unregister_kernel(op: str, name: str) -> None:
     """Remove implementation ``name`` of ``op`` (tests, and a platform that withdraws one)."""
-    _REGISTRY[op] = [known for known in _REGISTRY.get(op, []) if known.name != name]
+    remaining = [known for known in _REGISTRY.get(op, []) if known.name != name]
+    if remaining:
+        _REGISTRY[op] = remaining
+    else:
+        _REGISTRY.pop(op, None)
     _CHOSEN.pop(op, None)
 
 

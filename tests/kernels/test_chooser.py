@@ -101,3 +101,13 @@ def test_an_op_nothing_supports_is_a_clear_error():
             choose("warp_drive", capability=MI300, platform_name="rocm")
     finally:
         chooser.unregister_kernel("warp_drive", "nvidia_only")
+
+
+def test_platforms_kernels_prints_each_op_s_choice_and_why(capsys):
+    from pieceworks.entrypoints.cli import main
+
+    assert main(["platforms", "--kernels"]) == 0
+    printed = capsys.readouterr().out
+    assert "kernels on cpu" in printed
+    assert "linear: torch (passed over: triton_gemv: needs triton)" in printed
+    assert "attention: TorchAttentionBackend" in printed
