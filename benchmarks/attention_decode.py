@@ -27,11 +27,11 @@ from gemv_decode import graph_time_us  # benchmarks/ is on sys.path when run as 
 from triton.testing import do_bench
 
 from pieceworks.core.norm_quant import FP8_DTYPE
+from pieceworks.kernels.attention import triton_attention
 from pieceworks.models.attention.ops import (
     choose_num_kv_splits,
     paged_attention_reference,
     paged_attention_triton,
-    triton_attention,
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -96,7 +96,7 @@ def graph_time_us(fns: list, replays: int) -> float:
 
 def graph_rows(args) -> list[dict]:
     """F.linear against the default GEMV config, in graphs of one product per layer."""
-    from pieceworks.models.layers.triton_gemv import (
+    from pieceworks.kernels.gemv.triton_gemv import (
         GemvConfig,
         gemv_config,
         launch_gemv,
@@ -148,7 +148,7 @@ def fp8_rows(args) -> list[dict]:
     product per layer; gate_up also as the gated GEMV (silu(gate) * up and the FP8 quant of the
     result in its epilogue), and bfloat16 gate_up gated against plain. At m = 1, a tile and
     stage sweep of the FP8 GEMV."""
-    from pieceworks.models.layers.triton_gemv import GemvConfig, gemv_config, launch_gemv
+    from pieceworks.kernels.gemv.triton_gemv import GemvConfig, gemv_config, launch_gemv
 
     fp8 = torch.float8_e4m3fn
     scale = torch.tensor(1.0, device="cuda")
@@ -247,7 +247,7 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def bench_shape(name, n, k, m, configs, default, args) -> dict:
     """One row: F.linear, the default config and every swept config for x (m, k), W (n, k)."""
-    from pieceworks.models.layers.triton_gemv import launch_gemv
+    from pieceworks.kernels.gemv.triton_gemv import launch_gemv
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -292,7 +292,7 @@ def main() -> None:
             "gemv_decode.py times GPU kernels and needs a CUDA or ROCm GPU; none is visible "
             "(torch.cuda.is_available() is False). Run it on the GPU machine."
         )
-    from pieceworks.models.layers.triton_gemv import GemvConfig, gemv_config
+    from pieceworks.kernels.gemv.triton_gemv import GemvConfig, gemv_config
 
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
     if args.fp8:

@@ -178,7 +178,9 @@ class EngineConfig:
         from pieceworks.platforms import current_platform
 
         self.compilation_config.finalize_capture_sizes(self.scheduler_config.max_num_seqs)
-        current_platform().check_and_update_config(self)
+        platform = current_platform()
+        platform.check_and_update_config(self)
+        platform.apply_declared_defaults(self)  # also where an override skipped the base class
 
     def compute_hash(self) -> str:
         """Hash of every field that changes compiled code."""

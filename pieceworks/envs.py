@@ -70,13 +70,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # giving up, so that a lost rank ends the run instead of hanging it.
     "PIECEWORKS_DIST_TIMEOUT_S": lambda: float(os.environ.get("PIECEWORKS_DIST_TIMEOUT_S", "300")),
     # Compiled graphs run unquantized linear layers with <= 16 tokens through the Triton GEMV
-    # (pieceworks/models/layers/triton_gemv.py) instead of cuBLAS. Unset: where the platform runs
+    # (pieceworks/kernels/gemv/triton_gemv.py) instead of cuBLAS. Unset: where the platform runs
     # pieceworks' Triton kernels (CUDA, ROCm); 0: never; 1: always.
     "PIECEWORKS_SMALL_M_GEMV": _optional_flag("PIECEWORKS_SMALL_M_GEMV"),
     # Programmatic dependent launch for pieceworks' decode kernels and Inductor's (a kernel may
     # start while the one before it ends, and waits for it inside), where the platform supports
     # it (NVIDIA Hopper and newer): 1 or unset on, 0 off (PDL_BY_DEFAULT in
-    # pieceworks/platforms/programmatic_launch.py; what it changes: docs/performance.md).
+    # pieceworks/kernels/programmatic_launch.py; what it changes: docs/performance.md).
     "PIECEWORKS_PDL": _optional_flag("PIECEWORKS_PDL"),
 }
 

@@ -28,11 +28,11 @@ import torch
 
 from pieceworks.benchmarks.device_busy import engine_device_busy, with_idle_share
 from pieceworks.benchmarks.mode_plan import ModePlan
+from pieceworks.benchmarks.modes import MODES
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import piecewise_backends
 from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.modes import MODES
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.logger import init_logger
 from pieceworks.platforms import current_platform

@@ -1,6 +1,6 @@
 """Which configurations a latency run measures: named modes and the user's flags, reconciled.
 
-A mode name (``engine.modes.MODES``) stands for a compile level and a static-graph mode. The user's
+A mode name (``modes.MODES``) stands for a compile level and a static-graph mode. The user's
 flags (``-O``, ``--enforce-eager``, ``--compilation-config``) may fix either. ``plan_modes``
 honours them or refuses the conflict:
 
@@ -21,8 +21,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from pieceworks.benchmarks.modes import MODES, default_modes, parse_modes
 from pieceworks.core.config import CompilationLevel, CUDAGraphMode
-from pieceworks.engine.modes import MODES, default_modes, parse_modes
 
 
 @dataclasses.dataclass

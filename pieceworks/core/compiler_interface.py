@@ -75,18 +75,6 @@ class EagerAdaptor(CompilerInterface):
         return graph
 
 
-def inductor_launch_options() -> dict[str, Any]:
-    """Inductor's side of programmatic dependent launch: on where pieceworks' kernels use it
-    (``platforms/programmatic_launch.py``), so the whole decode graph is chained."""
-    from torch._inductor import config as inductor_config
-
-    from pieceworks.platforms.programmatic_launch import programmatic_launch_enabled
-
-    if programmatic_launch_enabled() and hasattr(inductor_config.triton, "enable_pdl"):
-        return {"triton.enable_pdl": True}
-    return {}
-
-
 class InductorAdaptor(CompilerInterface):
     """Inductor through ``standalone_compile`` with pieceworks' passes; binary artifacts."""
 
@@ -108,7 +96,6 @@ class InductorAdaptor(CompilerInterface):
         from torch._inductor import standalone_compile
 
         config_patches = {
-            **inductor_launch_options(),
             **options,
             **self.pass_manager.config_patches(),
         }
@@ -136,8 +123,6 @@ class InductorAdaptor(CompilerInterface):
             "python": platform.python_version(),
             "device": current_platform().device_name(),
             "inductor_config": _inductor_config_hash(),
-            # patched per compile, so not in the config above; PDL's default is not an env value
-            "launch_options": inductor_launch_options(),
             "static_size_options": STATIC_SIZE_OPTIONS,
             "pass_manager_uuid": self.pass_manager.uuid(),
             "auto_functionalized_v2": False,  # turned off for every piece (config_patches)

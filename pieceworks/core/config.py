@@ -243,7 +243,8 @@ class CompilationConfig:
         self.static_forward_context[prefix] = layer
 
     def custom_op_enabled(self, name: str, default: bool) -> bool:
-        """Whether the pieceworks kernel ``name`` replaces its plain-torch version."""
+        """Whether the pieceworks kernel ``name`` replaces its plain-torch version (read by the
+        kernel chooser while a model is built, ``kernels/chooser.py``)."""
         if f"+{name}" in self.custom_ops:
             return True
         if f"-{name}" in self.custom_ops:

@@ -18,6 +18,7 @@ from pieceworks.config import (
     SchedulerConfig,
 )
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
+from pieceworks.kernels.programmatic_launch import inductor_launch_options
 from pieceworks.models.config_checks import check_hf_config, check_tensor_parallel
 from pieceworks.models.presets import is_preset
 from pieceworks.models.sources import model_hf_config
@@ -66,6 +67,9 @@ def _compilation(compilation_config: Any, enforce_eager: bool) -> CompilationCon
         config = CompilationConfig.from_fields(compilation_config or {})
     if enforce_eager:  # vLLM's meaning: no compilation, no graphs
         config.level, config.cudagraph_mode = CompilationLevel.NO_COMPILATION, CUDAGraphMode.NONE
+    # Inductor's kernels launch as pieceworks' do (PDL); the user's own entries win. A new dict:
+    # the caller's config keeps its own.
+    config.inductor_compile_config = {**inductor_launch_options(), **config.inductor_compile_config}
     return config
 
 

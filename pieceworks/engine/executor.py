@@ -30,24 +30,20 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import datetime
-import gc
 import os
 import queue
 import socket
 import sys
 from typing import Any
 
-from pieceworks import envs
 from pieceworks.config import EngineConfig
 from pieceworks.engine.model_runner import ModelRunner
+from pieceworks.engine.rank import STOP, dist_timeout, free_rank, start_rank
 from pieceworks.engine.sampled_tokens import SampledTokens
 from pieceworks.engine.scheduler import SchedulerOutput
 from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
-
-STOP = "stop"  # the message that ends a worker's loop
 
 
 class UniprocExecutor:
@@ -104,37 +100,6 @@ def check_device_index(local_rank: int, world_size: int) -> None:
         f"{platform.name} sees {platform.device_count()} device(s); lower tensor_parallel_size "
         "or make more devices visible (one rank per device)"
     )
-
-
-def dist_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=envs.PIECEWORKS_DIST_TIMEOUT_S)
-
-
-def start_rank(config: EngineConfig, runner_cls: type[ModelRunner]) -> ModelRunner:
-    """This rank's start-up, in step with the others (the distributed environment is up)."""
-    from pieceworks.distributed.parallel_state import get_tp_group
-
-    group = get_tp_group()
-    runner = runner_cls(config)
-    group.barrier()  # every rank built its model and loaded its shard
-    runner.initialize_kv_cache()  # agrees on the smallest block count (see ModelRunner)
-    runner.capture_model()
-    group.barrier()  # every rank captured
-    return runner
-
-
-def free_rank(runner: ModelRunner | None) -> None:
-    """Free the runner (graphs first, then caches) before the process group goes."""
-    from pieceworks.distributed.parallel_state import destroy_distributed_environment
-    from pieceworks.platforms import current_platform
-
-    if runner is not None:
-        runner.release_graphs()  # NCCL destroys no communicator a live graph still holds
-    del runner
-    gc.collect()
-    current_platform().synchronize()
-    current_platform().empty_cache()
-    destroy_distributed_environment()
 
 
 class MultiprocExecutor(UniprocExecutor):

@@ -48,7 +48,7 @@ from pieceworks.engine.sampler import Sampler, make_generator
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.scheduler import SchedulerOutput
 from pieceworks.logger import init_logger
-from pieceworks.models.loader import get_model
+from pieceworks.models.sources import get_model
 from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from pieceworks.engine import triton_argmax
 from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.kernels.sampling import triton_argmax
 
 # Columns per chunk of the two-stage argmax: the max of every chunk in parallel, then the argmax
 # of the chunk maxima. One reduction over a 128k vocabulary row ran as a single slow reduction

@@ -1,7 +1,7 @@
 """A tensor-parallel worker: ranks 1..N-1, each in its own process, serving rank 0's steps.
 
 ``run_worker`` is the spawned process's entry point: join the process group, start up in step
-with the other ranks (``executor.start_rank``), report success or the traceback of what failed,
+with the other ranks (``rank.start_rank``), report success or the traceback of what failed,
 then ``serve``: receive each step rank 0 broadcasts and run it, until rank 0 says stop. The
 worker's sampled ids are never read on its host; it keeps them on the device, where its next step
 reads the decode tokens still in flight, exactly as rank 0 does.
@@ -15,6 +15,7 @@ from typing import Any
 
 from pieceworks.config import EngineConfig
 from pieceworks.engine.model_runner import ModelRunner
+from pieceworks.engine.rank import STOP, dist_timeout, free_rank, start_rank
 from pieceworks.logger import init_logger
 from pieceworks.platforms import Platform, use_platform
 
@@ -29,7 +30,6 @@ def run_worker(
     platform_cls: type[Platform],
 ) -> None:
     from pieceworks.distributed.parallel_state import init_distributed_environment
-    from pieceworks.engine.executor import dist_timeout, free_rank, start_rank
 
     parallel = config.parallel_config
     try:
@@ -66,7 +66,6 @@ def run_worker(
 def serve(runner: ModelRunner) -> None:
     """Run rank 0's steps until it broadcasts ``STOP``."""
     from pieceworks.distributed.parallel_state import get_tp_group
-    from pieceworks.engine.executor import STOP
 
     group = get_tp_group()
     while True:

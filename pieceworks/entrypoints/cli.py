@@ -17,10 +17,15 @@ from pieceworks.entrypoints import bench, chat, generate, run, serve
 
 
 def cmd_platforms(args: argparse.Namespace) -> int:
-    """Print every platform known, whether it is available and why not, and which resolved."""
+    """Print every platform known, whether it is available and why not, and which resolved;
+    with ``--kernels``, each kernel op's implementation there and why the others were not."""
     from pieceworks.platforms import describe_platform_resolution
 
     print(describe_platform_resolution())
+    if args.kernels:
+        from pieceworks.kernels.chooser import describe_kernel_choices
+
+        print(describe_kernel_choices())
     return 0
 
 
@@ -28,9 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pieceworks", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("platforms", help="show the platforms probed and the one chosen").set_defaults(
-        func=cmd_platforms
+    platforms = sub.add_parser("platforms", help="show the platforms probed and the one chosen")
+    platforms.add_argument(
+        "--kernels", action="store_true", help="also show each kernel op's implementation and why"
     )
+    platforms.set_defaults(func=cmd_platforms)
     run.register(sub)
     generate.register(sub)
     chat.register(sub)

@@ -62,6 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pieceworks.benchmarks.latency import LatencyCase, measure_copy_bandwidth
     from pieceworks.benchmarks.report import format_compile_cache, format_mode_table, format_notes
     from pieceworks.entrypoints.bench import measure_rows, plan_rows
+    from pieceworks.kernels.chooser import describe_kernel_choices
     from pieceworks.platforms import current_platform, describe_platform_resolution
 
     platform = current_platform()
@@ -91,6 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{notes}\n" if notes else "", end="")
     print("(column meanings: pieceworks run --help)")
     print(f"\n{format_compile_cache(results)}")
+    print(f"\n{describe_kernel_choices()}")
     measured = [r for r in results if r["status"] == "ok"]
     tokens = {r["mode"]: r["first_output_token_ids"] for r in measured}
     if tokens:

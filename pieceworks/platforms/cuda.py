@@ -9,6 +9,7 @@ from unittest import mock
 
 import torch
 
+from pieceworks.platforms.capability import DeviceCapability, nvidia_capability
 from pieceworks.platforms.interface import Platform
 
 
@@ -65,18 +66,10 @@ class CudaPlatform(Platform):
             )
             yield
 
-    def runs_triton_kernels(self) -> bool:
-        return True  # CUDA, and ROCm (RocmPlatform inherits this)
-
-    def supports_programmatic_launch(self) -> bool:
-        return torch.cuda.get_device_capability() >= (9, 0)
-
-    def supports_warpgroup_mma(self) -> bool:
-        return torch.cuda.get_device_capability()[0] == 9
-
-    def supports_fp8(self) -> bool:
-        """e4m3fn ``torch._scaled_mm`` needs compute capability 8.9 (Ada) or newer."""
-        return torch.cuda.get_device_capability() >= (8, 9)
+    def _probe_capability(self) -> DeviceCapability:
+        major, minor = torch.cuda.get_device_capability()
+        properties = torch.cuda.get_device_properties()
+        return nvidia_capability(major, minor, **device_facts(properties))
 
     def device_count(self) -> int:
         return torch.cuda.device_count()
@@ -119,3 +112,12 @@ class CudaPlatform(Platform):
 
     def pin_memory(self) -> bool:
         return True
+
+
+def device_facts(properties: Any) -> dict[str, int | None]:
+    """Compute units and opt-in shared memory per block from torch's device properties."""
+    shared = getattr(properties, "shared_memory_per_block_optin", None)
+    return {
+        "num_compute_units": properties.multi_processor_count,
+        "shared_memory_per_block": shared,
+    }

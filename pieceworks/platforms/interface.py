@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from pieceworks.logger import init_logger
+from pieceworks.platforms.capability import DeviceCapability
 from pieceworks.utils import resolve_obj_by_qualname
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class Platform:
     def __init__(self) -> None:
         self._graph_pool: Any = None
         self._graph_pool_created = False
+        self._capability: DeviceCapability | None = None
 
     # --- discovery -----------------------------------------------------------------------------
     @classmethod
@@ -83,11 +85,6 @@ class Platform:
             self._graph_pool_created = True
         return self._graph_pool
 
-    def runs_triton_kernels(self) -> bool:
-        """Whether pieceworks' own Triton kernels (the small-M GEMV) run on this device; where
-        they do, compiled graphs use the GEMV for decode-sized linear layers by default."""
-        return False
-
     def renew_graph_pool(self) -> None:
         """Later captures go to a new pool. Called once graphs were released: on CUDA a pool whose
         graphs were all destroyed takes no new captures while its memory is still cached."""
@@ -113,26 +110,28 @@ class Platform:
         """The Mamba2 kernel implementation class the models use on this platform."""
         return resolve_obj_by_qualname(self.mamba_backend_qualname)
 
-    def supports_programmatic_launch(self) -> bool:
-        """Whether a kernel may be launched to start before the previous one on its stream ends,
-        waiting for it inside (NVIDIA's programmatic dependent launch, Hopper and newer)."""
-        return False
+    def device_capability(self) -> DeviceCapability:
+        """What this platform's device is and has (vendor, architecture, compute units, shared
+        memory, features, FP8 format), asked once and remembered. Kernels choose their
+        implementations from it; subclasses override ``_probe_capability``."""
+        if getattr(self, "_capability", None) is None:  # a subclass may skip __init__
+            self._capability = self._probe_capability()
+        assert self._capability is not None
+        return self._capability
 
-    def supports_warpgroup_mma(self) -> bool:
-        """Whether the device has Hopper's warpgroup MMA (``wgmma``; NVIDIA compute capability
-        9.x, not Blackwell), which the resident-weight FP8 GEMV (``models/layers/resident_gemv.py``)
-        is written for."""
-        return False
-
-    def supports_fp8(self) -> bool:
-        """Whether FP8 (e4m3fn) GEMMs run natively here (``torch._scaled_mm``).
-
-        False: FP8 layers dequantize and multiply in float32 (the torch reference path).
-        """
-        return False
+    def _probe_capability(self) -> DeviceCapability:
+        return DeviceCapability(vendor=self.name)
 
     def check_and_update_config(self, config: EngineConfig) -> None:
-        """The one place a platform adjusts an EngineConfig. Every change is logged."""
+        """The one place a platform adjusts an EngineConfig. Every change is logged. An override
+        need not call this: ``apply_declared_defaults`` runs after it in any case."""
+        self.apply_declared_defaults(config)
+
+    def apply_declared_defaults(self, config: EngineConfig) -> None:
+        """What the platform's class attributes and capabilities declare, applied to ``config``
+        after ``check_and_update_config`` (so an override that skips the base class still gets
+        them): the compile backend where none was asked for, static graphs off where the
+        platform has none, breakable graphs off where its wrapper cannot capture segments."""
         from pieceworks.core.config import CompilationLevel, CUDAGraphMode
 
         compilation = config.compilation_config

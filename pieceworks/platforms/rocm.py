@@ -12,7 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from pieceworks.platforms.cuda import CudaPlatform
+from pieceworks.platforms.capability import DeviceCapability, amd_capability
+from pieceworks.platforms.cuda import CudaPlatform, device_facts
 
 
 class RocmPlatform(CudaPlatform):
@@ -29,15 +30,10 @@ class RocmPlatform(CudaPlatform):
             return "this torch build is not a ROCm (HIP) build"
         return "torch.cuda.is_available() is False (no visible AMD device or driver)"
 
-    def supports_programmatic_launch(self) -> bool:
-        return False  # griddepcontrol is NVIDIA's
-
-    def supports_warpgroup_mma(self) -> bool:
-        return False  # wgmma is NVIDIA's (an MI300 reports compute capability 9.4)
-
-    def supports_fp8(self) -> bool:
-        # MI300 GEMMs take float8_e4m3fnuz, not the OCP e4m3fn pieceworks stores: reference path.
-        return False
+    def _probe_capability(self) -> DeviceCapability:
+        properties = torch.cuda.get_device_properties()
+        arch_name = getattr(properties, "gcnArchName", "unknown")
+        return amd_capability(arch_name, **device_facts(properties))
 
     def device_name(self) -> str:
         properties = torch.cuda.get_device_properties()

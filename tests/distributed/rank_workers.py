@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.config import (
     CacheConfig,
     EngineConfig,
@@ -20,7 +21,6 @@ from pieceworks.config import (
     SchedulerConfig,
 )
 from pieceworks.core.counters import compilation_counter
-from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.loader import load_hf_config
 

@@ -16,10 +16,10 @@ import time
 import pytest
 import torch
 
+from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.executor import MultiprocExecutor
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.model_runner import ModelRunner
-from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.presets import get_preset, random_hf_checkpoint
 

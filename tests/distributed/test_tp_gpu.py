@@ -57,8 +57,8 @@ def test_all_reduce_replays_inside_a_cuda_graph(tmp_path):
 
 def greedy_tokens(model: str, tp: int, dtype: str) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens of three prompts and the first step's logits, FULL_AND_PIECEWISE."""
+    from pieceworks.benchmarks.modes import compilation_for_mode
     from pieceworks.engine.llm import LLM
-    from pieceworks.engine.modes import compilation_for_mode
     from pieceworks.engine.sampling_params import SamplingParams
     from tests.models.test_fp8 import record_logits
 

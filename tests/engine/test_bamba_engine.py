@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.presets import get_preset, random_hf_checkpoint
 

@@ -45,7 +45,7 @@ def hf_greedy(path: str, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def generate(path: str, mode: str, batch: list[list[int]], **engine_args) -> list[list[int]]:
-    from pieceworks.engine.modes import compilation_for_mode
+    from pieceworks.benchmarks.modes import compilation_for_mode
 
     llm = LLM(
         path,
@@ -72,7 +72,7 @@ def test_tokens_identical_across_levels_and_graph_modes(checkpoint, graph_platfo
 
 @pytest.mark.platform_agnostic
 def test_capture_once_per_size_and_never_while_serving(checkpoint, graph_platform):
-    from pieceworks.engine.modes import compilation_for_mode
+    from pieceworks.benchmarks.modes import compilation_for_mode
 
     compilation = compilation_for_mode("full_and_piecewise", {"backend": "eager"})
     # max_num_seqs 4 gives capture sizes 1, 2, 4, 8. FULL decode graphs for the sizes <= 4 (three)
@@ -89,7 +89,7 @@ def test_capture_once_per_size_and_never_while_serving(checkpoint, graph_platfor
 def test_shutdown_releases_the_graphs_of_that_engine_only(checkpoint, graph_platform):
     """Shutdown drops the engine's graphs (NCCL destroys no communicator a live graph holds, and
     Dynamo's cache keeps the piece wrappers alive); another engine's graphs stay and replay."""
-    from pieceworks.engine.modes import compilation_for_mode
+    from pieceworks.benchmarks.modes import compilation_for_mode
 
     compilation = compilation_for_mode("full_and_piecewise", {"backend": "eager"})
     engines = [
@@ -121,7 +121,7 @@ def _output(llm: LLM, lengths: list[int], computed: list[int]) -> SchedulerOutpu
 
 @pytest.mark.platform_agnostic
 def test_padding_and_dispatch(checkpoint, graph_platform):
-    from pieceworks.engine.modes import compilation_for_mode
+    from pieceworks.benchmarks.modes import compilation_for_mode
 
     llm = LLM(
         checkpoint,
@@ -190,7 +190,7 @@ def test_async_scheduling_gives_the_tokens_of_sync_scheduling(checkpoint, graph_
     arrives after their next step was launched (its extra token must be dropped); a small KV
     cache forces preemption with tokens in flight; max_tokens varies per request.
     """
-    from pieceworks.engine.modes import compilation_for_mode
+    from pieceworks.benchmarks.modes import compilation_for_mode
 
     batch = prompts([5 + i % 7 for i in range(10)], seed=6)
 

@@ -13,8 +13,8 @@ import gc
 import pytest
 import torch
 
+from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.platforms import current_platform
 

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import torch
 
+from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.engine.output_processor import OutputProcessor
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.loader import save_hf_directory

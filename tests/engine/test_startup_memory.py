@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.config import CacheConfig, EngineConfig
 from pieceworks.core.config import CUDAGraphMode
 from pieceworks.engine.kv_cache import (
@@ -20,7 +21,6 @@ from pieceworks.engine.kv_cache import (
 )
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.model_runner import ModelRunner
-from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.models.presets import random_hf_checkpoint
 from pieceworks.platforms.cpu import DEFAULT_KV_CACHE_MEMORY_BYTES, CpuPlatform
 

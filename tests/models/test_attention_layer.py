@@ -16,7 +16,7 @@ without its scale. A GPU test captures two layers in one CUDA graph and replays 
 metadata.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (see
-``test_attention_kernels.py`` for how TRITON_INTERPRET is set).
+``tests/kernels/test_attention_kernels.py`` for how TRITON_INTERPRET is set).
 Run: PYTHONPATH=. python -m pytest tests/models/test_attention_layer.py -q
 """
 
@@ -34,13 +34,14 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pieceworks.config import EngineConfig  # noqa: E402
 from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
+from pieceworks.kernels.attention import triton_attention  # noqa: E402
 from pieceworks.models.attention.backends import (  # noqa: E402
     TorchAttentionBackend,
     TritonAttentionBackend,
 )
 from pieceworks.models.attention.layer import Attention  # noqa: E402
 from pieceworks.models.attention.metadata import AttentionMetadata  # noqa: E402
-from pieceworks.models.attention.ops import DecodeWorkspace, triton_attention  # noqa: E402
+from pieceworks.models.attention.ops import DecodeWorkspace  # noqa: E402
 
 INTERPRETED = isinstance(triton_attention._prefill_kernel, InterpretedFunction)
 ON_GPU = not INTERPRETED and torch.cuda.is_available()

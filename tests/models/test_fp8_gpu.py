@@ -1,33 +1,35 @@
 """FP8 on a GPU (H200): native GEMM, the fused Triton kernel, Llama and the 8B shape end to end.
 
-They check that ``supports_fp8()`` is true on Hopper, that ``torch._scaled_mm`` agrees with the
-dequantizing reference GEMM, that the fused RMSNorm (+ residual) + FP8 quant Triton kernel gives
-the torch reference's bytes at 8B widths, and that Llama with ``quantization="fp8"`` and the fusion
-pass runs FULL_AND_PIECEWISE through the engine: within FP8's error of the bf16 model at two layers
-of the 8B widths (the CPU bound), and, at full depth, close to the same FP8 weights run through the
-reference GEMM at level 0 (see the bounds below for why full-depth FP8-vs-bf16 is loose). Each
-test prints what it measured.
+They check that the device capability has ``fp8_gemm`` on Hopper, that ``torch._scaled_mm`` agrees
+with the dequantizing reference GEMM, that the fused RMSNorm (+ residual) + FP8 quant Triton kernel
+gives the torch reference's bytes at 8B widths, and that Llama with ``quantization="fp8"`` and the
+fusion pass runs FULL_AND_PIECEWISE through the engine: within FP8's error of the bf16 model at two
+layers of the 8B widths (the CPU bound), and, at full depth, close to the same FP8 weights run
+through the reference GEMM at level 0 (see the bounds below for why full-depth FP8-vs-bf16 is
+loose). Each test prints what it measured.
 Run on a GPU machine: pytest -m gpu tests/models/test_fp8_gpu.py -s
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
 import torch
 
+from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.core.norm_quant import (
     FP8_DTYPE,
     fused_add_rms_norm_static_fp8_quant_reference,
     rms_norm_static_fp8_quant_reference,
 )
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.layers.quantization.fp8 import fp8_gemm, quantize_weight_per_tensor
 from pieceworks.models.presets import get_preset, random_hf_checkpoint
 from pieceworks.platforms import current_platform
+from pieceworks.platforms.capability import FP8_GEMM
 from tests.models.test_fp8 import (
     assert_fp8_close,
     record_logits,
@@ -60,8 +62,17 @@ def device() -> torch.device:
     return current_platform().device()
 
 
+def without_fp8_gemm(monkeypatch) -> None:
+    """The platform's device, for the rest of the test, runs no FP8 GEMM natively."""
+    platform = current_platform()
+    capability = platform.device_capability()
+    features = capability.features - {FP8_GEMM}
+    reference = dataclasses.replace(capability, features=features)
+    monkeypatch.setattr(type(platform), "device_capability", lambda self: reference)
+
+
 def test_hopper_runs_fp8_natively():
-    assert current_platform().supports_fp8()
+    assert current_platform().device_capability().has(FP8_GEMM)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 256])
@@ -82,7 +93,7 @@ def test_scaled_mm_matches_reference_gemm(num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 7, 256])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_triton_fused_kernel_matches_reference_at_8b_width(num_tokens, with_residual):
-    from pieceworks.models.layers.quantization import triton_norm_quant
+    from pieceworks.kernels.norm_quant import triton_norm_quant
 
     generator = torch.Generator(device=device()).manual_seed(0)
     shape = (num_tokens, 4096)
@@ -174,7 +185,7 @@ def test_fp8_native_matches_reference_path_at_two_layers(tmp_path, monkeypatch):
     prompts = prompts_for(32000)
     compiled, _, _ = prefill_logits(str(tmp_path), "fp8", prompts)
     eager, _, _ = prefill_logits(str(tmp_path), "fp8", prompts, "eager")
-    monkeypatch.setattr(type(current_platform()), "supports_fp8", lambda self: False)
+    without_fp8_gemm(monkeypatch)
     reference, _, _ = prefill_logits(str(tmp_path), "fp8", prompts, "eager")
     gemm_only = relative_rms(eager.float(), reference.float())
     end_to_end = relative_rms(compiled.float(), reference.float())
@@ -199,7 +210,7 @@ def test_llama_8b_shape_fp8_native_matches_reference_path(monkeypatch):
     error_to_bf16 = fp8_against_bf16("llama-3.1-8b", 128256)
     assert error_to_bf16 < MAX_RELATIVE_RMS_ERROR_8B
     native, native_tokens, _ = prefill_logits("llama-3.1-8b", "fp8", prompts)
-    monkeypatch.setattr(type(current_platform()), "supports_fp8", lambda self: False)
+    without_fp8_gemm(monkeypatch)
     reference, reference_tokens, _ = prefill_logits("llama-3.1-8b", "fp8", prompts, "eager")
     error = relative_rms(native.float(), reference.float())
     print(

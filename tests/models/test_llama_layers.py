@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pieceworks.models import loader, presets, registry
+from pieceworks.models import loader, presets, registry, sources
 from pieceworks.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -507,7 +507,7 @@ def test_llama_loads_hf_checkpoint_into_merged_weights(tmp_path, tie_word_embedd
     pytest.importorskip("pieceworks.models.attention.layer")
     hf_config = {**presets.get_preset("llama-tiny"), "tie_word_embeddings": tie_word_embeddings}
     presets.random_hf_checkpoint(hf_config, tmp_path, seed=0, max_shard_bytes=100_000)
-    model = loader.get_model(_llama_engine_config(tmp_path), "cpu")
+    model = sources.get_model(_llama_engine_config(tmp_path), "cpu")
     weights = dict(loader.hf_weights_iterator(tmp_path))
     attention = model.model.layers[1].self_attn
     qkv = torch.cat(

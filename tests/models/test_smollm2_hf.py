@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.modes import compilation_for_mode
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.tokenizer import load_tokenizer
 from pieceworks.models import gguf_loader, sources

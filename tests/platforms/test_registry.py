@@ -197,16 +197,39 @@ def test_rocm_detected_on_a_simulated_hip_build(monkeypatch):
 
 def test_only_hopper_reports_the_warpgroup_mma(monkeypatch):
     """The resident-weight GEMV is written for wgmma: CUDA at compute capability 9.x, never
-    ROCm (an MI300 reports 9.4), Blackwell (10.0) or a platform that does not say so."""
-    from pieceworks.platforms.cuda import CudaPlatform
-    from pieceworks.platforms.rocm import RocmPlatform
+    ROCm (an MI300 reports gfx942), Blackwell (10.0) or a platform that does not say so."""
+    from pieceworks.platforms.capability import WARPGROUP_MMA, amd_capability, nvidia_capability
 
     for capability, expected in (((9, 0), True), ((8, 9), False), ((10, 0), False)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
-        assert CudaPlatform().supports_warpgroup_mma() is expected
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 4))
-    assert not RocmPlatform().supports_warpgroup_mma()
-    assert not CpuPlatform().supports_warpgroup_mma()
+        assert nvidia_capability(*capability).has(WARPGROUP_MMA) is expected
+    assert not amd_capability("gfx942:sramecc+:xnack-").has(WARPGROUP_MMA)
+    assert not CpuPlatform().device_capability().has(WARPGROUP_MMA)
+
+
+def test_device_capability_names_each_vendor_s_features_and_fp8_format():
+    """NVIDIA: Triton everywhere, PDL and native FP8 GEMMs on Hopper, e4m3fn; AMD: Triton only,
+    e4m3fnuz on the MI300 family (gfx94x) and e4m3fn after it; CPU: nothing; an unknown feature
+    name is refused."""
+    from pieceworks.platforms.capability import (
+        FP8_GEMM,
+        PROGRAMMATIC_LAUNCH,
+        TRITON,
+        DeviceCapability,
+        amd_capability,
+        nvidia_capability,
+    )
+
+    hopper = nvidia_capability(9, 0)
+    assert hopper.features == {TRITON, PROGRAMMATIC_LAUNCH, FP8_GEMM, "warpgroup_mma"}
+    assert hopper.fp8_dtype == torch.float8_e4m3fn and hopper.arch_name == "sm_90"
+    assert nvidia_capability(8, 0).features == {TRITON}
+    mi300 = amd_capability("gfx942:sramecc+:xnack-")
+    assert mi300.features == {TRITON} and mi300.arch == (9, 4)
+    assert mi300.fp8_dtype == torch.float8_e4m3fnuz
+    assert amd_capability("gfx950").fp8_dtype == torch.float8_e4m3fn
+    assert CpuPlatform().device_capability().features == frozenset()
+    with pytest.raises(ValueError, match="unknown device features"):
+        DeviceCapability(vendor="x", features=frozenset({"tensor_magic"}))
 
 
 def test_graph_pool_is_a_process_wide_singleton(graph_platform):

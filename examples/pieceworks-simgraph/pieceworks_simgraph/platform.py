@@ -1,7 +1,8 @@
 """``SimGraphPlatform``: the CPU platform plus simulated static graphs.
 
-Everything but graphs is inherited from pieceworks' CPU platform; the platform only names its
-static-graph wrapper and provides a process-wide pool object.
+Everything but graphs and one kernel is inherited from pieceworks' CPU platform; the platform
+names its static-graph wrapper, provides a process-wide pool object and, when it is made,
+registers its own RMSNorm kernel with pieceworks' chooser (``kernels.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ class SimGraphPool:
 class SimGraphPlatform(CpuPlatform):
     name: ClassVar[str] = "simgraph"
     static_graph_wrapper: ClassVar[str | None] = "pieceworks_simgraph.wrapper.SimGraphWrapper"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from pieceworks_simgraph.kernels import register_kernels
+
+        register_kernels()  # chosen only while this platform is the current one
 
     @classmethod
     def is_available(cls) -> bool:

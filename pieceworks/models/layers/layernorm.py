@@ -2,16 +2,21 @@
 
 Plain ATen, so Inductor fuses the add, the reduction and the scale into one kernel. The arithmetic
 is ``core.norm_quant.rms_norm`` / ``add_rms_norm``: the FP8 fusion pass in ``core/passes``
-pattern-matches exactly what those functions trace to, so the layer calls them rather than
-repeating them. Activations are flattened tokens: ``(num_tokens, hidden_size)``.
+pattern-matches exactly what those functions trace to, so the layer calls them rather than repeating
+them. Where an out-of-tree platform registered its own ``rms_norm`` (``kernels/chooser.py``), the
+layer calls that instead, chosen when it is built. Activations are flattened tokens: ``(num_tokens,
+hidden_size)``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from pieceworks.core.norm_quant import add_rms_norm, rms_norm
+from pieceworks.kernels.chooser import choose
 
 
 class RMSNorm(nn.Module):
@@ -27,10 +32,17 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.variance_epsilon = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        # an out-of-tree platform's rms_norm(x, weight, eps), where it registered one
+        self.kernel: Callable[..., torch.Tensor] | None = choose("rms_norm").impl.fn
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel is not None:
+            if residual is None:
+                return self.kernel(x, self.weight, self.variance_epsilon)
+            x = x + residual
+            return self.kernel(x, self.weight, self.variance_epsilon), x
         if residual is None:
             return rms_norm(x, self.weight, self.variance_epsilon)  # (T, hidden)
         return add_rms_norm(x, residual, self.weight, self.variance_epsilon)

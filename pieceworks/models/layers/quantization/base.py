@@ -3,33 +3,36 @@
 A method owns the layer's GEMM (``apply``) and the one-time rewrite of its loaded weights
 (``process_weights_after_loading``, called by the loader after every checkpoint tensor landed).
 Layers keep a method instance each; methods keep no per-layer state of their own beyond flags.
-In compiled graphs the unquantized GEMM goes through ``pieceworks::small_m_linear``
-(``layers/triton_gemv.py``), a Triton GEMV for <= 16 tokens, where the platform runs pieceworks'
-Triton kernels (``PIECEWORKS_SMALL_M_GEMV`` overrides this, read when the method is built). Eager
-calls keep ``F.linear``: the op's dispatch and the Triton launch cost more host time than a
-cuBLAS call, and only a captured graph hides host time. ``apply_silu_and_mul`` is the MLP's
-gate/up projection followed by its activation; in compiled graphs it is one GEMV whose epilogue
+The unquantized GEMM goes through ``pieceworks::small_m_linear``
+(``kernels/gemv/triton_gemv.py``), a Triton GEMV for <= 16 tokens, where the kernel chooser picks
+the GEMV for the platform (``kernels/chooser.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides this,
+read when the method is built), and an out-of-tree platform's own ``linear`` where it registered
+one. The choice is made when the method is built, so eager (level 0) and compiled calls run the
+same ops and eager is an oracle for compiled numerics. ``apply_silu_and_mul`` is the MLP's
+gate/up projection followed by its activation; with the GEMV ops it is one GEMV whose epilogue
 computes the activation (``pieceworks::small_m_silu_and_mul_linear``). ``apply_rope`` is the
-attention's qkv projection followed by the rotary embedding of its q and k heads; in compiled
-graphs, for neox-style rotary on every dim, it is one GEMV whose epilogue rotates them
-(``pieceworks::small_m_rope_linear``, ``layers/triton_gemv_rope.py``).
+attention's qkv projection followed by the rotary embedding of its q and k heads; with the GEMV
+ops, for neox-style rotary on every dim, it is one GEMV whose epilogue rotates them
+(``pieceworks::small_m_rope_linear``, ``kernels/gemv/triton_gemv_rope.py``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pieceworks import envs
-from pieceworks.models.layers.activation import silu_and_mul
-from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
-from pieceworks.models.layers.triton_gemv import (
+from pieceworks.kernels.chooser import choose
+from pieceworks.kernels.gemv.triton_gemv import (
     small_m_linear_op,
     small_m_silu_and_mul_linear_op,
 )
-from pieceworks.models.layers.triton_gemv_rope import small_m_rope_linear_op
-from pieceworks.platforms import current_platform
+from pieceworks.kernels.gemv.triton_gemv_rope import small_m_rope_linear_op
+from pieceworks.models.layers.activation import silu_and_mul
+from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 
 
 def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
@@ -39,25 +42,30 @@ def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
     return value
 
 
-def small_m_gemv_enabled() -> bool:
-    """Whether compiled graphs route decode-sized GEMMs to the Triton GEMV: where the platform
-    runs pieceworks' Triton kernels, unless ``PIECEWORKS_SMALL_M_GEMV`` says otherwise."""
-    choice = envs.PIECEWORKS_SMALL_M_GEMV
-    return current_platform().runs_triton_kernels() if choice is None else choice
+def small_m_gemv_enabled(op: str = "linear") -> bool:
+    """Whether decode-sized GEMMs of ``op`` (``linear``, ``fp8_linear``) go to pieceworks' GEMV
+    ops: where the chooser picks a GEMV for this platform, unless ``PIECEWORKS_SMALL_M_GEMV``
+    says otherwise (``0`` makes the choice the torch form, ``1`` forces the ops, which fall back
+    inside where the kernel does not run)."""
+    forced = envs.PIECEWORKS_SMALL_M_GEMV
+    choice = choose(op, prefer_native=True if forced is False else None)
+    return choice.impl.jitted if forced is None else forced
 
 
 class LinearMethod:
     """Interface: ``apply(layer, x, bias) -> y`` and ``process_weights_after_loading(layer)``."""
 
-    small_m_gemv = False  # methods that route compiled graphs to the GEMV ops set it
+    small_m_gemv = False  # methods that route decode-sized GEMMs to the GEMV ops set it
+    kernel: Callable[..., torch.Tensor] | None = None  # an out-of-tree linear, if one was chosen
 
     def in_graph(self) -> bool:
-        """Whether this call is traced into a compiled graph that routes to the GEMV ops."""
-        return self.small_m_gemv and torch.compiler.is_compiling()
+        """Whether this layer's GEMMs go through the GEMV ops (decided when it was built; eager
+        and compiled calls run the same ops)."""
+        return self.small_m_gemv
 
     def fuses_rope(self, bias: torch.Tensor | None, rotary_emb: RotaryEmbedding) -> bool:
-        """Whether ``apply_rope`` runs as one GEMV with the rotation as its epilogue: in a
-        compiled graph, no bias, neox rotary on every dim."""
+        """Whether ``apply_rope`` runs as one GEMV with the rotation as its epilogue: the GEMV
+        ops are on, no bias, neox rotary on every dim."""
         return bias is None and self.in_graph() and rotary_emb.is_full_neox
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -90,10 +98,12 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """``y = x W^T (+ b)`` in the model dtype: ``F.linear``, or in compiled graphs the GEMV op."""
+    """``y = x W^T (+ b)`` in the model dtype: ``F.linear``, the GEMV op, or the platform's own
+    ``linear``, as the chooser decided when the method was built."""
 
     def __init__(self) -> None:
-        self.small_m_gemv = small_m_gemv_enabled()
+        self.kernel = choose("linear").impl.fn  # set where a platform registered its own
+        self.small_m_gemv = self.kernel is None and small_m_gemv_enabled()
         if self.small_m_gemv:  # registered before Dynamo traces the first call
             small_m_linear_op()
             small_m_silu_and_mul_linear_op()
@@ -101,6 +111,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer_tensor(layer, "weight")
+        if self.kernel is not None:
+            return self.kernel(x, weight, bias)  # (T, out)
         if not self.in_graph():
             return F.linear(x, weight, bias)  # (T, out)
         output = small_m_linear_op()(x.reshape(-1, x.shape[-1]), weight, bias)  # (T, out)

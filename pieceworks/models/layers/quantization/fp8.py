@@ -1,13 +1,13 @@
 """FP8 (e4m3) linear layers with static per-tensor scales (``quantization="fp8"``).
 
-Weights are loaded in the model dtype and quantized once, after loading, to ``float8_e4m3fn``
-with one scale per weight tensor: ``weight_scale = max|W| / 448`` (a merged ``qkv_proj`` or
+Weights are loaded in the model dtype and quantized once, after loading, to ``float8_e4m3fn`` with
+one scale per weight tensor: ``weight_scale = max|W| / 448`` (a merged ``qkv_proj`` or
 ``gate_up_proj`` gets one scale for the whole merged tensor). Activations are quantized on every
 call with a static scale ``input_scale`` (see ``docs/passes.md``, "FP8", for the rule:
 ``FP8_STATIC_INPUT_SCALE``, values saturate at +-448 * scale). The GEMM is ``torch._scaled_mm``
-where ``current_platform().supports_fp8()``, else the torch reference: dequantize both operands
-to float32, multiply, scale, cast back. Both read the same FP8 tensors, so the CPU reference
-computes what the GPU computes up to float32 accumulation order.
+where the platform's device capability has ``fp8_gemm``, else the torch reference: dequantize both
+operands to float32, multiply, scale, cast back. Both read the same FP8 tensors, so the CPU
+reference computes what the GPU computes up to float32 accumulation order.
 
 The activation quantization is ``core.norm_quant.static_scaled_fp8_quant`` in plain ATen: Inductor
 fuses it into whatever produced the activation, and where that is an RMSNorm the fusion pass
@@ -15,15 +15,15 @@ fuses it into whatever produced the activation, and where that is an RMSNorm the
 
 In compiled graphs, where the small-M GEMV is on (``quantization/base.py``), the GEMM is the op
 ``pieceworks::small_m_fp8_linear``: the Triton GEMV on FP8 operands for at most 16 tokens
-(``layers/triton_gemv.py``), ``fp8_gemm`` above that. On Hopper, products whose weight slices
+(``kernels/gemv/triton_gemv.py``), ``fp8_gemm`` above that. On Hopper, products whose weight slices
 mostly fit in shared memory (the attention's ``o_proj`` and ``qkv_proj`` at 8B widths) take the
 resident-weight GEMV instead, which copies its weights before it waits for the kernel before
-(``layers/resident_gemv.py``). The MLP's gate/up projection is
+(``kernels/gemv/resident_gemv.py``). The MLP's gate/up projection is
 ``pieceworks::small_m_fp8_silu_and_mul``: the GEMV with ``silu(gate) * up`` and the down
 projection's static quantization as its epilogue, so it hands ``down_proj`` FP8 values and the
 activation costs no kernel of its own. The attention's qkv projection is
 ``pieceworks::small_m_fp8_rope_linear``: the GEMV with the rotary embedding of the q and k heads
-as its epilogue (``layers/triton_gemv_rope.py``; the resident GEMV's rotary form where it
+as its epilogue (``kernels/gemv/triton_gemv_rope.py``; the resident GEMV's rotary form where it
 applies). ``apply`` takes an input that is already FP8 as
 quantized with the layer's own ``input_scale``.
 """
@@ -38,19 +38,20 @@ from torch import nn
 
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
+from pieceworks.kernels.gemv.resident_gemv import fp8_decode_gemv
+from pieceworks.kernels.gemv.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
+from pieceworks.kernels.gemv.triton_gemv_rope import (
+    rope_epilogue,
+    rotate_qk_heads,
+    uses_rope_kernel,
+)
 from pieceworks.models.layers.quantization.base import (
     LinearMethod,
     layer_tensor,
     small_m_gemv_enabled,
 )
-from pieceworks.models.layers.resident_gemv import fp8_decode_gemv
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
-from pieceworks.models.layers.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
-from pieceworks.models.layers.triton_gemv_rope import (
-    rope_epilogue,
-    rotate_qk_heads,
-    uses_rope_kernel,
-)
+from pieceworks.platforms.capability import FP8_GEMM
 
 # The static activation scale of every FP8 linear layer (see the module docstring).
 FP8_STATIC_INPUT_SCALE = 1.0
@@ -172,7 +173,7 @@ def small_m_fp8_rope_linear(
 ) -> torch.Tensor:
     """``fp8_gemm`` for a merged qkv weight, its first ``num_rotary_heads`` heads rotated (neox,
     every dim) at ``positions (T,)``: (T, (Hq + 2 Hkv) D) in ``out_dtype``; one GEMV with the
-    rotation as its epilogue when ``uses_rope_kernel`` (``layers/triton_gemv_rope.py``)."""
+    rotation as its epilogue when ``uses_rope_kernel`` (``kernels/gemv/triton_gemv_rope.py``)."""
     if not uses_rope_kernel(x_fp8, weight, cos_sin_cache, head_size, out_dtype, (FP8_DTYPE,)):
         qkv = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
         return rotate_qk_heads(positions, qkv, cos_sin_cache, head_size, num_rotary_heads)
@@ -239,7 +240,7 @@ class Fp8LinearMethod(LinearMethod):
         self.config = config
         self.native = False  # decided after loading, when the weights are on their device
         register_norm_quant_ops()  # the fusion pass replaces RMSNorm -> quant with these
-        self.small_m_gemv = small_m_gemv_enabled()
+        self.small_m_gemv = small_m_gemv_enabled("fp8_linear")
         if self.small_m_gemv:
             register_small_m_fp8_ops()
             small_m_fp8_rope_linear_op()
@@ -254,7 +255,7 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         input_scale = torch.tensor(self.config.input_scale, dtype=torch.float32)
         layer.input_scale = nn.Parameter(input_scale.to(weight.device), requires_grad=False)
-        self.native = current_platform().supports_fp8()
+        self.native = current_platform().device_capability().has(FP8_GEMM)
 
     def quantized_operands(
         self, layer: nn.Module, x: torch.Tensor

@@ -19,6 +19,7 @@ from pieceworks.core.norm_quant import (
     fused_add_rms_norm_static_fp8_quant_reference,
     rms_norm_static_fp8_quant_reference,
 )
+from pieceworks.platforms.capability import FP8_GEMM
 
 
 def _rms_norm_quant_fake(
@@ -51,8 +52,8 @@ def register_norm_quant_ops() -> None:
         rms_norm_static_fp8_quant_reference,
         fused_add_rms_norm_static_fp8_quant_reference,
     )
-    if current_platform().supports_fp8():
-        from pieceworks.models.layers.quantization import triton_norm_quant
+    if current_platform().device_capability().has(FP8_GEMM):
+        from pieceworks.kernels.norm_quant import triton_norm_quant
 
         plain = triton_norm_quant.rms_norm_static_fp8_quant
         with_add = triton_norm_quant.fused_add_rms_norm_static_fp8_quant

@@ -1,0 +1,37 @@
+"""pieceworks' kernels: every jitted (Triton, Gluon) kernel and its launcher, grouped by family.
+
+Families: ``gemv`` (the decode GEMV, its rotary and resident-weight forms, tile rules),
+``activation`` (SiLU-and-mul), ``norm_quant`` (RMSNorm + static FP8 quantization), ``attention``
+(paged KV store, paged attention), ``mamba`` (causal conv1d, chunked SSD scan, state update),
+``sampling`` (greedy argmax) and ``rope`` (the rotary's torch form). Shared by all: the launch
+options (``triton_launch.py``), the programmatic-launch policy (``programmatic_launch.py``) and
+rounding that gives the same bytes on every backend (``triton_rounding.py``).
+
+Which implementation each op runs is the chooser's decision (``chooser.py``), made once per layer
+when the model is built; ``register_kernel`` is the vendor seam through which an out-of-tree
+platform adds its own implementation of any op (``docs/platforms.md``).
+
+Sits below ``models`` and above ``core``: models call these ops, nothing here imports a model.
+Importing this package imports no Triton; importing a family does, but resolves no platform and
+registers no op.
+"""
+
+from pieceworks.kernels.chooser import (
+    Choice,
+    KernelImpl,
+    Supports,
+    choose,
+    chosen_kernels,
+    register_kernel,
+    unregister_kernel,
+)
+
+__all__ = [
+    "Choice",
+    "KernelImpl",
+    "Supports",
+    "choose",
+    "chosen_kernels",
+    "register_kernel",
+    "unregister_kernel",
+]

@@ -1,0 +1,55 @@
+"""pieceworks' own kernel implementations, as the chooser sees them (``chooser.py``).
+
+Each entry says what the kernel needs; the layers that launch them read the choice when they are
+built. Every op has a native entry (its torch form, which Inductor fuses), chosen where no kernel
+is supported or ``custom_ops`` switches the kernel off. Names that say ``hopper`` are NVIDIA-only
+code (Gluon ``wgmma`` kernels) and never run on another vendor.
+
+Ops:
+- ``linear``: the decode GEMV (``gemv/triton_gemv.py``) for at most 16 tokens, else ``F.linear``;
+- ``fp8_linear``: the resident-weight GEMV (``gemv/resident_gemv.py``, Hopper), the FP8 GEMV,
+  ``torch._scaled_mm`` where the device has native FP8 GEMMs, the dequantizing torch reference;
+- ``rms_norm``: the torch form (the FP8 fusion pass makes it ``norm_quant/triton_norm_quant.py``);
+- ``silu_and_mul``: the Triton epilogue kernel (``activation/triton_silu_and_mul.py``) behind the
+  gated GEMV for more than 16 tokens, or the torch form;
+- ``rotary``: the qkv GEMV's rotary epilogue (``gemv/triton_gemv_rope.py``) or the torch form;
+- ``argmax``: the greedy row argmax (``sampling/triton_argmax.py``) or ``torch.argmax``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pieceworks.kernels.chooser import Supports, register_kernel
+from pieceworks.platforms.capability import FP8_GEMM, TRITON, WARPGROUP_MMA
+
+GEMV_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+NVIDIA_HOPPER = Supports(vendors=frozenset({"nvidia"}), features=frozenset({TRITON, WARPGROUP_MMA}))
+TRITON_ONLY = Supports(features=frozenset({TRITON}))
+
+# (op, name, priority, supports); every op also gets its native "torch" entry
+BUILTIN_KERNELS: tuple[tuple[str, str, int, Supports], ...] = (
+    ("linear", "triton_gemv", 10, Supports(features=frozenset({TRITON}), dtypes=GEMV_DTYPES)),
+    ("fp8_linear", "hopper_resident_gemv", 20, NVIDIA_HOPPER),
+    ("fp8_linear", "triton_gemv", 10, TRITON_ONLY),
+    ("rms_norm", "torch", 0, Supports()),
+    ("silu_and_mul", "triton_silu_and_mul", 10, TRITON_ONLY),
+    ("rotary", "triton_gemv_rope", 10, TRITON_ONLY),
+    ("argmax", "triton_argmax", 10, TRITON_ONLY),
+)
+
+
+@functools.cache
+def register_builtin_kernels() -> None:
+    """Register every built-in implementation once per process."""
+    for op, name, priority, supports in BUILTIN_KERNELS:
+        if name != "torch":
+            register_kernel(op, None, name=name, priority=priority, supports=supports, jitted=True)
+    register_kernel("fp8_linear", None, name="scaled_mm", priority=5,
+                    supports=Supports(features=frozenset({FP8_GEMM})))  # fmt: skip
+    for op in sorted({op for op, *_ in BUILTIN_KERNELS}):
+        register_kernel(op, None, name="torch", native=True)

@@ -1,0 +1,390 @@
+"""A Triton GEMV for decode-sized linear layers: ``y = x W^T`` for 1 to 16 tokens.
+
+Why: on an H200, decoding the Llama-3.1-8B shape at batch 1, cuBLAS runs ``qkv_proj``,
+``o_proj`` and ``down_proj`` as split-K kernels, each followed by a ``splitKreduce`` kernel. A
+decode GEMV only has to stream W once, so this kernel keeps many bytes of W in flight per SM and
+needs no reduction afterwards (how it compares with cuBLAS: ``benchmarks/gemv_decode.py``,
+``docs/performance.md``).
+
+Layout contract: ``x`` is (M, K) and ``weight`` is (N, K), both contiguous along K (a linear
+layer's row-major weight), same dtype (float16, bfloat16, float32, or float8_e4m3fn with a
+per-tensor scale each); the result is (M, N), accumulated in float32. Each program owns
+``BLOCK_N`` output columns for all M rows and walks K in ``BLOCK_K`` chunks, so loads of W are
+coalesced along K and no two programs write the same output: no atomics, the result is
+deterministic. The M rows are padded to 16 (masked) so the product runs on tensor cores; it is
+computed as ``W x^T`` (W as the left operand), which leaves W in its natural K-major layout.
+Three epilogues, applied after the K loop so they cost the pipelined loads nothing
+(an epilogue before the ``tl.dot`` would stall the pipelined loads):
+- gated: for a merged [gate; up] weight each program stacks the up rows of its columns under the
+  gate rows (one ``tl.dot`` of a full tile; two half-height dots were 40% slower), splits the
+  accumulator and stores ``silu(gate) * up``, so the (M, 2N) product never reaches memory;
+- rope: for a merged qkv weight each program owns ``block_n`` pairs (i, i + D/2) of one head and
+  stacks the first-half rows on their partners (the gated tile); the halves, rounded to the
+  output dtype as an unfused GEMM stores them, are rotated with the cos/sin cache at each token's
+  position (neox style, every dim, float32 math rounded once) for the q and k heads and stored
+  as they are for the v heads, in the natural column order (``triton_gemv_rope.py``);
+- static FP8 quantization of the result (the next FP8 layer's input), as
+  ``core.norm_quant.static_scaled_fp8_quant`` computes it (not combined with rope).
+FP8 operands on Hopper: Triton's default lets the MMA add products in reduced precision over the
+whole K loop (FP8 "fast accumulation", as CUTLASS's FP8FastAccum kernels do): errors up to 2e-3
+on outputs near 1, below the bfloat16 rounding of the result. Folding every instruction's sum into
+float32 (``max_num_imprecise_acc=32``) is much slower, so the kernel keeps the default.
+
+``small_m_linear`` is the entry point and the op ``pieceworks::small_m_linear``: the kernel when
+there are at most ``MAX_GEMV_TOKENS`` tokens on a GPU Triton targets, else ``F.linear``. The
+choice is made inside the op at run time, because the token count is symbolic when Dynamo
+traces the op (inside a static graph it is fixed per capture size). Linear layers route
+here where the kernel chooser picks the GEMV for the platform (``quantization/base.py``,
+``kernels/chooser.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides), eager and compiled alike.
+``pieceworks::small_m_silu_and_mul_linear`` is the gated form (the MLP's gate/up projection),
+``pieceworks::small_m_rope_linear`` (``triton_gemv_rope.py``) the rope form (the attention's qkv
+projection), and ``quantization/fp8.py`` registers the FP8 forms of all three. Beside this
+module: the launch configurations (``triton_gemv_config.py``), the gated epilogue as a kernel of
+its own for more than 16 tokens (``triton_silu_and_mul.py``) and programmatic dependent launch
+(``triton_launch.py``; the kernel reads its scales and rotary factors, then waits before its K
+loop, and releases the next after it, or at its start where ``releases_at_start`` says so).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from pieceworks.core.custom_op import direct_register_custom_op
+from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX
+from pieceworks.kernels import triton_launch
+from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_epilogue
+from pieceworks.kernels.gemv import triton_gemv_config
+from pieceworks.kernels.gemv.triton_gemv_config import (
+    MAX_KERNEL_TOKENS,
+    MIN_ROPE_BLOCK_N,
+    GemvConfig,
+    RopeEpilogue,
+    gemv_config,
+    launch_config,
+    max_shared_bytes,
+    rope_config,
+)
+from pieceworks.kernels.nvidia_pdl import gdc_launch_dependents, gdc_wait
+from pieceworks.kernels.triton_launch import launch_options, programmatic_launch
+from pieceworks.kernels.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
+
+__all__ = [  # the configuration names are re-exported: callers and tests import them from here
+    "MAX_GEMV_TOKENS",
+    "MAX_KERNEL_TOKENS",
+    "MIN_ROPE_BLOCK_N",
+    "GemvConfig",
+    "RopeEpilogue",
+    "gemv_config",
+    "launch_gemv",
+    "max_shared_bytes",
+    "releases_at_start",
+    "rope_config",
+    "silu_and_mul_epilogue",
+    "small_m_linear",
+    "small_m_silu_and_mul_linear",
+    "uses_kernel",
+]
+
+MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    x_scale_ptr,
+    weight_scale_ptr,
+    out_scale_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    num_tokens,
+    out_features,
+    in_features,
+    stride_x,
+    stride_weight,
+    stride_out,
+    stride_cos_sin,
+    head_size,
+    num_rotary_heads,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SCALED: tl.constexpr,
+    GATED: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROUND_DTYPE: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
+    PDL: tl.constexpr,
+    RELEASE_AT_START: tl.constexpr,
+):
+    # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
+    # gate rows of its BLOCK_N columns on their up rows, so one tl.dot of 2 * BLOCK_N rows (a
+    # full tensor-core tile) serves both; the accumulator is split in the epilogue.
+    # ROPE: the same stacking for the pairs (i, i + D/2) of one head of a merged qkv weight;
+    # "columns" count pairs, BLOCK_N of them per program, and BLOCK_N divides D/2.
+    if RELEASE_AT_START:  # the next kernel may be scheduled now, on SMs this GEMV leaves idle;
+        gdc_launch_dependents()  # it waits for this one (releases_at_start)
+    BLOCK_ROWS: tl.constexpr = 2 * BLOCK_N if GATED or ROPE else BLOCK_N
+    first_column = tl.program_id(0) * BLOCK_N
+    rows = tl.arange(0, BLOCK_ROWS)
+    row_columns = first_column + rows % BLOCK_N  # the output column (ROPE: pair) of each row
+    if ROPE:  # pair c of head h = c // (D/2) is weight row h * D + c % (D/2), its partner D/2 on
+        half = head_size // 2
+        head = first_column // half
+        weight_rows = row_columns + head * half + (rows // BLOCK_N) * half
+    else:
+        weight_rows = row_columns + (rows // BLOCK_N) * out_features  # up: out_features further
+    row_mask = row_columns < out_features
+    tokens = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    token_mask = tokens < num_tokens
+    weight_ptrs = weight_ptr + weight_rows.to(tl.int64)[:, None] * stride_weight  # (ROWS, 1)
+    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
+    acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
+    # What the epilogue reads besides the product, no kernel of the step writes (parameters, the
+    # rotary cache, the positions the runner copied before the step): read before the wait, so
+    # that no load round trip follows the K loop
+    if SCALED:
+        scale = tl.load(x_scale_ptr) * tl.load(weight_scale_ptr)
+    if QUANT_OUT:
+        out_scale = tl.load(out_scale_ptr)
+    if ROPE:
+        pairs = first_column - head * half + tl.arange(0, BLOCK_N)  # within the head
+        cos, sin = _rotary_factors(
+            positions_ptr, cos_sin_ptr + pairs[:, None], stride_cos_sin, half, tokens, token_mask
+        )
+    if PDL:  # launched early, while the kernel before (x's producer) may still run
+        gdc_wait()
+    for k_start in range(0, in_features, BLOCK_K):
+        k_mask = (k_start + ks) < in_features
+        w = tl.load(
+            weight_ptrs + (k_start + ks)[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_ROWS, BLOCK_K)
+        x = tl.load(
+            x_rows + (k_start + ks)[None, :],
+            mask=token_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_K)
+        if UPCAST:
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
+    if PDL and not RELEASE_AT_START:  # W is streamed: the next kernel may be scheduled now
+        gdc_launch_dependents()  # (it waits for this one)
+    if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
+        acc = acc * scale
+    if GATED:  # silu(gate) * up, from gate and up as the unfused GEMM would have stored them
+        gate, up = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
+        acc = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK_N, BLOCK_M)
+    if QUANT_OUT:  # static FP8 quantization, rounded as static_scaled_fp8_quant rounds
+        acc = round_to_e4m3(acc / out_scale, _FP8_MAX)
+    out_rows = out_ptr + tokens.to(tl.int64)[None, :] * stride_out  # (1, M)
+    if ROPE:  # x1, x2 as the unfused GEMM stores them; q and k heads rotated, v heads as they are
+        x1, x2 = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
+        if head < num_rotary_heads:
+            x1, x2 = _rotate_pairs(x1, x2, cos, sin, ROUND_DTYPE)
+        columns = head * head_size + pairs  # x2's: half further
+        mask = token_mask[None, :]
+        tl.store(out_rows + columns[:, None], x1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_rows + columns[:, None] + half, x2.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        columns = first_column + tl.arange(0, BLOCK_N)
+        mask = (columns < out_features)[:, None] & token_mask[None, :]
+        tl.store(out_rows + columns[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stacked_halves(acc, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ROUND_DTYPE: tl.constexpr):
+    """The two stacked row blocks of ``acc`` (2 * BLOCK_N, BLOCK_M), each (BLOCK_N, BLOCK_M) and
+    rounded to ``ROUND_DTYPE`` as an unfused GEMM would have stored them."""
+    first, second = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+    return round_to(first, ROUND_DTYPE), round_to(second, ROUND_DTYPE)
+
+
+@triton.jit
+def _rotary_factors(positions_ptr, cos_sin, stride_cos_sin, half, tokens, token_mask):
+    """cos and sin (N, M) in float32 for the pairs at each token's position. ``cos_sin`` (N, 1):
+    the pairs' cos columns of the cache row 0; sin is ``half`` further. Pad tokens read no
+    position and get zeros (never stored)."""
+    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+    cos_ptrs = cos_sin + positions[None, :] * stride_cos_sin  # (N, M)
+    cos = tl.load(cos_ptrs, mask=token_mask[None, :], other=0.0).to(tl.float32)
+    sin = tl.load(cos_ptrs + half, mask=token_mask[None, :], other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def _rotate_pairs(x1, x2, cos, sin, ROUND_DTYPE: tl.constexpr):
+    """Neox rotary of the pairs ``x1, x2`` (N, M): ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 *
+    sin`` in float32, rounded once to ``ROUND_DTYPE`` (as Inductor computes the unfused
+    rotation)."""
+    rotated1 = round_to(x1 * cos - x2 * sin, ROUND_DTYPE)
+    rotated2 = round_to(x2 * cos + x1 * sin, ROUND_DTYPE)
+    return rotated1, rotated2
+
+
+def launch_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    *,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gated: bool = False,
+    rope: RopeEpilogue | None = None,
+    out_dtype: torch.dtype | None = None,
+    out_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight^T`` by the kernel, (M, N); x (M <= 64, K), weight (N, K).
+
+    ``scales=(x_scale, weight_scale)`` (0-d float32): FP8 operands, the product times both
+    scales. ``gated``: the weight is ``[gate; up]`` (2N, K) and the result ``silu(gate) * up``
+    (M, N), the gate and up values rounded to ``out_dtype`` first, as an unfused GEMM stores
+    them. ``rope``: the weight is a merged qkv weight ((Hq + 2 Hkv) D, K) and the result (M, N)
+    has its first ``rope.num_rotary_heads`` heads rotated (neox, every dim), from values rounded
+    to ``out_dtype`` first. ``out_scale``: the result is quantized to float8_e4m3fn with that
+    static scale. ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
+    """
+    num_tokens, in_features = x.shape
+    stacked = gated or rope is not None  # 2 weight rows per column (ROPE: per pair)
+    out_features = weight.shape[0] // 2 if stacked else weight.shape[0]
+    if scales is not None and out_dtype is None:
+        raise ValueError("FP8 operands (scales=...) need the out_dtype of the scaled product")
+    if rope is not None and (gated or out_scale is not None):
+        raise ValueError("the rotary epilogue takes neither gated=True nor out_scale")
+    out_dtype = out_dtype or x.dtype
+    config = launch_config(x, weight, config, stacked, rope)
+    pdl = programmatic_launch(x.device)
+    grid = (triton.cdiv(out_features, config.block_n),)
+    store_dtype = FP8_DTYPE if out_scale is not None else out_dtype
+    out_shape = (num_tokens, weight.shape[0] if rope is not None else out_features)
+    out = torch.empty(out_shape, dtype=store_dtype, device=x.device)
+    x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED
+    positions, cos_sin = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
+    _gemv_kernel[grid](
+        x,
+        weight,
+        out,
+        x_scale,
+        weight_scale,
+        out_scale if out_scale is not None else x,
+        positions,
+        cos_sin,
+        num_tokens,
+        out_features,
+        in_features,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        cos_sin.stride(0),
+        rope.head_size if rope is not None else 0,
+        rope.num_rotary_heads if rope is not None else 0,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        # float32 stays float32 (as F.linear by default), not TF32; 16-bit: the backend default
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        # Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
+        # (triton-lang/triton#11584): there the kernel widens them to float32 first, exactly
+        UPCAST=triton_launch.INTERPRETED and x.dtype == torch.bfloat16,
+        SCALED=scales is not None,
+        GATED=gated,
+        ROPE=rope is not None,
+        ROUND_DTYPE=TRITON_DTYPES[out_dtype],
+        QUANT_OUT=out_scale is not None,
+        PDL=pdl,
+        RELEASE_AT_START=pdl and releases_at_start(grid[0], rope is not None, x.device),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        **launch_options(pdl),
+    )
+    return out
+
+
+def releases_at_start(num_programs: int, rope: bool, device: torch.device) -> bool:
+    """Whether a GEMV launched with PDL lets the next kernel be scheduled at its start instead of
+    after its K loop. The rotary qkv GEMV does: decode attention's split kernel comes next and
+    loads its K/V while the GEMV streams (``triton_attention.py``). So does a GEMV whose programs
+    fit on the SMs at once with SMs to spare (the 8B ``down_proj``: 64 programs on an H200's 132),
+    so that the next kernels' programs settle on the idle SMs while it streams: the norm, then
+    the next layer's qkv GEMV, whose resident form copies its weights there
+    (``resident_gemv.py``). A GEMV of several waves keeps the release after its K loop: programs
+    scheduled early would take the SMs its later waves need."""
+    num_sms = triton_gemv_config.num_sms(device)
+    return rope or (num_sms is not None and num_programs < num_sms)
+
+
+def uses_kernel(
+    x: torch.Tensor, weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
+) -> bool:
+    """Whether the small-M ops run the kernel for these operands (else their fallback)."""
+    return (
+        0 < x.shape[0] <= MAX_GEMV_TOKENS
+        and x.dtype == weight.dtype
+        and x.dtype in dtypes
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and triton_launch.kernel_runs_on(x)
+    )
+
+
+def small_m_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for 2-D x (T, K); the Triton GEMV when ``uses_kernel``."""
+    if not uses_kernel(x, weight):
+        return F.linear(x, weight, bias)
+    out = launch_gemv(x, weight)  # (T, N)
+    return out if bias is None else out + bias
+
+
+def small_m_linear_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def small_m_linear_op() -> Any:
+    """``torch.ops.pieceworks.small_m_linear``, registered on first use (never at import).
+
+    ``UnquantizedLinearMethod`` calls this when it is built: registering cannot be traced, so
+    the op must exist before Dynamo meets the first linear layer.
+    """
+    return direct_register_custom_op(
+        "small_m_linear", small_m_linear, mutates_args=[], fake_impl=small_m_linear_fake
+    )
+
+
+def small_m_silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(F.linear(x, weight))`` for a merged [gate; up] weight (2N, K): (T, N).
+
+    The GEMV with the activation as its epilogue when ``uses_kernel`` (one launch, and the
+    (T, 2N) product never reaches memory), else ``F.linear`` and ``silu_and_mul_epilogue``.
+    """
+    if not uses_kernel(x, weight):
+        return silu_and_mul_epilogue(F.linear(x, weight), None)
+    return launch_gemv(x, weight, gated=True)
+
+
+def small_m_silu_and_mul_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
+def small_m_silu_and_mul_linear_op() -> Any:
+    """``torch.ops.pieceworks.small_m_silu_and_mul_linear``, registered on first use."""
+    return direct_register_custom_op(
+        "small_m_silu_and_mul_linear",
+        small_m_silu_and_mul_linear,
+        mutates_args=[],
+        fake_impl=small_m_silu_and_mul_linear_fake,
+    )

@@ -1,0 +1,2 @@
+"""RMSNorm (+ residual add) with static FP8 quantization in one Triton kernel
+(``triton_norm_quant.py``)."""

@@ -1,0 +1,113 @@
+"""The kernel chooser picks one implementation per op from what each supports, and says why.
+
+On a fake H200 capability the decode GEMVs (and the Hopper resident GEMV for FP8) are chosen; on
+a fake ROCm (MI300) capability no NVIDIA-only implementation is ever chosen, FP8 is e4m3fnuz and
+every chosen jitted kernel is on the warm-up list; on the CPU every op runs its torch form.
+``custom_ops`` switches kernels off and on as in vLLM, and a platform's own registration is
+chosen there and nowhere else.
+Run: PYTHONPATH=. PIECEWORKS_PLATFORM=cpu python -m pytest tests/kernels/test_chooser.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pieceworks.core.config import CompilationConfig
+from pieceworks.kernels import chooser
+from pieceworks.kernels.chooser import Supports, choose, kernel_selection, register_kernel
+from pieceworks.platforms.capability import amd_capability, nvidia_capability
+
+H200 = nvidia_capability(9, 0, num_compute_units=132, shared_memory_per_block=232448)
+MI300 = amd_capability("gfx942:sramecc+:xnack-", num_compute_units=304)
+
+
+def test_hopper_gets_the_gemvs_and_the_resident_fp8_gemv():
+    def on_h200(op: str) -> str:
+        return choose(op, capability=H200, platform_name="cuda").impl.name
+
+    assert on_h200("linear") == "triton_gemv"
+    assert on_h200("fp8_linear") == "hopper_resident_gemv"
+    assert on_h200("silu_and_mul") == "triton_silu_and_mul"
+    assert on_h200("rotary") == "triton_gemv_rope"
+    assert on_h200("argmax") == "triton_argmax"
+    float64 = choose("linear", dtype=torch.float64, capability=H200, platform_name="cuda")
+    assert float64.impl.name == "torch"
+    assert ("triton_gemv", "does not take float64") in float64.passed_over
+
+
+def test_rocm_never_gets_nvidia_only_code_and_warms_up_every_triton_kernel(monkeypatch):
+    """Every op on a fake MI300: no implementation whose vendors exclude AMD, the FP8 format the
+    MI300 family converts, and the warm-up list holds each chosen jitted kernel."""
+    monkeypatch.setattr(chooser, "_CHOSEN", {})
+    platform = type("FakeRocm", (), {"name": "rocm", "device_capability": lambda self: MI300})()
+    monkeypatch.setattr("pieceworks.platforms._current", platform)
+    choices = {op: choose(op) for op in chooser.known_ops()}
+    for op, choice in choices.items():
+        vendors = choice.impl.supports.vendors
+        assert vendors is None or "amd" in vendors, f"{op} got {choice.impl.name}"
+    assert choices["fp8_linear"].impl.name == "triton_gemv"
+    passed = dict(choices["fp8_linear"].passed_over)
+    assert passed["hopper_resident_gemv"] == "for nvidia devices, not amd"
+    assert MI300.fp8_dtype == torch.float8_e4m3fnuz
+    warmed = {choice.op for choice in chooser.warmup_kernels()}
+    assert warmed == {op for op, choice in choices.items() if choice.impl.jitted}
+    assert {"linear", "fp8_linear", "silu_and_mul", "rotary", "argmax"} <= warmed
+
+
+def test_cpu_runs_every_op_in_torch_and_says_why():
+    for op in chooser.known_ops():
+        choice = choose(op)
+        assert choice.impl.native, choice.describe()
+    assert "triton_gemv: needs triton" in choose("linear").describe()
+
+
+def test_custom_ops_switch_kernels_off_and_on_as_in_vllm():
+    def linear_with(custom_ops: list[str]) -> str:
+        with kernel_selection(CompilationConfig(custom_ops=custom_ops)):
+            return choose("linear", capability=H200, platform_name="cuda").impl.name
+
+    assert linear_with([]) == "triton_gemv"
+    assert linear_with(["all"]) == "triton_gemv"
+    assert linear_with(["-linear"]) == "torch"
+    assert linear_with(["none"]) == "torch"
+    assert linear_with(["none", "+linear"]) == "triton_gemv"
+    with kernel_selection(CompilationConfig(custom_ops=["-linear"])):
+        passed = dict(choose("linear", capability=H200, platform_name="cuda").passed_over)
+    assert passed["triton_gemv"] == "switched off (custom_ops)"
+
+
+def test_a_platform_s_own_kernel_is_chosen_there_and_nowhere_else():
+    def vendor_norm(x, weight, eps):
+        return x
+
+    register_kernel("rms_norm", vendor_norm, name="vendor_norm", platform="vendor")
+    try:
+        there = choose("rms_norm", capability=H200, platform_name="vendor")
+        elsewhere = choose("rms_norm", capability=H200, platform_name="cuda")
+        assert there.impl.fn is vendor_norm
+        assert elsewhere.impl.name == "torch"
+        assert ("vendor_norm", "only for platform 'vendor'") in elsewhere.passed_over
+    finally:
+        chooser.unregister_kernel("rms_norm", "vendor_norm")
+
+
+def test_an_op_nothing_supports_is_a_clear_error():
+    register_kernel(
+        "warp_drive", None, name="nvidia_only", supports=Supports(vendors=frozenset({"nvidia"}))
+    )
+    try:
+        with pytest.raises(ValueError, match="no implementation of kernel op 'warp_drive'"):
+            choose("warp_drive", capability=MI300, platform_name="rocm")
+    finally:
+        chooser.unregister_kernel("warp_drive", "nvidia_only")
+
+
+def test_platforms_kernels_prints_each_op_s_choice_and_why(capsys):
+    from pieceworks.entrypoints.cli import main
+
+    assert main(["platforms", "--kernels"]) == 0
+    printed = capsys.readouterr().out
+    assert "kernels on cpu" in printed
+    assert "linear: torch (passed over: triton_gemv: needs triton)" in printed
+    assert "attention: TorchAttentionBackend" in printed
