@@ -524,16 +524,11 @@ def _field_view(packed: torch.Tensor, field: _Field) -> torch.Tensor:
 
 def _runs(dst: list[int], src: list[int]) -> tuple[int, int] | None:
     """``(dst[0], src[0])`` when both lists are runs of consecutive rows, else None."""
-    if not dst:
-        return None
-    first_dst, first_src = dst[0], src[0]
-    if dst[-1] - first_dst != len(dst) - 1 or src[-1] - first_src != len(src) - 1:
-        return None
-    if dst != list(range(first_dst, first_dst + len(dst))):
-        return None
-    return (first_dst, first_src) if src == list(range(first_src, first_src + len(src))) else None
+    if dst and _is_range(dst, dst[0]) and _is_range(src, src[0]):
+        return dst[0], src[0]
+    return None
 
 
-def _is_range(values: np.ndarray, start: int) -> bool:
+def _is_range(values: np.ndarray | list[int], start: int) -> bool:
     """Whether ``values`` are ``start, start + 1, ...`` (consecutive rows)."""
     return bool(np.array_equal(values, np.arange(start, start + len(values))))

@@ -413,16 +413,11 @@ class ModelRunner:
     ) -> tuple[list[SamplingParams], list[torch.Generator | None], dict[str, int]]:
         """The producing requests' parameters and generators, and each one's sampled row."""
         params, generators, rows = [], [], {}
-        known = self.generators
         for row, scheduled in enumerate(output.producing_requests):
             request = scheduled.request
             params.append(request.sampling_params)
-            request_id = request.request_id
-            rows[request_id] = row
-            if request_id in known:
-                generators.append(known[request_id])
-            else:
-                generators.append(self._generator(request))
+            generators.append(self._generator(request))
+            rows[request.request_id] = row
         return params, generators, rows
 
     def _generator(self, request) -> torch.Generator | None:

@@ -260,14 +260,10 @@ class Scheduler:
         index, running = 0, self.running
         while index < len(running) and token_budget > 0:
             request = running[index]
-            num_known = len(request.prompt_token_ids) + len(request.output_token_ids)
-            pending = request.num_output_placeholders
-            if pending and _reaches_max_tokens(request):
+            if _reaches_max_tokens(request):
                 index += 1  # its pending token is its last: it finishes on the update
                 continue
-            # request.num_uncomputed_tokens, without the property chain (once per request and step)
-            num_uncomputed = num_known + pending - request.num_computed_tokens
-            num_new_tokens = min(num_uncomputed, token_budget)
+            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
             if not self._allocate_or_preempt(request, num_new_tokens, preempted):
                 break  # the request preempted itself: it was the newest left
             scheduled.append(ScheduledRequest(request, num_new_tokens))
@@ -406,6 +402,6 @@ def _check_stop(request: Request, token_id: int) -> RequestStatus | None:
         return RequestStatus.FINISHED_STOPPED
     if token_id in params.stop_token_ids:
         return RequestStatus.FINISHED_STOPPED
-    if len(request.output_token_ids) >= params.max_tokens:
+    if request.num_output_tokens >= params.max_tokens:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
