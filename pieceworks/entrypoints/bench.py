@@ -198,6 +198,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
 def cmd_bench_startup(args: argparse.Namespace) -> int:
     """Cold and warm start-up, each in a fresh process, phase by phase; a table and JSON."""
+    from pieceworks.benchmarks.latency import run_environment
     from pieceworks.benchmarks.report import write_json
     from pieceworks.benchmarks.startup import format_startup_table, run_startup
 
@@ -218,6 +219,8 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
             "input_len": args.input_len,
             "engine_args": engine,
             "reuse_inductor_cache": args.reuse_inductor_cache,
+            # dtype, device, versions, commit, date: asked after the runs, in this process
+            **run_environment(args.model, engine, None),
             "results": rows,
         }
         write_json(Path(args.output_json), payload)

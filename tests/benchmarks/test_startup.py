@@ -26,7 +26,9 @@ def test_bench_startup_reports_each_phase_cold_and_warm(tmp_path, capsys):
     assert status == 0
     table = capsys.readouterr().out
     assert "dynamo_trace | compile_or_load" in table
-    rows = json.loads(out.read_text())["results"]
+    payload = json.loads(out.read_text())
+    assert {"device", "versions", "commit", "date"} <= payload.keys()
+    rows = payload["results"]
     assert [row["run"] for row in rows] == ["cold", "warm"]
     for row in rows:
         assert row["status"] == "ok"
