@@ -172,8 +172,13 @@ def choose(
         else:
             passed_over.append((impl.name, why or f"{chosen.name if chosen else '?'} ranks higher"))
     if chosen is None:
-        reasons = "; ".join(f"{name}: {why}" for name, why in passed_over) or "none registered"
-        raise ValueError(f"no implementation of kernel op {op!r} runs here ({reasons})")
+        reasons = "; ".join(f"{name}: {why}" for name, why in passed_over) or (
+            f"none registered; known ops: {', '.join(known_ops())}"
+        )
+        raise ValueError(
+            f"no implementation of kernel op {op!r} runs here ({reasons}); register one for "
+            f"platform {platform_name!r} with pieceworks.kernels.register_kernel"
+        )
     choice = Choice(op, chosen, tuple(passed_over))
     if not hypothetical:
         _CHOSEN[op] = choice
