@@ -49,14 +49,21 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from pieceworks.benchmarks.device_busy import (
     NUM_PROFILED_STEPS,
     profile_device_busy,
     with_idle_share,
 )
-from pieceworks.benchmarks.gpt_fast_loop import GptFastDecoder, GptFastLlama
+from pieceworks.benchmarks.gpt_fast_loop import (
+    GptFastDecoder,
+    GptFastLlama,
+    causal_block_mask,
+    decode_mask,
+)
 from pieceworks.benchmarks.latency import _COUNTERS, LatencyCase, _prompts, _stats
+from pieceworks.benchmarks.step_timing import timed_steps
 from pieceworks.config import ModelConfig, resolve_dtype
 from pieceworks.engine.arg_utils import build_engine_config, resolve_hf_config
 from pieceworks.logger import init_logger
@@ -213,7 +220,12 @@ def gqa_sdpa_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA for grouped-query attention with a mask, reading each KV head once.
+    """Grouped-query attention over the static cache, reading each KV head once.
+
+    A one-token step of a module carrying ``decode_block_mask`` (``StaticCacheDecoder`` sets it)
+    runs ``flex_attention`` with ``enable_gqa`` over that mask's row for the step's position (from
+    ``position_ids``), as gpt-fast's decode does: the cache split across programs and the blocks
+    past the position skipped. Otherwise SDPA under the mask:
 
     ``query`` ``(B, H, T, D)``, ``key``/``value`` ``(B, H_kv, S, D)`` (the whole static cache),
     ``attention_mask`` ``(B, 1, T, S)`` or None. The ``n_rep = H / H_kv`` query heads of a KV head
@@ -223,6 +235,19 @@ def gqa_sdpa_attention(
     batch, num_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
     n_rep = num_heads // num_kv_heads
+    block_mask = getattr(module, "decode_block_mask", None)
+    if num_tokens == 1 and block_mask is not None:  # a one-token step: flex attention, as gpt-fast
+        position = kwargs.get("position_ids")
+        if position is None:
+            raise RuntimeError(
+                "this transformers version passes no position_ids to the attention function; "
+                "the static_compiled loop needs them for its decode mask"
+            )
+        step_mask = decode_mask(block_mask, position.reshape(-1)[:1], key.shape[-2])
+        output = flex_attention(
+            query, key, value, block_mask=step_mask, scale=scaling, enable_gqa=n_rep > 1
+        )
+        return output.transpose(1, 2).contiguous(), None
     folded = query.reshape(batch, num_kv_heads, n_rep * num_tokens, head_dim)
     mask = attention_mask
     if mask is not None:
@@ -271,6 +296,9 @@ class StaticCacheDecoder:
         self.model = model
         if gqa:
             use_gqa_attention(model)
+            block_mask = causal_block_mask(max_cache_len, next(model.parameters()).device)
+            for layer in model.model.layers:  # type: ignore[union-attr]
+                layer.self_attn.decode_block_mask = block_mask
         self.cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
         # transformers 5.24 names it ``cache`` (``past_key_values`` deprecated); 5.17 does not.
         forward_args = inspect.signature(model.forward).parameters
@@ -309,21 +337,18 @@ class StaticCacheDecoder:
         step_seconds: list[float] | None = None,
     ) -> list[torch.Tensor]:  # fmt: skip
         """``num_steps`` compiled steps (``position`` advanced in place); ``step_seconds`` gets
-        each step's time between device syncs."""
-        platform = current_platform()
-        generated = []
-        for _ in range(num_steps):
-            if step_seconds is not None:
-                platform.synchronize()
-                start = time.perf_counter()
+        each step's time (``step_timing.timed_steps``: no sync between steps)."""
+        state = [token_ids]
+
+        def step() -> torch.Tensor:
             torch.compiler.cudagraph_mark_step_begin()
-            token_ids = self.decode_step(token_ids, position).clone()
-            position += 1
-            if step_seconds is not None:
-                platform.synchronize()
-                step_seconds.append(time.perf_counter() - start)
-            generated.append(token_ids)
-        return generated
+            state[0] = self.decode_step(state[0], position).clone()  # the graph owns its output
+            position.add_(1)
+            return state[0]
+
+        if step_seconds is None:
+            return [step() for _ in range(num_steps)]
+        return timed_steps(step, num_steps, step_seconds)
 
     def generate(
         self, input_ids: torch.Tensor, num_tokens: int, step_seconds: list[float] | None = None
@@ -522,13 +547,19 @@ def measure_static_cache_compiled(
 
 
 def build_gpt_fast_model(
-    model_config: ModelConfig, device: torch.device, batch_size: int, max_len: int
-) -> GptFastLlama:
-    """The independent loop's Llama on ``device``, with the same weights as the other peers."""
+    model_config: ModelConfig, device: torch.device, batch_size: int, max_len: int,
+    attention: str = "flex", fuse_qkv: bool = True,
+) -> GptFastLlama:  # fmt: skip
+    """The independent loop's Llama on ``device``, with the same weights as the other peers.
+
+    ``attention`` as ``GptFastLlama.setup_caches`` takes it; ``fuse_qkv``: one q/k/v matmul per
+    layer, as gpt-fast's ``wqkv``."""
     dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
     model = GptFastLlama.empty(model_config.hf_config, dtype, device)
     load_hf_weights(model, checkpoint_weights(model_config, device))
-    model.setup_caches(batch_size, max_len)
+    if fuse_qkv:
+        model.fuse_qkv()
+    model.setup_caches(batch_size, max_len, attention)
     return model.eval().requires_grad_(False)
 
 

@@ -19,14 +19,14 @@ the ``static_compiled`` baseline honest: SPEC §6 wants that within 10 % of this
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from pieceworks.platforms import current_platform
+from pieceworks.benchmarks.step_timing import timed_steps
 
 
 def rope_inv_freq(hf_config: dict[str, Any]) -> torch.Tensor:
@@ -102,19 +102,36 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # set by fuse_qkv(): q, k and v in one matmul
         self.kv_cache: KVCache | None = None
+
+    def fuse_qkv(self) -> None:
+        """Replace the three projections by one ``qkv_proj`` of their concatenated weights."""
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        self.qkv_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.qkv_proj.weight = nn.Parameter(weight, requires_grad=False)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
         input_pos: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         batch, num_tokens, _ = x.shape
-        q = self.q_proj(x).view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, num_tokens, self.num_kv_heads, -1).transpose(1, 2)
-        v = self.v_proj(x).view(batch, num_tokens, self.num_kv_heads, -1).transpose(1, 2)
+        kv_size = self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_size, kv_size], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(batch, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, num_tokens, self.num_kv_heads, -1).transpose(1, 2)
+        v = v.view(batch, num_tokens, self.num_kv_heads, -1).transpose(1, 2)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         assert self.kv_cache is not None, "setup_caches() first"
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, H_kv, S, D)
+        if isinstance(mask, BlockMask):  # decode: flex attention skips the blocks past the position
+            grouped = self.num_heads != self.num_kv_heads
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=grouped)
+            return self.o_proj(y.transpose(1, 2).reshape(batch, num_tokens, -1))
         n_rep = self.num_heads // self.num_kv_heads
         # (B, H, T, D) -> (B, H_kv, n_rep * T, D): each KV head is read once for its n_rep heads
         q = q.reshape(batch, self.num_kv_heads, n_rep * num_tokens, self.head_dim)
@@ -163,6 +180,7 @@ class GptFastLlama(nn.Module):
 
     causal_mask: torch.Tensor
     inv_freq: torch.Tensor
+    decode_block_mask: BlockMask | None
 
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
@@ -197,16 +215,33 @@ class GptFastLlama(nn.Module):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    def setup_caches(self, batch: int, max_len: int) -> None:
-        """Allocate the KV caches and the causal mask once, on the parameters' device."""
+    def setup_caches(self, batch: int, max_len: int, attention: str = "flex") -> None:
+        """Allocate the KV caches and the masks once, on the parameters' device.
+
+        ``attention="flex"``: one-token steps run ``flex_attention`` over a causal ``BlockMask``
+        (gpt-fast's decode: each KV head read once for its query heads, the cache split across
+        programs, the blocks past the position skipped); ``"sdpa"``: SDPA under a boolean mask
+        over the whole cache, query heads folded into the query length. Prompts always take SDPA.
+        """
+        if attention not in ("flex", "sdpa"):
+            raise ValueError(f"attention is 'flex' or 'sdpa', not {attention!r}")
         weight = self.lm_head.weight
         for layer in self.model.layers:
-            attention: Any = layer.self_attn
-            attention.kv_cache = KVCache(
-                batch, attention.num_kv_heads, max_len, attention.head_dim, weight.dtype
+            layer_attention: Any = layer.self_attn
+            layer_attention.kv_cache = KVCache(
+                batch, layer_attention.num_kv_heads, max_len, layer_attention.head_dim, weight.dtype
             ).to(weight.device)
         causal = torch.tril(torch.ones(max_len, max_len, dtype=torch.bool, device=weight.device))
         self.register_buffer("causal_mask", causal, persistent=False)
+        self.max_len = max_len
+        self.decode_block_mask = None
+        if attention == "flex":
+            self.decode_block_mask = causal_block_mask(max_len, weight.device)
+
+    def fuse_qkv(self) -> None:
+        """One q/k/v projection per layer (gpt-fast's ``wqkv``), after the weights are loaded."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_qkv()  # type: ignore[union-attr,operator]
 
     def forward(self, token_ids: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """``token_ids`` ``(B, T)`` at positions ``input_pos`` ``(T,)``: last logits ``(B, V)``."""
@@ -214,10 +249,37 @@ class GptFastLlama(nn.Module):
         freqs = input_pos.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         rope = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
-        mask = self.causal_mask[input_pos]  # (T, S)
+        mask: Any
+        if token_ids.shape[1] == 1 and self.decode_block_mask is not None:
+            mask = decode_mask(self.decode_block_mask, input_pos, self.max_len)
+        else:
+            mask = self.causal_mask[input_pos]  # (T, S)
         for layer in self.model.layers:
             x = layer(x, rope, mask, input_pos)
         return self.lm_head(self.model.norm(x[:, -1]))
+
+
+def causal_block_mask(max_len: int, device: Any) -> BlockMask:
+    """The causal ``BlockMask`` of a ``max_len`` static cache, made once."""
+    return create_block_mask(_causal, None, None, max_len, max_len, device=device)
+
+
+def decode_mask(block_mask: BlockMask, input_pos: torch.Tensor, max_len: int) -> BlockMask:
+    """The row of ``block_mask`` for a one-token step at ``input_pos`` ``(1,)``, as gpt-fast
+    takes it: the query's block of blocks, and the mask offset to the query's position."""
+    mask = block_mask[:, :, input_pos // block_mask.BLOCK_SIZE[0]]
+    offset = input_pos[0]
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx + offset >= kv_idx
+
+    mask.mask_mod = mask_mod
+    mask.seq_lengths = (1, max_len)
+    return mask
+
+
+def _causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return q_idx >= kv_idx
 
 
 class GptFastDecoder:
@@ -248,21 +310,18 @@ class GptFastDecoder:
         step_seconds: list[float] | None = None,
     ) -> list[torch.Tensor]:  # fmt: skip
         """``num_steps`` compiled steps from ``token_ids`` at ``input_pos`` (advanced in place);
-        ``step_seconds`` gets each step's time, between device syncs."""
-        platform = current_platform()
-        generated = []
-        for _ in range(num_steps):
-            if step_seconds is not None:
-                platform.synchronize()
-                start = time.perf_counter()
+        ``step_seconds`` gets each step's time (``timed_steps``: no sync between the steps)."""
+        state = [token_ids]
+
+        def step() -> torch.Tensor:
             torch.compiler.cudagraph_mark_step_begin()
-            token_ids = self.decode_step(token_ids, input_pos).clone()  # the graph owns its output
-            input_pos += 1
-            if step_seconds is not None:
-                platform.synchronize()
-                step_seconds.append(time.perf_counter() - start)
-            generated.append(token_ids)
-        return generated
+            state[0] = self.decode_step(state[0], input_pos).clone()  # the graph owns its output
+            input_pos.add_(1)
+            return state[0]
+
+        if step_seconds is None:
+            return [step() for _ in range(num_steps)]
+        return timed_steps(step, num_steps, step_seconds)
 
     def generate(
         self, input_ids: torch.Tensor, num_tokens: int, step_seconds: list[float] | None = None

@@ -80,8 +80,8 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
-    def create_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event()
+    def create_event(self, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
 
     def profiler_activity(self) -> Any:
         # CUPTI traces kernels, copies and memsets, also those replayed inside a CUDA graph; ROCm

@@ -173,9 +173,10 @@ class Platform:
     def synchronize(self) -> None:
         """Wait for all queued device work."""
 
-    def create_event(self) -> Any | None:
+    def create_event(self, timing: bool = False) -> Any | None:
         """A device event (``record()``, ``synchronize()``) to wait for queued work up to a point;
-        None where device work completes before the host call returns (the CPU)."""
+        with ``timing``, also ``elapsed_time(later)`` in ms between two recorded events. None where
+        device work completes before the host call returns (the CPU)."""
         return None
 
     def profiler_activity(self) -> Any | None:

@@ -232,3 +232,41 @@ def test_the_compiled_step_reads_each_kv_head_once(tmp_path):
     random_hf_checkpoint(GQA_LLAMA3, tmp_path, seed=3, dtype=torch.float32)
     assert cache_per_query_head_tensors(gqa=False, checkpoint=tmp_path)  # the cost, shown
     assert cache_per_query_head_tensors(gqa=True, checkpoint=tmp_path) == []
+
+
+def test_flex_decode_steps_equal_the_sdpa_steps_and_both_peers_take_them(tmp_path):
+    """The peers' one-token steps run ``flex_attention`` (gpt-fast's decode) and give the logits of
+    SDPA over the whole masked cache, step after step; q/k/v in one matmul changes nothing."""
+    random_hf_checkpoint(GQA_LLAMA3, tmp_path, seed=3, dtype=torch.float32)
+    case = LatencyCase(str(tmp_path), 2, 6, 4, engine_args={"dtype": "float32"})
+    model_config, model, input_ids = load_hf_baseline(case)
+    max_len = 40  # more than one 128-position block is not needed: the mask offsets the query
+    flex = build_gpt_fast_model(model_config, input_ids.device, 2, max_len)
+    sdpa = build_gpt_fast_model(model_config, input_ids.device, 2, max_len, "sdpa", False)
+    assert flex.decode_block_mask is not None and sdpa.decode_block_mask is None
+    with torch.no_grad():
+        flex(input_ids, torch.arange(6))
+        sdpa(input_ids, torch.arange(6))
+        token = input_ids[:, -1:]
+        for position in range(6, 12):
+            expected = sdpa(token, torch.tensor([position]))
+            logits = flex(token, torch.tensor([position]))
+            assert torch.allclose(logits, expected, atol=1e-5 * expected.abs().max())
+            token = expected.argmax(-1, keepdim=True)
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    decoder = StaticCacheDecoder(model, max_len, compile_backend=record)
+    decoder.reset()
+    decoder.generate(input_ids, 3)
+    GptFastDecoder(flex, compile_backend=record).generate(input_ids, 3)
+    torch.compiler.reset()
+    flex_calls = [
+        sum("flex_attention" in str(node.target) for node in gm.graph.nodes) for gm in graphs
+    ]
+    layers = GQA_LLAMA3["num_hidden_layers"]
+    assert flex_calls == [layers, layers]  # each peer's decode step, every layer
