@@ -14,8 +14,11 @@ checkpoint for a directory) and the same prompts (``latency._prompts``):
   HF's own SDPA path passes ``enable_gqa`` only without a mask, and a static cache always has one,
   so under torch.compile it calls ``repeat_kv`` and copies K and V out to every query head over the
   whole cache each step (at the 8B shape, batch 64, context 1k: tens of GB per step). The
-  registered function folds the query heads of a KV head into the query length instead, and SDPA
-  reads each KV head once, with the mask.
+  registered function reads each KV head once instead: a one-token step runs ``flex_attention``
+  with ``enable_gqa`` over a causal ``BlockMask`` (gpt-fast's decode, which also skips the cache
+  blocks past the position; transformers' own ``flex_attention`` does not compile with
+  ``fullgraph`` in transformers 5.17), a prompt SDPA with the query heads of a KV head folded into
+  the query length.
 - ``gpt_fast``: an independent hand-written loop (``gpt_fast_loop``: its own Llama modules, its
   own static cache), the check that ``static_compiled`` is not a straw man.
 
@@ -24,8 +27,9 @@ attention-only Llama (HF has no static cache for Mamba layers), HF eager runs an
 
 Results are shaped like ``latency.measure_mode``'s (``graph_mode`` "baseline", pipeline counters all
 zero, ``level`` None), so the CLI table shows them beside the modes. Latency is end to end with one
-device sync at the end. ``decode_step_ms`` comes from a separate pass that syncs the device at every
-step, as the engine's steps do: the static loop times each compiled step; HF ``generate`` is timed
+device sync at the end. ``decode_step_ms`` comes from a separate pass: the static loops time each
+compiled step with device events and no host sync between the steps (``step_timing``), as their
+loops run and as the engine's steps run in its steady state; HF ``generate`` is timed
 by a logits processor (``StepClock``) stamping the time each token is chosen, so one interval is one
 whole decode step (token selection, input preparation, forward). The static loops also profile a few
 decode steps for their device-busy time (``device_busy``). The floor counts the same bytes as

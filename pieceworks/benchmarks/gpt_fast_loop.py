@@ -3,11 +3,13 @@
 It shares nothing with pieceworks' model code or with HF's: its own modules in plain torch
 (RMSNorm, rotary with Llama 3 frequency scaling, SwiGLU MLP, GQA attention), a static KV cache of
 ``(batch, kv_heads, max_len, head_dim)`` buffers written in place with ``index_copy_``, positions
-passed as a tensor (``input_pos``), a causal-mask buffer indexed by them, and
-``torch.nn.functional.scaled_dot_product_attention``. Grouped-query attention never materialises
-K/V per query head: the ``n_rep`` query heads sharing a KV head are folded into the query length
-(``(B, H, T, D) -> (B, H_kv, n_rep * T, D)``) and the mask repeated to match, so SDPA reads each
-KV head once. The one-token decode step (forward + greedy argmax) runs under
+passed as a tensor (``input_pos``), q/k/v in one matmul per layer (``fuse_qkv``, gpt-fast's
+``wqkv``). A one-token step attends with ``flex_attention`` and ``enable_gqa`` over a causal
+``BlockMask`` made once for the cache and offset to the step's position (``decode_mask``): each
+KV head is read once for its query heads, the cache is split across programs, and the blocks past
+the position are skipped. A prompt takes SDPA under a boolean causal mask, the ``n_rep`` query
+heads of a KV head folded into the query length (``(B, H, T, D) -> (B, H_kv, n_rep * T, D)``) so
+no K/V copy per query head is made. The one-token decode step (forward + greedy argmax) runs under
 ``torch.compile(mode="reduce-overhead", fullgraph=True)`` (CUDA graphs where the device has them);
 the prefill runs eagerly once per generation.
 
