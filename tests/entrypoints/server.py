@@ -1,8 +1,10 @@
 """A real ``pieceworks serve`` app on a loopback port, in a background thread, for tests.
 
-``running_server(llm, ...)`` builds the app over an ``LLM`` (as ``cmd_serve`` does) and runs
-uvicorn on 127.0.0.1 with a port the OS picks; it yields the base URL and the serving context,
-and stops the server (draining it) on exit.
+``running_server(engine, ...)`` builds the app as ``cmd_serve`` does, over either an ``LLM``
+(its engine then runs on a thread of the test process, ``--engine-in-process``) or an
+``EngineSpec`` (the engine is built in a process of its own, the default of ``pieceworks
+serve``), and runs uvicorn on 127.0.0.1 with a port the OS picks; it yields the base URL and the
+serving context, and stops the server (draining it, then stopping the engine) on exit.
 """
 
 from __future__ import annotations
@@ -15,28 +17,35 @@ from typing import Any
 
 import uvicorn
 
-from pieceworks.entrypoints.serve import build_context
+from pieceworks.engine.core_process import EngineSpec
+from pieceworks.entrypoints.serve import build_context, build_process_context
 from pieceworks.entrypoints.serve.api_server import build_app
 
 
 @contextlib.contextmanager
 def running_server(
-    llm: Any, model_name: str, max_waiting_requests: int = 256, **app_options: Any
+    engine: Any, model_name: str, max_waiting_requests: int = 256, **app_options: Any
 ) -> Iterator[tuple[str, Any]]:
-    ctx = build_context(llm, model_name, max_waiting_requests)
-    app = build_app(ctx, [model_name], **app_options)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    if isinstance(engine, EngineSpec):
+        ctx = build_process_context(engine, model_name, max_waiting_requests)
+    else:
+        ctx = build_context(engine, model_name, max_waiting_requests)
     try:
-        yield f"http://127.0.0.1:{port}", ctx
+        app = build_app(ctx, [model_name], **app_options)
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            yield f"http://127.0.0.1:{port}", ctx
+        finally:
+            server.should_exit = True
+            thread.join(60)
     finally:
-        server.should_exit = True
-        thread.join(60)
+        ctx.engine.shutdown()  # a no-op after the app's own shutdown
