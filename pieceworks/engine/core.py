@@ -48,6 +48,15 @@ class RequestDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled as constructor arguments: a third less time than a dataclass's state dict, on
+        # the message that carries every live request's delta each step.
+        return (
+            RequestDelta,
+            (self.request_id, self.new_token_ids, self.num_output_tokens, self.finish_reason,
+             self.error, self.logprobs, self.engine_failed),
+        )  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:

@@ -142,8 +142,8 @@ def run_engine_loop_until_eof(
 
 def _sender(outputs: Connection) -> Callable[[EngineCoreOutputs], None]:
     def send(message: EngineCoreOutputs) -> None:
-        try:
-            outputs.send(message)
+        try:  # pickle's own protocol: a little faster than Connection.send's ForkingPickler
+            outputs.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server went away; the next receive sees end-of-file and shuts down
 

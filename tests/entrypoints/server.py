@@ -4,15 +4,18 @@
 (its engine then runs on a thread of the test process, ``--engine-in-process``) or an
 ``EngineSpec`` (the engine is built in a process of its own, the default of ``pieceworks
 serve``), and runs uvicorn on 127.0.0.1 with a port the OS picks; it yields the base URL and the
-serving context, and stops the server (draining it, then stopping the engine) on exit.
+serving context, and stops the server (draining it, then stopping the engine) on exit. The
+``/proc`` helpers find a server's engine process and tell whether a process is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -49,3 +52,29 @@ def running_server(
             thread.join(60)
     finally:
         ctx.engine.shutdown()  # a no-op after the app's own shutdown
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of ``pid``, from /proc (field 4 of ``stat``, after the command in parens)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Children of ``pid`` started by multiprocessing's spawn (not its resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [
+        int(child)
+        for child in children
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
+    ]
+
+
+def is_gone(pid: int) -> bool:
+    """``pid`` has exited: it no longer exists, or is a zombie nobody has reaped yet."""
+    try:
+        os.kill(pid, 0)
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (ProcessLookupError, FileNotFoundError):
+        return True
+    return state == "Z"

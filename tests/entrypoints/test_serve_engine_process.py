@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -31,36 +30,17 @@ from pieceworks.engine.core_process import EngineSpec  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.entrypoints.cli import main  # noqa: E402
-from tests.entrypoints.server import running_server  # noqa: E402
+from tests.entrypoints.server import (  # noqa: E402
+    is_gone,
+    parent_pid,
+    running_server,
+    spawned_children,
+)
 
 MODEL = "llama-tiny"
 SPEC = EngineSpec(MODEL, {"level": 0}, {"dtype": "float32", "max_num_seqs": 4})
 PROMPT = [5, 17, 42, 99]
 IDS = {"return_token_ids": True, "ignore_eos": True}
-
-
-def parent_pid(pid: int) -> int:
-    """The parent of ``pid``, from /proc (field 4 of ``stat``, after the command in parens)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def spawned_children(pid: int) -> list[int]:
-    """Children of ``pid`` started by multiprocessing's spawn (not its resource tracker)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [
-        int(child)
-        for child in children
-        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
-    ]
-
-
-def is_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def test_engine_runs_in_a_child_process_and_equals_offline():

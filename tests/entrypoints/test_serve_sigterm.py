@@ -2,8 +2,8 @@
 
 Proves: the CLI starts a server (llama-tiny, level 0, a port the OS picks); a stream that is
 running when SIGTERM arrives still gets every token it asked for and its ``[DONE]``; the process
-then exits by itself (uvicorn re-raises the signal after shutting down). Loopback only, one
-request, bounded by timeouts.
+then exits by itself (uvicorn re-raises the signal after shutting down), having stopped its
+engine process (no child is left). Loopback only, one request, bounded by timeouts.
 Run: pytest tests/entrypoints/test_serve_sigterm.py
 """
 
@@ -22,6 +22,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
+
+from tests.entrypoints.server import is_gone, spawned_children  # noqa: E402
 
 MAX_TOKENS = 200
 
@@ -47,6 +49,7 @@ def _start_server() -> tuple[subprocess.Popen, str]:
 def test_sigterm_drains_the_stream_in_flight():
     process, url = _start_server()
     try:
+        (engine_pid,) = spawned_children(process.pid)  # the engine runs in its own process
         body = {"prompt": [1, 2, 3], "max_tokens": MAX_TOKENS, "stream": True}
         body |= {"return_token_ids": True, "ignore_eos": True}
         tokens, done = [], False
@@ -61,6 +64,7 @@ def test_sigterm_drains_the_stream_in_flight():
         assert done and len(tokens) == MAX_TOKENS
         # uvicorn re-raises the signal once it has shut down, so the exit is by SIGTERM.
         assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert is_gone(engine_pid)  # the server stopped its engine process before it left
     finally:
         if process.poll() is None:
             process.kill()
