@@ -4,14 +4,18 @@
 (its engine then runs on a thread of the test process, ``--engine-in-process``) or an
 ``EngineSpec`` (the engine is built in a process of its own, the default of ``pieceworks
 serve``), and runs uvicorn on 127.0.0.1 with a port the OS picks; it yields the base URL and the
-serving context, and stops the server (draining it, then stopping the engine) on exit. The
-``/proc`` helpers find a server's engine process and tell whether a process is gone.
+serving context, and stops the server (draining it, then stopping the engine) on exit.
+``start_cli_server`` runs ``pieceworks serve`` as a process instead; the ``/proc`` helpers find a
+server's engine process and tell whether a process is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -52,6 +56,25 @@ def running_server(
             thread.join(60)
     finally:
         ctx.engine.shutdown()  # a no-op after the app's own shutdown
+
+
+def start_cli_server(*serve_args: str) -> tuple[subprocess.Popen, str]:
+    """``pieceworks serve *serve_args --port 0`` as a process, once uvicorn is up, and its URL."""
+    command = [sys.executable, "-m", "pieceworks.entrypoints.cli", "serve", *serve_args]
+    command += ["--port", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 180
+    assert process.stderr is not None
+    for line in process.stderr:
+        found = re.search(r"Uvicorn running on (http://\S+)", line)
+        if found:  # keep reading its log, so a full pipe never blocks the server
+            threading.Thread(target=process.stderr.read, daemon=True).start()
+            return process, found.group(1)
+        if time.monotonic() > deadline:
+            break
+    process.kill()
+    raise RuntimeError("the server process did not start")
 
 
 def parent_pid(pid: int) -> int:

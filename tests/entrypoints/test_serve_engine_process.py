@@ -5,8 +5,10 @@ Proves: the engine runs in a child process of the server (another pid) and serve
 event then ``[DONE]``; not streamed: 503) and every later request the engine-failed error, and
 ``/health`` answers 503; leaving the server stops the engine process; an engine that cannot be
 built (a bad model, a bad flag) fails ``pieceworks serve`` with exit status 2 and the same one-line
-error the offline ``LLM`` raises; a server killed with SIGKILL takes its engine process with it.
-llama-tiny at level 0, loopback only, bounded by timeouts.
+error the offline ``LLM`` raises; a server killed with SIGKILL takes its engine process with it;
+with two tensor-parallel ranks the engine process spawns rank 1 itself and serves the offline
+tokens; on a GPU only the engine process holds a device context. llama-tiny at level 0, loopback
+only, bounded by timeouts.
 Run: pytest tests/entrypoints/test_serve_engine_process.py
 """
 
@@ -15,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
+import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -30,11 +32,13 @@ from pieceworks.engine.core_process import EngineSpec  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.entrypoints.cli import main  # noqa: E402
+from pieceworks.models.presets import get_preset, random_hf_checkpoint  # noqa: E402
 from tests.entrypoints.server import (  # noqa: E402
     is_gone,
     parent_pid,
     running_server,
     spawned_children,
+    start_cli_server,
 )
 
 MODEL = "llama-tiny"
@@ -108,16 +112,8 @@ def test_an_engine_that_cannot_be_built_is_one_error_line(argv, capsys):
 
 
 def test_a_killed_server_takes_its_engine_process_with_it():
-    command = [sys.executable, "-m", "pieceworks.entrypoints.cli", "serve", MODEL]
-    command += ["-O", "0", "--dtype", "float32", "--port", "0", "--max-num-seqs", "2"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    server, _ = start_cli_server(MODEL, "-O", "0", "--dtype", "float32", "--max-num-seqs", "2")
     try:
-        assert server.stderr is not None
-        deadline = time.monotonic() + 180
-        for line in server.stderr:
-            if re.search(r"Uvicorn running on", line) or time.monotonic() > deadline:
-                break
         (engine_pid,) = spawned_children(server.pid)
         server.kill()
         server.wait(30)
@@ -129,3 +125,39 @@ def test_a_killed_server_takes_its_engine_process_with_it():
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def test_a_tensor_parallel_engine_process_has_its_rank_workers(tmp_path):
+    """The engine process is not daemonic: with two ranks it spawns rank 1 itself."""
+    random_hf_checkpoint(get_preset(MODEL), tmp_path, seed=11, dtype=torch.float32)
+    engine_args = {"dtype": "float32", "max_num_seqs": 2}
+    llm = LLM(str(tmp_path), compilation_config={"level": 0}, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    offline = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    llm.shutdown()
+    spec = EngineSpec(str(tmp_path), {"level": 0}, {**engine_args, "tensor_parallel_size": 2})
+    with running_server(spec, MODEL) as (url, ctx):
+        (rank1_pid,) = spawned_children(ctx.engine.client.pid)
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, **IDS}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.json()["choices"][0]["token_ids"] == offline
+    assert is_gone(rank1_pid) and is_gone(ctx.engine.client.pid)
+
+
+@pytest.mark.gpu
+def test_only_the_engine_process_holds_a_device_context():
+    """The server process never initialises CUDA: nvidia-smi lists only its engine process."""
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("needs nvidia-smi to list the processes holding a CUDA context")
+    server, url = start_cli_server(MODEL, "-O", "0", "--max-num-seqs", "2")
+    try:
+        (engine_pid,) = spawned_children(server.pid)
+        assert httpx.get(f"{url}/health").status_code == 200
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        assert str(engine_pid) in listed and str(server.pid) not in listed
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
