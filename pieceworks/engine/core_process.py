@@ -31,6 +31,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -215,18 +216,23 @@ class EngineProcessClient:
         try:
             kind, *payload = self._outputs.recv()
         except EOFError:
-            raise RuntimeError(f"{self._death()} while building the engine") from None
+            raise RuntimeError(
+                f"{self._death()} while building the engine; its log above says why"
+            ) from None
         if kind == "error":
             error, trace = payload
             raise error from RemoteTraceback(trace)
         return payload[0]
 
     def _death(self) -> str:
-        self.process.join(5)
+        self.process.join(1)  # its pipe closed: it is exiting or gone
         code = self.process.exitcode
-        how = (
-            f"was killed by signal {-code}" if code is not None and code < 0 else f"exited ({code})"
-        )
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
         return f"the engine process (pid {self.process.pid}) {how}"
 
     def start(self, loop: asyncio.AbstractEventLoop, on_outputs: Any) -> None:
@@ -293,7 +299,7 @@ class EngineProcessClient:
         atexit.unregister(self.shutdown)
         if self._ready:
             self._send_shutdown()
-            self.process.join(timeout)
+            self._drain_outputs(timeout)
         if self.process.is_alive():
             if self._ready:
                 logger.warning("the engine process did not stop in %s s; killing it", timeout)
@@ -301,6 +307,18 @@ class EngineProcessClient:
             self.process.join(5)
         self._commands.close()
         self._outputs.close()
+
+    def _drain_outputs(self, timeout: float | None) -> None:
+        """Read (and drop) the engine's last outputs until it exits, so that a full output pipe
+        never keeps it from exiting; at most ``timeout`` seconds."""
+        deadline = time.monotonic() + (timeout if timeout is not None else float("inf"))
+        while self.process.is_alive() and time.monotonic() < deadline:
+            try:
+                if self._outputs.poll(0.05):
+                    self._outputs.recv_bytes()
+            except (EOFError, OSError):  # it closed its end: it is exiting
+                self.process.join(max(deadline - time.monotonic(), 0))
+                return
 
     def _send_shutdown(self) -> None:
         """Write what is queued and the shutdown command, blocking (the loop may be gone)."""
