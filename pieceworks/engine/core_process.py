@@ -49,6 +49,8 @@ from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
 
+# Output messages one reader callback dispatches before it yields to the event loop.
+MAX_MESSAGES_PER_READ = 16
 # How long shutdown waits for the engine process to free its engine before killing it.
 SHUTDOWN_TIMEOUT_SECONDS = 30.0
 
@@ -243,9 +245,13 @@ class EngineProcessClient:
             loop.call_soon(self._flush)
 
     def _read(self, on_outputs: Any) -> None:
-        """Every output message that has arrived, dispatched in order (on the event loop)."""
+        """The output messages that have arrived, dispatched in order (on the event loop); at
+        most ``MAX_MESSAGES_PER_READ``, so that other callbacks run between (the reader is
+        called again while more wait)."""
         try:
-            while self._outputs.poll():
+            for _ in range(MAX_MESSAGES_PER_READ):
+                if not self._outputs.poll():
+                    return
                 on_outputs(self._outputs.recv())
         except (EOFError, OSError):
             assert self._loop is not None

@@ -31,7 +31,9 @@ from tests.entrypoints.server import running_server  # noqa: E402
 MODEL = "llama-tiny"
 NUM_CLIENTS = 64
 MAX_TOKENS = 12
-MAX_MODEL_LEN = 128
+# Long enough that a client that leaves after two tokens cannot be served to the end before the
+# server notices it left (the engine steps in its own process while the server is busy).
+MAX_MODEL_LEN = 1024
 MAX_BODY_BYTES = 64 * 1024
 
 
@@ -135,7 +137,11 @@ BAD_REQUESTS = [
     ("top_p = 0", b'{"prompt": [1], "top_p": 0}', "'top_p'"),
     ("top_p > 1", b'{"prompt": [1], "top_p": 1.5}', "'top_p'"),
     ("n = 0", b'{"prompt": [1], "n": 0}', "'n'"),
-    ("prompt too long", b'{"prompt": [1, 2, 3], "max_tokens": 126}', "maximum context length"),
+    (
+        "prompt too long",
+        b'{"prompt": [1, 2, 3], "max_tokens": %d}' % (MAX_MODEL_LEN - 2),
+        "maximum context length",
+    ),
     (
         "ids outside the vocabulary",
         b'{"prompt": [1, 256]}',
