@@ -189,7 +189,10 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestDelta]:
         """Yield the request's deltas until it finishes; leaving early aborts it.
 
-        Without ``reserved`` the call claims its own room (``QueueFullError`` when full).
+        A caller that falls behind the engine gets the deltas that piled up merged into one
+        (vLLM's front end does the same), so a busy server sends fewer, larger chunks instead of
+        falling further behind. Without ``reserved`` the call claims its own room
+        (``QueueFullError`` when full).
         """
         if not reserved:
             self.reserve(1)
@@ -204,6 +207,8 @@ class AsyncLLMEngine:
                 self.client.send(("add", request_id, list(prompt_token_ids), params))
             while not finished:
                 delta = await sink.get()
+                while not delta.finished and not sink.empty():  # the caller fell behind
+                    delta = delta.merge(sink.get_nowait())
                 finished = delta.finished
                 yield delta
         finally:
