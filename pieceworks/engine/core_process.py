@@ -82,8 +82,11 @@ class RemoteTraceback(Exception):
 
 def run_engine_core(spec: EngineSpec, commands: Connection, outputs: Connection) -> None:
     """The engine process: build the engine, report, serve commands until shutdown."""
+    # Ignored (inherited by tensor-parallel workers too, which the engine stops itself) ...
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # ... and caught without effect: a handler, unlike SIG_IGN, is not inherited across exec, so
+    # the workers keep SIGTERM and ``Process.terminate()`` still stops one that hangs.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     started = threading.Event()
     _exit_if_parent_dies_before(started)
     try:

@@ -1,14 +1,14 @@
 """``pieceworks serve`` with the engine in its own process: where it runs, how it dies, how it ends.
 
-Proves: the engine runs in a child process of the server (another pid) and serves the offline
-``LLM`` greedy tokens; killing the engine process gives the request in flight (streamed: an error
-event then ``[DONE]``; not streamed: 503) and every later request the engine-failed error, and
-``/health`` answers 503; leaving the server stops the engine process; an engine that cannot be
-built (a bad model, a bad flag) fails ``pieceworks serve`` with exit status 2 and the same one-line
-error the offline ``LLM`` raises; a server killed with SIGKILL takes its engine process with it;
-with two tensor-parallel ranks the engine process spawns rank 1 itself and serves the offline
-tokens; on a GPU only the engine process holds a device context. llama-tiny at level 0, loopback
-only, bounded by timeouts.
+Proves: the engine runs in a child process of the server (another pid), serves the offline
+``LLM`` greedy tokens, and ignores SIGINT and SIGTERM; killing the engine process gives the
+request in flight (streamed: an error event then ``[DONE]``; not streamed: 503) and every later
+request the engine-failed error, and ``/health`` answers 503; leaving the server stops the engine
+process; an engine that cannot be built (a bad model, a bad flag) fails ``pieceworks serve`` with
+exit status 2 and the same one-line error the offline ``LLM`` raises; a server killed with
+SIGKILL takes its engine process with it; with two tensor-parallel ranks the engine process
+spawns rank 1 itself and serves the offline tokens; on a GPU only the engine process holds a
+device context. llama-tiny at level 0, loopback only, bounded by timeouts.
 Run: pytest tests/entrypoints/test_serve_engine_process.py
 """
 
@@ -60,7 +60,14 @@ def test_engine_runs_in_a_child_process_and_equals_offline():
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200
         assert response.json()["choices"][0]["token_ids"] == offline
+        # A terminal's Ctrl-C or a service manager's SIGTERM to the whole process group: the
+        # engine process ignores both (the server drains, then tells it to stop).
+        os.kill(engine_pid, signal.SIGINT)
+        os.kill(engine_pid, signal.SIGTERM)
+        time.sleep(0.5)
         assert httpx.get(f"{url}/health").status_code == 200
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.json()["choices"][0]["token_ids"] == offline
     assert is_gone(engine_pid)  # leaving the server stopped and reaped the engine process
 
 
