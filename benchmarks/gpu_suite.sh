@@ -12,7 +12,8 @@
 # Afterwards: python benchmarks/perf_table.py "$OUT"/bench_*.json   (the markdown table)
 #
 # Steps breakable, serve and throughput record the breakable-graph rows, `bench serve` at
-# concurrency 8 and 64 (a server started per model) and offline throughput. Put the serve extra
+# concurrency 8 and 64 (a server started per model; SmolLM2 also with --engine-in-process, the
+# engine on a thread of the server, to compare against its own process) and offline throughput. Put the serve extra
 # as wheels in .wheels/ on a machine with no network (the install step installs them).
 # Time on an H200, estimated from its parts (8B compile + capture about 26 s per mode, Inductor
 # for each static-loop peer about as long; the whole suite not yet timed): bench125m ~2 min,
@@ -113,6 +114,7 @@ for name in $steps; do
     breakable) bench breakable_125m --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --num-iters-warmup 1 --num-iters 3 --modes breakable,breakable_piecewise,piecewise,full_and_piecewise
                bench breakable_8b "${EIGHT_B[@]}" --batch-size 1,64 --modes breakable,breakable_piecewise,piecewise,full_and_piecewise ;;
     serve) serve smollm2 "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64
+           serve smollm2_inproc "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 --engine-in-process
            serve llama8b llama-3.1-8b --max-num-seqs 64 ;;
     throughput) step throughput python3 -m pieceworks.entrypoints.cli bench throughput --model "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 --num-prompts 512 --input-len 128 --output-len 128 --output-json "$OUT/throughput_smollm2.json" ;;
     startup) startup llama8b --model llama-3.1-8b --batch-size 1

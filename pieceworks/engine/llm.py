@@ -26,7 +26,7 @@ from pieceworks.engine.output_processor import (
     RequestOutput,
 )
 from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.engine.tokenizer import load_tokenizer
+from pieceworks.engine.tokenizer import apply_chat_template, load_tokenizer
 
 __all__ = ["LLM", "CompletionDelta", "CompletionOutput", "Logprob", "RequestOutput"]
 
@@ -96,24 +96,9 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The prompt token ids of a conversation under the model's chat template."""
-        if self.tokenizer is None:
-            raise ValueError(
-                "chat needs a tokenizer with a chat template; this model has no tokenizer "
-                "(presets have random weights): use a model directory or GGUF file with one"
-            )
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(
-                "this model's tokenizer has no chat template; pass chat_template=<jinja text> "
-                "or use generate() with plain prompts"
-            )
-        text = self.tokenizer.apply_chat_template(
-            conversation,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
+        return apply_chat_template(
+            self.tokenizer, conversation, chat_template, add_generation_prompt
         )
-        # The template writes the special tokens itself: encoding must not add a second BOS.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _add_requests(
         self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None

@@ -66,6 +66,34 @@ def _checked_path(source: ModelSource) -> Path:
     return source.path
 
 
+def apply_chat_template(
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The prompt token ids of a conversation under ``tokenizer``'s chat template (or
+    ``chat_template``); ``LLM.chat`` and the server's chat endpoint both render through here."""
+    if tokenizer is None:
+        raise ValueError(
+            "chat needs a tokenizer with a chat template; this model has no tokenizer "
+            "(presets have random weights): use a model directory or GGUF file with one"
+        )
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "this model's tokenizer has no chat template; pass chat_template=<jinja text> "
+            "or use generate() with plain prompts"
+        )
+    text = tokenizer.apply_chat_template(
+        conversation,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+    )
+    # The template writes the special tokens itself: encoding must not add a second BOS.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 @functools.lru_cache(maxsize=4)
 def _cached_gguf_tokenizer(path: str) -> Any:
     return gguf_tokenizer(path)

@@ -1,42 +1,103 @@
 """A real ``pieceworks serve`` app on a loopback port, in a background thread, for tests.
 
-``running_server(llm, ...)`` builds the app over an ``LLM`` (as ``cmd_serve`` does) and runs
-uvicorn on 127.0.0.1 with a port the OS picks; it yields the base URL and the serving context,
-and stops the server (draining it) on exit.
+``running_server(engine, ...)`` builds the app as ``cmd_serve`` does, over either an ``LLM``
+(its engine then runs on a thread of the test process, ``--engine-in-process``) or an
+``EngineSpec`` (the engine is built in a process of its own, the default of ``pieceworks
+serve``), and runs uvicorn on 127.0.0.1 with a port the OS picks; it yields the base URL and the
+serving context, and stops the server (draining it, then stopping the engine) on exit.
+``start_cli_server`` runs ``pieceworks serve`` as a process instead; the ``/proc`` helpers find a
+server's engine process and tell whether a process is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from pieceworks.entrypoints.serve import build_context
+from pieceworks.engine.core_process import EngineSpec
+from pieceworks.entrypoints.serve import build_context, build_process_context
 from pieceworks.entrypoints.serve.api_server import build_app
 
 
 @contextlib.contextmanager
 def running_server(
-    llm: Any, model_name: str, max_waiting_requests: int = 256, **app_options: Any
+    engine: Any, model_name: str, max_waiting_requests: int = 256, **app_options: Any
 ) -> Iterator[tuple[str, Any]]:
-    ctx = build_context(llm, model_name, max_waiting_requests)
-    app = build_app(ctx, [model_name], **app_options)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    if isinstance(engine, EngineSpec):
+        ctx = build_process_context(engine, model_name, max_waiting_requests)
+    else:
+        ctx = build_context(engine, model_name, max_waiting_requests)
     try:
-        yield f"http://127.0.0.1:{port}", ctx
+        app = build_app(ctx, [model_name], **app_options)
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        try:
+            yield f"http://127.0.0.1:{port}", ctx
+        finally:
+            server.should_exit = True
+            thread.join(60)
     finally:
-        server.should_exit = True
-        thread.join(60)
+        ctx.engine.shutdown()  # a no-op after the app's own shutdown
+
+
+def start_cli_server(*serve_args: str) -> tuple[subprocess.Popen, str]:
+    """``pieceworks serve *serve_args --port 0`` as a process, once uvicorn is up, and its URL."""
+    command = [sys.executable, "-m", "pieceworks.entrypoints.cli", "serve", *serve_args]
+    command += ["--port", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 180
+    assert process.stderr is not None
+    for line in process.stderr:
+        found = re.search(r"Uvicorn running on (http://\S+)", line)
+        if found:  # keep reading its log, so a full pipe never blocks the server
+            threading.Thread(target=process.stderr.read, daemon=True).start()
+            return process, found.group(1)
+        if time.monotonic() > deadline:
+            break
+    process.kill()
+    raise RuntimeError("the server process did not start")
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of ``pid``, from /proc (field 4 of ``stat``, after the command in parens)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Children of ``pid`` started by multiprocessing's spawn (not its resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [
+        int(child)
+        for child in children
+        if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
+    ]
+
+
+def is_gone(pid: int) -> bool:
+    """``pid`` has exited: it no longer exists, or is a zombie nobody has reaped yet."""
+    try:
+        os.kill(pid, 0)
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (ProcessLookupError, FileNotFoundError):
+        return True
+    return state == "Z"

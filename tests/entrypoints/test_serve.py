@@ -3,8 +3,9 @@
 Proves: completions, streamed and not, return exactly the offline ``LLM.generate`` greedy tokens
 and log-probabilities; ``n`` choices with a seed are reproducible; the model list, health and
 Prometheus metrics answer; a chat request to a model without a chat template, a wrong API key and
-a full engine are refused with their status and reason; a client that leaves is aborted. The load
-test and the bad-request battery are in ``test_serve_load.py``.
+a full engine are refused with their status and reason; a client that leaves is aborted. Each
+test runs with the engine in its own process and on a thread of the server. The load test and
+the bad-request battery are in ``test_serve_load.py``.
 Run: pytest tests/entrypoints/test_serve.py
 """
 
@@ -20,6 +21,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from pieceworks.engine.core_process import EngineSpec  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.entrypoints.server import running_server  # noqa: E402
@@ -39,14 +41,20 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 PROMPTS = random_prompts([3, 8, 13])
 
 
-@pytest.fixture(scope="module")
-def server():
-    """One server for the module, with the offline greedy tokens of PROMPTS from the same LLM."""
-    llm = LLM(MODEL, compilation_config={"level": 0}, dtype="float32", max_num_seqs=4)
+@pytest.fixture(scope="module", params=["engine_process", "engine_thread"])
+def server(request):
+    """One server per engine placement (its own process, as ``pieceworks serve`` runs it, or a
+    thread of this process, ``--engine-in-process``), with the offline greedy tokens of PROMPTS
+    from an ``LLM`` of the same arguments."""
+    spec = EngineSpec(MODEL, {"level": 0}, {"dtype": "float32", "max_num_seqs": 4})
+    llm = LLM(spec.model, compilation_config=spec.compilation_config, **spec.engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     outputs = [out.outputs[0] for out in llm.generate(PROMPTS, params)]
     offline = [output.token_ids for output in outputs]
-    with running_server(llm, MODEL, api_key=API_KEY) as (url, ctx):
+    if request.param == "engine_process":
+        llm.shutdown()
+    engine = spec if request.param == "engine_process" else llm
+    with running_server(engine, MODEL, api_key=API_KEY) as (url, ctx):
         yield url, ctx, offline, [output.logprobs for output in outputs]
 
 

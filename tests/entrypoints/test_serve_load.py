@@ -1,11 +1,12 @@
 """``pieceworks serve`` under load on CPU, then every kind of bad request, on one live server.
 
 Proves: 64 concurrent streaming clients, every tenth disconnecting after its second chunk, share
-the engine; each client that stays gets exactly its offline greedy tokens; the disconnected
-requests are aborted (the KV blocks all return, nothing is left running); ``/health`` answers 200
-throughout. Then each bad request (malformed JSON, wrong types, a prompt too long, max_tokens <= 0,
-bad sampling values, invalid UTF-8, an oversized body, ids outside the vocabulary, an empty prompt,
-unsupported fields) gets 400 with its reason, and the server still serves a good request after.
+the engine (in its own process, as ``pieceworks serve`` runs it); each client that stays gets
+exactly its offline greedy tokens; the disconnected requests are aborted (the KV blocks all
+return, nothing is left running); ``/health`` answers 200 throughout. Then each bad request
+(malformed JSON, wrong types, a prompt too long, max_tokens <= 0, bad sampling values, invalid
+UTF-8, an oversized body, ids outside the vocabulary, an empty prompt, unsupported fields) gets
+400 with its reason, and the server still serves a good request after.
 Loopback only; bounded in count (64 requests, 12 tokens each) and time (60 s timeouts).
 Run: pytest tests/entrypoints/test_serve_load.py
 """
@@ -22,6 +23,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from pieceworks.engine.core_process import EngineSpec  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.entrypoints.server import running_server  # noqa: E402
@@ -29,7 +31,9 @@ from tests.entrypoints.server import running_server  # noqa: E402
 MODEL = "llama-tiny"
 NUM_CLIENTS = 64
 MAX_TOKENS = 12
-MAX_MODEL_LEN = 128
+# Long enough that a client that leaves after two tokens cannot be served to the end before the
+# server notices it left (the engine steps in its own process while the server is busy).
+MAX_MODEL_LEN = 1024
 MAX_BODY_BYTES = 64 * 1024
 
 
@@ -38,16 +42,13 @@ def server():
     generator = torch.Generator().manual_seed(1)
     lengths = torch.randint(2, 24, (NUM_CLIENTS,), generator=generator).tolist()
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
-    llm = LLM(
-        MODEL,
-        compilation_config={"level": 0},
-        dtype="float32",
-        max_num_seqs=16,
-        max_model_len=MAX_MODEL_LEN,
-    )
+    engine_args = {"dtype": "float32", "max_num_seqs": 16, "max_model_len": MAX_MODEL_LEN}
+    spec = EngineSpec(MODEL, {"level": 0}, engine_args)
+    llm = LLM(MODEL, compilation_config=spec.compilation_config, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     offline = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
-    with running_server(llm, MODEL, max_body_bytes=MAX_BODY_BYTES) as (url, ctx):
+    llm.shutdown()
+    with running_server(spec, MODEL, max_body_bytes=MAX_BODY_BYTES) as (url, ctx):
         yield url, ctx, prompts, offline
 
 
@@ -136,7 +137,11 @@ BAD_REQUESTS = [
     ("top_p = 0", b'{"prompt": [1], "top_p": 0}', "'top_p'"),
     ("top_p > 1", b'{"prompt": [1], "top_p": 1.5}', "'top_p'"),
     ("n = 0", b'{"prompt": [1], "n": 0}', "'n'"),
-    ("prompt too long", b'{"prompt": [1, 2, 3], "max_tokens": 126}', "maximum context length"),
+    (
+        "prompt too long",
+        b'{"prompt": [1, 2, 3], "max_tokens": %d}' % (MAX_MODEL_LEN - 2),
+        "maximum context length",
+    ),
     (
         "ids outside the vocabulary",
         b'{"prompt": [1, 256]}',

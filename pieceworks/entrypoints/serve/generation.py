@@ -158,7 +158,7 @@ class Generation:
         self, index: int, delta: RequestDelta, text: TextStream, result: ChoiceResult
     ) -> ChoiceDelta | None:
         if delta.error is not None:  # the engine died under the request
-            raise RuntimeError(delta.error)
+            raise EngineDeadError(delta.error)
         self.metrics.add_generated_tokens(len(delta.new_token_ids))
         piece = text.push(delta.new_token_ids, delta.finished)
         finish_reason = "stop" if text.stopped else delta.finish_reason

@@ -5,7 +5,8 @@ model name, the model's limits, the metrics, the chat-template renderer). ``resp
 ``Generation`` and answers either as server-sent events (``data: {json}`` per chunk, then
 ``data: [DONE]``) or as one JSON body; in both a client that disconnects aborts the generation
 at once: a stream is cancelled by Starlette when the disconnect arrives, and a non-streaming
-request races its generation against the disconnect message.
+request races its generation against the disconnect message. An engine that dies mid-generation
+ends a stream with an error event in OpenAI's shape (then ``[DONE]``), and a body with 503.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
-from pieceworks.entrypoints.serve.errors import APIError
+from pieceworks.entrypoints.serve.errors import APIError, error_body
 from pieceworks.entrypoints.serve.generation import ChoiceDelta, ChoiceResult, Generation
 from pieceworks.entrypoints.serve.metrics import ServerMetrics
 from pieceworks.entrypoints.serve.validation import ModelLimits
@@ -93,7 +94,11 @@ async def respond(
         return SSEResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
-    results = await _collect_unless_disconnected(request, generation)
+    try:
+        results = await _collect_unless_disconnected(request, generation)
+    except EngineDeadError as error:  # the engine died during the generation
+        _count_finished(ctx, generation.results)
+        raise APIError(503, str(error)) from None
     if results is None:  # nobody to answer; 499 is what proxies log for a client that left
         _count_finished(ctx, generation.results)
         return Response(status_code=499)
@@ -114,8 +119,13 @@ async def _events(
     try:
         for chunk in fmt.first_chunks(header, len(generation.choices)):
             yield _sse(chunk)
-        async for delta in stream:
-            yield _sse(fmt.chunk(header, delta))
+        try:
+            async for delta in stream:
+                yield _sse(fmt.chunk(header, delta))
+        except EngineDeadError as error:  # headers are sent: the stream ends with the error
+            yield _sse(error_body(503, str(error)))
+            yield "data: [DONE]\n\n"
+            return
         if include_usage:
             yield _sse(
                 {**header, "object": _chunk_object(fmt), "choices": [], "usage": usage(generation)}

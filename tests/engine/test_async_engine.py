@@ -1,0 +1,122 @@
+"""``AsyncLLMEngine``, the asyncio front end, over a fake engine client (no engine, no model).
+
+Proves: ``generate`` sends one ``add`` and yields its request's deltas in order; deltas that
+piled up while the caller was busy come as one merged delta (tokens and log-probabilities
+concatenated, the last one's finish reason); a caller that leaves early sends ``abort``; past
+``max_num_seqs + max_waiting_requests`` live requests ``reserve`` raises ``QueueFullError``; when
+the engine reports a failure every live request gets an ``engine_failed`` delta, later requests
+``EngineDeadError``, and no command is sent any more; ``stats`` follows the last message.
+Run: pytest tests/engine/test_async_engine.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pieceworks.engine.core import EngineCoreOutputs, EngineStats, RequestDelta
+from pieceworks.engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+class FakeClient:
+    """Records commands; the test plays the engine by calling ``on_outputs``."""
+
+    max_num_seqs = 2
+    initial_stats = EngineStats(num_blocks=10, num_free_blocks=10)
+
+    def __init__(self) -> None:
+        self.commands: list[tuple] = []
+        self.alive = True
+
+    def start(self, loop, on_outputs) -> None:
+        self.on_outputs = on_outputs
+
+    def send(self, command: tuple) -> None:
+        self.commands.append(command)
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def shutdown(self, timeout) -> None:
+        self.alive = False
+
+
+def delta(request_id: str, tokens: list[int], total: int, **fields) -> RequestDelta:
+    return RequestDelta(request_id, tokens, total, **fields)
+
+
+def test_deltas_in_order_and_merged_when_the_caller_fell_behind():
+    async def run():
+        client = FakeClient()
+        engine = AsyncLLMEngine(client, max_waiting_requests=0)
+        engine.start()
+        stream = engine.generate([1, 2], PARAMS, "r")
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        assert client.commands == [("add", "r", [1, 2], PARAMS)]
+        client.on_outputs(EngineCoreOutputs([delta("r", [7], 1, logprobs=["a"])], None))
+        got = [await first]
+        # Three steps arrive before the caller reads again: one delta comes out.
+        stats = EngineStats(num_steps=4, num_blocks=10, num_free_blocks=9)
+        for step, token in enumerate([8, 9]):
+            message = [delta("r", [token], step + 2, logprobs=[str(token)])]
+            client.on_outputs(EngineCoreOutputs(message, None))
+        final = delta("r", [10], 4, finish_reason="length", logprobs=["10"])
+        client.on_outputs(EngineCoreOutputs([final], stats))
+        got += [d async for d in stream]
+        return got, engine, client
+
+    got, engine, client = asyncio.run(run())
+    assert [d.new_token_ids for d in got] == [[7], [8, 9, 10]]
+    assert got[1].logprobs == ["8", "9", "10"] and got[1].finish_reason == "length"
+    assert got[1].num_output_tokens == 4
+    assert engine.stats.num_steps == 4 and engine.stats.kv_cache_usage == pytest.approx(0.1)
+    assert engine.num_live_requests == 0
+    assert len(client.commands) == 1  # finished: nothing to abort
+
+
+def test_leaving_early_aborts_and_the_queue_is_bounded():
+    async def run():
+        client = FakeClient()
+        engine = AsyncLLMEngine(client, max_waiting_requests=0)  # at most 2 live requests
+        engine.start()
+        streams = [engine.generate([1], PARAMS, f"r{i}") for i in range(2)]
+        firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFullError, match="retry later"):
+            engine.reserve(1)
+        client.on_outputs(EngineCoreOutputs([delta("r0", [5], 1), delta("r1", [6], 1)], None))
+        await asyncio.gather(*firsts)
+        await streams[0].aclose()  # the caller went away
+        engine.reserve(1)  # its room is free again
+        return client
+
+    client = asyncio.run(run())
+    assert ("abort", "r0") in client.commands
+
+
+def test_an_engine_failure_reaches_every_live_request_and_every_later_one():
+    async def run():
+        client = FakeClient()
+        engine = AsyncLLMEngine(client, max_waiting_requests=4)
+        engine.start()
+        streams = [engine.generate([1], PARAMS, f"r{i}") for i in range(2)]
+        firsts = [asyncio.ensure_future(anext(s)) for s in streams]
+        await asyncio.sleep(0)
+        reason = "the engine process (pid 1) was killed by signal 9; restart the server"
+        client.on_outputs(EngineCoreOutputs([], None, failure=reason))
+        failed = await asyncio.gather(*firsts)
+        sent = len(client.commands)
+        with pytest.raises(EngineDeadError, match="signal 9"):
+            engine.reserve(1)
+        engine.abort("r0")
+        return failed, engine, client, sent
+
+    failed, engine, client, sent = asyncio.run(run())
+    assert all(d.engine_failed and d.finished and "signal 9" in d.error for d in failed)
+    assert not engine.is_running
+    assert len(client.commands) == sent  # nothing is sent to a dead engine
