@@ -293,6 +293,21 @@ class InputBuffers:
         dst, src = self["placeholder_dst"][:count], self["placeholder_src"][:count]
         self["input_ids"].index_copy_(0, dst, sampled.index_select(0, src))
 
+    def advance_decode(self, sampled: torch.Tensor, num_seqs: int, block_size: int) -> None:
+        """Turn the device buffers of a decode step of ``num_seqs`` sequences into the next one,
+        on the device: input ids become ``sampled`` (S,), positions and sequence lengths grow by
+        one, and each slot follows its new position through the block table (the scheduler
+        reserved the blocks). Padded rows stay inert; the staging buffers are untouched (the next
+        ``prepare`` writes every field it copies from them)."""
+        self["input_ids"][:num_seqs].copy_(sampled)
+        positions = self["positions"][:num_seqs]
+        positions.add_(1)
+        self["seq_lens"][:num_seqs].add_(1)
+        block_index = torch.div(positions, block_size, rounding_mode="floor").unsqueeze(1)
+        blocks = self["block_tables"][:num_seqs].gather(1, block_index).squeeze(1)  # (S,)
+        slots = self["slot_mapping"][:num_seqs]
+        torch.add(blocks.long() * block_size, positions.remainder(block_size), out=slots)
+
     def prepare_dummy(self, shape: StepShape, uniform_decode: bool = False) -> AttentionMetadata:
         """``num_seqs`` fresh sequences sharing the tokens, writing nothing to the caches.
 
