@@ -7,7 +7,8 @@ fill decode tokens still on the device from the previous step's sampled ids, ask
 sampled ids to pinned host memory. A multi-step output (``SchedulerOutput.num_steps`` > 1, a
 uniform decode batch) then runs the same graph again ``num_steps - 1`` times, each time after
 ``InputBuffers.advance_decode`` has fed the sampled ids back as input ids and moved positions,
-lengths and slots on by one on the device; the ids of all its steps go to the host in one copy.
+lengths and slots on by one on the device (the slots staged by ``prepare``); the ids of all its
+steps go to the host in one copy.
 ``execute_async`` returns at once with a ``SampledTokens`` handle; its ``tolist()`` is the step's
 one host sync, which async scheduling defers until the next step is launched.
 """
@@ -86,6 +87,7 @@ class ModelRunner:
             self.device,
             self.platform.pin_memory(),
             self.platform.create_event,
+            max_num_steps=scheduler_config.num_scheduler_steps,
         )
         # The last launched step's sampled ids (device) and each request's row in them.
         self.last_sampled: torch.Tensor | None = None
@@ -369,10 +371,9 @@ class ModelRunner:
         ``token_ids`` (S,): each runs the same graph on inputs advanced on the device from the
         step before, and samples as step 0 did (each seeded row draws from its generator once per
         step, as in single steps). Every step's ids, step 0's first: (num_steps * S,)."""
-        num_seqs = step.shape.num_seqs
         sampled = [token_ids]
-        for _ in range(1, num_steps):
-            self.buffers.advance_decode(sampled[-1], num_seqs, self.block_size)
+        for index in range(1, num_steps):
+            self.buffers.advance_decode(sampled[-1], index)
             hidden_states = self._run_model(step)
             logits = self.model.compute_logits(self.buffers.logits_rows(hidden_states))
             sampled.append(same_on_every_rank(self.sampler.sample(logits, params, generators)))
@@ -395,7 +396,11 @@ class ModelRunner:
         """Plan the step and lay it into the buffers, placeholder tokens filled on the device."""
         shape, mode, descriptor = self.plan(output)
         metadata = self.buffers.prepare(
-            output.scheduled_requests, shape, self.block_size, self.last_sampled_rows
+            output.scheduled_requests,
+            shape,
+            self.block_size,
+            self.last_sampled_rows,
+            output.num_steps,
         )
         if self.buffers.num_placeholders:  # decode tokens still on the device
             assert self.last_sampled is not None
