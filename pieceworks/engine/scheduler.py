@@ -282,6 +282,8 @@ class Scheduler:
         if num_steps == 1 or (self.waiting and len(self.running) < self.max_num_seqs):
             return 1  # the waiting head is admitted now, as it would be without multi-step
         serving = [request for request in self.running if not _reaches_max_tokens(request)]
+        if not serving:
+            return 1  # every running request awaits its last token: nothing to run
         for request in serving:
             if request.num_uncomputed_tokens != 1 or request.num_computed_tokens == 0:
                 return 1  # a prefill (or a prompt chunk) runs single-step
