@@ -48,7 +48,7 @@ from pieceworks.engine.kv_cache import (
 from pieceworks.engine.logprobs import TokenLogprobs, prompt_logprobs, sample_logprobs
 from pieceworks.engine.mamba_cache import allocate_mamba_cache, mamba_cache_spec
 from pieceworks.engine.sampled_tokens import SampledTokens
-from pieceworks.engine.sampler import Sampler, make_generator
+from pieceworks.engine.sampler import Sampler, make_generator, row_param_tensor
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.scheduler import SchedulerOutput
 from pieceworks.logger import init_logger
@@ -372,11 +372,15 @@ class ModelRunner:
         step before, and samples as step 0 did (each seeded row draws from its generator once per
         step, as in single steps). Every step's ids, step 0's first: (num_steps * S,)."""
         sampled = [token_ids]
+        row_params = None  # the rows' sampling parameters on the device, copied once per run
+        if not all(param.is_greedy for param in params):
+            row_params = row_param_tensor(params, self.device)
         for index in range(1, num_steps):
             self.buffers.advance_decode(sampled[-1], index)
             hidden_states = self._run_model(step)
             logits = self.model.compute_logits(self.buffers.logits_rows(hidden_states))
-            sampled.append(same_on_every_rank(self.sampler.sample(logits, params, generators)))
+            token_ids = self.sampler.sample(logits, params, generators, row_params)
+            sampled.append(same_on_every_rank(token_ids))
         return torch.cat(sampled)
 
     @torch.inference_mode()
