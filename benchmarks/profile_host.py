@@ -3,7 +3,8 @@
 Builds the engine, queues ``--batch-size`` random prompts, steps until the whole batch decodes,
 then times ``--steps`` decode steps of ``LLM.generate``'s loop (``OutputProcessor.step``) with a
 ``perf_counter`` around each phase: schedule, plan (pad + graph dispatch), prepare inputs (the
-buffers and the on-device placeholder fill), forward (the call into the model or its graph),
+buffers, the on-device placeholder fill and, with multi-step decode, the on-device advance to the
+next step), forward (the call into the model or its graph),
 logits, sample, wait (the step's one host sync, on the previous step's tokens), update (stop checks
 and token bookkeeping), and "other", the rest of the step (forward-context setup, the staging copy,
 output processing, the engine's own bookkeeping). ``host work`` is the step minus the wait: with
@@ -14,11 +15,14 @@ device time shows up in ``wait``; on the CPU the forward runs inline. ``--num-la
 preset with fewer layers (random weights, a temporary HF directory), e.g. the SmolLM2 shape with 2
 layers on the CPU. ``--stub-model`` replaces the forward and the LM head with stubs that return
 zeros, so a step costs only the engine's own work (tokens are then meaningless). ``--cprofile N``
-prints the N functions with the most own time instead.
+prints the N functions with the most own time instead. ``--num-scheduler-steps K`` runs K decode
+steps per host round trip (multi-step decode); every figure is per decode step, i.e. per generated
+token of each request, whatever K (``--steps`` counts decode steps too).
 
     python benchmarks/profile_host.py --model llama-tiny --batch-sizes 1,8,64
     python benchmarks/profile_host.py --model smollm2-135m-random --num-layers 2
     python benchmarks/profile_host.py --model llama-tiny --mode eager --stub-model --clock cpu
+    python benchmarks/profile_host.py --model llama-tiny --stub-model --num-scheduler-steps 8
     python benchmarks/profile_host.py --model llama-125m --mode full_and_piecewise   # on a GPU
 """
 
@@ -96,6 +100,7 @@ def instrumented(llm: LLM, clock: PhaseClock) -> Iterator[None]:
         (runner, "plan", "plan"),
         (runner.buffers, "prepare", "prepare inputs"),
         (runner.buffers, "fill_placeholders", "prepare inputs"),
+        (runner.buffers, "advance_decode", "prepare inputs"),
         (runner, "forward_model", "forward"),
         (runner.model, "compute_logits", "logits"),
         (runner.sampler, "sample", "sample"),
@@ -153,27 +158,32 @@ def decode_until_uniform(llm: LLM, batch_size: int) -> None:
 def profile_batch(llm: LLM, args: argparse.Namespace, batch_size: int) -> dict[str, Any]:
     rng = random.Random(batch_size)
     vocab_size = llm.config.model_config.hf_config["vocab_size"]
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 16, ignore_eos=True)
+    # Room for the warm-up steps, the timed ones and the runs in flight around them.
+    max_tokens = args.steps + 16 + 3 * llm.config.scheduler_config.num_scheduler_steps
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     request_ids = []
     for _ in range(batch_size):
         prompt = [rng.randrange(vocab_size) for _ in range(args.input_len)]
         request_ids.append(llm.processor.add_request(prompt, params))
     decode_until_uniform(llm, batch_size)
     clock = PhaseClock(CLOCKS[args.clock])
-    step_seconds = []
+    call_seconds = []
     profiler = cProfile.Profile() if args.cprofile else None
     gc.collect()
+    decode_steps = llm.engine.step_seconds  # one entry per decode step, K per call multi-step
+    decode_steps.clear()
     with instrumented(llm, clock):
         clock.enabled = profiler is None
-        for _ in range(args.steps):
+        while len(decode_steps) < args.steps:
             if profiler is not None:
                 profiler.enable()
             start = clock.now()
             llm.processor.step(stream=False)
-            step_seconds.append(clock.now() - start)
+            call_seconds.append(clock.now() - start)
             if profiler is not None:
                 profiler.disable()
-    uniform = all(u and n == batch_size for u, n, _ in llm.engine.step_seconds[-args.steps :])
+    num_decode_steps = len(decode_steps)
+    uniform = all(u and n == batch_size for u, n, _ in decode_steps)
     while llm.processor.has_unfinished_requests():  # drain and forget the batch
         llm.processor.step(stream=False)
     for request_id in request_ids:
@@ -181,22 +191,29 @@ def profile_batch(llm: LLM, args: argparse.Namespace, batch_size: int) -> dict[s
     if profiler is not None:
         stats = pstats.Stats(profiler).sort_stats("tottime")
         stats.print_stats(*([args.cprofile_filter] if args.cprofile_filter else []), args.cprofile)
-    return phase_row(batch_size, clock, step_seconds, uniform)
+    return phase_row(batch_size, clock, call_seconds, num_decode_steps, uniform)
 
 
 def phase_row(
-    batch_size: int, clock: PhaseClock, step_seconds: list[float], uniform: bool
+    batch_size: int,
+    clock: PhaseClock,
+    call_seconds: list[float],
+    num_decode_steps: int,
+    uniform: bool,
 ) -> dict[str, Any]:
-    num_steps = len(step_seconds)
-    step_us = sum(step_seconds) / num_steps * 1e6
-    phases_us = {phase: clock.seconds.get(phase, 0.0) / num_steps * 1e6 for phase in PHASES}
+    """Per decode step: the mean step, its phases and host work; ``call_seconds`` times each
+    ``OutputProcessor.step`` call (one decode step each, or K with multi-step decode)."""
+    step_us = sum(call_seconds) / num_decode_steps * 1e6
+    phases_us = {phase: clock.seconds.get(phase, 0.0) / num_decode_steps * 1e6 for phase in PHASES}
     phases_us["other"] = step_us - sum(phases_us.values())
+    steps_per_call = num_decode_steps / len(call_seconds)
     return {
         "batch_size": batch_size,
-        "steps": num_steps,
+        "steps": num_decode_steps,
+        "calls": len(call_seconds),
         "all_uniform_decode": uniform,
         "step_us": step_us,
-        "median_step_us": sorted(step_seconds)[num_steps // 2] * 1e6,
+        "median_step_us": sorted(call_seconds)[len(call_seconds) // 2] / steps_per_call * 1e6,
         "host_work_us": step_us - phases_us["wait"],
         "phases_us": phases_us,
     }
@@ -210,7 +227,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         cells = [str(row["batch_size"]), f"{row['step_us']:.1f}", f"{row['host_work_us']:.1f}"]
         cells += [f"{row['phases_us'][name]:.1f}" for name in columns]
         print(" | ".join(f"{cell:>14}" for cell in cells))
-    print("(us per decode step, mean over the timed steps; host work = step - wait)")
+    print(
+        "(us per decode step = per generated token of each request, mean over the timed steps; "
+        "host work = step - wait)"
+    )
 
 
 def main() -> None:
@@ -224,6 +244,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1)
     parser.add_argument("--stub-model", action="store_true")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
@@ -248,6 +269,7 @@ def main() -> None:
             max_model_len=args.input_len + args.steps + 64,
             dtype=args.dtype,
             async_scheduling=not args.no_async_scheduling,
+            num_scheduler_steps=args.num_scheduler_steps,
         )
         if args.stub_model:
             stub_model(llm)
@@ -256,11 +278,19 @@ def main() -> None:
     layers = f", {args.num_layers} layers" if args.num_layers else ""
     layers += ", stub forward and LM head" if args.stub_model else ""
     platform = current_platform().name
-    print(f"{args.model}{layers}, mode {mode}, platform {platform}, {args.clock} clock")
+    print(
+        f"{args.model}{layers}, mode {mode}, platform {platform}, {args.clock} clock, "
+        f"{args.num_scheduler_steps} decode step(s) per host round trip"
+    )
     if not args.cprofile:
         print_table(rows)
     if args.out:
-        meta = {"model": args.model, "num_layers": args.num_layers, "mode": mode}
+        meta = {
+            "model": args.model,
+            "num_layers": args.num_layers,
+            "mode": mode,
+            "num_scheduler_steps": args.num_scheduler_steps,
+        }
         Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
 
 

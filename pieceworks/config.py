@@ -127,10 +127,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # Schedule and launch step N+1 before step N's tokens reach the host (docs/engine.md).
     async_scheduling: bool = True
+    # Decode steps run back to back on the device per host round trip when every scheduled
+    # request decodes (vLLM's ``num_scheduler_steps``; docs/engine.md "Multi-step decode").
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(
+                f"num_scheduler_steps={self.num_scheduler_steps} must be at least 1 "
+                "(1: one decode step per host round trip)"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is below "

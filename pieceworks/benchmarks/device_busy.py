@@ -47,8 +47,9 @@ def not_measured(reason: str) -> dict[str, Any]:
     return {"device_busy_ms": None, "device_idle_share": None, "device_busy_note": reason}
 
 
-def profile_device_busy(run_steps: Callable[[], None], num_steps: int) -> dict[str, Any]:
-    """Profile ``run_steps()`` (which runs ``num_steps`` steps); device-busy ms per step."""
+def profile_device_busy(run_steps: Callable[[], int | None], num_steps: int) -> dict[str, Any]:
+    """Profile ``run_steps()`` (which runs ``num_steps`` steps, or as many as it returns);
+    device-busy ms per step."""
     platform = current_platform()
     activity = platform.profiler_activity()
     if activity is None:
@@ -56,7 +57,7 @@ def profile_device_busy(run_steps: Callable[[], None], num_steps: int) -> dict[s
     platform.synchronize()
     with torch.profiler.profile(activities=[activity]) as profiler:
         start = time.perf_counter()
-        run_steps()
+        num_steps = run_steps() or num_steps
         platform.synchronize()
         wall_seconds = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as directory:
@@ -87,8 +88,9 @@ def engine_device_busy(
 ) -> dict[str, Any]:
     """Device-busy ms per uniform-decode step of the whole batch, for ``llm``'s engine.
 
-    Queues ``prompts``, steps until every request decodes, profiles up to ``num_steps`` steps
-    (fewer when ``params.max_tokens`` leaves fewer), then runs the requests to their end.
+    Queues ``prompts``, steps until every request decodes, profiles about ``num_steps`` steps
+    (fewer when ``params.max_tokens`` leaves fewer; with multi-step decode whole ``step`` calls
+    of ``num_scheduler_steps`` steps, counted as they ran), then runs the requests to their end.
     """
     if current_platform().profiler_activity() is None:
         return profile_device_busy(lambda: None, 1)  # the "n/a" answer, without running a step
@@ -99,19 +101,22 @@ def engine_device_busy(
     while engine.has_unfinished_requests() and not _decoding_whole_batch(engine, batch_size):
         engine.step()
     engine.step()  # one more, so the window starts after the first full-batch decode step
-    # Each request is one token behind while a step is in flight (async scheduling).
-    remaining = min(params.max_tokens - len(r.output_token_ids) for r in requests) - 2
-    num_steps = min(num_steps, remaining)
-    if num_steps < 2:
+    # Each request is one step call behind while one is in flight (async scheduling).
+    steps_per_call = engine.scheduler.num_scheduler_steps
+    remaining = min(params.max_tokens - len(r.output_token_ids) for r in requests)
+    remaining -= 2 * steps_per_call
+    num_calls = min(-(-num_steps // steps_per_call), remaining // steps_per_call)
+    if num_calls * steps_per_call < 2:
         _drain(engine)
         return not_measured("n/a: too few decode steps to profile (raise --output-len)")
     engine.step_seconds.clear()
 
-    def run_steps() -> None:
-        for _ in range(num_steps):
+    def run_steps() -> int:
+        for _ in range(num_calls):
             engine.step()
+        return len(engine.step_seconds)  # one entry per decode step run
 
-    busy = profile_device_busy(run_steps, num_steps)
+    busy = profile_device_busy(run_steps, num_calls * steps_per_call)
     uniform = all(u and n == batch_size for u, n, _ in engine.step_seconds)
     _drain(engine)
     if not uniform:

@@ -184,6 +184,8 @@ def _measure_engine(
         "level": int(compilation.level),
         "graph_mode": compilation.cudagraph_mode.name,  # type: ignore[union-attr]
         "backend": compilation.backend if compilation.level else None,
+        # Decode steps per host round trip (``--num-scheduler-steps``; 1: one step per call).
+        "num_scheduler_steps": llm.config.scheduler_config.num_scheduler_steps,
         "latency_s": _stats(latencies),
         "decode_step_ms": decode_ms,
         "num_decode_steps": len(decode_steps),

@@ -43,6 +43,7 @@ class EngineArgs:
     mamba_ssm_cache_dtype: str = "float32"
     tokenizer: str | None = None
     async_scheduling: bool = True
+    num_scheduler_steps: int = 1
 
 
 def resolve_hf_config(model: str) -> dict[str, Any]:
@@ -108,6 +109,7 @@ def build_engine_config(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=min(max_batched, max(max_model_len, 1) * args.max_num_seqs),
             async_scheduling=args.async_scheduling,
+            num_scheduler_steps=args.num_scheduler_steps,
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         compilation_config=_compilation(compilation_config, args.enforce_eager),

@@ -50,6 +50,8 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.text = ""
         self.stop_reason: str | None = None  # the stop string that ended the text
+        # Generated tokens taken in: after a stop, the count up to the one that completed it.
+        self.num_generated_tokens = 0
         self.num_streamed_chars = 0
 
     def update(self, new_token_ids: Sequence[int]) -> str | None:
@@ -61,6 +63,7 @@ class IncrementalDetokenizer:
             if self.stop_reason is not None:
                 return None
             self.token_ids.append(token_id)
+            self.num_generated_tokens += 1
             new_text = self._decode_next()
             if new_text:
                 self.text += new_text

@@ -18,6 +18,11 @@ changed, and when a step has the same layout as the one the buffer last held (th
 with the same query lengths, state slots and placeholder rows: a steady decode batch) the fields
 that follow from the layout alone (query start locations, state indices, logits rows, placeholder
 rows, padding) are left as they are; only lengths, positions and slots are written.
+
+For a multi-step decode output (``num_steps`` > 1) ``prepare`` also stages the slot of every
+later step (``step_slots``: step 1's for every sequence, then step 2's, ...; their blocks are
+reserved ahead), copied with the rest, so ``advance_decode`` moves a step on with four small
+device ops and no block-table lookup.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ class _Field:
     """One named tensor inside the packed buffers; its rows are counted per step."""
 
     name: str
-    rows: str  # what counts its rows: "tokens", "seqs", "seqs+1", "logits" or "placeholders"
+    # What counts its rows: "tokens", "seqs", "seqs+1", "logits", "placeholders" or "step_slots".
+    rows: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int  # bytes from the start of the packed buffers
@@ -85,11 +91,12 @@ class InputBuffers:
         device: torch.device,
         pin_memory: bool,
         create_event: Callable[[], Any] = lambda: None,
+        max_num_steps: int = 1,
     ) -> None:
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
-        self.fields = _layout(max_num_tokens, max_num_seqs, max_blocks_per_seq)
+        self.fields = _layout(max_num_tokens, max_num_seqs, max_blocks_per_seq, max_num_steps)
         num_bytes = self.fields[-1].offset + self.fields[-1].row_bytes * self.fields[-1].shape[0]
         self.packed_device = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
         self.device_buffers = {f.name: _field_view(self.packed_device, f) for f in self.fields}
@@ -105,6 +112,7 @@ class InputBuffers:
         self.packed_host = self._staging[0]
         self.host = self._staging_views[0]
         self.num_placeholders = 0
+        self.num_step_slots = 0  # staged slots of a multi-step output's later steps
         self.num_logits = 0  # rows of the step's hidden states that are sampled
         self._logits_rows_lead = False  # they are rows 0 .. num_logits - 1
         self._views: dict[tuple[int, int], _StepViews] = {}
@@ -129,11 +137,14 @@ class InputBuffers:
         shape: StepShape,
         block_size: int,
         sampled_rows: Mapping[str, int] | None = None,
+        num_steps: int = 1,
     ) -> AttentionMetadata:
         """Lay out the scheduled requests, pad, copy to the device; return the step's metadata.
 
         ``sampled_rows`` maps a request id to its row in the previous step's sampled ids; it is
         needed for every request whose token is still on the device (async scheduling).
+        ``num_steps`` > 1 (a uniform decode run that many times) also stages the later steps'
+        slots for ``advance_decode``.
         """
         self._next_staging()
         columns = _StepColumns.gather(scheduled, sampled_rows or {})
@@ -146,6 +157,7 @@ class InputBuffers:
         computed = np.array(columns.computed, dtype=np.int64)
         self._fill_sequences(scheduled, columns, query_lens, computed, shape, same_layout)
         self._fill_tokens(columns, query_lens, computed, shape, block_size, same_layout)
+        self._fill_step_slots(computed, shape.num_seqs, block_size, num_steps)
         if not same_layout:
             self._fill_logits_indices(columns.producing_rows, shape.num_seqs)
         self.num_logits = len(columns.producing_rows)
@@ -261,6 +273,19 @@ class InputBuffers:
         host["positions"][num_tokens:padded] = 0
         host["slot_mapping"][num_tokens:padded] = -1  # padded tokens are never stored
 
+    def _fill_step_slots(
+        self, computed: np.ndarray, num_seqs: int, block_size: int, num_steps: int
+    ) -> None:
+        """The slots of steps 1 .. num_steps - 1 of a decode batch (position computed + step),
+        step-major, (num_steps - 1) * num_seqs of them."""
+        self.num_step_slots = (num_steps - 1) * num_seqs
+        if num_steps == 1:
+            return
+        positions = computed + np.arange(1, num_steps)[:, None]  # (K - 1, S)
+        blocks = self.host["block_tables"][np.arange(num_seqs), positions // block_size]
+        slots = blocks.astype(np.int64) * block_size + positions % block_size
+        self.host["step_slots"][: self.num_step_slots] = slots.ravel()
+
     def _fill_logits_indices(self, producing_rows: list[int], num_seqs: int) -> None:
         """The last token row of each request that samples a token."""
         ends = self.host["query_start_loc"][1 : num_seqs + 1]
@@ -293,6 +318,24 @@ class InputBuffers:
         dst, src = self["placeholder_dst"][:count], self["placeholder_src"][:count]
         self["input_ids"].index_copy_(0, dst, sampled.index_select(0, src))
 
+    def advance_decode(self, sampled: torch.Tensor, step: int) -> None:
+        """Turn the device buffers of a multi-step decode output into its step ``step`` (>= 1),
+        on the device: input ids become ``sampled`` (S,), the previous step's ids, positions and
+        sequence lengths grow by one, and the slots are the ones ``prepare`` staged for that
+        step. Padded rows stay inert; the staging buffers are untouched (the next ``prepare``
+        writes every field it copies from them)."""
+        num_seqs = sampled.shape[0]
+        if not 1 <= step <= self.num_step_slots // max(num_seqs, 1):
+            raise ValueError(
+                f"step {step} of a run of {num_seqs} sequences: prepare() staged slots for "
+                f"{self.num_step_slots // max(num_seqs, 1)} later steps; pass num_steps to it"
+            )
+        self["input_ids"][:num_seqs].copy_(sampled)
+        self["positions"][:num_seqs].add_(1)
+        self["seq_lens"][:num_seqs].add_(1)
+        first = (step - 1) * num_seqs
+        self["slot_mapping"][:num_seqs].copy_(self["step_slots"][first : first + num_seqs])
+
     def prepare_dummy(self, shape: StepShape, uniform_decode: bool = False) -> AttentionMetadata:
         """``num_seqs`` fresh sequences sharing the tokens, writing nothing to the caches.
 
@@ -302,7 +345,7 @@ class InputBuffers:
         """
         self._next_staging()
         self._layouts[self._staging_index] = None
-        self.num_placeholders = self.num_logits = 0
+        self.num_placeholders = self.num_logits = self.num_step_slots = 0
         host, num_seqs, padded_seqs = self.host, shape.num_seqs, shape.num_seqs_padded
         query_lens = np.full(num_seqs, shape.num_tokens // num_seqs, dtype=np.int64)
         query_lens[: shape.num_tokens % num_seqs] += 1  # spread the remainder: none too long
@@ -345,12 +388,13 @@ class InputBuffers:
             shape.num_seqs_padded,
             num_logits,
             self.num_placeholders,
+            self.num_step_slots,
         )
         views = self._copy_plans.get(key)
         if views is None:
             if len(self._copy_plans) >= MAX_CACHED_VIEWS:
                 self._copy_plans.clear()
-            ranges = self.copy_ranges(shape, num_logits, self.num_placeholders)
+            ranges = self.copy_ranges(shape, num_logits, self.num_placeholders, self.num_step_slots)
             views = self._copy_plans[key] = [
                 (self.packed_device[start:end], self.packed_host[start:end])
                 for start, end in ranges
@@ -358,7 +402,11 @@ class InputBuffers:
         return views
 
     def copy_ranges(
-        self, shape: StepShape, num_logits: int = 0, num_placeholders: int = 0
+        self,
+        shape: StepShape,
+        num_logits: int = 0,
+        num_placeholders: int = 0,
+        num_step_slots: int = 0,
     ) -> list[tuple[int, int]]:
         """Byte ranges a step copies: each field's used rows, merged across gaps below the limit.
 
@@ -371,6 +419,7 @@ class InputBuffers:
             "seqs+1": shape.num_seqs_padded + 1,
             "logits": num_logits,
             "placeholders": num_placeholders,
+            "step_slots": num_step_slots,
         }
         ranges: list[tuple[int, int]] = []
         for field in self.fields:  # in offset order
@@ -493,8 +542,11 @@ class _StepViews(NamedTuple):
     has_initial_state: torch.Tensor
 
 
-def _layout(max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> list[_Field]:
+def _layout(
+    max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, max_num_steps: int = 1
+) -> list[_Field]:
     """Fields in packed order: small per-sequence ones, per-token ones, block tables last."""
+    num_step_slots = (max_num_steps - 1) * max_num_seqs  # 0 without multi-step decode
     specs = [  # name, rows, shape, dtype
         ("query_start_loc", "seqs+1", (max_num_seqs + 1,), torch.int32),
         ("seq_lens", "seqs", (max_num_seqs,), torch.int32),
@@ -503,6 +555,7 @@ def _layout(max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int) -> 
         ("logits_indices", "logits", (max_num_seqs,), torch.int64),
         ("placeholder_dst", "placeholders", (max_num_seqs,), torch.int64),
         ("placeholder_src", "placeholders", (max_num_seqs,), torch.int64),
+        ("step_slots", "step_slots", (num_step_slots,), torch.int64),
         ("input_ids", "tokens", (max_num_tokens,), torch.int64),
         ("positions", "tokens", (max_num_tokens,), torch.int64),
         ("slot_mapping", "tokens", (max_num_tokens,), torch.int64),

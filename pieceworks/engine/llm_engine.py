@@ -4,8 +4,10 @@
 tokens back; finished requests come back from ``step``. With ``async_scheduling`` (the default)
 ``step`` launches its batch and then waits for the previous step's tokens, so the host schedules
 and prepares step N+1 while the device still runs step N; the tokens of a step, and the requests
-it finishes, then come back from the next ``step`` call. Start-up (load, compile, KV cache,
-capture) happens in the constructor and is timed for the report.
+it finishes, then come back from the next ``step`` call. With ``num_scheduler_steps`` K > 1 a
+batch of decodes only is one multi-step output: one ``step`` call launches K decode steps and
+later reads their K tokens per request at once (the scheduler applies them in step order).
+Start-up (load, compile, KV cache, capture) happens in the constructor and is timed for the report.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ class LLMEngine:
             self.eos_token_id = self.eos_token_id[0]
         self._request_ids = itertools.count()
         self._shut_down = False
-        # (uniform decode?, number of requests, wall seconds) of each recent step: at most
+        # (uniform decode?, number of requests, wall seconds) of each recent decode step (a
+        # multi-step call adds one entry per step, each its share of the call's time): at most
         # MAX_STEP_TIMINGS, the oldest half dropped when full (an engine serving for days).
         self.step_seconds: list[tuple[bool, int, float]] = []
 
@@ -136,9 +139,9 @@ class LLMEngine:
         step_seconds = self.step_seconds
         if len(step_seconds) >= MAX_STEP_TIMINGS:
             del step_seconds[: MAX_STEP_TIMINGS // 2]
-        step_seconds.append(
-            (output.is_uniform_decode, output.num_requests, time.perf_counter() - start)
-        )
+        seconds_per_step = (time.perf_counter() - start) / output.num_steps
+        timing = (output.is_uniform_decode, output.num_requests, seconds_per_step)
+        step_seconds.extend([timing] * output.num_steps)
         return finished
 
     def _finish_in_flight(self) -> list[Request]:

@@ -4,9 +4,13 @@ Per step: lay the scheduled requests into the persistent buffers (padded to a ca
 fill decode tokens still on the device from the previous step's sampled ids, ask the
 ``CudagraphDispatcher`` which graph serves the batch, run the forward under
 ``set_forward_context``, then compute logits and sample outside the graph, and start copying the
-sampled ids to pinned host memory. ``execute_async`` returns at once with a ``SampledTokens``
-handle; its ``tolist()`` is the step's one host sync, which async scheduling defers until the next
-step is launched.
+sampled ids to pinned host memory. A multi-step output (``SchedulerOutput.num_steps`` > 1, a
+uniform decode batch) then runs the same graph again ``num_steps - 1`` times, each time after
+``InputBuffers.advance_decode`` has fed the sampled ids back as input ids and moved positions,
+lengths and slots on by one on the device (the slots staged by ``prepare``); the ids of all its
+steps go to the host in one copy.
+``execute_async`` returns at once with a ``SampledTokens`` handle; its ``tolist()`` is the step's
+one host sync, which async scheduling defers until the next step is launched.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -44,10 +48,11 @@ from pieceworks.engine.kv_cache import (
 from pieceworks.engine.logprobs import TokenLogprobs, prompt_logprobs, sample_logprobs
 from pieceworks.engine.mamba_cache import allocate_mamba_cache, mamba_cache_spec
 from pieceworks.engine.sampled_tokens import SampledTokens
-from pieceworks.engine.sampler import Sampler, make_generator
+from pieceworks.engine.sampler import Sampler, make_generator, row_param_tensor
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.scheduler import SchedulerOutput
 from pieceworks.logger import init_logger
+from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.sources import get_model
 from pieceworks.platforms import current_platform
 
@@ -82,13 +87,14 @@ class ModelRunner:
             self.device,
             self.platform.pin_memory(),
             self.platform.create_event,
+            max_num_steps=scheduler_config.num_scheduler_steps,
         )
         # The last launched step's sampled ids (device) and each request's row in them.
         self.last_sampled: torch.Tensor | None = None
         self.last_sampled_rows: dict[str, int] = {}
         self._token_staging = [
             torch.zeros(
-                scheduler_config.max_num_seqs,
+                scheduler_config.max_num_seqs * scheduler_config.num_scheduler_steps,
                 dtype=torch.int64,
                 pin_memory=self.platform.pin_memory(),
             )
@@ -326,7 +332,8 @@ class ModelRunner:
         """Launch one scheduled step; the handle gives its sampled tokens (one per producing
         request, in scheduled order) once the device has them, and the log-probabilities of the
         requests that asked for them."""
-        hidden_states = self.forward(output)
+        step = self._prepare(output)
+        hidden_states = self._run_model(step)
         prompt = self._prompt_logprobs(output, hidden_states)
         if self.buffers.num_logits == 0:
             return SampledTokens(None, None, prompt_logprobs=prompt)
@@ -334,17 +341,47 @@ class ModelRunner:
         params, generators, rows = self._sampling_inputs(output)
         token_ids = self.sampler.sample(logits, params, generators)
         token_ids = same_on_every_rank(token_ids)
+        logprobs = sample_logprobs(logits, params, token_ids)  # None unless a request asked
+        all_token_ids = token_ids
+        if output.num_steps > 1:
+            all_token_ids = self._decode_steps(
+                step, output.num_steps, token_ids, params, generators
+            )
+            token_ids = all_token_ids[-len(params) :]  # the last step's: the next step's inputs
         self.last_sampled = token_ids
         self.last_sampled_rows = rows
         self._num_steps += 1
         index = self._num_steps % 2
-        staging = self._token_staging[index][: len(params)]
-        staging.copy_(token_ids, non_blocking=True)
+        staging = self._token_staging[index][: all_token_ids.shape[0]]
+        staging.copy_(all_token_ids, non_blocking=True)
         event = self._token_events[index]
         if event is not None:
             event.record()
-        logprobs = sample_logprobs(logits, params, token_ids)  # None unless a request asked
         return SampledTokens(staging, event, logprobs=logprobs, prompt_logprobs=prompt)
+
+    def _decode_steps(
+        self,
+        step: _PreparedStep,
+        num_steps: int,
+        token_ids: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Steps 1 .. ``num_steps`` - 1 of a uniform decode batch whose step 0 sampled
+        ``token_ids`` (S,): each runs the same graph on inputs advanced on the device from the
+        step before, and samples as step 0 did (each seeded row draws from its generator once per
+        step, as in single steps). Every step's ids, step 0's first: (num_steps * S,)."""
+        sampled = [token_ids]
+        row_params = None  # the rows' sampling parameters on the device, copied once per run
+        if not all(param.is_greedy for param in params):
+            row_params = row_param_tensor(params, self.device)
+        for index in range(1, num_steps):
+            self.buffers.advance_decode(sampled[-1], index)
+            hidden_states = self._run_model(step)
+            logits = self.model.compute_logits(self.buffers.logits_rows(hidden_states))
+            token_ids = self.sampler.sample(logits, params, generators, row_params)
+            sampled.append(same_on_every_rank(token_ids))
+        return torch.cat(sampled)
 
     @torch.inference_mode()
     def compute_logits(self, output: SchedulerOutput) -> torch.Tensor | None:
@@ -357,17 +394,32 @@ class ModelRunner:
 
     def forward(self, output: SchedulerOutput) -> torch.Tensor:
         """Lay the step into the buffers and run the model; the hidden states of every row."""
+        return self._run_model(self._prepare(output))
+
+    def _prepare(self, output: SchedulerOutput) -> _PreparedStep:
+        """Plan the step and lay it into the buffers, placeholder tokens filled on the device."""
         shape, mode, descriptor = self.plan(output)
         metadata = self.buffers.prepare(
-            output.scheduled_requests, shape, self.block_size, self.last_sampled_rows
+            output.scheduled_requests,
+            shape,
+            self.block_size,
+            self.last_sampled_rows,
+            output.num_steps,
         )
         if self.buffers.num_placeholders:  # decode tokens still on the device
             assert self.last_sampled is not None
             self.buffers.fill_placeholders(self.last_sampled)
+        return _PreparedStep(metadata, shape, mode, descriptor)
+
+    def _run_model(self, step: _PreparedStep) -> torch.Tensor:
+        """The forward of a prepared step on what the buffers hold now."""
         with set_forward_context(
-            metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
+            step.metadata,
+            self.config,
+            cudagraph_runtime_mode=step.mode,
+            batch_descriptor=step.descriptor,
         ):
-            return self.forward_model(*self.buffers.model_inputs(shape))
+            return self.forward_model(*self.buffers.model_inputs(step.shape))
 
     def _prompt_logprobs(
         self, output: SchedulerOutput, hidden_states: torch.Tensor
@@ -430,6 +482,15 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget a finished request's generator."""
         self.generators.pop(request_id, None)
+
+
+class _PreparedStep(NamedTuple):
+    """A step laid into the buffers: what its forward (or forwards, multi-step) runs with."""
+
+    metadata: AttentionMetadata
+    shape: StepShape
+    mode: CUDAGraphMode
+    descriptor: BatchDescriptor | None
 
 
 def smallest_over_ranks(value: int) -> int:

@@ -118,14 +118,20 @@ class _Completion:
         return None
 
     def advance(self, engine: LLMEngine) -> CompletionDelta | None:
-        """Read the request's new tokens, detokenize them, stop it on a stop string."""
+        """Read the request's new tokens, detokenize them, stop it on a stop string (dropping
+        the tokens after the one that completed it: a multi-step run samples several at once)."""
         new_token_ids = self.request.output_token_ids[self.num_seen_tokens :]
-        self.num_seen_tokens += len(new_token_ids)
         text = ""
         if self.detokenizer is not None:
-            if self.detokenizer.update(new_token_ids) is not None and not self.finished:
-                engine.stop_request(self.request.request_id)
+            if self.detokenizer.update(new_token_ids) is not None:
+                num_kept = self.detokenizer.num_generated_tokens
+                if num_kept < self.request.num_output_tokens:
+                    self.request.drop_output_after(num_kept)
+                    new_token_ids = new_token_ids[: num_kept - self.num_seen_tokens]
+                if not self.finished:
+                    engine.stop_request(self.request.request_id)
             text = self.detokenizer.take_delta(self.finished)
+        self.num_seen_tokens += len(new_token_ids)
         if self.finished and not self.reported_finish:
             self.reported_finish = True
             return CompletionDelta(

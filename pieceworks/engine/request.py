@@ -51,9 +51,9 @@ class Request:
     being written by a step already launched) in ``block_ids`` (and, for hybrid models, their
     recurrent state folded into ``state_slot``). A decoding request has exactly one uncomputed
     token: the one sampled last step. With async scheduling that token may still be on the device:
-    ``num_output_placeholders`` counts sampled tokens the host has not seen yet (one per step in
-    flight); they
-    count in ``num_tokens`` but not in ``output_token_ids``. Preemption resets
+    ``num_output_placeholders`` counts sampled tokens the host has not seen yet (one per decode
+    step in flight, so ``num_steps`` per multi-step output); they count in ``num_tokens`` but not
+    in ``output_token_ids``. Preemption resets
     ``num_computed_tokens`` to 0 but keeps ``output_token_ids``, so on resume the prompt and the
     generated tokens are recomputed together as one prefill.
     """
@@ -111,6 +111,13 @@ class Request:
         view = Request(self.request_id, [], self.sampling_params, self.eos_token_id)
         view.block_ids, view.state_slot = list(self.block_ids), self.state_slot
         return view
+
+    def drop_output_after(self, num_output_tokens: int) -> None:
+        """Keep only the first ``num_output_tokens`` generated tokens (and their logprobs): the
+        text reached a stop string there, and the tokens a multi-step run sampled after it are
+        past the request's end."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.output_logprobs[num_output_tokens:]
 
     def finish(self, status: RequestStatus) -> None:
         """Mark the request finished with ``status`` and set its ``finish_reason``."""

@@ -3,7 +3,8 @@
 The runner copies the ids into a pinned host buffer without waiting and records an event after
 the copy; ``tolist()`` waits for that event (the step's one host sync) and reads the buffer. The
 runner alternates two buffers, so the handle stays valid until the step after next is launched,
-which is as long as async scheduling keeps it.
+which is as long as async scheduling keeps it. A multi-step decode output's handle holds the ids
+of all its steps, step 0's first (``num_steps * S`` ids), read with the same one sync.
 
 When a request asked for them, the step's log-probabilities ride along as device tensors
 (``pieceworks.engine.logprobs``): ``logprobs`` for sampled rows, ``prompt_logprobs`` per request
@@ -27,7 +28,7 @@ class SampledTokens:
         logprobs: tuple[list[int], TokenLogprobs] | None = None,
         prompt_logprobs: dict[str, tuple[int, TokenLogprobs]] | None = None,
     ) -> None:
-        self.host_ids = host_ids  # (S,) int64, pinned where the platform pins
+        self.host_ids = host_ids  # (S,) int64 ((K * S,) multi-step), pinned where the platform pins
         self.event = event  # None: the copy finished before the runner returned
         self.logprobs = logprobs  # (producing rows that asked, their rows' logprobs)
         self.prompt_logprobs = prompt_logprobs  # request id -> (first position, its rows)

@@ -44,8 +44,13 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        row_params: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Return token ids ``(S,)`` int64 on ``logits.device`` for ``logits`` ``(S, V)``."""
+        """Return token ids ``(S,)`` int64 on ``logits.device`` for ``logits`` ``(S, V)``.
+
+        ``row_params`` is ``row_param_tensor(params, device)`` made once for several calls with
+        the same rows (the steps of a multi-step decode run: one host-to-device copy, not one per
+        step); without it a batch that samples at random makes its own."""
         if logits.dim() != 2 or not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(
                 f"logits {tuple(logits.shape)} need one SamplingParams and one generator per row; "
@@ -54,7 +59,8 @@ class Sampler:
         greedy_token_ids = row_argmax(logits)  # (S,); the logits' own dtype orders as float32
         if all(param.is_greedy for param in params):
             return greedy_token_ids
-        row_params = _row_param_tensor(params, logits.device)  # (4, S)
+        if row_params is None:
+            row_params = row_param_tensor(params, logits.device)  # (4, S)
         temperature, top_k, top_p, is_greedy = row_params
         logits = logits.float() / temperature.unsqueeze(1)
         logits = apply_top_k_top_p(
@@ -91,7 +97,7 @@ def chunked_argmax(logits: torch.Tensor) -> torch.Tensor:
     return (chunk * ARGMAX_CHUNK + index_in_chunk.gather(1, chunk)).squeeze(1)
 
 
-def _row_param_tensor(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
+def row_param_tensor(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
     """Rows' (temperature, top_k, top_p, is_greedy) as one ``(4, S)`` float32 tensor, one copy.
 
     Greedy rows get temperature 1 (their sampled value is discarded; this avoids dividing by 0);

@@ -19,6 +19,14 @@ device): a decode whose last token is a placeholder reads it on the device (``PL
 in ``new_token_ids`` marks it), a request that will reach ``max_tokens`` with its pending token is
 not scheduled again, and one that stops on a token that arrives late has its extra step's token
 dropped. Without it, a second ``schedule()`` before the update is an error.
+
+With ``num_scheduler_steps`` K > 1, a batch in which every scheduled request decodes (and none
+asks for logprobs, and nobody waits for a free seat) runs as one multi-step output
+(``SchedulerOutput.num_steps``): the runner runs up to K decode steps back to back on the device,
+each feeding its sampled ids to the next. ``schedule()`` reserves the KV blocks of all of them,
+limits the steps to the fewest tokens any request has left before ``max_tokens``, and counts K
+placeholders per request; ``update_from_output`` takes K tokens per request and applies them in
+step order, exactly as K single steps would, dropping the tokens after a request's stop.
 """
 
 from __future__ import annotations
@@ -94,12 +102,17 @@ class SchedulerOutput:
     """One step's batch: decodes first, then prefills (new, resumed or continuing chunks).
 
     ``preempted_requests`` were evicted this step (their blocks and state slots are already free);
-    a runner that keeps per-request state drops it for them. The counts over the batch are
+    a runner that keeps per-request state drops it for them. With ``num_steps`` > 1 the batch is
+    a uniform decode run ``num_steps`` times, positions advancing by one each time, and every
+    producing request samples ``num_steps`` tokens. The counts over the batch are
     computed once, on first use: the batch never changes after ``schedule`` returns it.
     """
 
     scheduled_requests: list[ScheduledRequest]
     preempted_requests: list[Request] = dataclasses.field(default_factory=list)
+    # Decode steps run back to back (each scheduled request a decode when > 1); every field
+    # above describes the first of them.
+    num_steps: int = 1
 
     @property
     def num_requests(self) -> int:
@@ -129,6 +142,7 @@ class SchedulerOutput:
         return SchedulerOutput(
             [item.detached() for item in self.scheduled_requests],
             [request.runner_view() for request in self.preempted_requests],
+            self.num_steps,
         )
 
     @functools.cached_property
@@ -167,6 +181,7 @@ class Scheduler:
         # Scheduled steps whose tokens have not come back yet, oldest first.
         self._pending_outputs: deque[SchedulerOutput] = deque()
         self.max_pending_outputs = 2 if async_scheduling else 1
+        self.num_scheduler_steps = scheduler_config.num_scheduler_steps
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; raise ``ValueError`` if it could never run to completion."""
@@ -208,7 +223,10 @@ class Scheduler:
             )
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        token_budget = self._schedule_running(scheduled, preempted, self.max_num_batched_tokens)
+        num_steps = self._num_decode_steps()
+        token_budget = self._schedule_running(
+            scheduled, preempted, self.max_num_batched_tokens, num_steps
+        )
         if not preempted:  # after a preemption memory is short: admit nobody new (as vLLM)
             self._schedule_waiting(scheduled, token_budget)
         # Admission order already lists decodes first (a prompt is cut only when the budget runs
@@ -216,9 +234,9 @@ class Scheduler:
         if not _decodes_lead(scheduled):
             scheduled.sort(key=lambda item: not item.is_decode)
         for item in scheduled:  # the step is launched: its KV is being computed from now on
-            item.request.num_computed_tokens += item.num_new_tokens
-            item.request.num_output_placeholders += item.produces_token
-        output = SchedulerOutput(scheduled, preempted)
+            item.request.num_computed_tokens += item.num_new_tokens * num_steps
+            item.request.num_output_placeholders += item.produces_token * num_steps
+        output = SchedulerOutput(scheduled, preempted, num_steps)
         if scheduled:  # an empty step awaits no tokens
             self._pending_outputs.append(output)
         return output
@@ -230,7 +248,9 @@ class Scheduler:
 
         ``sampled_token_ids`` holds one token per request with ``produces_token``, in scheduled
         order. A list with one entry per scheduled request is accepted too (entries of requests
-        that produce no token are ignored).
+        that produce no token are ignored). A multi-step output takes ``num_steps`` such lists
+        one after the other (step 0's tokens first); they are applied in that order, so a request
+        that stops on one step's token drops the tokens of the steps after it.
         """
         if not scheduler_output.scheduled_requests:
             return []
@@ -238,14 +258,14 @@ class Scheduler:
             raise RuntimeError(
                 "update_from_output() must get the oldest scheduled output not yet updated"
             )
-        tokens = _tokens_per_request(scheduler_output, sampled_token_ids)  # validate first
+        tokens = _tokens_per_step(scheduler_output, sampled_token_ids)  # validate first
         self._pending_outputs.popleft()
         finished = []
         for scheduled, token_id in tokens:
             request = scheduled.request
             request.num_output_placeholders -= 1
             if request.is_finished:
-                continue  # it stopped on the previous step's token: this one is past its end
+                continue  # it stopped on an earlier step's token: this one is past its end
             request.output_token_ids.append(token_id)
             status = _check_stop(request, token_id)
             if status is not None:
@@ -253,10 +273,41 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def _num_decode_steps(self) -> int:
+        """How many decode steps the next batch runs back to back: ``num_scheduler_steps`` when
+        every running request it would serve decodes, none asks for logprobs, no waiting request
+        could take a free seat, and the KV blocks of all the steps are free; fewer when a request
+        has fewer tokens left before ``max_tokens``; else 1 (a step as without multi-step)."""
+        num_steps = self.num_scheduler_steps
+        if num_steps == 1 or (self.waiting and len(self.running) < self.max_num_seqs):
+            return 1  # the waiting head is admitted now, as it would be without multi-step
+        serving = [request for request in self.running if not _reaches_max_tokens(request)]
+        if not serving:
+            return 1  # every running request awaits its last token: nothing to run
+        for request in serving:
+            if request.num_uncomputed_tokens != 1 or request.num_computed_tokens == 0:
+                return 1  # a prefill (or a prompt chunk) runs single-step
+            if request.sampling_params.logprobs is not None:
+                return 1  # logprobs are taken per single step
+            num_left = request.sampling_params.max_tokens - (
+                request.num_output_tokens + request.num_output_placeholders
+            )
+            num_steps = min(num_steps, num_left)
+        if num_steps <= 1 or len(serving) > self.max_num_batched_tokens:
+            return 1
+        block_manager = self.block_manager
+        num_blocks = sum(block_manager.blocks_needed(r, num_steps) for r in serving)
+        return num_steps if num_blocks <= block_manager.num_free_blocks else 1
+
     def _schedule_running(
-        self, scheduled: list[ScheduledRequest], preempted: list[Request], token_budget: int
+        self,
+        scheduled: list[ScheduledRequest],
+        preempted: list[Request],
+        token_budget: int,
+        num_steps: int = 1,
     ) -> int:
-        """Serve running requests oldest first, preempting from the newest end when short."""
+        """Serve running requests oldest first, preempting from the newest end when short;
+        ``num_steps`` decode steps each (``_num_decode_steps`` checked their blocks are free)."""
         index, running = 0, self.running
         while index < len(running) and token_budget > 0:
             request = running[index]
@@ -264,7 +315,8 @@ class Scheduler:
                 index += 1  # its pending token is its last: it finishes on the update
                 continue
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
-            if not self._allocate_or_preempt(request, num_new_tokens, preempted):
+            num_kv_tokens = num_new_tokens + num_steps - 1  # the later steps' KV, reserved ahead
+            if not self._allocate_or_preempt(request, num_kv_tokens, preempted):
                 break  # the request preempted itself: it was the newest left
             scheduled.append(ScheduledRequest(request, num_new_tokens))
             token_budget -= num_new_tokens
@@ -367,6 +419,26 @@ def _decodes_lead(scheduled: list[ScheduledRequest]) -> bool:
         elif seen_prefill:
             return False
     return True
+
+
+def _tokens_per_step(
+    scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
+) -> list[tuple[ScheduledRequest, int]]:
+    """Pair each token with its request: step 0's tokens first, each step in scheduled order."""
+    num_steps = scheduler_output.num_steps
+    if num_steps == 1:
+        return _tokens_per_request(scheduler_output, sampled_token_ids)
+    producing = scheduler_output.producing_requests
+    if len(sampled_token_ids) != num_steps * len(producing):
+        raise ValueError(
+            f"got {len(sampled_token_ids)} sampled tokens for {num_steps} decode steps of "
+            f"{len(producing)} requests; pass {num_steps} tokens per request, step by step"
+        )
+    num_requests = len(producing)
+    return [
+        (producing[index % num_requests], int(token))
+        for index, token in enumerate(sampled_token_ids)
+    ]
 
 
 def _tokens_per_request(

@@ -159,15 +159,18 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     if args.compare and args.peers:
         baselines, skipped = choose_peers(args.peers, baselines, skipped)
     bandwidth = measure_copy_bandwidth()
+    num_scheduler_steps = engine_args(args).get("num_scheduler_steps", 1)
     print(
         f"platform {platform.name} ({platform.device_name()}); device copy bandwidth "
-        f"{bandwidth / 1e9:.0f} GB/s"
+        f"{bandwidth / 1e9:.0f} GB/s; {num_scheduler_steps} decode step(s) per host round trip "
+        "(--num-scheduler-steps)"
     )
     payload: dict[str, Any] = {
         "model": args.model,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "batch_sizes": batch_sizes,
+        "num_scheduler_steps": num_scheduler_steps,
         "command": command_line(args),
         **run_environment(args.model, engine_args(args), args.commit),
         "copy_bandwidth_gbps": bandwidth / 1e9,

@@ -19,6 +19,7 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--quantization", {"default": None, "choices": ["fp8"]}),
     ("--tensor-parallel-size", {"type": int, "default": None}),
     ("--seed", {"type": int, "default": None}),
+    ("--num-scheduler-steps", {"type": int, "default": None}),
 ]
 
 

@@ -5,6 +5,8 @@
 - a mode that raises becomes a failed row with its error; the other rows and the JSON survive;
 - each row states its effective level and graph mode; on the CPU (no static graphs) modes that
   resolve to the same configuration run once, under the first name, the others named beside it;
+- ``--num-scheduler-steps`` reaches the engine (the same tokens, the same count of decode
+  steps) and is recorded in the JSON, its rows and the printed header;
 - ``--enforce-eager`` and ``-O`` are honoured, and a ``--modes`` entry that contradicts them is an
   error before any engine is built.
 
@@ -100,6 +102,22 @@ def test_enforce_eager_runs_one_eager_row(tmp_path):
     code, payload = bench_latency(tmp_path, "--model", "llama-tiny", "--enforce-eager")
     assert code == 0
     assert [(r["mode"], r["level"]) for r in payload["results"]] == [("eager", 0)]
+
+
+def test_num_scheduler_steps_reaches_the_engine_and_every_row_says_it(tmp_path, capsys):
+    """10 tokens: the prefill's, then decode runs of 4, 4 and 1 (9 decode steps either way)."""
+    flags = ["--model", "llama-tiny", "--enforce-eager", "--output-len", "10"]
+    code, single = bench_latency(tmp_path, *flags)
+    assert code == 0 and single["num_scheduler_steps"] == 1
+    code, multi = bench_latency(tmp_path, *flags, "--num-scheduler-steps", "4")
+    assert code == 0 and multi["num_scheduler_steps"] == 4
+    assert "4 decode step(s) per host round trip" in capsys.readouterr().out
+    assert "--num-scheduler-steps 4" in multi["command"]
+    (row,), (single_row,) = multi["results"], single["results"]
+    assert (row["num_scheduler_steps"], single_row["num_scheduler_steps"]) == (4, 1)
+    assert row["num_decode_steps"] == single_row["num_decode_steps"] == 9
+    assert row["first_output_token_ids"] == single_row["first_output_token_ids"]
+    assert len(row["first_output_token_ids"]) == 10
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,9 @@
 Proves: the split gives 2(A+M)+1 pieces, A+M+1 of them capturable, for A attention and M Mamba
 layers; greedy tokens are identical across compile levels and graph modes (on the simgraph example
 platform, whose replay really reads the captured buffers), with decode batches padded onto the
-null state slot; preemption recomputes a request's state from scratch and gives the same tokens;
-a reused slot's stale state is ignored; a model without attention layers runs; every state slot
+null state slot; multi-step decode (``num_scheduler_steps=4``) gives the same tokens; preemption
+recomputes a request's state from scratch and gives the same tokens; a reused slot's stale state
+is ignored; a model without attention layers runs; every state slot
 and KV block is free again at the end; a state cache too big for memory is a clear error.
 Run: pytest tests/engine/test_bamba_engine.py
 """
@@ -94,6 +95,25 @@ def test_tokens_identical_across_levels_and_graph_modes(
 ):
     llm = make_llm(checkpoint, mode)
     assert generate(llm, BATCH, MAX_TOKENS) == eager_tokens
+    assert_all_freed(llm)
+
+
+@pytest.mark.platform_agnostic
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+def test_multi_step_decode_gives_the_same_tokens(checkpoint, eager_tokens, graph_platform, mode):
+    """Runs of up to 4 decode steps: each step's Mamba state update continues from the one
+    before on the device, in the request's own slot (FULL decode graphs replayed per step)."""
+    llm = make_llm(checkpoint, mode, num_scheduler_steps=4)
+    schedule, num_steps = llm.engine.scheduler.schedule, []
+
+    def recording_schedule():
+        output = schedule()
+        num_steps.append(output.num_steps)
+        return output
+
+    llm.engine.scheduler.schedule = recording_schedule
+    assert generate(llm, BATCH, MAX_TOKENS) == eager_tokens
+    assert max(num_steps) == 4
     assert_all_freed(llm)
 
 

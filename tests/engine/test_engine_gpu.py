@@ -3,6 +3,9 @@
 Graph modes NONE (level 3, no graphs), PIECEWISE and FULL_AND_PIECEWISE run the same compiled
 code, so the first greedy tokens of several prompts must agree; a mixed, queued workload (more
 prompts than max_num_seqs, a prompt chunked by the token budget) exercises padding and dispatch.
+Multi-step decode (``num_scheduler_steps=8``, FULL decode graphs replayed 8 times per host round
+trip on inputs the device advances) gives every token of single steps (float32: no near-ties),
+greedy and seeded, with ``max_tokens`` no multiple of 8.
 Run on a GPU machine: pytest -m gpu tests/engine/test_engine_gpu.py
 """
 
@@ -46,3 +49,33 @@ def test_llama_bf16_tokens_equal_across_graph_modes():
     reference = greedy_tokens("compiled", batch)
     assert greedy_tokens("piecewise", batch) == reference
     assert greedy_tokens("full_and_piecewise", batch) == reference
+
+
+def generated_tokens(num_scheduler_steps: int, batch: list[list[int]]) -> list[list[int]]:
+    llm = LLM(
+        "llama-125m",
+        compilation_config=compilation_for_mode("full_and_piecewise"),
+        dtype="float32",
+        max_num_seqs=4,
+        num_scheduler_steps=num_scheduler_steps,
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True, seed=3),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=26, ignore_eos=True, seed=5),
+    ]
+    tokens = [out.outputs[0].token_ids for out in llm.generate(batch, params)]
+    llm.shutdown()
+    del llm
+    gc.collect()
+    current_platform().empty_cache()
+    return tokens
+
+
+def test_multi_step_decode_gives_the_single_step_tokens():
+    generator = torch.Generator().manual_seed(1)
+    batch = [torch.randint(0, 50272, (n,), generator=generator).tolist() for n in (4, 11, 7, 20)]
+    single = generated_tokens(1, batch)
+    assert [len(tokens) for tokens in single] == [21, 30, 9, 26]
+    assert generated_tokens(8, batch) == single

@@ -110,10 +110,13 @@ def finish_order(steps: list) -> list[str]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
+    return save_scaled_llama_tiny(tmp_path_factory.mktemp("llama-tiny"))
+
+
+def save_scaled_llama_tiny(path) -> str:
     """llama-tiny with weights 10x the preset's scale: at the preset's scale the logits barely
     depend on the context (greedy decoding repeats one token), so a wrong KV cache entry or
     position would go unseen."""
-    path = tmp_path_factory.mktemp("llama-tiny")
     hf_config = get_preset("llama-tiny")
     weights = {
         name: tensor if name.endswith("norm.weight") else tensor * 10

@@ -10,7 +10,9 @@ sizes and more only across gaps of at least ``MAX_COPY_GAP_BYTES``; (4) the rows
 view of the hidden states in a decode-only step and a gather otherwise, and the decodes' tokens
 still on the device are filled from the previous step's sampled ids, in order, shuffled or
 alone; one the previous step did not sample is refused with a message naming the request; (5)
-the two staging buffers alternate and a step waits only on the copy two steps back.
+the two staging buffers alternate and a step waits only on the copy two steps back; (6) each
+later step of a multi-step decode run, made on the device by ``advance_decode``, holds that
+step's values.
 
 The "device" is the CPU here: device and staging buffers are still separate tensors, so a field
 the copies missed would read stale values.
@@ -31,9 +33,14 @@ BLOCK_SIZE = 4
 MAX_NUM_TOKENS, MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ = 64, 8, 16
 
 
-def make_buffers(max_num_tokens: int = MAX_NUM_TOKENS) -> InputBuffers:
+def make_buffers(max_num_tokens: int = MAX_NUM_TOKENS, max_num_steps: int = 1) -> InputBuffers:
     return InputBuffers(
-        max_num_tokens, MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ, torch.device("cpu"), pin_memory=False
+        max_num_tokens,
+        MAX_NUM_SEQS,
+        MAX_BLOCKS_PER_SEQ,
+        torch.device("cpu"),
+        pin_memory=False,
+        max_num_steps=max_num_steps,
     )
 
 
@@ -214,11 +221,12 @@ def test_addresses_fixed_across_steps_of_one_padded_shape():
 @pytest.mark.parametrize("max_num_tokens", [64, 2048, 16384])
 @pytest.mark.parametrize("num_seqs,num_tokens", [(1, 1), (4, 4), (8, 64), (2, 40)])
 def test_copies_cover_every_used_byte(max_num_tokens, num_seqs, num_tokens):
-    buffers = make_buffers(max_num_tokens)
+    buffers = make_buffers(max_num_tokens, max_num_steps=4)
     shape = StepShape(num_tokens, num_tokens, num_seqs, num_seqs, 1)
-    ranges = buffers.copy_ranges(shape, num_logits=num_seqs, num_placeholders=num_seqs)
+    ranges = buffers.copy_ranges(shape, num_logits=num_seqs, num_placeholders=num_seqs,
+                                 num_step_slots=3 * num_seqs)  # fmt: skip
     rows = {"tokens": num_tokens, "seqs": num_seqs, "seqs+1": num_seqs + 1, "logits": num_seqs,
-            "placeholders": num_seqs}  # fmt: skip
+            "placeholders": num_seqs, "step_slots": 3 * num_seqs}  # fmt: skip
     for field in buffers.fields:
         start, end = field.offset, field.offset + rows[field.rows] * field.row_bytes
         assert any(lo <= start and end <= hi for lo, hi in ranges), field.name
@@ -232,6 +240,37 @@ def test_one_copy_at_default_sizes():
     for num_seqs in (1, 8, 64, 128):
         shape = StepShape(num_seqs, num_seqs, num_seqs, num_seqs, 1)
         assert len(buffers.copy_ranges(shape, num_logits=num_seqs)) == 1
+
+
+def test_advance_decode_gives_each_later_step_of_a_multi_step_run():
+    """Three decodes padded to 4 sequences (a FULL decode layout), run 4 steps: after each
+    ``advance_decode`` the device fields hold that step (the sampled ids as inputs, positions and
+    lengths one further, slots through the blocks reserved ahead, one step crossing into a new
+    block), and the padded row stays inert."""
+    buffers = make_buffers(max_num_steps=4)
+    scheduled = []
+    for prompt_len, first_block in [(3, 0), (6, 4), (9, 8)]:
+        item = scheduled_request(prompt_len, 1, prompt_len, 1, first_block)
+        # Blocks for the 3 later steps, reserved ahead: positions up to prompt_len + 3 (r0 goes
+        # from position 3 in its first block to 4-6 in its second).
+        item.request.block_ids = list(range(first_block, first_block + 4))
+        scheduled.append(item)
+    shape = StepShape(3, 4, 3, 4, 1)
+    buffers.prepare(scheduled, shape, BLOCK_SIZE, num_steps=4)
+    for step in range(1, 4):
+        sampled = torch.tensor([70 + step, 80 + step, 90 + step])
+        buffers.advance_decode(sampled, step)
+        positions = [item.num_computed_tokens + step for item in scheduled]
+        slots = [
+            item.request.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+            for item, p in zip(scheduled, positions)
+        ]
+        assert buffers["input_ids"][:4].tolist() == sampled.tolist() + [0]
+        assert buffers["positions"][:4].tolist() == positions + [0]
+        assert buffers["seq_lens"][:4].tolist() == [p + 1 for p in positions] + [0]
+        assert buffers["slot_mapping"][:4].tolist() == slots + [-1]
+    with pytest.raises(ValueError, match="step 4 of a run of 3 sequences: prepare\\(\\) staged"):
+        buffers.advance_decode(sampled, 4)
 
 
 def decode_step(buffers: InputBuffers, sampled_rows: dict[str, int], prefill_first: bool = False):

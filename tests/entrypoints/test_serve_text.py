@@ -3,7 +3,8 @@
 Proves, with a byte-level fake tokenizer (one token per UTF-8 byte): a character split over
 several tokens is sent once complete; the concatenated deltas equal the final text; text that
 could still begin a stop string is held back until it cannot; the first stop string ends the
-choice with the text before it (even when split over tokens); without a tokenizer no text is sent.
+choice with the text before it (even when split over tokens), and tokens pushed after the one
+that completed it are dropped; without a tokenizer no text is sent.
 Run: pytest tests/entrypoints/test_serve_text.py
 """
 
@@ -48,6 +49,16 @@ def test_stop_string_cuts_the_text_and_holds_back_its_prefix():
     rest = [stream.push([token], finished=False) for token in ids("OPxyz")]
     assert stream.stopped and "".join(deltas + rest) == stream.text == "abc"
     assert stream.push(ids("more"), finished=True) == ""  # after the stop nothing more is sent
+
+
+def test_tokens_after_a_stop_string_in_one_push_are_dropped():
+    """Multi-step decode delivers several tokens at once: those after the one that completed the
+    stop string are not the choice's."""
+    stream = TextStream(ByteTokenizer(), stop=["STOP"])
+    assert stream.push(ids("ab"), finished=False) == ""  # held back: it could begin "STOP"
+    assert stream.push(ids("cSTOPxy"), finished=False) == "abc"
+    assert stream.stopped and stream.text == "abc"
+    assert stream.token_ids == ids("abcSTOP")
 
 
 def test_a_false_start_is_released():

@@ -159,18 +159,20 @@ class Generation:
     ) -> ChoiceDelta | None:
         if delta.error is not None:  # the engine died under the request
             raise EngineDeadError(delta.error)
-        self.metrics.add_generated_tokens(len(delta.new_token_ids))
+        num_tokens_before = len(text.token_ids)
         piece = text.push(delta.new_token_ids, delta.finished)
+        new_token_ids = text.token_ids[num_tokens_before:]  # none past a stop string
+        self.metrics.add_generated_tokens(len(new_token_ids))
         finish_reason = "stop" if text.stopped else delta.finish_reason
         offset = len(result.text)
         result.text += piece
-        result.token_ids.extend(delta.new_token_ids)
+        result.token_ids.extend(new_token_ids)
         if delta.logprobs is not None:
             result.logprobs = (result.logprobs or []) + delta.logprobs
-        if finish_reason is None and not piece and not delta.new_token_ids:
+        if finish_reason is None and not piece and not new_token_ids:
             return None
         result.finish_reason = finish_reason
-        return ChoiceDelta(index, piece, delta.new_token_ids, finish_reason, delta.logprobs, offset)
+        return ChoiceDelta(index, piece, new_token_ids, finish_reason, delta.logprobs, offset)
 
     async def close(self) -> None:
         """Close every choice's engine stream; one still running is aborted."""

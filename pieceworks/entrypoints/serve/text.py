@@ -47,9 +47,13 @@ class TextStream:
         return self.detokenizer.text if self.detokenizer is not None else ""
 
     def push(self, new_token_ids: list[int], finished: bool) -> str:
-        """Add tokens; return the text to send now (all that is left when ``finished``)."""
+        """Add tokens; return the text to send now (all that is left when ``finished``). Tokens
+        after a stop string (several arrive at once with multi-step decode) are dropped from
+        ``token_ids``."""
         self.token_ids.extend(new_token_ids)
         if self.detokenizer is None:
             return ""
         self.detokenizer.update(new_token_ids)
+        if self.stopped:  # the tokens after the one that completed the stop string are past its end
+            del self.token_ids[self.detokenizer.num_generated_tokens :]
         return self.detokenizer.take_delta(finished or self.stopped)
