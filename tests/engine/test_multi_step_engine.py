@@ -23,7 +23,7 @@ import asyncio
 import pytest
 
 from pieceworks.benchmarks.modes import compilation_for_mode
-from pieceworks.engine.async_engine import AsyncLLMEngine
+from pieceworks.engine.async_engine import AsyncLLMEngine, InprocEngineClient
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.output_processor import OutputProcessor
 from pieceworks.engine.sampling_params import SamplingParams
@@ -222,8 +222,7 @@ def test_async_engine_streams_the_same_tokens_in_order(checkpoint):
 
     def stream_all(num_scheduler_steps: int) -> list[list[list[int]]]:
         llm = make_llm(checkpoint, "eager", num_scheduler_steps, async_scheduling=True)
-        engine = AsyncLLMEngine(llm.engine)
-        engine.start()
+        engine = AsyncLLMEngine(InprocEngineClient(llm.engine))
 
         async def one(index: int) -> list[list[int]]:
             await asyncio.sleep(0.01 * index)  # arrivals while others decode
@@ -236,6 +235,7 @@ def test_async_engine_streams_the_same_tokens_in_order(checkpoint):
             return chunks
 
         async def main() -> list[list[list[int]]]:
+            engine.start()  # the engine loop's outputs go to this event loop
             return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
 
         try:
