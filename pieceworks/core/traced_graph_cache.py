@@ -37,6 +37,7 @@ import torch.fx
 from pieceworks.core.cache_key import module_relative_paths
 from pieceworks.core.cache_miss import differences, explain_miss
 from pieceworks.core.compile_cache import KEY_FACTORS_FILE, sha256_of, write_atomic
+from pieceworks.core.compiler_interface import triton_version
 from pieceworks.core.graph_call import named_state
 from pieceworks.utils import hash_factors
 
@@ -50,14 +51,6 @@ MANIFEST_FILE = "manifest.json"
 
 class TracedGraphDamaged(Exception):
     """A stored graph exists but cannot be used (unparsable, failed checksum); says why."""
-
-
-def triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return str(triton.__version__)
 
 
 def state_layout_hash(module: torch.nn.Module) -> str:

@@ -1,10 +1,10 @@
 """A fresh process for the compile-cache tests: build the toy, run it, save outputs and counters.
 
 Builds ``ToyModel`` with Inductor (or ``--backend eager``) and the compile cache at ``--cache-root``
-(``--max-model-len`` changes a config factor of its key), runs it on fixed
+(``--max-model-len`` changes a config factor of its key) on ``--device``, runs it on fixed
 inputs (token counts 4, 3, 1: the dynamic-shape artifact serves them all) and writes a
-``torch.save`` file with the outputs, the compilation-counter deltas, the cache directory and the
-directory the ``pieceworks`` package was imported from.
+``torch.save`` file with the outputs, the compilation-counter deltas, the cache directory, the
+directory the ``pieceworks`` package was imported from and Inductor's Triton-kernel counters.
 Run (from the repository root): python -m tests.core.compile_cache_worker --cache-root DIR --out F
 """
 
@@ -46,22 +46,32 @@ def toy_config(
     )
 
 
-def toy_inputs() -> list[torch.Tensor]:
+def toy_inputs(device: str = "cpu") -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    return [torch.randn(n, 8, generator=generator) for n in TOKEN_COUNTS]
+    return [torch.randn(n, 8, generator=generator).to(device) for n in TOKEN_COUNTS]
+
+
+def inductor_counters() -> dict[str, int]:
+    """Inductor's counts of Triton kernels its artifacts carried and of kernels it compiled."""
+    from torch._dynamo.utils import counters
+
+    prefixes = ("triton_bundler_", "async_compile_")
+    return {k: v for k, v in counters["inductor"].items() if k.startswith(prefixes)}
 
 
 @torch.inference_mode()
-def run_toy(cache_root: str, num_layers: int, **config_args: Any) -> dict[str, Any]:
+def run_toy(
+    cache_root: str, num_layers: int, device: str = "cpu", **config_args: Any
+) -> dict[str, Any]:
     """Build, run every input, return outputs, counter deltas and the cache directory."""
     config = toy_config(cache_root, **config_args)
     before = compilation_counter.clone()
     torch.manual_seed(0)
-    model = ToyModel(config=config, num_layers=num_layers).requires_grad_(False)
+    model = ToyModel(config=config, num_layers=num_layers).requires_grad_(False).to(device)
     outputs = []
-    for x in toy_inputs():
+    for x in toy_inputs(device):
         with set_forward_context(None, config):
-            outputs.append(model(x).clone())
+            outputs.append(model(x).clone().cpu())
     counters = {
         name: value - getattr(before, name) for name, value in vars(compilation_counter).items()
     }
@@ -71,6 +81,7 @@ def run_toy(cache_root: str, num_layers: int, **config_args: Any) -> dict[str, A
         "counters": counters,
         "cache_dir": backend.cache_dir,
         "package_dir": os.path.dirname(pieceworks.__file__),  # which copy was imported
+        "inductor_counters": inductor_counters(),
     }
 
 
@@ -81,9 +92,14 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=12)
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     result = run_toy(
-        args.cache_root, args.num_layers, backend=args.backend, max_model_len=args.max_model_len
+        args.cache_root,
+        args.num_layers,
+        args.device,
+        backend=args.backend,
+        max_model_len=args.max_model_len,
     )
     torch.save(result, args.out)
 
