@@ -169,24 +169,27 @@ class BoundGraphCall:
     ) -> None:
         self.arg_names = call.arg_names
         self.runnable = runnable
-        self.inputs = call.inputs
-        # The state tensors, bound once; None where the input comes from the call.
+        # The state tensors, bound once; None where the input comes from the call. Only the
+        # few inputs taken from the call are visited per call (a model has hundreds of weights).
         self.bound = [state[fqn] if kind == "state" else None for kind, fqn in call.inputs]
+        self.from_call = [
+            (i, kind, src) for i, (kind, src) in enumerate(call.inputs) if kind != "state"
+        ]
         self.output_leaves = call.output_leaves
         self.output_spec = pytree.treespec_loads(call.output_spec)
 
     def graph_inputs(self, args: tuple, kwargs: dict[str, Any]) -> list[Any]:
         arguments = bind_arguments(self.arg_names, args, kwargs)
-        values = list(self.bound)
-        for index, (kind, payload) in enumerate(self.inputs):
+        values = self.bound.copy()
+        for index, kind, source in self.from_call:
             if kind == "arg":
-                values[index] = arguments[payload]
+                values[index] = arguments[source]
             elif kind == "size":
-                values[index] = arguments[payload[0]].size(payload[1])
+                values[index] = arguments[source[0]].size(source[1])
             elif kind == "stride":
-                values[index] = arguments[payload[0]].stride(payload[1])
-            elif kind == "storage_offset":
-                values[index] = arguments[payload].storage_offset()
+                values[index] = arguments[source[0]].stride(source[1])
+            else:  # storage_offset
+                values[index] = arguments[source].storage_offset()
         return values
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
