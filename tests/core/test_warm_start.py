@@ -83,6 +83,7 @@ def run_worker(
 ) -> tuple[dict, str]:
     """The worker from ``source_root`` in a fresh process with empty Inductor and Triton caches:
     (its result, its log)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     environment = {k: v for k, v in os.environ.items() if k != "PIECEWORKS_DISABLE_COMPILE_CACHE"}
     environment.update(
         PYTHONPATH=str(source_root),
