@@ -48,6 +48,8 @@ _COUNTERS = (
     "num_cudagraph_captured",
     "num_compiled_artifacts_loaded",
     "num_compiled_artifacts_saved",
+    "num_dynamo_traces",
+    "num_traced_graphs_loaded",
 )
 
 

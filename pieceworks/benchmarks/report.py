@@ -106,8 +106,15 @@ def _table_row(cells: list[Any]) -> str:
 
 
 def compile_cache_status(result: dict[str, Any]) -> str:
-    """``hit (N artifacts loaded)``, ``miss (N compiled, N saved)``, ``partial hit``, or why off."""
-    cache, counters = result["compile_cache"], result["counters"]
+    """``hit (N artifacts loaded)``, ``miss (N compiled, N saved)``, ``partial hit``, or why off;
+    then ``; traced graph loaded (no Dynamo trace)`` when a warm start skipped the trace."""
+    status = _artifact_status(result["compile_cache"], result["counters"])
+    if result["counters"].get("num_traced_graphs_loaded"):
+        status += "; traced graph loaded (no Dynamo trace)"
+    return status
+
+
+def _artifact_status(cache: dict[str, Any], counters: dict[str, int]) -> str:
     if not cache["dirs"]:
         return cache["off_reason"]
     loaded = counters["num_compiled_artifacts_loaded"]

@@ -10,8 +10,12 @@ caches again, so what it loads comes from pieceworks' artifacts alone (``reuse_i
 keeps theirs as well). The phases, in the order start-up runs them:
 
     weight_load_s      build the model and load its weights
-    dynamo_trace_s     Dynamo tracing ``forward`` (first call until the graph reaches the backend)
-    compile_or_load_s  split the graph, compile or load every piece, wrap the pieces
+    dynamo_trace_s     Dynamo tracing ``forward`` (first call until the graph reaches the backend);
+                       0 on a warm start that loaded the stored graph instead
+    graph_load_s       a warm start: read and check the stored traced graph (``warm_start.py``)
+                       instead of tracing; 0 when Dynamo traced
+    compile_or_load_s  split the graph, compile or load every piece, wrap the pieces (a warm start:
+                       load every piece of the stored graph, wrap them)
     profile_run_s      the rest of the first forward (the profiling run that sizes the KV cache)
     kernel_warmup_s    the uncaptured warm-up of every capture shape (kernels compile here)
     capture_s          recording the static graphs
@@ -36,6 +40,7 @@ from typing import Any
 ENGINE_PHASES = (
     "weight_load_s",
     "dynamo_trace_s",
+    "graph_load_s",
     "compile_or_load_s",
     "profile_run_s",
     "kernel_warmup_s",
@@ -44,6 +49,7 @@ ENGINE_PHASES = (
 PHASES = (*ENGINE_PHASES, "other_s", "first_step_s")
 COUNTERS = (
     "num_dynamo_traces",
+    "num_traced_graphs_loaded",
     "num_inductor_compiles",
     "num_compiled_artifacts_loaded",
     "num_compiled_artifacts_saved",
@@ -58,12 +64,14 @@ def engine_phases(llm: Any, engine_seconds: float) -> dict[str, float]:
     runner = llm.engine.runner
     compilers = trace_once_compilers(runner.model)
     trace = sum(compiler.trace_seconds for compiler in compilers)
+    graph_load = sum(compiler.graph_load_seconds for compiler in compilers)
     compile_or_load = sum(compiler.compile_seconds for compiler in compilers)
     phases = {
         "weight_load_s": runner.load_seconds,
         "dynamo_trace_s": trace,
+        "graph_load_s": graph_load,
         "compile_or_load_s": compile_or_load,
-        "profile_run_s": max(runner.compile_seconds - trace - compile_or_load, 0.0),
+        "profile_run_s": max(runner.compile_seconds - trace - graph_load - compile_or_load, 0.0),
         "kernel_warmup_s": runner.warmup_seconds,
         "capture_s": runner.capture_seconds,
     }
@@ -161,7 +169,8 @@ def run_startup(
 def format_startup_table(rows: list[dict[str, Any]]) -> str:
     """One line per run: each phase, construction, total, and what was traced, compiled, loaded."""
     names = [phase.removesuffix("_s") for phase in PHASES]
-    header = ["run", *names, "engine", "total", "traces", "compiles", "loads", "captures"]
+    header = ["run", *names, "engine", "total", "traces", "graph_loads", "compiles", "loads"]
+    header.append("captures")
     lines = [" | ".join(header)]
     for row in rows:
         if row.get("status") != "ok":
@@ -174,8 +183,9 @@ def format_startup_table(rows: list[dict[str, Any]]) -> str:
             str(counters[name]) for name in COUNTERS if name != "num_compiled_artifacts_saved"
         ]
         lines.append(" | ".join(cells))
-    lines.append("(seconds; traces, compiles, loads, captures: Dynamo traces, Inductor compiles,")
-    lines.append(" artifacts loaded from the compile cache, graphs captured)")
+    lines.append("(seconds; traces, graph_loads, compiles, loads, captures: Dynamo traces, traced")
+    lines.append(" graphs loaded instead, Inductor compiles, artifacts loaded from the compile")
+    lines.append(" cache, graphs captured)")
     return "\n".join(lines)
 
 

@@ -113,6 +113,14 @@ class CompileCache:
         self.checksums[entry["artifact"]] = entry["sha256"]
         return path
 
+    def is_intact(self, entry_name: str, artifact_key: str) -> bool:
+        """Whether ``lookup`` would find this entry's artifact, without a warning either way."""
+        entry = self.entries.get(entry_name)
+        if entry is None or entry["artifact"] != self.artifact_name(artifact_key):
+            return False
+        path = os.path.join(self.directory, entry["artifact"])
+        return os.path.isfile(path) and sha256_of(path) == entry["sha256"]
+
     def warn_corrupt(self, entry_name: str, reason: str) -> None:
         repair = (
             "; the read-only cache is left as it is"

@@ -113,13 +113,14 @@ class InductorAdaptor(CompilerInterface):
         )
 
     def compute_hash_factors(self) -> dict[str, Any]:
-        """torch and Python versions, the target device, Inductor's config, our passes."""
+        """torch, Triton and Python versions, the target device, Inductor's config, our passes."""
         from pieceworks.platforms import current_platform
 
         return {
             "name": self.name,
             "torch": torch.__version__,
             "torch_git": torch.version.git_version,
+            "triton": triton_version(),
             "python": platform.python_version(),
             "device": current_platform().device_name(),
             "inductor_config": _inductor_config_hash(),
@@ -141,6 +142,15 @@ class InductorAdaptor(CompilerInterface):
         # A loaded artifact returns its outputs as a list even where the graph returns one value
         # (split_module's pieces do); the freshly compiled one unwraps it.
         return lambda *args: loaded(*args)[0]
+
+
+def triton_version() -> str | None:
+    """The installed Triton's version (its kernels' binaries are in the artifacts); None if none."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return str(triton.__version__)
 
 
 def _inductor_config_hash() -> str:

@@ -50,11 +50,14 @@ class CompilerManager:
         options: dict[str, Any],
         piece_index: int,
         runtime_shape: int | None,
+        key: str | None = None,
     ) -> Callable[..., Any]:
-        """The runnable of ``graph`` for ``runtime_shape``, compiled only if it must be."""
+        """The runnable of ``graph`` for ``runtime_shape``, compiled only if it must be.
+        ``key`` is the piece's artifact key when known (a warm start's graph has no example
+        values to hash)."""
         if not self.compiler.saves_artifacts:
             return self.compiler.compile(graph, example_inputs, options, runtime_shape)
-        key = artifact_key(graph, runtime_shape, piece_index)
+        key = key or artifact_key(graph, runtime_shape, piece_index)
         entry = entry_name(piece_index, runtime_shape)
         runnable = self.runnables.get(key)
         if runnable is None:
@@ -65,6 +68,20 @@ class CompilerManager:
         elif self.cache is not None:
             self.cache.record(entry, key)
         self.runnables[key] = runnable
+        return runnable
+
+    def load(
+        self, graph: torch.fx.GraphModule, piece_index: int, runtime_shape: int | None, key: str
+    ) -> Callable[..., Any] | None:
+        """The runnable of an artifact the cache holds under ``key``; None when it is absent or
+        unusable (warned). The eager compiler's runnable is the graph itself."""
+        if not self.compiler.saves_artifacts:
+            return self.compiler.compile(graph, [], {}, runtime_shape)
+        runnable = self.runnables.get(key)
+        if runnable is None:
+            runnable = self._load(entry_name(piece_index, runtime_shape), key, graph)
+        if runnable is not None:
+            self.runnables[key] = runnable
         return runnable
 
     def _load(self, entry: str, key: str, graph: torch.fx.GraphModule) -> Callable[..., Any] | None:

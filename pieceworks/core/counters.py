@@ -16,6 +16,8 @@ from collections.abc import Iterator
 class CompilationCounter:
     num_models_seen: int = 0
     num_dynamo_traces: int = 0  # first calls that ran Dynamo (levels 2 and 3)
+    num_traced_graphs_loaded: int = 0  # level-3 first calls that loaded the graph instead
+    num_traced_graphs_saved: int = 0  # traced graphs stored for warm starts
     num_graphs_seen: int = 0
     num_piecewise_graphs_seen: int = 0  # submodules produced by split_graph
     num_piecewise_capturable_graphs_seen: int = 0  # ... of which are compiled and capturable

@@ -97,7 +97,7 @@ def _wrap_call(cls: type) -> None:
         compiler = self._pieceworks_compiler
         if compiler is None or torch.compiler.is_compiling():
             return self.forward(*args, **kwargs)
-        if compiler.compiled_code is None:
+        if not compiler.is_ready:
             _mark_dynamic(self.forward, self._pieceworks_dims, args, kwargs)
         return compiler(*args, **kwargs)
 

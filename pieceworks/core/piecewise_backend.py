@@ -35,8 +35,13 @@ class PiecewiseBackend:
         num_pieces: int,
         sym_shape_indices: list[int],
         compiler: CompilerManager,
-        example_inputs: list[Any],
+        example_inputs: list[Any] | None = None,
+        *,
+        compiled_general: Callable[..., Any] | None = None,
+        artifact_keys: dict[int | None, str] | None = None,
     ) -> None:
+        """Compiles the dynamic shape from ``example_inputs``, or takes ``compiled_general``
+        (a warm start's loaded artifact, whose ``artifact_keys`` the traced start computed)."""
         self.graph = graph
         self.piece_index = piece_index
         self.num_pieces = num_pieces
@@ -44,9 +49,13 @@ class PiecewiseBackend:
         self.compiler = compiler
         self.options = config.compilation_config.inductor_compile_config
         self.compile_sizes = set(config.compilation_config.compile_sizes)
-        self.compiled_general = compiler.compile(
-            graph, example_inputs, self.options, piece_index, None
-        )
+        self.artifact_keys = artifact_keys or {}
+        if compiled_general is None:
+            assert example_inputs is not None, "compiling needs the piece's example inputs"
+            compiled_general = compiler.compile(
+                graph, example_inputs, self.options, piece_index, None
+            )
+        self.compiled_general = compiled_general
         self.static_runnables: dict[int, Callable[..., Any]] = {}
         compilation_counter.num_backend_compilations += 1
 
@@ -69,7 +78,12 @@ class PiecewiseBackend:
                 runtime_shape,
             )
             runnable = self.compiler.compile(
-                self.graph, list(args), self.options, self.piece_index, runtime_shape
+                self.graph,
+                list(args),
+                self.options,
+                self.piece_index,
+                runtime_shape,
+                key=self.artifact_keys.get(runtime_shape),
             )
             self.static_runnables[runtime_shape] = runnable
         return runnable(*args)

@@ -14,18 +14,23 @@ from typing import Any
 import torch
 
 
+def dynamic_input_indices(placeholder_values: Sequence[Any]) -> list[int]:
+    """Positions of the graph inputs whose first dim is symbolic (the token dimension)."""
+    return [
+        i
+        for i, x in enumerate(placeholder_values)
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and isinstance(x.shape[0], torch.SymInt)
+    ]
+
+
 class StaticInputCopier:
     """Calls ``runnable`` on static buffers holding a copy of each call's tensor inputs."""
 
-    def __init__(self, runnable: Callable[..., Any], placeholder_values: Sequence[Any]) -> None:
+    def __init__(self, runnable: Callable[..., Any], dynamic_indices: list[int]) -> None:
         self.runnable = runnable
-        # Inputs whose first dim is symbolic in the traced graph (the token dimension) get a
-        # buffer; parameters and buffers of the model already live at fixed addresses.
-        self.dynamic_indices = [
-            i
-            for i, x in enumerate(placeholder_values)
-            if isinstance(x, torch.Tensor) and x.dim() > 0 and isinstance(x.shape[0], torch.SymInt)
-        ]
+        # Inputs with a symbolic first dim (``dynamic_input_indices``) get a buffer; parameters
+        # and buffers of the model already live at fixed addresses.
+        self.dynamic_indices = dynamic_indices
         self.buffers: dict[int, torch.Tensor] = {}
 
     def __call__(self, *args: Any) -> Any:

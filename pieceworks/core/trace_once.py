@@ -15,6 +15,10 @@ value of some integer or size (a second model of another shape: ``q_size``, ``nu
 symbols: different graphs from those a fresh process traces, and compile-cache artifacts that
 do not match their entries. The trace therefore runs with automatic dynamic shapes off, so only
 the dims declared by ``support_torch_compile`` are dynamic and every other value is a constant.
+
+At level 3 with the compile cache on, the first call first looks for the split graph a previous
+start traced (``warm_start.py``): found and valid, the forward runs as that graph's loaded pieces
+through a ``BoundGraphCall`` (no Dynamo, no bytecode); otherwise it traces, and stores the graph.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ import torch
 from pieceworks.core.backend import PiecewiseCompileBackend, dump_dir
 from pieceworks.core.config import CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
+from pieceworks.core.warm_start import load_traced_graph, save_traced_graph, traced_graph_store
 from pieceworks.logger import init_logger
 
 if TYPE_CHECKING:
     from pieceworks.config import EngineConfig
+    from pieceworks.core.graph_call import BoundGraphCall
 
 logger = init_logger(__name__)
 
@@ -59,9 +65,12 @@ class TraceOnceCompiler:
         self.original_code: CodeType = type(module).forward.__code__
         self.compiled_code: CodeType | None = None
         self.piecewise_backend: PiecewiseCompileBackend | None = None  # level 3 only
-        # Seconds of the first call, of its Dynamo trace and of the backend (level 3; else 0).
+        self.warm_forward: BoundGraphCall | None = None  # level 3: the stored graph, loaded
+        # Seconds of the first call, of its Dynamo trace, of reading the stored graph instead
+        # (a warm start) and of the backend's compile or load (level 3; else 0).
         self.first_call_seconds = 0.0
         self.trace_seconds = 0.0
+        self.graph_load_seconds = 0.0
         self.compile_seconds = 0.0
         self.compiled_callable = self._build_compiled_callable(prefix)
 
@@ -83,7 +92,35 @@ class TraceOnceCompiler:
     def uses_bytecode_dispatch(self) -> bool:
         return self.level >= CompilationLevel.DYNAMO_ONCE
 
+    @property
+    def is_ready(self) -> bool:
+        """Whether the first call is over (traced, or its graph loaded)."""
+        return self.compiled_code is not None or self.warm_forward is not None
+
     def compile_first_call(self, *args: Any, **kwargs: Any) -> Any:
+        """Load the stored graph (level 3), else trace and compile, recording Dynamo's code."""
+        backend = self.piecewise_backend
+        store = traced_graph_store(backend, self.module, args, kwargs) if backend else None
+        if store is not None:
+            assert backend is not None
+            start = time.perf_counter()
+            self.warm_forward = load_traced_graph(store, backend, self.module)
+            if self.warm_forward is not None:
+                output = self.warm_forward(*args, **kwargs)
+                self.first_call_seconds = time.perf_counter() - start
+                self.graph_load_seconds = backend.graph_load_seconds
+                self.compile_seconds = backend.backend_seconds
+                return output
+            backend.record_first_call = True
+        output = self.trace_first_call(*args, **kwargs)
+        if store is not None and self.compiled_code is not None:
+            assert backend is not None
+            save_traced_graph(
+                store, backend, self.module, self.compiled_code, (args, kwargs), output
+            )
+        return output
+
+    def trace_first_call(self, *args: Any, **kwargs: Any) -> Any:
         """Trace and compile on the first call, recording the bytecode Dynamo produces."""
         recorded: list[CodeType] = []
 
@@ -162,6 +199,8 @@ class TraceOnceCompiler:
             forward.__code__ = self.original_code
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.warm_forward is not None:
+            return self.warm_forward(*args, **kwargs)
         if self.compiled_code is None and self.level != CompilationLevel.DYNAMO_AS_IS:
             return self.compile_first_call(*args, **kwargs)
         if not self.uses_bytecode_dispatch:

@@ -33,6 +33,12 @@ def test_compile_cache_status_words():
     assert compile_cache_status(result(0, 3, 3)) == "miss (3 compiled, 3 artifacts saved)"
     assert compile_cache_status(result(2, 1, 1)).startswith("partial hit (2 artifacts loaded")
     assert compile_cache_status(result(0, 3, 0, dirs=())) == "disabled (X=1)"
+    warm = result(3, 0, 0)
+    warm["counters"]["num_traced_graphs_loaded"] = 1
+    assert (
+        compile_cache_status(warm)
+        == "hit (3 artifacts loaded); traced graph loaded (no Dynamo trace)"
+    )
 
 
 def test_format_compile_cache_names_the_directory_and_compile_time():

@@ -2,8 +2,9 @@
 
 Runs the CLI on llama-tiny at level 3 with the eager backend (Dynamo traces and the graph is split,
 nothing is compiled or captured on the CPU), so the trace and backend phases are real and short.
-Proves: two rows (cold, warm) whose phases are all present, non-negative and add up to the total,
-the Dynamo trace counted once per fresh process, the JSON and the table written.
+Proves: two rows (cold, warm) whose phases are all present, non-negative and add up to the total;
+the cold run traces once and the warm one loads the stored graph instead (its trace phase 0, its
+graph-load phase and counter set); the JSON and the table written.
 Run: pytest tests/benchmarks/test_startup.py
 """
 
@@ -25,7 +26,7 @@ def test_bench_startup_reports_each_phase_cold_and_warm(tmp_path, capsys):
     )  # fmt: skip
     assert status == 0
     table = capsys.readouterr().out
-    assert "dynamo_trace | compile_or_load" in table
+    assert "dynamo_trace | graph_load | compile_or_load" in table
     payload = json.loads(out.read_text())
     assert {"device", "versions", "commit", "date"} <= payload.keys()
     rows = payload["results"]
@@ -33,9 +34,15 @@ def test_bench_startup_reports_each_phase_cold_and_warm(tmp_path, capsys):
     for row in rows:
         assert row["status"] == "ok"
         assert all(row[phase] >= 0 for phase in PHASES)
-        for phase in ("weight_load_s", "dynamo_trace_s", "compile_or_load_s", "first_step_s"):
+        for phase in ("weight_load_s", "compile_or_load_s", "first_step_s"):
             assert row[phase] > 0, phase
         assert sum(row[phase] for phase in PHASES) == pytest.approx(row["total_s"], abs=1e-6)
         assert row["process_s"] > row["total_s"]  # the process also imported torch
-        assert row["counters"]["num_dynamo_traces"] == 1  # a fresh process traces once
         assert row["counters"]["num_inductor_compiles"] == 0  # the eager backend
+    cold, warm = rows
+    assert cold["counters"]["num_dynamo_traces"] == 1
+    assert cold["counters"]["num_traced_graphs_loaded"] == 0
+    assert cold["dynamo_trace_s"] > 0 and cold["graph_load_s"] == 0
+    assert warm["counters"]["num_dynamo_traces"] == 0  # the stored graph, not a trace
+    assert warm["counters"]["num_traced_graphs_loaded"] == 1
+    assert warm["dynamo_trace_s"] == 0 and warm["graph_load_s"] > 0

@@ -1,11 +1,16 @@
-"""A compile cache that travels, and says why it missed (SPEC §3 compile cache).
+"""A compile cache that travels, and says why it missed (SPEC §3 compile cache, §6 warm start).
 
-Proves: the same package copied under another path keys the same cache and loads it without an
-Inductor compile (traced files are keyed by package-relative path and content); a read-only cache
-(``chmod -R a-w``) is read, not ignored; a miss is logged with its reason, and ``explain_miss``
-names an edited source file, a torch version or a config change. One module-scoped cold compile of a
-2-layer toy (3 pieces, 3 distinct structures: first, middle, last) is shared; fresh processes
-(``compile_cache_worker.py``) do the warm starts. About a minute on 2 CPU cores.
+Proves: a warm start in a fresh process with empty Inductor and Triton caches runs no Dynamo trace
+and no Inductor compile (the stored graph and every artifact load); the same package copied under
+another path keys the same caches and loads them (traced files are keyed by package-relative path
+and content); a read-only cache (``chmod -R a-w``) is read, not ignored; an artifact damaged
+under a stored graph is reported with a warning, traced and recompiled; a miss is logged with its
+reason, and ``explain_miss`` names an edited source file, a torch version or a config change. On a
+GPU, the Triton kernels of a warm start come out of the artifacts (Inductor's Triton bundle).
+One module-scoped cold compile of a 2-layer toy (3 pieces, 3 distinct structures: first, middle,
+last) is shared; fresh processes (``compile_cache_worker.py``) do the warm starts. About three
+minutes on 2 CPU cores (each warm process compiles Inductor's C++ kernels from the artifacts'
+source again, see docs/compile_cache.md).
 Run: pytest tests/core/test_warm_start.py
 """
 
@@ -70,10 +75,15 @@ def copy_package(destination: Path) -> Path:
 
 
 def run_worker(
-    source_root: Path, cache_root: Path, tmp_path: Path, prefix: list[str] | None = None
+    source_root: Path,
+    cache_root: Path,
+    tmp_path: Path,
+    prefix: list[str] | None = None,
+    device: str = "cpu",
 ) -> tuple[dict, str]:
     """The worker from ``source_root`` in a fresh process with empty Inductor and Triton caches:
     (its result, its log)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     environment = {k: v for k, v in os.environ.items() if k != "PIECEWORKS_DISABLE_COMPILE_CACHE"}
     environment.update(
         PYTHONPATH=str(source_root),
@@ -84,7 +94,7 @@ def run_worker(
     out = tmp_path / "result.pt"
     command = [*(prefix or []), sys.executable, "-m", "tests.core.compile_cache_worker"]
     command += ["--cache-root", str(cache_root), "--out", str(out)]
-    command += ["--num-layers", str(NUM_LAYERS)]
+    command += ["--num-layers", str(NUM_LAYERS), "--device", device]
     done = subprocess.run(
         command, cwd=source_root, env=environment, capture_output=True, text=True, timeout=300
     )
@@ -93,14 +103,70 @@ def run_worker(
 
 
 def assert_warm(result: dict, reference: dict) -> None:
-    """Loaded every distinct artifact, compiled and wrote nothing, computed the same outputs."""
+    """Loaded the stored graph and every distinct artifact, traced, compiled and wrote nothing,
+    computed the same outputs."""
     counters = result["counters"]
+    assert counters["num_dynamo_traces"] == 0
+    assert counters["num_traced_graphs_loaded"] == 1
+    assert counters["num_graphs_seen"] == 0  # Dynamo handed the backend nothing
     assert counters["num_inductor_compiles"] == 0
     assert counters["num_compiled_artifacts_loaded"] == NUM_DISTINCT
     assert counters["num_compiled_artifacts_saved"] == 0
     assert counters["num_cache_entries_updated"] == 0
     for output, expected in zip(result["outputs"], reference["outputs"], strict=True):
         assert torch.equal(output, expected)
+
+
+@pytest.mark.inductor
+def test_cold_start_stores_the_traced_graph(cold):
+    _, result = cold
+    assert result["counters"]["num_dynamo_traces"] == 1
+    assert result["counters"]["num_traced_graphs_saved"] == 1
+
+
+@pytest.mark.inductor
+def test_warm_start_in_a_fresh_process_neither_traces_nor_compiles(cold, tmp_path):
+    root, reference = cold
+    result, log = run_worker(REPO_ROOT, root, tmp_path)
+    assert "warm start: traced graph loaded" in log
+    assert_warm(result, reference)
+
+
+@pytest.mark.inductor
+def test_damaged_artifact_under_a_stored_graph_is_recompiled_with_a_warning(cold, tmp_path):
+    root, reference = cold
+    shutil.copytree(root, tmp_path / "root")
+    cache_dir = Path(reference["cache_dir"].replace(str(root), str(tmp_path / "root")))
+    index = json.loads((cache_dir / "index.json").read_text())["entries"]
+    middle = cache_dir / index["piece_1/general"]["artifact"]
+    middle.write_bytes(middle.read_bytes()[: middle.stat().st_size // 2])
+    result, log = run_worker(REPO_ROOT, tmp_path / "root", tmp_path)
+    assert "the artifact of piece_1/general" in log and "fails its checksum" in log
+    assert "piece_1/general unusable" in log  # the trace's compile cache repairs it
+    counters = result["counters"]
+    assert counters["num_dynamo_traces"] == 1
+    assert counters["num_inductor_compiles"] == 1  # the middle structure only
+    assert counters["num_compiled_artifacts_loaded"] == NUM_DISTINCT - 1  # nothing loaded twice
+    for output, expected in zip(result["outputs"], reference["outputs"], strict=True):
+        assert torch.equal(output, expected)
+    repaired, _ = run_worker(REPO_ROOT, tmp_path / "root", tmp_path / "again")
+    assert_warm(repaired, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.inductor
+def test_triton_binaries_of_a_warm_start_come_from_the_artifacts(tmp_path):
+    """Cold and warm on the GPU, each with empty Inductor and Triton caches: the warm run's
+    kernels are written into Triton's cache from the artifacts' Triton bundle, and Triton's
+    cache holds nothing else afterwards (a kernel Triton compiled would add its own files)."""
+    root = tmp_path / "root"
+    cold_result, _ = run_worker(REPO_ROOT, root, tmp_path / "cold", device="cuda")
+    assert cold_result["inductor_counters"].get("triton_bundler_save_kernel", 0) > 0
+    warm, _ = run_worker(REPO_ROOT, root, tmp_path / "warm", device="cuda")
+    assert_warm(warm, cold_result)
+    assert warm["inductor_counters"].get("triton_bundler_read_and_emit_kernel", 0) > 0
+    files = [path for path in (tmp_path / "warm" / "triton").rglob("*") if path.is_file()]
+    assert len(files) == warm["inductor_counters"]["triton_bundler_read_and_emit_kernel"]
 
 
 @pytest.mark.inductor

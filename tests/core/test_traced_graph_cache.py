@@ -1,0 +1,225 @@
+"""The traced-graph cache (SPEC §3 compile cache, §6 warm start): a warm start traces nothing.
+
+Proves, in fresh processes (``compile_cache_worker.py``, eager backend, a 2-layer toy of 3
+capturable pieces): the second start runs no Dynamo trace (``num_dynamo_traces`` 0, no graph
+reaches the backend) and computes the same outputs; an edited traced source file, another torch
+or Triton version and another config each miss, with the reason logged; a damaged stored graph is
+reported with a warning, traced again and stored anew. In process: a graph file that passes its
+checksum but does not unpickle is damage too, and the replay record (``GraphCall``) sources every
+input and output or refuses. Inductor artifacts on a warm start: ``tests/core/test_warm_start.py``.
+About 70 s on 2 CPU cores.
+Run: pytest tests/core/test_traced_graph_cache.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pieceworks.core.graph_call import GraphCall, UnsupportedGraphCall
+from pieceworks.core.traced_graph_cache import MANIFEST_FILE, TracedGraphDamaged, TracedGraphStore
+from tests.core.compile_cache_worker import toy_config
+from tests.core.toy_model import ToyModel
+
+NUM_LAYERS = 2
+NUM_CAPTURABLE = NUM_LAYERS + 1  # the pieces between the silly attention ops
+REPO_ROOT = Path(__file__).resolve().parents[2]
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+
+def run_worker(
+    cache_root: Path, out: Path, source_root: Path = REPO_ROOT, *extra: str
+) -> tuple[dict, str]:
+    """The eager toy in a fresh process with the cache on: (its result, its log)."""
+    environment = {k: v for k, v in os.environ.items() if k != "PIECEWORKS_DISABLE_COMPILE_CACHE"}
+    environment.update(PYTHONPATH=str(source_root), PIECEWORKS_LOGGING_LEVEL="INFO")
+    command = [sys.executable, "-m", "tests.core.compile_cache_worker", "--backend", "eager"]
+    command += ["--cache-root", str(cache_root), "--out", str(out)]
+    command += ["--num-layers", str(NUM_LAYERS), *extra]
+    done = subprocess.run(
+        command, cwd=source_root, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return torch.load(out), done.stderr
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """The toy traced cold in a fresh process: (cache root, its result)."""
+    root = tmp_path_factory.mktemp("traced_root")
+    result, _ = run_worker(root, root / "cold.pt")
+    return root, result
+
+
+def copy_root(cold, tmp_path: Path) -> Path:
+    shutil.copytree(cold[0], tmp_path / "root")
+    return tmp_path / "root"
+
+
+def stored_graph_dir(root: Path) -> Path:
+    (directory,) = (root / "torch_compile_cache" / "traced_graphs").glob("*/rank_0/model")
+    return directory
+
+
+def assert_traced(result: dict) -> None:
+    assert result["counters"]["num_dynamo_traces"] == 1
+    assert result["counters"]["num_traced_graphs_loaded"] == 0
+
+
+def assert_same_outputs(result: dict, reference: dict) -> None:
+    for output, expected in zip(result["outputs"], reference["outputs"], strict=True):
+        assert torch.equal(output, expected)
+
+
+def test_a_cold_start_traces_once_and_stores_the_graph(cold):
+    root, result = cold
+    counters = result["counters"]
+    assert counters["num_dynamo_traces"] == 1
+    assert counters["num_traced_graphs_saved"] == 1
+    directory = stored_graph_dir(root)
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    assert "tests/core/toy_model.py" in manifest["traced_files"]  # package-relative
+    factors = json.loads((directory / "cache_key_factors.json").read_text())
+    assert factors["versions"]["torch"] == str(torch.__version__)
+    assert factors["module"]["class"] == "tests.core.toy_model.ToyModel"
+
+
+def test_a_warm_start_in_a_fresh_process_runs_no_trace(cold, tmp_path):
+    root, reference = cold
+    result, log = run_worker(root, tmp_path / "warm.pt")
+    counters = result["counters"]
+    assert counters["num_dynamo_traces"] == 0
+    assert counters["num_traced_graphs_loaded"] == 1
+    assert counters["num_traced_graphs_saved"] == 0
+    assert counters["num_graphs_seen"] == 0  # Dynamo handed the backend nothing
+    assert counters["num_piecewise_graphs_seen"] == 0  # nothing was split
+    assert counters["num_backend_compilations"] == NUM_CAPTURABLE  # the pieces, rebuilt
+    assert counters["num_eager_compiles"] == NUM_CAPTURABLE  # each piece's graph, as is
+    assert "traced graph loaded" in log
+    assert_same_outputs(result, reference)
+
+
+def test_an_edited_traced_source_file_misses_and_names_the_file(cold, tmp_path):
+    source_root = tmp_path / "src"
+    shutil.copytree(REPO_ROOT / "pieceworks", source_root / "pieceworks", ignore=IGNORED)
+    shutil.copytree(REPO_ROOT / "tests", source_root / "tests", ignore=IGNORED)
+    root = tmp_path / "root"
+    run_worker(root, tmp_path / "first.pt", source_root)
+    toy_file = source_root / "tests" / "core" / "toy_model.py"
+    toy_file.write_text(toy_file.read_text() + "\n# edited\n")
+    result, log = run_worker(root, tmp_path / "edited.pt", source_root)
+    assert (
+        "the stored graph was traced from other sources "
+        "(traced_files.tests/core/toy_model.py: changed); tracing" in log
+    )
+    assert_traced(result)
+    assert_same_outputs(result, cold[1])
+
+
+def test_another_torch_and_triton_version_miss_with_the_reason(cold, tmp_path):
+    root = copy_root(cold, tmp_path)
+    directory = stored_graph_dir(root)
+    factors_file = directory / "cache_key_factors.json"
+    factors = json.loads(factors_file.read_text())
+    factors["versions"].update(torch="2.11.0", triton="3.5.0")
+    factors_file.write_text(json.dumps(factors))
+    directory.parents[1].rename(directory.parents[2] / "made_by_older_torch")
+    result, log = run_worker(root, tmp_path / "warm.pt")
+    assert "warm start: no stored traced graph (the nearest cache" in log
+    assert "differs in 2 factor(s)" in log
+    assert f"versions.torch: '2.11.0' -> '{torch.__version__}'" in log
+    assert "versions.triton: '3.5.0' -> " in log
+    assert_traced(result)
+
+
+def test_another_config_misses_with_the_reason(cold, tmp_path):
+    root = copy_root(cold, tmp_path)
+    result, log = run_worker(root, tmp_path / "warm.pt", REPO_ROOT, "--max-model-len", "4096")
+    assert "warm start: no stored traced graph (the nearest cache" in log
+    assert "config.max_model_len: 2048 -> 4096" in log
+    assert_traced(result)
+
+
+def test_a_damaged_stored_graph_is_traced_again_with_a_warning(cold, tmp_path):
+    root = copy_root(cold, tmp_path)
+    (graph_file,) = stored_graph_dir(root).glob("graph-*.pkl")
+    data = bytearray(graph_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same length, one flipped byte
+    graph_file.write_bytes(bytes(data))
+    result, log = run_worker(root, tmp_path / "damaged.pt")
+    assert "WARNING" in log and "fails its checksum" in log
+    assert "is unusable" in log and "tracing" in log
+    assert_traced(result)
+    assert result["counters"]["num_traced_graphs_saved"] == 1  # stored anew
+    assert_same_outputs(result, cold[1])
+    repaired, _ = run_worker(root, tmp_path / "repaired.pt")
+    assert repaired["counters"]["num_dynamo_traces"] == 0
+
+
+def test_a_graph_file_that_does_not_unpickle_is_damage(cold, tmp_path):
+    root = copy_root(cold, tmp_path)
+    directory = stored_graph_dir(root)
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    garbage = b"not a pickle"
+    (directory / manifest["graph"]).write_bytes(garbage)
+    manifest["graph_sha256"] = hashlib.sha256(garbage).hexdigest()
+    store = TracedGraphStore(toy_config(str(root)), {}, "")
+    store.directory = str(directory)
+    with pytest.raises(TracedGraphDamaged, match="does not load"):
+        store.load_graph(manifest)
+
+
+def test_an_unreadable_manifest_is_damage(tmp_path):
+    store = TracedGraphStore(toy_config(str(tmp_path)), {}, "")
+    os.makedirs(store.directory)
+    Path(store.manifest_path).write_text("{")
+    with pytest.raises(TracedGraphDamaged, match="manifest.json is unreadable"):
+        store.read_manifest()
+
+
+def graph_call_of(model: torch.nn.Module, result) -> GraphCall:
+    weight = model.layers[0].weight
+    x = torch.ones(4, 8)
+    return GraphCall.record(
+        model,
+        ["L['self']._modules['layers']._modules['0']._parameters['weight']", "L['x'].size()[0]",
+         "L['x']"],
+        [weight, 4, x],
+        (result,),
+        ((x,), {}),
+        result,
+    )  # fmt: skip
+
+
+def test_graph_call_sources_each_input_and_rebuilds_the_result():
+    model = ToyModel(config=toy_config("unused"), num_layers=1)
+    output = torch.zeros(4, 8)
+    call = GraphCall.from_json(json.loads(json.dumps(graph_call_of(model, output).to_json())))
+    assert call.inputs == (("state", "layers.0.weight"), ("size", ("x", 0)), ("arg", "x"))
+    assert call.output_leaves == (("output", 0),)
+    seen = []
+    bound = call.bind(model, lambda *inputs: seen.append(inputs) or (inputs[2] * inputs[1],))
+    x = torch.ones(3, 8)
+    assert torch.equal(bound(x), x * 3)
+    assert seen[0][0] is model.layers[0].weight and seen[0][1] == 3 and seen[0][2] is x
+
+
+def test_graph_call_refuses_what_it_cannot_replay():
+    model = ToyModel(config=toy_config("unused"), num_layers=1)
+    x = torch.ones(1)
+    with pytest.raises(UnsupportedGraphCall, match="the forward returns a Tensor"):
+        GraphCall.record(model, ["L['x']"], [x], (), ((x,), {}), torch.zeros(1))
+    with pytest.raises(UnsupportedGraphCall, match="G\\['table'\\]"):
+        GraphCall.record(model, ["G['table']"], [torch.ones(1)], (), ((torch.ones(1),), {}), 1)
+    smaller = ToyModel(config=toy_config("unused"), num_layers=1)
+    del smaller.layers[0]._parameters["weight"]
+    with pytest.raises(UnsupportedGraphCall, match="no parameter or buffer layers.0.weight"):
+        graph_call_of(model, torch.zeros(4, 8)).bind(smaller, lambda *inputs: inputs)
