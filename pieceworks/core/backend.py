@@ -30,7 +30,7 @@ from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.piecewise_backend import PiecewiseBackend
 from pieceworks.core.split import split_graph
-from pieceworks.core.static_graph import CUDAGraphOptions
+from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphWrapperBase
 from pieceworks.core.static_inputs import StaticInputCopier
 from pieceworks.logger import init_logger
 from pieceworks.platforms import current_platform
@@ -51,12 +51,14 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
         config: EngineConfig,
         compiler: CompilerManager,
         fake_mode: FakeTensorMode,
+        wrappers: list[StaticGraphWrapperBase],
     ) -> None:
         super().__init__(module)
         self.compile_submod_names = compile_submod_names
         self.config = config
         self.compiler = compiler
         self.fake_mode = fake_mode
+        self.wrappers = wrappers  # every static-graph wrapper built, in piece order
 
     def run(self, *args: Any) -> Any:  # type: ignore[override]
         fake_args = [
@@ -96,7 +98,10 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
             weak_ref_output=index == num_pieces - 1,  # nothing reads the last piece's output
         )
         wrapper_cls = current_platform().static_graph_wrapper_cls()
-        return wrapper_cls(backend, self.config, CUDAGraphMode.PIECEWISE, options=options)
+        wrapper = wrapper_cls(backend, self.config, CUDAGraphMode.PIECEWISE, options=options)
+        if isinstance(wrapper, StaticGraphWrapperBase):  # a vendor's own class keeps its own books
+            self.wrappers.append(wrapper)
+        return wrapper
 
 
 class PiecewiseCompileBackend:
@@ -125,6 +130,8 @@ class PiecewiseCompileBackend:
         self.cache_off_reason: str | None = None  # why compile_cache is None: "disabled (...)"
         self.graph_received_at: float | None = None  # perf_counter() when Dynamo's graph came
         self.backend_seconds = 0.0  # split, compile or load every piece, wrap
+        # The wrappers around the pieces (none without PIECEWISE graphs): the runner owns them.
+        self.static_graph_wrappers: list[StaticGraphWrapperBase] = []
 
     def __call__(
         self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]
@@ -139,9 +146,10 @@ class PiecewiseCompileBackend:
         compilation_counter.num_piecewise_capturable_graphs_seen += len(compile_names)
         fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
         manager = CompilerManager(self.compiler, self.compile_cache)
-        PiecewiseCompileInterpreter(split_gm, compile_names, self.config, manager, fake_mode).run(
-            *example_inputs
-        )
+        self.static_graph_wrappers = []
+        PiecewiseCompileInterpreter(
+            split_gm, compile_names, self.config, manager, fake_mode, self.static_graph_wrappers
+        ).run(*example_inputs)
         self.split_gm = split_gm
         self.backend_seconds = time.perf_counter() - self.graph_received_at
         self._dump(split_gm)
