@@ -23,6 +23,7 @@ from torch import nn
 
 from pieceworks.config import EngineConfig, resolve_dtype
 from pieceworks.core.decorators import support_torch_compile
+from pieceworks.core.norm_quant import kernels_take_fp8
 from pieceworks.models.attention.layer import Attention
 from pieceworks.models.causal_lm import CausalLM, maybe_prefix
 from pieceworks.models.layers.layernorm import RMSNorm
@@ -148,7 +149,7 @@ class LlamaAttention(nn.Module):
             config=config,
             prefix=f"{prefix}.attn",
         )
-        if isinstance(self.o_proj.quant_method, Fp8LinearMethod):
+        if isinstance(self.o_proj.quant_method, Fp8LinearMethod) and kernels_take_fp8():
             self.attn.quantize_output(self.o_proj)  # hands o_proj FP8 (T, Hq * D)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel below is decorated
 
-from pieceworks.core.norm_quant import FP8_DTYPE  # noqa: E402
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE  # noqa: E402
 from pieceworks.kernels import triton_launch  # noqa: E402
 from pieceworks.kernels.gemv import triton_gemv_rope  # noqa: E402
 from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
@@ -306,7 +306,7 @@ def test_fp8_rope_op_falls_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
     )
     qkv = fp8.fp8_gemm(x_fp8, weight, x_scale, weight_scale, torch.float32, None, False)
     assert_same_rotation(output, rotary_emb.rotate_leading_heads(positions, qkv, 6))
-    assert x_fp8.dtype == FP8_DTYPE
+    assert x_fp8.dtype == KERNEL_FP8_DTYPE
 
 
 class QKVLayer(torch.nn.Module):

@@ -42,7 +42,7 @@ if not torch.cuda.is_available():
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pieceworks import envs  # noqa: E402
-from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.kernels import triton_launch  # noqa: E402
@@ -366,7 +366,7 @@ def test_fp8_gated_kernel_quantizes_like_the_unfused_layers(model_dtype, num_tok
         out_dtype=model_dtype,
         out_scale=out_scale,
     )
-    assert output.dtype == FP8_DTYPE and output.shape == (num_tokens, 80)
+    assert output.dtype == KERNEL_FP8_DTYPE and output.shape == (num_tokens, 80)
     gate_up = fp8.fp8_gemm(x_fp8, weight, x_scale, weight_scale, model_dtype, None, False)
     expected = static_scaled_fp8_quant(silu_and_mul(gate_up.float()), out_scale)
     same = output.view(torch.uint8) == expected.view(torch.uint8)
@@ -389,7 +389,7 @@ def test_silu_and_mul_epilogue_kernel_matches_torch(quantize, monkeypatch):
     if quantize:
         expected = static_scaled_fp8_quant(expected, out_scale)
         same = (output.view(torch.uint8) == expected.view(torch.uint8)).float().mean()
-        assert output.dtype == FP8_DTYPE and same >= 0.99  # exp's last bit may round across
+        assert output.dtype == KERNEL_FP8_DTYPE and same >= 0.99  # exp's last bit may round across
     rtol = 2**-3 if quantize else 1e-5  # quantized: one e4m3 step where the bytes differ
     torch.testing.assert_close(output.float(), expected.float(), rtol=rtol, atol=1e-5)
     monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: False)

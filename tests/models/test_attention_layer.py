@@ -33,7 +33,7 @@ from torch import nn  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pieceworks.config import EngineConfig  # noqa: E402
-from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.kernels.attention import triton_attention  # noqa: E402
 from pieceworks.models.attention.backends import (  # noqa: E402
     TorchAttentionBackend,
@@ -269,8 +269,8 @@ def test_fp8_output_is_the_quantized_output_with_the_current_scale(step):
         if call:
             rewrite_step(metadata, qkv, seq_lens, query_lens)
             consumer.replace_scale(input_scale)
-        actual = torch.empty_like(query, dtype=FP8_DTYPE)
-        expected = torch.empty_like(query, dtype=FP8_DTYPE)
+        actual = torch.empty_like(query, dtype=KERNEL_FP8_DTYPE)
+        expected = torch.empty_like(query, dtype=KERNEL_FP8_DTYPE)
         plain = torch.empty_like(query)
         for layer, output in zip(layers, (actual, expected, plain), strict=True):
             layer.attend(query, key, value, output, metadata)
@@ -290,11 +290,11 @@ def test_fp8_output_of_the_wrong_dtype_or_without_a_scale_raises():
     with pytest.raises(ValueError, match="allocate the output as Attention.forward does"):
         layer.attend(query, key, value, torch.empty_like(query), metadata)
     with pytest.raises(RuntimeError, match="load the weights"):
-        layer.attend(query, key, value, torch.empty_like(query, dtype=FP8_DTYPE), metadata)
+        layer.attend(query, key, value, torch.empty_like(query, dtype=KERNEL_FP8_DTYPE), metadata)
     plain = make_layer(EngineConfig(), "fp8.errors.plain", TritonAttentionBackend)
     plain.kv_cache = make_cache()
     with pytest.raises(ValueError, match="does not quantize"):
-        plain.attend(query, key, value, torch.empty_like(query, dtype=FP8_DTYPE), metadata)
+        plain.attend(query, key, value, torch.empty_like(query, dtype=KERNEL_FP8_DTYPE), metadata)
 
 
 @pytest.mark.gpu

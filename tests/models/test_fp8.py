@@ -28,8 +28,8 @@ import torch
 
 from pieceworks.config import ModelConfig
 from pieceworks.core.norm_quant import (
-    FP8_DTYPE,
-    FP8_MAX,
+    KERNEL_FP8_DTYPE,
+    KERNEL_FP8_MAX,
     fused_add_rms_norm_static_fp8_quant_reference,
     rms_norm_static_fp8_quant_reference,
 )
@@ -66,9 +66,9 @@ def test_cpu_has_no_native_fp8():
 def test_weight_quantization_per_tensor_round_trip():
     weight = torch.randn(96, 64) * 0.02
     quantized, scale = quantize_weight_per_tensor(weight)
-    assert quantized.dtype == FP8_DTYPE and scale.dim() == 0
-    assert torch.isclose(scale, weight.abs().max() / FP8_MAX)
-    assert float(quantized.float().abs().max()) == FP8_MAX  # the largest weight maps to 448
+    assert quantized.dtype == KERNEL_FP8_DTYPE and scale.dim() == 0
+    assert torch.isclose(scale, weight.abs().max() / KERNEL_FP8_MAX)
+    assert float(quantized.float().abs().max()) == KERNEL_FP8_MAX  # the largest weight maps to 448
     dequantized = quantized.float() * scale
     # normal range: relative error <= 2^-4; subnormals: absolute error <= 2^-10 * scale
     torch.testing.assert_close(dequantized, weight, rtol=2**-4, atol=float(scale) * 2**-10)
@@ -81,7 +81,7 @@ def quantized_operands(num_tokens: int = 7, in_features: int = 64, out_features:
         torch.randn(out_features, in_features, generator=generator) * 0.02
     )
     input_scale = torch.tensor(0.01)
-    x_fp8 = (x / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x_fp8 = (x / input_scale).clamp(-KERNEL_FP8_MAX, KERNEL_FP8_MAX).to(KERNEL_FP8_DTYPE)
     return x_fp8, weight, input_scale, weight_scale
 
 
@@ -109,7 +109,7 @@ def test_fp8_linear_layer_quantizes_after_loading():
     full_weight = torch.randn_like(layer.weight) * 0.05
     layer.weight_loader(layer.weight, full_weight)
     layer.quant_method.process_weights_after_loading(layer)
-    assert layer.weight.dtype == FP8_DTYPE
+    assert layer.weight.dtype == KERNEL_FP8_DTYPE
     assert float(layer.input_scale) == Fp8Config().input_scale
     x = torch.randn(5, 64)
     expected = torch.nn.functional.linear(x, full_weight)
@@ -132,7 +132,7 @@ def norm_quant_inputs(dtype: torch.dtype, num_tokens: int = 5, hidden: int = 48)
 def assert_fp8_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Equal bytes, but for the rare value a different float32 reduction order moves across a
     rounding boundary: at most 1 % of elements, one e4m3 step each (measured: 0 of 55,872)."""
-    assert actual.dtype == expected.dtype == FP8_DTYPE
+    assert actual.dtype == expected.dtype == KERNEL_FP8_DTYPE
     torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-3, atol=2**-9)
     assert (actual.view(torch.uint8) != expected.view(torch.uint8)).float().mean() <= 0.01
 
@@ -143,7 +143,7 @@ def test_triton_fused_norm_quant_matches_reference(dtype, num_tokens, hidden):
     from pieceworks.kernels.norm_quant import triton_norm_quant
 
     x, _, weight, scale = norm_quant_inputs(dtype, num_tokens, hidden)
-    result, expected = (torch.empty(x.shape, dtype=FP8_DTYPE) for _ in range(2))
+    result, expected = (torch.empty(x.shape, dtype=KERNEL_FP8_DTYPE) for _ in range(2))
     triton_norm_quant.rms_norm_static_fp8_quant(result, x, weight, scale, 1e-5)
     rms_norm_static_fp8_quant_reference(expected, x, weight, scale, 1e-5)
     assert_fp8_close(result, expected)
@@ -155,7 +155,7 @@ def test_triton_fused_add_norm_quant_matches_reference(dtype, num_tokens, hidden
     from pieceworks.kernels.norm_quant import triton_norm_quant
 
     x, residual, weight, scale = norm_quant_inputs(dtype, num_tokens, hidden)
-    result, expected = (torch.empty(x.shape, dtype=FP8_DTYPE) for _ in range(2))
+    result, expected = (torch.empty(x.shape, dtype=KERNEL_FP8_DTYPE) for _ in range(2))
     residual_out, expected_residual = torch.empty_like(x), torch.empty_like(x)
     triton_norm_quant.fused_add_rms_norm_static_fp8_quant(
         result, residual_out, x, residual, weight, scale, 1e-5
@@ -367,7 +367,7 @@ def test_fp8_attention_hands_o_proj_fp8_and_decodes_the_same(monkeypatch):
     fused_tokens, fused_logits, fused_seen, layers = decode_recording_o_proj_inputs(
         monkeypatch, "fp8", "float32", 3
     )
-    assert fused_seen == {FP8_DTYPE}
+    assert fused_seen == {KERNEL_FP8_DTYPE}
     assert layers and all(layer.quantizes_output for layer in layers)
     for layer in layers:  # the decode steps ran the reduce with its quantizing epilogue
         launches = [plan.attend for plan in layer._plans.values()]

@@ -7,7 +7,7 @@ it). A backend with nothing to precompute keeps the defaults: no plan, and ``run
 ``store_kv`` then ``forward`` on (T, H, D) views. Both take the step's ``AttentionMetadata`` and
 write into tensors they are given.
 
-A layer with an FP8 output (``Attention.quantize_output``) hands ``run`` a float8_e4m3fn output;
+A layer with an FP8 output (``Attention.quantize_output``) hands ``run`` an FP8 output;
 ``layer.output_scale()`` is its static scale. The Triton decode plan quantizes in its reduce
 kernel; every other path attends into a scratch tensor of the query dtype and writes
 ``static_scaled_fp8_quant(scratch, scale)``, as the FP8 ``o_proj`` would have quantized it.
@@ -80,7 +80,7 @@ class AttentionBackend:
         cls.store_kv(key, value, key_cache, value_cache, metadata)
         cls.forward(query, key_cache, value_cache, result_heads, metadata, layer.scale)
         if output_scale is not None:
-            output.copy_(static_scaled_fp8_quant(result, output_scale))
+            output.copy_(static_scaled_fp8_quant(result, output_scale, output.dtype))
 
 
 def head_views(layer: Attention, query, key, value, output) -> tuple[torch.Tensor, ...]:

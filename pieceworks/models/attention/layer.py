@@ -7,10 +7,11 @@ paged cache and writes attention into ``output`` in place; its fake implementati
 so tracing never runs a kernel. The layer keeps what the backend derives from shapes (checks,
 launch grids, split count, scratch) per shape signature, so a repeated shape costs only launches.
 
-For an FP8 output projection the model calls ``quantize_output(o_proj)``: ``forward`` then
-allocates a float8_e4m3fn output and the op writes ``static_scaled_fp8_quant(attention, scale)``
-with ``o_proj``'s static input scale, which ``o_proj`` takes as already quantized. The op's
-signature does not change; the layer reads the scale when the op runs.
+For an FP8 output projection the model calls ``quantize_output(o_proj)`` (where the platform's FP8
+format is the kernels' e4m3fn): ``forward`` then allocates a float8_e4m3fn output and the op
+writes ``static_scaled_fp8_quant(attention, scale)`` with ``o_proj``'s static input scale, which
+``o_proj`` takes as already quantized. The op's signature does not change; the layer reads the
+scale when the op runs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.forward_context import get_forward_context
-from pieceworks.core.norm_quant import FP8_DTYPE
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
 from pieceworks.models.attention.backends import AttentionBackend
 from pieceworks.models.attention.ops import DecodeWorkspace
 from pieceworks.platforms import current_platform
@@ -148,7 +149,7 @@ class Attention(nn.Module):
         quantized with its own static ``input_scale`` (``Fp8LinearMethod.quantized_operands``)."""
         # In __dict__, not registered as a submodule: o_proj's parameters stay o_proj's alone.
         vars(self)["_output_consumer"] = consumer
-        self.output_dtype = FP8_DTYPE
+        self.output_dtype = KERNEL_FP8_DTYPE
 
     @property
     def quantizes_output(self) -> bool:
@@ -203,11 +204,11 @@ class Attention(nn.Module):
     def _new_plan(self, signature: tuple, query, key, value, output, metadata) -> Any:
         """Check and plan a shape signature seen for the first time (raises if it is invalid)."""
         self.bound_kv_cache()
-        if (output.dtype == FP8_DTYPE) != self.quantizes_output:
+        if (output.dtype == KERNEL_FP8_DTYPE) != self.quantizes_output:
             raise ValueError(
                 f"{self.layer_name}: output dtype {output.dtype}, but the layer "
                 f"{'quantizes its output to' if self.quantizes_output else 'does not quantize to'}"
-                f" {FP8_DTYPE}; allocate the output as Attention.forward does"
+                f" {KERNEL_FP8_DTYPE}; allocate the output as Attention.forward does"
             )
         if len(self._plans) >= MAX_CACHED_PLANS:
             self._plans.clear()

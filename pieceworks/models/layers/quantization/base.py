@@ -42,13 +42,13 @@ def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
     return value
 
 
-def small_m_gemv_enabled(op: str = "linear") -> bool:
+def small_m_gemv_enabled(op: str = "linear", dtype: torch.dtype | None = None) -> bool:
     """Whether decode-sized GEMMs of ``op`` (``linear``, ``fp8_linear``) go to pieceworks' GEMV
     ops: where the chooser picks a GEMV for this platform, unless ``PIECEWORKS_SMALL_M_GEMV``
     says otherwise (``0`` makes the choice the torch form, ``1`` forces the ops, which fall back
     inside where the kernel does not run)."""
     forced = envs.PIECEWORKS_SMALL_M_GEMV
-    choice = choose(op, prefer_native=True if forced is False else None)
+    choice = choose(op, dtype=dtype, prefer_native=True if forced is False else None)
     return choice.impl.jitted if forced is None else forced
 
 
