@@ -82,6 +82,15 @@ def test_custom_ops_switch_kernels_off_and_on_as_in_vllm():
     assert passed["triton_gemv"] == "switched off (custom_ops)"
 
 
+def test_custom_ops_naming_an_unknown_op_is_a_clear_error():
+    with pytest.raises(ValueError) as error:
+        with kernel_selection(CompilationConfig(custom_ops=["+linear", "-silu_and_mull"])):
+            pass
+    message = str(error.value)
+    assert message.startswith("custom_ops names unknown op(s) ['silu_and_mull']; known ops: ")
+    assert "silu_and_mul" in message and "'+op', '-op'" in message
+
+
 def test_a_platform_s_own_kernel_is_chosen_there_and_nowhere_else():
     def vendor_norm(x, weight, eps):
         return x

@@ -5,14 +5,21 @@ For products the GEMV does not take (more than 16 tokens) the gated ops
 Triton launch computing ``silu(gate) * up`` (and the static FP8 quantization of the result),
 because inside the opaque op Inductor cannot fuse the activation and eager torch would take
 several launches per layer.
+
+``pieceworks::silu_and_mul(x)`` (``silu_and_mul_op``) is the activation alone as one opaque op:
+what ``SiluAndMul`` calls where the chooser gives ``silu_and_mul`` this kernel, so that the
+gate/up GEMV fusion pass (``core/passes/gemv_fusion.py``) finds it in the graph.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.norm_quant import (
     KERNEL_FP8_DTYPE,
     KERNEL_FP8_MAX,
@@ -78,3 +85,19 @@ def silu_and_mul_epilogue(gate_up: torch.Tensor, out_scale: torch.Tensor | None)
         QUANT_OUT=out_scale is not None,
     )
     return out
+
+
+def silu_and_mul_2d(x: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul(x)`` for ``x (T, 2d)``: the kernel where it runs, else torch: (T, d)."""
+    return silu_and_mul_epilogue(x, None)
+
+
+def silu_and_mul_2d_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+
+def silu_and_mul_op() -> Any:
+    """``torch.ops.pieceworks.silu_and_mul``, registered on first use (never at import)."""
+    return direct_register_custom_op(
+        "silu_and_mul", silu_and_mul_2d, mutates_args=[], fake_impl=silu_and_mul_2d_fake
+    )

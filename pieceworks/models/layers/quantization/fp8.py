@@ -16,19 +16,20 @@ The activation quantization is ``core.norm_quant.static_scaled_fp8_quant`` in pl
 fuses it into whatever produced the activation, and where that is an RMSNorm the fusion pass
 (``core/passes/fusion.py``) replaces the pair with one fused op.
 
-In compiled graphs, where the small-M GEMV is on (``quantization/base.py``), the GEMM is the op
+Where the small-M GEMV is on (``quantization/base.py``), the GEMM is the op
 ``pieceworks::small_m_fp8_linear``: the Triton GEMV on FP8 operands for at most 16 tokens
 (``kernels/gemv/triton_gemv.py``), ``fp8_gemm`` above that. On Hopper, products whose weight slices
 mostly fit in shared memory (the attention's ``o_proj`` and ``qkv_proj`` at 8B widths) take the
 resident-weight GEMV instead, which copies its weights before it waits for the kernel before
-(``kernels/gemv/resident_gemv.py``). The MLP's gate/up projection is
+(``kernels/gemv/resident_gemv.py``). In compiled graphs the fusion passes
+(``core/passes/gemv_fusion.py``) make the MLP's gate/up projection
 ``pieceworks::small_m_fp8_silu_and_mul``: the GEMV with ``silu(gate) * up`` and the down
 projection's static quantization as its epilogue, so it hands ``down_proj`` FP8 values and the
-activation costs no kernel of its own. The attention's qkv projection is
+activation costs no kernel of its own; and the attention's qkv projection
 ``pieceworks::small_m_fp8_rope_linear``: the GEMV with the rotary embedding of the q and k heads
 as its epilogue (``kernels/gemv/triton_gemv_rope.py``; the resident GEMV's rotary form where it
-applies). ``apply`` takes an input that is already FP8 as
-quantized with the layer's own ``input_scale``.
+applies). ``apply`` takes an input that is already FP8 as quantized with the layer's own
+``input_scale``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ from pieceworks.models.layers.quantization.base import (
     layer_tensor,
     small_m_gemv_enabled,
 )
-from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 from pieceworks.platforms.capability import FP8_GEMM
 
 # The static activation scale of every FP8 linear layer (see the module docstring).
@@ -283,7 +283,7 @@ class Fp8LinearMethod(LinearMethod):
                 "calls process_weights_after_loading after loading the checkpoint"
             )
         x_2d = x.reshape(-1, x.shape[-1])  # (T, in): the GEMM is 2-D
-        # an FP8 input was quantized with this layer's scale (apply_silu_and_mul's epilogue)
+        # an FP8 input was quantized with this layer's scale (a fused epilogue before it)
         if x.dtype == self.fp8_dtype:
             x_fp8 = x_2d
         else:
@@ -302,55 +302,3 @@ class Fp8LinearMethod(LinearMethod):
                 x_fp8, weight, input_scale, weight_scale, out_dtype, bias, self.native
             )
         return output.reshape(*x.shape[:-1], output.shape[-1])  # (T, out)
-
-    def apply_silu_and_mul(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, consumer: nn.Module
-    ) -> torch.Tensor:
-        consumer_method = getattr(consumer, "quant_method", None)
-        if (
-            bias is not None
-            or not self.in_graph()
-            or not isinstance(consumer_method, Fp8LinearMethod)
-        ):
-            return super().apply_silu_and_mul(layer, x, bias, consumer)
-        x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
-        out_scale = layer_tensor(consumer, "input_scale")  # the consumer's static input scale
-        _, gated = register_small_m_fp8_ops()
-        args = (
-            x_fp8,
-            weight,
-            input_scale,
-            weight_scale,
-            out_scale,
-            output_dtype(layer),
-            self.native,
-        )
-        output = gated(*args)  # (T, I) self.fp8_dtype
-        return output.reshape(*x.shape[:-1], output.shape[-1])
-
-    def apply_rope(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        positions: torch.Tensor,
-        rotary_emb: RotaryEmbedding,
-        num_rotary_heads: int,
-    ) -> torch.Tensor:
-        if not self.fuses_rope(bias, rotary_emb):
-            return super().apply_rope(layer, x, bias, positions, rotary_emb, num_rotary_heads)
-        x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
-        args = (
-            x_fp8,
-            weight,
-            input_scale,
-            weight_scale,
-            positions,
-            rotary_emb.cos_sin_cache,
-            rotary_emb.head_size,
-            num_rotary_heads,
-            output_dtype(layer),
-            self.native,
-        )
-        output = small_m_fp8_rope_linear_op()(*args)  # (T, (Hq + 2 Hkv) D)
-        return output.reshape(*x.shape[:-1], output.shape[-1])
