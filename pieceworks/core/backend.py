@@ -1,11 +1,11 @@
 """``PiecewiseCompileBackend``: the Dynamo backend of level 3 (split, compile each piece, wrap).
 
-Dynamo hands it the whole traced graph once. It runs the GEMV epilogue fusions on it
-(``core/passes/gemv_fusion.py``), opens the compile cache (its directory hashes the
-files Dynamo just traced, so it is decided here), splits the graph at the splitting ops, runs the
-stitched module once on fake tensors to learn each piece's example inputs, compiles every capturable
-piece into a ``PiecewiseBackend``, and wraps each in the platform's static-graph wrapper when the
-graph mode captures pieces. The stitched module is what later calls run.
+Dynamo hands it the whole traced graph once. It runs the epilogue fusions on it
+(``core/passes/gemv_fusion.py``, ``attn_quant_fusion.py``), opens the compile cache (its directory
+hashes the files Dynamo just traced, so it is decided here), splits the graph at the splitting
+ops, runs the stitched module once on fake tensors to learn each piece's example inputs, compiles
+every capturable piece into a ``PiecewiseBackend``, and wraps each in the platform's static-graph
+wrapper when the graph mode captures pieces. The stitched module is what later calls run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pieceworks.core.compiler_interface import make_compiler
 from pieceworks.core.compiler_manager import CompilerManager
 from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
-from pieceworks.core.passes.gemv_fusion import fuse_gemv_epilogues
+from pieceworks.core.passes.gemv_fusion import fuse_epilogues
 from pieceworks.core.piecewise_backend import PiecewiseBackend
 from pieceworks.core.split import split_graph
 from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphWrapperBase
@@ -132,7 +132,7 @@ class PiecewiseCompileBackend:
         self.cache_off_reason: str | None = None  # why compile_cache is None: "disabled (...)"
         self.graph_received_at: float | None = None  # perf_counter() when Dynamo's graph came
         self.backend_seconds = 0.0  # split, compile or load every piece, wrap
-        self.num_fusions: dict[str, int] = {}  # GEMV epilogue fusions made, by kind
+        self.num_fusions: dict[str, int] = {}  # epilogue fusions made, by kind
         # The wrappers around the pieces (none without PIECEWISE graphs): the runner owns them.
         self.static_graph_wrappers: list[StaticGraphWrapperBase] = []
 
@@ -142,7 +142,7 @@ class PiecewiseCompileBackend:
         compilation = self.config.compilation_config
         self.graph_received_at = time.perf_counter()  # Dynamo's trace ends here
         compilation_counter.num_graphs_seen += 1
-        self.num_fusions = fuse_gemv_epilogues(graph, compilation.pass_config)
+        self.num_fusions = fuse_epilogues(graph, compilation.pass_config)
         self.compile_cache = self._open_cache()
         split_gm, items = split_graph(graph, compilation.splitting_ops or [])
         compile_names = [item.submod_name for item in items if not item.is_splitting_graph]

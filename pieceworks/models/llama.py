@@ -6,10 +6,10 @@ op inside is attention, where the graph is split. ``LlamaForCausalLM`` adds the 
 ``compute_logits`` outside the graph, and ``load_weights``, which maps HF checkpoint names onto the
 merged ``qkv_proj`` / ``gate_up_proj`` weights. With ``quantization="fp8"`` the four linear layers
 of each decoder layer are FP8 (``layers/quantization/fp8.py``); embeddings, norms and the LM head
-stay in the model dtype, and the attention writes its output already quantized for ``o_proj``
-(``Attention.quantize_output``: no quantization kernel between the two). The layers are plain:
-``gate_up_proj -> act_fn -> down_proj`` and ``q, k = rotary_emb(positions, q, k)``; the fused
-GEMV epilogues are compile passes (``core/passes/gemv_fusion.py``). Per-step attention
+stay in the model dtype. The layers are plain: ``gate_up_proj -> act_fn -> down_proj``,
+``q, k = rotary_emb(positions, q, k)`` and ``o_proj(attn(q, k, v))``; the fused GEMV epilogues
+and the attention writing FP8 for ``o_proj`` are compile passes (``core/passes/gemv_fusion.py``,
+``core/passes/attn_quant_fusion.py``). Per-step attention
 metadata (slot mapping, block tables) comes from the forward context, never from arguments.
 With tensor parallelism each rank holds ``num_attention_heads / tp`` query heads,
 ``max(1, num_key_value_heads / tp)`` KV heads and ``intermediate_size / tp`` MLP columns;
@@ -25,7 +25,6 @@ from torch import nn
 
 from pieceworks.config import EngineConfig, resolve_dtype
 from pieceworks.core.decorators import support_torch_compile
-from pieceworks.core.norm_quant import kernels_take_fp8
 from pieceworks.models.attention.layer import Attention
 from pieceworks.models.causal_lm import CausalLM, maybe_prefix
 from pieceworks.models.layers.activation import SiluAndMul
@@ -37,7 +36,7 @@ from pieceworks.models.layers.linear import (
     divide,
     tensor_parallel_rank_and_size,
 )
-from pieceworks.models.layers.quantization import Fp8Config, Fp8LinearMethod, get_quant_config
+from pieceworks.models.layers.quantization import Fp8Config, get_quant_config
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pieceworks.models.layers.vocab_embedding import VocabParallelEmbedding
 
@@ -143,8 +142,6 @@ class LlamaAttention(nn.Module):
             config=config,
             prefix=f"{prefix}.attn",
         )
-        if isinstance(self.o_proj.quant_method, Fp8LinearMethod) and kernels_take_fp8():
-            self.attn.quantize_output(self.o_proj)  # hands o_proj FP8 (T, Hq * D)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, (Hq + 2 * Hkv) * D)

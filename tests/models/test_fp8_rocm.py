@@ -4,7 +4,8 @@ Proves that the FP8 format comes from the device family: on gfx94x, weights are 
 ``float8_e4m3fnuz`` with ``weight_scale = max|W| / 240`` (so the largest quantized magnitude is
 exactly 240), activations saturate at +-240, and the Triton FP8 kernels (which store e4m3fn) are
 passed over: the chooser gives ``fp8_linear`` ``torch._scaled_mm``, the fused norm + quant ops
-are the torch references, and the attention leaves the quantization to ``o_proj``. Llama-tiny
+are the torch references, and the attention quant fusion leaves the quantization to ``o_proj``
+(the attention kernels write e4m3fn). Llama-tiny
 with ``quantization="fp8"`` then runs through the engine with logits within FP8's error of the
 unquantized model's (the bound of ``tests/models/test_fp8.py``: e4m3fnuz has e4m3fn's 3 mantissa
 bits). The engine run drops ``fp8_gemm`` from the fake capability: this CPU's ``torch._scaled_mm``
@@ -20,9 +21,10 @@ import pytest
 import torch
 
 from pieceworks import platforms
+from pieceworks.core.decorators import piecewise_backends
 from pieceworks.core.norm_quant import fp8_dtype, fp8_max, static_scaled_fp8_quant
+from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.kernels import chooser
-from pieceworks.models.attention.layer import Attention
 from pieceworks.models.layers.quantization.fp8 import Fp8LinearMethod, quantize_weight_per_tensor
 from pieceworks.platforms.capability import FP8_GEMM, amd_capability
 from pieceworks.platforms.cpu import CpuPlatform
@@ -88,9 +90,12 @@ def test_llama_fp8_on_mi300_quantizes_to_e4m3fnuz_and_stays_close(fake_mi300):
     for layer in fp8_layers:
         assert layer.weight.dtype == FNUZ, layer.prefix
         assert float(layer.weight.float().abs().max()) == 240.0, layer.prefix
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
-    assert attentions and not any(attention.quantizes_output for attention in attentions)
     assert chooser.chosen_kernels()["fp8_linear"].impl.name == "torch"  # no e4m3fn kernels
+    compiled = LLM("llama-tiny", compilation_config={"level": 3, "backend": "eager"},
+                   dtype="float32", max_num_seqs=4, quantization="fp8")  # fmt: skip
+    compiled.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))
+    (backend,) = piecewise_backends(compiled.engine.runner.model)
+    assert backend.num_fusions["attn_quant"] == 0  # e4m3fnuz: o_proj quantizes its own input
     platforms._current = CpuPlatform()  # the unquantized reference on the plain CPU
     reference = prefill_logits(None, {"level": 0})
     error = relative_rms(fp8, reference)

@@ -32,7 +32,15 @@ from typing import Any
 import torch
 import torch.fx
 
-from pieceworks.core.config import LIBRARY_NAMESPACE, PassConfig
+from pieceworks.core.config import PassConfig
+from pieceworks.core.passes.graph_match import (
+    erase_sequence,
+    example_value,
+    fp8_quant_after,
+    op_name,
+    pieceworks_op,
+    sole_source,
+)
 from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
@@ -48,44 +56,6 @@ FP8_GATED_LINEAR_OP = "small_m_fp8_silu_and_mul"
 ROPE_LINEAR_OP = "small_m_rope_linear"
 FP8_ROPE_LINEAR_OP = "small_m_fp8_rope_linear"
 FP8_BIAS_INDEX = 4  # small_m_fp8_linear(x_fp8, weight, input_scale, weight_scale, bias, ...)
-VIEW_METHODS = ("reshape", "view")
-
-
-def op_name(node: torch.fx.Node) -> str | None:
-    """The name of the pieceworks op ``node`` calls (packet or overload), else None."""
-    if node.op != "call_function":
-        return None
-    packet = getattr(node.target, "overloadpacket", node.target)
-    qualified = getattr(packet, "_qualified_op_name", "")
-    namespace, _, name = qualified.partition("::")
-    return name if namespace == LIBRARY_NAMESPACE else None
-
-
-def pieceworks_op(name: str) -> Any:
-    """``torch.ops.pieceworks.<name>.default``, or None while it is not registered."""
-    namespace = getattr(torch.ops, LIBRARY_NAMESPACE)
-    return getattr(namespace, name).default if hasattr(namespace, name) else None
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    return node.op == "call_method" and node.target in VIEW_METHODS
-
-
-def _sole_source(node: torch.fx.Node, chain: list[torch.fx.Node]) -> torch.fx.Node:
-    """The node ``node`` views (through reshapes), each view read only by the next: appended to
-    ``chain``. The node returned is not checked for other readers."""
-    while _is_view(node) and len(node.users) == 1:
-        chain.append(node)
-        node = node.args[0]  # type: ignore[assignment]
-    return node
-
-
-def _sole_reader(node: torch.fx.Node) -> torch.fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def _example_value(node: Any) -> Any:
-    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
 
 
 def _bias(linear: torch.fx.Node) -> Any:
@@ -100,41 +70,6 @@ def _plain_linear(node: torch.fx.Node) -> bool:
     )
 
 
-def _erase(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
-    """Erase the replaced sequence ``nodes``: each once nothing reads it any more."""
-    remaining = list(dict.fromkeys(nodes))
-    while remaining:
-        dead = [node for node in remaining if not node.users]
-        if not dead:
-            raise AssertionError(f"fused sequence still read: {[n.name for n in remaining]}")
-        for node in dead:
-            graph.erase_node(node)
-            remaining.remove(node)
-
-
-def _fp8_quant_after(node: torch.fx.Node, chain: list[torch.fx.Node]) -> tuple[Any, Any] | None:
-    """``(quantized node, scale)`` if what reads ``node`` (through reshapes) is exactly
-    ``static_scaled_fp8_quant``: ``.to(float32) / scale``, ``.clamp(...)``, ``.to(float8)``."""
-    reader = _sole_reader(node)
-    while reader is not None and _is_view(reader):
-        chain.append(reader)
-        reader = _sole_reader(reader)
-    steps: list[torch.fx.Node] = []
-    for expected in ("to", operator.truediv, "clamp", "to"):
-        if reader is None or reader.target != expected:
-            return None
-        if steps and reader.args[0] is not steps[-1]:
-            return None
-        steps.append(reader)
-        reader = _sole_reader(reader) if len(steps) < 4 else None
-    widen, divide, _, narrow = steps
-    value = _example_value(narrow)
-    if widen.args[1:] != (torch.float32,) or value is None or value.element_size() != 1:
-        return None
-    chain.extend(steps[:3])
-    return narrow, divide.args[1]
-
-
 class GemvActivationFusionPass:
     """``silu_and_mul`` after a gate/up GEMV (and the next FP8 layer's quantization) -> one op."""
 
@@ -147,13 +82,13 @@ class GemvActivationFusionPass:
 
     def _fuse(self, graph: torch.fx.Graph, activation: torch.fx.Node) -> int:
         chain: list[torch.fx.Node] = [activation]
-        linear = _sole_source(activation.args[0], chain)  # type: ignore[arg-type]
+        linear = sole_source(activation.args[0], chain)  # type: ignore[arg-type]
         if not _plain_linear(linear):
             return 0
         if op_name(linear) == LINEAR_OP:
             fused_op, replaced, args = pieceworks_op(GATED_LINEAR_OP), activation, linear.args[:2]
         else:
-            quantized = _fp8_quant_after(activation, chain)
+            quantized = fp8_quant_after(activation, chain)
             if quantized is None:  # the next layer is not FP8: nothing to hand it quantized
                 return 0
             replaced, out_scale = quantized
@@ -166,7 +101,7 @@ class GemvActivationFusionPass:
             fused = graph.call_function(fused_op, tuple(args))
         fused.meta = dict(replaced.meta)  # the same (T, I) value
         replaced.replace_all_uses_with(fused)
-        _erase(graph, [replaced, *chain, linear])
+        erase_sequence(graph, [replaced, *chain, linear])
         return 1
 
 
@@ -182,14 +117,14 @@ class GemvRopeFusionPass:
 
     def _fuse(self, graph: torch.fx.Graph, rotary: torch.fx.Node) -> int:
         positions, query, key, cos_sin_cache, head_size, is_neox_style = rotary.args
-        cache = _example_value(cos_sin_cache)
+        cache = example_value(cos_sin_cache)
         if not is_neox_style or cache is None or cache.shape[1] != head_size:
             return 0
         split = _split_of(query, key, rotary)
         if split is None:
             return 0
         chain: list[torch.fx.Node] = []
-        linear = _sole_source(split.args[0], chain)  # type: ignore[arg-type]
+        linear = sole_source(split.args[0], chain)  # type: ignore[arg-type]
         if not _plain_linear(linear):
             return 0
         sizes = split.args[1]
@@ -209,7 +144,7 @@ class GemvRopeFusionPass:
         linear.replace_all_uses_with(fused)
         for reader in list(rotary.users):  # getitem(rotary, 0 | 1): the split's q and k now
             reader.replace_all_uses_with(query if reader.args[1] == 0 else key)  # type: ignore[arg-type]
-        _erase(graph, [*rotary.users, rotary, linear])
+        erase_sequence(graph, [*rotary.users, rotary, linear])
         return 1
 
 
@@ -233,15 +168,20 @@ def _split_of(query: Any, key: Any, rotary: torch.fx.Node) -> torch.fx.Node | No
     return split
 
 
-def fuse_gemv_epilogues(gm: torch.fx.GraphModule, pass_config: PassConfig) -> dict[str, int]:
-    """Run the enabled GEMV fusions on Dynamo's graph ``gm``; how many of each were made."""
+def fuse_epilogues(gm: torch.fx.GraphModule, pass_config: PassConfig) -> dict[str, int]:
+    """Run the enabled epilogue fusions on Dynamo's graph ``gm`` (the GEMV ones, then attention
+    writing FP8); how many of each were made."""
+    from pieceworks.core.passes.attn_quant_fusion import AttnQuantFusionPass
+
     counts: dict[str, int] = {}
     if pass_config.enable_gemv_act_fusion:
         counts["gemv_act"] = GemvActivationFusionPass()(gm.graph)
     if pass_config.enable_rope_fusion:
         counts["rope"] = GemvRopeFusionPass()(gm.graph)
+    if pass_config.enable_attn_quant_fusion:
+        counts["attn_quant"] = AttnQuantFusionPass()(gm.graph)
     if any(counts.values()):
         gm.graph.lint()
         gm.recompile()
-        logger.debug("GEMV epilogue fusions: %s", counts)
+        logger.debug("epilogue fusions: %s", counts)
     return counts
