@@ -26,7 +26,7 @@ import triton
 from gemv_decode import graph_time_us  # benchmarks/ is on sys.path when run as a script
 from triton.testing import do_bench
 
-from pieceworks.core.norm_quant import FP8_DTYPE
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
 from pieceworks.kernels.attention import triton_attention
 from pieceworks.models.attention.ops import (
     choose_num_kv_splits,
@@ -102,7 +102,7 @@ def make_decode_batch(args, batch_size: int, context_len: int, device: torch.dev
         batch_size, blocks_per_seq
     )
     query_shape = (batch_size, args.num_heads, args.head_size)
-    output_dtype = FP8_DTYPE if args.fp8_output else dtype
+    output_dtype = KERNEL_FP8_DTYPE if args.fp8_output else dtype
     return dict(
         query=torch.randn(query_shape, dtype=dtype, device=device),
         output=torch.empty(query_shape, dtype=output_dtype, device=device),
@@ -164,7 +164,7 @@ def check_against_reference(batch: dict, scale: float) -> float:
         scale=scale,
     )
     if batch["output_scale"] is not None:  # compare in the quantized domain's units
-        expected = (expected / batch["output_scale"]).clamp(-448, 448).to(FP8_DTYPE)
+        expected = (expected / batch["output_scale"]).clamp(-448, 448).to(KERNEL_FP8_DTYPE)
     return (batch["output"].float() - expected.float()).abs().max().item()
 
 

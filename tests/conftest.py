@@ -42,16 +42,6 @@ def _compile_cache_off(tmp_path_factory: pytest.TempPathFactory):
     monkeypatch.undo()
 
 
-@pytest.fixture(autouse=True)
-def _capturing_open():
-    """Every test starts with captures allowed (an engine closes capturing after start-up)."""
-    from pieceworks.core.static_graph import open_capturing
-
-    open_capturing()
-    yield
-    open_capturing()
-
-
 @pytest.fixture
 def fresh_platform():
     """Forget the resolved platform before and after the test (for env-var driven tests)."""

@@ -1,14 +1,15 @@
 """``PiecewiseCompileBackend``: the Dynamo backend of level 3 (split, compile each piece, wrap).
 
-Dynamo hands it the whole traced graph once. It opens the compile cache (its directory hashes the
-files Dynamo just traced, so it is decided here), splits the graph at the splitting ops, runs the
-stitched module once on fake tensors to learn each piece's example inputs, compiles every capturable
-piece into a ``PiecewiseBackend``, and wraps each in the platform's static-graph wrapper when the
-graph mode captures pieces. The stitched module is what later calls run.
+Dynamo hands it the whole traced graph once. It runs the epilogue fusions on it
+(``core/passes/gemv_fusion.py``, ``attn_quant_fusion.py``), opens the compile cache (its directory
+hashes the files Dynamo just traced, so it is decided here), splits the graph at the splitting
+ops, runs the stitched module once on fake tensors to learn each piece's example inputs, compiles
+every capturable piece into a ``PiecewiseBackend``, and wraps each in the platform's static-graph
+wrapper when the graph mode captures pieces. The stitched module is what later calls run.
 
-A warm start (``warm_start.py``) hands it the stored split graph instead: ``rebuild`` opens the same
-cache, loads each capturable piece's artifact and wraps the pieces the same way, with no graph
-from Dynamo and no compile.
+A warm start (``warm_start.py``) hands it the stored split graph (fused before it was split)
+instead: ``rebuild`` opens the same cache, loads each capturable piece's artifact and wraps the
+pieces the same way, with no graph from Dynamo and no compile.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ from pieceworks.core.compiler_manager import CompilerManager, entry_name
 from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.graph_call import source_name
+from pieceworks.core.passes.gemv_fusion import fuse_epilogues
 from pieceworks.core.piecewise_backend import PiecewiseBackend
 from pieceworks.core.split import split_graph
-from pieceworks.core.static_graph import CUDAGraphOptions
+from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphWrapperBase
 from pieceworks.core.static_inputs import StaticInputCopier, dynamic_input_indices
 from pieceworks.core.traced_graph_cache import TracedGraphDamaged
 from pieceworks.logger import init_logger
@@ -58,6 +60,7 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
         config: EngineConfig,
         compiler: CompilerManager,
         fake_mode: FakeTensorMode,
+        wrappers: list[StaticGraphWrapperBase],
     ) -> None:
         super().__init__(module)
         self.compile_submod_names = compile_submod_names
@@ -65,6 +68,7 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
         self.compiler = compiler
         self.fake_mode = fake_mode
         self.piece_records: list[dict[str, Any]] = []  # what a warm start needs of each piece
+        self.wrappers = wrappers  # every static-graph wrapper built, in piece order
 
     def run(self, *args: Any) -> Any:  # type: ignore[override]
         fake_args = [
@@ -90,7 +94,9 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
             )
             # Replace the submodule on the instance: the stitched forward calls self.<target>.
             num_pieces = len(self.compile_submod_names)
-            self.module.__dict__[target] = wrap_piece(backend, index, num_pieces, self.config)
+            self.module.__dict__[target] = wrap_piece(
+                backend, index, num_pieces, self.config, self.wrappers
+            )
             self.piece_records.append(piece_record(target, backend))
         return output
 
@@ -110,9 +116,11 @@ def piece_record(submod_name: str, backend: PiecewiseBackend) -> dict[str, Any]:
 
 
 def wrap_piece(
-    backend: PiecewiseBackend, index: int, num_pieces: int, config: EngineConfig
-) -> Callable[..., Any]:
-    """The piece in the platform's static-graph wrapper when the graph mode captures pieces."""
+    backend: PiecewiseBackend, index: int, num_pieces: int, config: EngineConfig,
+    wrappers: list[StaticGraphWrapperBase],
+) -> Callable[..., Any]:  # fmt: skip
+    """The piece in the platform's static-graph wrapper when the graph mode captures pieces; the
+    wrapper joins ``wrappers`` (a vendor's own wrapper class keeps its own books)."""
     mode = config.compilation_config.cudagraph_mode
     assert mode is not None
     if not mode.has_piecewise_cudagraphs():
@@ -123,7 +131,10 @@ def wrap_piece(
         weak_ref_output=index == num_pieces - 1,  # nothing reads the last piece's output
     )
     wrapper_cls = current_platform().static_graph_wrapper_cls()
-    return wrapper_cls(backend, config, CUDAGraphMode.PIECEWISE, options=options)
+    wrapper = wrapper_cls(backend, config, CUDAGraphMode.PIECEWISE, options=options)
+    if isinstance(wrapper, StaticGraphWrapperBase):
+        wrappers.append(wrapper)
+    return wrapper
 
 
 class FirstCallRecorder:
@@ -182,6 +193,9 @@ class PiecewiseCompileBackend:
         self.input_sources: list[str | None] = []  # each graph input's Dynamo source
         self.piece_records: list[dict[str, Any]] = []  # per capturable piece (piece_record)
         self.dynamic_input_indices: list[int] = []  # inputs with a symbolic first dim
+        self.num_fusions: dict[str, int] = {}  # epilogue fusions made, by kind (traced starts)
+        # The wrappers around the pieces (none without PIECEWISE graphs): the runner owns them.
+        self.static_graph_wrappers: list[StaticGraphWrapperBase] = []
 
     def __call__(
         self, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]
@@ -189,6 +203,7 @@ class PiecewiseCompileBackend:
         compilation = self.config.compilation_config
         self.graph_received_at = time.perf_counter()  # Dynamo's trace ends here
         compilation_counter.num_graphs_seen += 1
+        self.num_fusions = fuse_epilogues(graph, compilation.pass_config)
         self.compile_cache = self._open_cache(traced_source_files(self.forward_code))
         split_gm, items = split_graph(graph, compilation.splitting_ops or [])
         compile_names = [item.submod_name for item in items if not item.is_splitting_graph]
@@ -196,8 +211,9 @@ class PiecewiseCompileBackend:
         compilation_counter.num_piecewise_capturable_graphs_seen += len(compile_names)
         fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
         manager = CompilerManager(self.compiler, self.compile_cache)
+        self.static_graph_wrappers = []
         interpreter = PiecewiseCompileInterpreter(
-            split_gm, compile_names, self.config, manager, fake_mode
+            split_gm, compile_names, self.config, manager, fake_mode, self.static_graph_wrappers
         )
         interpreter.run(*example_inputs)
         self.split_gm = split_gm
@@ -230,6 +246,7 @@ class PiecewiseCompileBackend:
         pieces = record["pieces"]
         self._check_artifacts(pieces)
         manager = CompilerManager(self.compiler, self.compile_cache)
+        self.static_graph_wrappers = []
         for piece in pieces:
             index, keys = piece["index"], piece["artifact_keys"]
             graph = split_gm._modules[piece["submod_name"]]
@@ -248,7 +265,7 @@ class PiecewiseCompileBackend:
                 artifact_keys=keys,
             )
             split_gm.__dict__[piece["submod_name"]] = wrap_piece(
-                backend, index, len(pieces), self.config
+                backend, index, len(pieces), self.config, self.static_graph_wrappers
             )
         self.split_gm = split_gm
         self.piece_records = pieces

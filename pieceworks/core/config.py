@@ -87,6 +87,14 @@ class PassConfig:
     # RMSNorm (+ residual add) -> static FP8 quant fused into one op (why it is on by default:
     # docs/passes.md)
     enable_fusion: bool = True
+    # The GEMV epilogue fusions on Dynamo's graph (core/passes/gemv_fusion.py): the gated
+    # activation (and the next FP8 layer's input quantization) into the gate/up GEMV, the rotary
+    # into the qkv GEMV. They match only where the layers run the GEMV ops, so on by default.
+    enable_gemv_act_fusion: bool = True
+    enable_rope_fusion: bool = True
+    # Attention writing FP8 for an FP8 o_proj (core/passes/attn_quant_fusion.py), where the
+    # platform's FP8 format is the attention kernels' e4m3fn.
+    enable_attn_quant_fusion: bool = True
 
     def __post_init__(self) -> None:
         if self.enable_fusion and not self.enable_noop:

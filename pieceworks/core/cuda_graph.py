@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from pieceworks.core.forward_context import BatchDescriptor
-from pieceworks.core.static_graph import StaticGraphWrapperBase, captures_since_open
+from pieceworks.core.static_graph import StaticGraphWrapperBase
 from pieceworks.core.weak_ref import weak_ref_tensors
 from pieceworks.logger import init_logger
 from pieceworks.platforms import current_platform
@@ -49,7 +49,7 @@ class CUDAGraphWrapper(StaticGraphWrapperBase):
     def capture(self, descriptor: BatchDescriptor, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         platform = current_platform()
         graph = platform.create_graph()
-        skip_gc = self.options.gc_disable or captures_since_open() > 0
+        skip_gc = self.options.gc_disable or self.graph_set.num_captures_since_open > 0
         with platform.graph_capture(graph, platform.graph_pool(), skip_gc=skip_gc):
             output = self.runnable(*args, **kwargs)
             if self.options.weak_ref_output:
@@ -78,7 +78,7 @@ class CUDAGraphWrapper(StaticGraphWrapperBase):
         graph = platform.create_graph()
         stack = contextlib.ExitStack()
         # gc and empty_cache once per capture phase (its first segment); later ones only cost time.
-        skip_gc = not first or captures_since_open() > 0
+        skip_gc = not first or self.graph_set.num_captures_since_open > 0
         stack.enter_context(platform.graph_capture(graph, platform.graph_pool(), skip_gc=skip_gc))
         self._segment = (graph, stack)
 

@@ -21,6 +21,7 @@ from pieceworks.core.counters import compilation_counter
 
 if TYPE_CHECKING:
     from pieceworks.core.backend import PiecewiseCompileBackend
+    from pieceworks.core.static_graph import StaticGraphWrapperBase
 
 _T = TypeVar("_T", bound=type)
 _COMPILE_ATTR = "_pieceworks_compile_enabled"
@@ -109,3 +110,9 @@ def piecewise_backends(model: torch.nn.Module) -> list[PiecewiseCompileBackend]:
     compilers = [getattr(module, "_pieceworks_compiler", None) for module in model.modules()]
     backends = [compiler.piecewise_backend for compiler in compilers if compiler is not None]
     return [backend for backend in backends if backend is not None]
+
+
+def static_graph_wrappers(model: torch.nn.Module) -> list[StaticGraphWrapperBase]:
+    """The static-graph wrappers the level-3 backends of ``model`` built around its pieces."""
+    backends = piecewise_backends(model)
+    return [wrapper for backend in backends for wrapper in backend.static_graph_wrappers]

@@ -1,4 +1,4 @@
-"""The static-graph contract every platform's wrapper follows, and the capture lock.
+"""The static-graph contract every platform's wrapper follows, and ``StaticGraphSet``.
 
 A static-graph wrapper is built as ``Wrapper(runnable, config, runtime_mode, *, options=None)`` and
 called like ``runnable``. On each call it reads the forward context: if the step's runtime mode is
@@ -12,14 +12,16 @@ A wrapper class that sets ``supports_breakable_capture`` also implements the seg
 ``CUDAGraphOptions(breakable=True)`` around the eager model, it captures and replays breakable
 graphs (``core/breakable_graph.py``). Every capture runs with the capture marked in progress, so a
 dynamic op that is not a splitting op is refused during a PIECEWISE capture.
+
+Capture bookkeeping (whether capturing is open, how many captures the phase has run, which graphs
+to drop at shutdown) lives in the ``StaticGraphSet`` its owner holds, not in process globals.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from pieceworks.core.breakable_graph import (
@@ -38,45 +40,61 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-_capturing_enabled = True
-_num_captures_since_open = 0  # the first capture of a capture phase runs gc; later ones skip it
-# Every wrapper alive in this process: the compiled code (Dynamo's cache) keeps the piecewise
-# wrappers alive beyond the runner, so releasing their graphs cannot wait for garbage collection.
-_wrappers: weakref.WeakSet[StaticGraphWrapperBase] = weakref.WeakSet()
 
+class StaticGraphSet:
+    """The static-graph wrappers one owner built, and their capture phase.
 
-def close_capturing() -> None:
-    """After the runner's capture phase: any further capture is a bug and raises."""
-    global _capturing_enabled
-    _capturing_enabled = False
+    The model runner owns one: it adds the wrappers it builds around the model and those the
+    compile backend built around the pieces, opens capturing before ``capture_model``, closes it
+    after (a later capture raises), and at shutdown asks each of its wrappers to drop its graphs.
+    The first capture after opening runs gc; later ones skip it (the runner collected just before,
+    and repeating it for each of a hundred captures costs a full gc pass and a device sync each).
+    A wrapper built alone starts in a set of its own, open, so it captures without an owner.
+    """
 
+    def __init__(self, wrappers: Iterable[StaticGraphWrapperBase] = ()) -> None:
+        self.wrappers: list[StaticGraphWrapperBase] = []
+        self.capturing_enabled = True
+        self.num_captures_since_open = 0
+        for wrapper in wrappers:
+            self.add(wrapper)
 
-def open_capturing() -> None:
-    """Allow captures (the runner calls this before ``capture_model``)."""
-    global _capturing_enabled, _num_captures_since_open
-    _capturing_enabled = True
-    _num_captures_since_open = 0
+    def add(self, wrapper: StaticGraphWrapperBase) -> None:
+        """Own ``wrapper``: its captures count in, and are allowed by, this set's phase."""
+        if all(owned is not wrapper for owned in self.wrappers):
+            self.wrappers.append(wrapper)
+        wrapper.graph_set = self
 
+    def open_capturing(self) -> None:
+        """Allow captures (the runner calls this before ``capture_model``)."""
+        self.capturing_enabled = True
+        self.num_captures_since_open = 0
 
-def captures_since_open() -> int:
-    """Captures (FULL, piece or breakable) since capturing was last opened. A wrapper runs gc and
-    returns cached memory only for the first: the runner collected just before, and repeating it
-    for each of a hundred captures only costs time (a full gc pass and a device sync each)."""
-    return _num_captures_since_open
+    def close_capturing(self) -> None:
+        """After the runner's capture phase: any further capture is a bug and raises."""
+        self.capturing_enabled = False
 
+    def record_capture(self) -> None:
+        self.num_captures_since_open += 1
 
-def _record_capture() -> None:
-    global _num_captures_since_open
-    _num_captures_since_open += 1
+    def validate_capturing_enabled(self, descriptor: BatchDescriptor) -> None:
+        if not self.capturing_enabled:
+            raise RuntimeError(
+                f"static-graph capture of {descriptor} attempted after capturing was "
+                "closed: this batch shape was not captured in capture_model(); the "
+                "runner must dispatch it to a captured size or to mode NONE"
+            )
 
+    def release(self) -> int:
+        """Drop the captured graphs of every wrapper in the set; how many were dropped.
 
-def validate_capturing_enabled(descriptor: BatchDescriptor) -> None:
-    if not _capturing_enabled:
-        raise RuntimeError(
-            f"static-graph capture of {descriptor} attempted after capturing was "
-            "closed: this batch shape was not captured in capture_model(); the "
-            "runner must dispatch it to a captured size or to mode NONE"
-        )
+        An engine's shutdown calls this before its process group goes: NCCL destroys a
+        communicator only once every graph holding one of its collectives is destroyed, and
+        otherwise waits forever. Dynamo's cache keeps the piece wrappers alive beyond the runner,
+        so this cannot wait for garbage collection. Capturing is closed afterwards.
+        """
+        self.close_capturing()
+        return sum(wrapper.release_graphs() for wrapper in self.wrappers)
 
 
 @dataclasses.dataclass
@@ -137,7 +155,8 @@ class StaticGraphWrapperBase:
                 "supports_breakable_capture (check Platform.supports_breakable_graphs())"
             )
         self.entries: dict[BatchDescriptor, Any] = {}
-        _wrappers.add(self)
+        self.graph_set = StaticGraphSet()
+        self.graph_set.add(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         context = get_forward_context()
@@ -146,7 +165,7 @@ class StaticGraphWrapperBase:
             return self.runnable(*args, **kwargs)
         entry = self.entries.get(descriptor)
         if entry is None:
-            validate_capturing_enabled(descriptor)
+            self.graph_set.validate_capturing_enabled(descriptor)
             from pieceworks.core.counters import compilation_counter
 
             if self.options.debug_log_enable:
@@ -159,11 +178,21 @@ class StaticGraphWrapperBase:
                     entry, output = self.capture(descriptor, args, kwargs)
                 compilation_counter.num_cudagraph_captured += 1
             self.entries[descriptor] = entry
-            _record_capture()
+            self.graph_set.record_capture()
             return output
         if self.options.breakable:
             return replay_breakable(self, entry)
         return self.replay(entry, args, kwargs)
+
+    def release_graphs(self) -> int:
+        """Drop every graph captured so far; how many (a breakable entry holds one per segment,
+        as ``num_cudagraph_captured`` counts them)."""
+        released = sum(
+            len(entry.segments) if isinstance(entry, BreakableEntry) else 1
+            for entry in self.entries.values()
+        )
+        self.entries.clear()
+        return released
 
     def capture(self, descriptor: BatchDescriptor, args: tuple, kwargs: dict) -> tuple[Any, Any]:
         """Capture one graph; return (entry kept for replay, the output of this call)."""
@@ -193,22 +222,3 @@ class StaticGraphWrapperBase:
         """What a breakable entry keeps of the tensors it replays with: the capture's output and
         the recorded splitting ops' arguments (default: the tensors themselves)."""
         return value
-
-
-def release_static_graphs(config: EngineConfig) -> int:
-    """Drop the captured graphs of every wrapper built for ``config``; how many were dropped.
-
-    An engine's shutdown calls this before its process group goes: NCCL destroys a communicator
-    only once every graph holding one of its collectives is destroyed, and otherwise waits
-    forever. The wrappers can no longer replay afterwards (capturing is closed).
-    """
-    released = 0
-    for wrapper in list(_wrappers):
-        if wrapper.config is config:
-            # A breakable entry holds one graph per segment (num_cudagraph_captured counts them).
-            released += sum(
-                len(entry.segments) if isinstance(entry, BreakableEntry) else 1
-                for entry in wrapper.entries.values()
-            )
-            wrapper.entries.clear()
-    return released

@@ -27,13 +27,9 @@ from pieceworks.config import EngineConfig
 from pieceworks.core.config import CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
+from pieceworks.core.decorators import static_graph_wrappers
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
-from pieceworks.core.static_graph import (
-    CUDAGraphOptions,
-    close_capturing,
-    open_capturing,
-    release_static_graphs,
-)
+from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphSet, StaticGraphWrapperBase
 from pieceworks.engine.block_manager import cdiv
 from pieceworks.engine.input_buffers import InputBuffers, StepShape
 from pieceworks.engine.kv_cache import (
@@ -73,6 +69,8 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - start
         self.compilation = config.compilation_config
         self.dispatcher = CudagraphDispatcher(config)
+        # Every static-graph wrapper this runner built or compiled: its capture phase and graphs.
+        self.static_graphs = StaticGraphSet()
         self.forward_model = self._wrap_for_graphs(self.model)
         scheduler_config = config.scheduler_config
         self.max_num_tokens = max(
@@ -132,10 +130,18 @@ class ModelRunner:
             forward_model = wrapper_cls(
                 model, self.config, CUDAGraphMode.PIECEWISE, options=options
             )
+            self._own(forward_model)
             logger.info("level 0: %s graphs captured breakable (no compile)", mode.name)
         if mode.has_full_cudagraphs():
             forward_model = wrapper_cls(forward_model, self.config, CUDAGraphMode.FULL)
+            self._own(forward_model)
         return forward_model
+
+    def _own(self, wrapper: Any) -> None:
+        """Keep ``wrapper`` in this runner's set (a vendor's class that is not a
+        ``StaticGraphWrapperBase`` keeps its own capture bookkeeping)."""
+        if isinstance(wrapper, StaticGraphWrapperBase):
+            self.static_graphs.add(wrapper)
 
     @torch.inference_mode()
     def initialize_kv_cache(self) -> int:
@@ -221,7 +227,9 @@ class ModelRunner:
         descriptors = self.dispatcher.capture_descriptors()
         if not descriptors:
             return
-        open_capturing()
+        for wrapper in static_graph_wrappers(self.model):  # built by the first (compiling) forward
+            self._own(wrapper)
+        self.static_graphs.open_capturing()
         free_before, _ = self.platform.mem_get_info()
         gc.collect()
         gc.freeze()  # objects alive now are never collected during capture: faster gc passes
@@ -243,7 +251,7 @@ class ModelRunner:
             raise RuntimeError(self._capture_oom_message(len(descriptors))) from error
         finally:
             gc.unfreeze()
-        close_capturing()
+        self.static_graphs.close_capturing()
         self.graph_memory_bytes = max(free_before - self.platform.mem_get_info()[0], 0)
         logger.info(
             "captured %d graphs in %.2f s after %.2f s of warm-up; graphs hold %.3f GiB "
@@ -279,7 +287,7 @@ class ModelRunner:
         shutdown, before a process group whose collectives they hold is destroyed); how many.
         Graphs captured later, by another engine, go to a new pool."""
         self.platform.synchronize()
-        released = release_static_graphs(self.config)
+        released = self.static_graphs.release()
         if released:
             self.platform.renew_graph_pool()
             gc.collect()

@@ -7,7 +7,8 @@ code (Gluon ``wgmma`` kernels) and never run on another vendor.
 
 Ops:
 - ``linear``: the decode GEMV (``gemv/triton_gemv.py``) for at most 16 tokens, else ``F.linear``;
-- ``fp8_linear``: the resident-weight GEMV (``gemv/resident_gemv.py``, Hopper), the FP8 GEMV,
+- ``fp8_linear``: the resident-weight GEMV (``gemv/resident_gemv.py``, Hopper), the FP8 GEMV
+  (both e4m3fn only: chosen for ``dtype=capability.fp8_dtype``, so not on MI300's e4m3fnuz),
   ``torch._scaled_mm`` where the device has native FP8 GEMMs, the dequantizing torch reference;
 - ``rms_norm``: the torch form (the FP8 fusion pass makes it ``norm_quant/triton_norm_quant.py``);
 - ``silu_and_mul``: the Triton epilogue kernel (``activation/triton_silu_and_mul.py``) behind the
@@ -18,10 +19,12 @@ Ops:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
 from pieceworks.kernels.chooser import Supports, register_kernel
 from pieceworks.platforms.capability import FP8_GEMM, TRITON, WARPGROUP_MMA
 
@@ -30,12 +33,18 @@ GEMV_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 NVIDIA_HOPPER = Supports(vendors=frozenset({"nvidia"}), features=frozenset({TRITON, WARPGROUP_MMA}))
 TRITON_ONLY = Supports(features=frozenset({TRITON}))
+KERNEL_FP8 = frozenset({KERNEL_FP8_DTYPE})  # the FP8 kernels store tl.float8e4nv
 
 # (op, name, priority, supports); every op also gets its native "torch" entry
 BUILTIN_KERNELS: tuple[tuple[str, str, int, Supports], ...] = (
     ("linear", "triton_gemv", 10, Supports(features=frozenset({TRITON}), dtypes=GEMV_DTYPES)),
-    ("fp8_linear", "hopper_resident_gemv", 20, NVIDIA_HOPPER),
-    ("fp8_linear", "triton_gemv", 10, TRITON_ONLY),
+    (
+        "fp8_linear",
+        "hopper_resident_gemv",
+        20,
+        dataclasses.replace(NVIDIA_HOPPER, dtypes=KERNEL_FP8),
+    ),
+    ("fp8_linear", "triton_gemv", 10, dataclasses.replace(TRITON_ONLY, dtypes=KERNEL_FP8)),
     ("rms_norm", "torch", 0, Supports()),
     ("silu_and_mul", "triton_silu_and_mul", 10, TRITON_ONLY),
     ("rotary", "triton_gemv_rope", 10, TRITON_ONLY),

@@ -185,6 +185,21 @@ def choose(
     return choice
 
 
+def uses_op_form(op: str) -> bool:
+    """Whether a layer calls pieceworks' op for ``op`` (what its kernel runs behind, and what
+    the fusion passes match) rather than the torch form: where the chooser gives ``op`` one of
+    pieceworks' kernels, unless ``PIECEWORKS_SMALL_M_GEMV`` says otherwise (``0``: the torch
+    forms; ``1``: the ops, which fall back to torch inside where their kernel does not run). A
+    platform's own implementation (``fn``) is neither: the layer calls it."""
+    from pieceworks import envs
+
+    forced = envs.PIECEWORKS_SMALL_M_GEMV
+    impl = choose(op, prefer_native=True if forced is False else None).impl
+    if impl.fn is not None:
+        return False
+    return not impl.native if forced is None else forced
+
+
 def chosen_kernels() -> dict[str, Choice]:
     """The last choice made per op in this process (what the model that was built runs)."""
     return dict(_CHOSEN)
@@ -213,7 +228,15 @@ def warmup_kernels() -> list[Choice]:
 
 @contextlib.contextmanager
 def kernel_selection(compilation: CompilationConfig) -> Iterator[None]:
-    """While a model is built: choices follow its ``CompilationConfig.custom_ops``."""
+    """While a model is built: choices follow its ``CompilationConfig.custom_ops``; an entry that
+    names no known op is a ValueError listing them (a typo would otherwise change nothing)."""
+    named = {entry[1:] for entry in compilation.custom_ops if entry[:1] in "+-"}
+    unknown = sorted(named - set(known_ops()))
+    if unknown:
+        raise ValueError(
+            f"custom_ops names unknown op(s) {unknown}; known ops: {', '.join(known_ops())} "
+            "(entries: 'all', 'none', '+op', '-op')"
+        )
     _BUILDING.append(compilation)
     try:
         yield

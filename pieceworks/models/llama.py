@@ -6,8 +6,10 @@ op inside is attention, where the graph is split. ``LlamaForCausalLM`` adds the 
 ``compute_logits`` outside the graph, and ``load_weights``, which maps HF checkpoint names onto the
 merged ``qkv_proj`` / ``gate_up_proj`` weights. With ``quantization="fp8"`` the four linear layers
 of each decoder layer are FP8 (``layers/quantization/fp8.py``); embeddings, norms and the LM head
-stay in the model dtype, and the attention writes its output already quantized for ``o_proj``
-(``Attention.quantize_output``: no quantization kernel between the two). Per-step attention
+stay in the model dtype. The layers are plain: ``gate_up_proj -> act_fn -> down_proj``,
+``q, k = rotary_emb(positions, q, k)`` and ``o_proj(attn(q, k, v))``; the fused GEMV epilogues
+and the attention writing FP8 for ``o_proj`` are compile passes (``core/passes/gemv_fusion.py``,
+``core/passes/attn_quant_fusion.py``). Per-step attention
 metadata (slot mapping, block tables) comes from the forward context, never from arguments.
 With tensor parallelism each rank holds ``num_attention_heads / tp`` query heads,
 ``max(1, num_key_value_heads / tp)`` KV heads and ``intermediate_size / tp`` MLP columns;
@@ -25,6 +27,7 @@ from pieceworks.config import EngineConfig, resolve_dtype
 from pieceworks.core.decorators import support_torch_compile
 from pieceworks.models.attention.layer import Attention
 from pieceworks.models.causal_lm import CausalLM, maybe_prefix
+from pieceworks.models.layers.activation import SiluAndMul
 from pieceworks.models.layers.layernorm import RMSNorm
 from pieceworks.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -33,7 +36,7 @@ from pieceworks.models.layers.linear import (
     divide,
     tensor_parallel_rank_and_size,
 )
-from pieceworks.models.layers.quantization import Fp8Config, Fp8LinearMethod, get_quant_config
+from pieceworks.models.layers.quantization import Fp8Config, get_quant_config
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pieceworks.models.layers.vocab_embedding import VocabParallelEmbedding
 
@@ -85,24 +88,15 @@ class LlamaMLP(nn.Module):
             prefix=f"{prefix}.down_proj",
             quant_config=quant_config,
         )
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu(gate) * up: one GEMV with the activation as its epilogue in compiled decode graphs
-        gate_up = self.gate_up_proj
-        activated = gate_up.quant_method.apply_silu_and_mul(
-            gate_up, x, gate_up.bias, self.down_proj
-        )
-        return self.down_proj(activated)  # (T, hidden)
+        gate_up = self.gate_up_proj(x)  # (T, 2 * intermediate)
+        return self.down_proj(self.act_fn(gate_up))  # (T, hidden)
 
 
 class LlamaAttention(nn.Module):
-    """qkv projection -> rotary -> paged attention (custom op) -> output projection.
-
-    The qkv projection and the rotary of its q and k heads are one call to the layer's linear
-    method (``apply_rope``): in compiled decode graphs that is one GEMV with the rotation as its
-    epilogue where the rotary is neox style on every dim (Llama); otherwise the GEMM, then the
-    rotation.
-    """
+    """qkv projection -> rotary -> paged attention (custom op) -> output projection."""
 
     def __init__(
         self,
@@ -148,21 +142,11 @@ class LlamaAttention(nn.Module):
             config=config,
             prefix=f"{prefix}.attn",
         )
-        if isinstance(self.o_proj.quant_method, Fp8LinearMethod):
-            self.attn.quantize_output(self.o_proj)  # hands o_proj FP8 (T, Hq * D)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        # q and k heads rotated: in compiled decode graphs, by the qkv GEMV's epilogue
-        qkv_proj = self.qkv_proj
-        qkv = qkv_proj.quant_method.apply_rope(
-            qkv_proj,
-            hidden_states,
-            qkv_proj.bias,
-            positions,
-            self.rotary_emb,
-            self.num_heads + self.num_kv_heads,
-        )  # (T, (Hq + 2 * Hkv) * D)
+        qkv = self.qkv_proj(hidden_states)  # (T, (Hq + 2 * Hkv) * D)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v)  # (T, Hq * D)
         return self.o_proj(attn_output)  # (T, hidden)
 

@@ -80,16 +80,20 @@ def nvidia_capability(major: int, minor: int, **facts: object) -> DeviceCapabili
 
 def amd_capability(gcn_arch_name: str, **facts: object) -> DeviceCapability:
     """An AMD GPU named by its gfx architecture (``gfx942:sramecc+:xnack-``): Triton, no NVIDIA
-    features; FP8 in e4m3fnuz on the MI300 family (gfx94x), e4m3fn (OCP) on later ones."""
+    features; FP8 in e4m3fnuz on the MI300 family (gfx94x), e4m3fn (OCP) on later ones; native
+    FP8 GEMMs (``torch._scaled_mm`` through hipBLASLt) on gfx94x and gfx95x."""
     arch_name = gcn_arch_name.split(":")[0]
     digits = arch_name.removeprefix("gfx")
     arch = (int(digits[:-2] or 0), int(digits[-2], 16)) if len(digits) >= 3 else None
     fnuz = arch_name.startswith("gfx94")
+    features = {TRITON}
+    if arch_name.startswith(("gfx94", "gfx95")):
+        features.add(FP8_GEMM)
     return DeviceCapability(
         vendor="amd",
         arch=arch,
         arch_name=arch_name,
-        features=frozenset({TRITON}),
+        features=frozenset(features),
         fp8_dtype=torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn,
         **facts,  # type: ignore[arg-type]
     )

@@ -116,7 +116,7 @@ def test_cold_run_compiles_each_distinct_piece_once(cold):
     assert len({entry["artifact"] for entry in index_entries(cache_dir).values()}) == NUM_DISTINCT
     with open(os.path.join(cache_dir, "cache_key_factors.json")) as file:
         factors = json.load(file)
-    assert set(factors) == {"env", "config", "traced_files", "compiler"}
+    assert set(factors) == {"env", "config", "traced_files", "graph_passes", "compiler"}
     assert "tests/core/toy_model.py" in factors["traced_files"]  # package-relative, portable
 
 

@@ -8,9 +8,11 @@ capture after capturing was closed raises while captured sizes still replay; onl
 in a piecewise toy model only the first piece runs gc and only the last returns weak outputs; with
 debug logging, a replay on inputs at other addresses raises and only a wrapper with
 ``debug_log_enable`` logs its captures; a wrapper refuses a mode other than FULL or PIECEWISE and
-a breakable FULL capture, saying why; ``release_static_graphs`` drops one engine's graphs (a
-breakable capture's segments counted one by one) and no other's. The same wrapper on real CUDA
-graphs is tested by the GPU tests (``tests/core/test_piecewise.py`` on a GPU machine).
+a breakable FULL capture, saying why; a ``StaticGraphSet`` releases the graphs of its own
+wrappers (a breakable capture's segments counted one by one) and no other's, and closes their
+capturing; the first capture of a set's phase runs gc, later ones of any of its wrappers skip
+it. The same wrapper on real CUDA graphs is tested by the GPU tests
+(``tests/core/test_piecewise.py`` on a GPU machine).
 Run: pytest tests/core/test_cuda_graph.py
 """
 
@@ -26,13 +28,13 @@ import torch
 
 from pieceworks import platforms
 from pieceworks.config import EngineConfig, SchedulerConfig
-from pieceworks.core import static_graph
 from pieceworks.core.breakable_graph import BreakableEntry
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.cuda_graph import CUDAGraphWrapper
+from pieceworks.core.decorators import static_graph_wrappers
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
-from pieceworks.core.static_graph import CUDAGraphOptions, close_capturing
+from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphSet
 from pieceworks.platforms.cpu import CpuPlatform
 from tests.core.toy_model import SILLY_OP, ToyModel
 
@@ -164,7 +166,7 @@ def test_capture_after_close_raises_and_captured_sizes_still_replay(stub_platfor
     wrapper = CUDAGraphWrapper(runnable, config, PIECEWISE)
     x = torch.arange(4.0)
     run(wrapper, config, PIECEWISE, BatchDescriptor(4), x)
-    close_capturing()
+    wrapper.graph_set.close_capturing()
     with pytest.raises(RuntimeError) as error:
         run(wrapper, config, PIECEWISE, BatchDescriptor(2), x[:2])
     assert str(error.value) == (
@@ -200,10 +202,8 @@ def test_only_the_first_piece_runs_gc_and_only_the_last_returns_weak_outputs(stu
     model = ToyModel(config=config, num_layers=num_layers).requires_grad_(False)
     x = torch.randn(4, 8)
     run(model, config, CUDAGraphMode.NONE, None, x)  # trace, compile, warm up
-    wrappers = sorted(
-        (w for w in static_graph._wrappers if w.config is config),
-        key=lambda wrapper: wrapper.runnable.piece_index,
-    )
+    wrappers = static_graph_wrappers(model)
+    assert [w.runnable.piece_index for w in wrappers] == [0, 1, 2]  # in piece order
     # Checked before capturing: a weak output read by a later piece would be read after free.
     assert [w.options.gc_disable for w in wrappers] == [False, True, True]
     assert [w.options.weak_ref_output for w in wrappers] == [False, False, True]
@@ -237,27 +237,44 @@ def test_debug_logging_checks_input_addresses_on_replay(stub_platform, debug_log
     )
 
 
-def test_release_static_graphs_drops_only_that_configs_graphs_and_counts_each(stub_platform):
-    """Engine shutdown: every graph of the engine's wrappers goes (a breakable capture counts one
-    graph per segment), another engine's wrappers keep theirs and still replay."""
-    config, other_config = piecewise_config([2, 4]), piecewise_config([4])
-    first, second = (CUDAGraphWrapper(Doubling(), config, PIECEWISE) for _ in range(2))
-    other = CUDAGraphWrapper(Doubling(), other_config, PIECEWISE)
+def test_a_graph_set_releases_only_its_own_wrappers_graphs_and_counts_each(stub_platform):
+    """Engine shutdown: every graph of the runner's wrappers goes (a breakable capture counts one
+    graph per segment) and their capturing closes; a wrapper outside the set, even one built for
+    the same config, keeps its graphs and still replays."""
+    config = piecewise_config([2, 4])
+    first, second, other = (CUDAGraphWrapper(Doubling(), config, PIECEWISE) for _ in range(3))
+    graphs = StaticGraphSet([first, second])
     x = torch.arange(4.0)
     for size in (2, 4):
         run(first, config, PIECEWISE, BatchDescriptor(size), x[:size])
     run(second, config, PIECEWISE, BatchDescriptor(4), x)
-    run(other, other_config, PIECEWISE, BatchDescriptor(4), x)
+    run(other, config, PIECEWISE, BatchDescriptor(4), x)
     descriptor = BatchDescriptor(8)
     second.entries[descriptor] = BreakableEntry(descriptor, [StubGraph()] * 3, [], None)
-    assert static_graph.release_static_graphs(config) == 2 + 1 + 3
+    assert graphs.release() == 2 + 1 + 3  # first: sizes 2 and 4; second: size 4 + 3 segments
     assert first.entries == {} and second.entries == {}
-    assert static_graph.release_static_graphs(config) == 0  # nothing left to drop
-    close_capturing()
+    assert graphs.release() == 0  # nothing left to drop
     with pytest.raises(RuntimeError, match="after capturing was closed"):
         run(first, config, PIECEWISE, BatchDescriptor(4), x)
-    run(other, other_config, PIECEWISE, BatchDescriptor(4), x)
+    run(other, config, PIECEWISE, BatchDescriptor(4), x)
     assert other.entries[BatchDescriptor(4)].graph.num_replays == 1
+
+
+def test_only_the_first_capture_of_a_sets_phase_runs_gc(stub_platform):
+    """gc runs once per capture phase of the set, whichever of its wrappers captures first; a
+    wrapper outside the set has its own phase; reopening starts a new phase."""
+    config = piecewise_config([2, 4])
+    first, second, alone = (CUDAGraphWrapper(Doubling(), config, PIECEWISE) for _ in range(3))
+    graphs = StaticGraphSet([first, second])
+    graphs.open_capturing()
+    x = torch.arange(4.0)
+    run(first, config, PIECEWISE, BatchDescriptor(4), x)
+    run(second, config, PIECEWISE, BatchDescriptor(4), x)
+    run(alone, config, PIECEWISE, BatchDescriptor(4), x)
+    graphs.open_capturing()
+    run(second, config, PIECEWISE, BatchDescriptor(2), x[:2])
+    assert [capture.skip_gc for capture in stub_platform.captures] == [False, True, False, False]
+    assert graphs.num_captures_since_open == 1 and alone.graph_set.num_captures_since_open == 1
 
 
 @pytest.mark.parametrize("mode", [CUDAGraphMode.NONE, CUDAGraphMode.FULL_AND_PIECEWISE])

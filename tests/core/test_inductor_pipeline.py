@@ -16,7 +16,6 @@ from pieceworks.config import EngineConfig, SchedulerConfig
 from pieceworks.core.config import CompilationConfig, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.forward_context import BatchDescriptor
-from pieceworks.core.static_graph import open_capturing
 from tests.core.test_piecewise import build, capture_all, device, run
 from tests.core.toy_model import SILLY_OP
 
@@ -45,7 +44,6 @@ def compiled(tmp_path_factory):
     config = EngineConfig(
         scheduler_config=SchedulerConfig(max_num_seqs=2), compilation_config=compilation
     )
-    open_capturing()
     model = build(config, NUM_LAYERS)
     static_x = torch.randn(max(SIZES), 8, device=device())
     with compilation_counter.expect(

@@ -15,8 +15,9 @@ import torch
 from pieceworks.config import EngineConfig, SchedulerConfig
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
+from pieceworks.core.decorators import static_graph_wrappers
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
-from pieceworks.core.static_graph import close_capturing
+from pieceworks.core.static_graph import StaticGraphSet
 from tests.core.toy_model import SILLY_OP, ToyModel, silly_calls
 
 pytestmark = pytest.mark.platform_agnostic
@@ -167,7 +168,7 @@ def test_capture_after_close_raises(graph_platform):
     model = build(config, 1)
     x = torch.randn(2, 8, device=device())
     capture_all(model, config, x, [2], CUDAGraphMode.PIECEWISE)
-    close_capturing()
+    StaticGraphSet(static_graph_wrappers(model)).close_capturing()
     with pytest.raises(RuntimeError, match="after capturing was closed"):
         run(model, config, x[:1], CUDAGraphMode.PIECEWISE, BatchDescriptor(1))
     run(model, config, x, CUDAGraphMode.PIECEWISE, BatchDescriptor(2))  # replay still works

@@ -34,7 +34,7 @@ if not torch.cuda.is_available():
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant  # noqa: E402
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, KERNEL_FP8_MAX, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.kernels.attention import triton_attention  # noqa: E402
 from pieceworks.models.attention.ops import (  # noqa: E402
     paged_attention_reference,
@@ -504,7 +504,7 @@ OUTPUT_SCALE = 0.003
 
 def run_triton_fp8(batch: PagedBatch, max_query_len: int, **kwargs) -> torch.Tensor:
     """The Triton attention with an FP8 output; rows start as NaN (no real row can be NaN)."""
-    output = torch.full_like(batch.query, float("nan")).to(FP8_DTYPE)
+    output = torch.full_like(batch.query, float("nan")).to(KERNEL_FP8_DTYPE)
     scale = torch.tensor(OUTPUT_SCALE, device=DEVICE)
     paged_attention_triton(batch.query, batch.key_cache, batch.value_cache, output,
                            **batch.metadata(), max_query_len=max_query_len, output_scale=scale,
@@ -521,7 +521,7 @@ def assert_fp8_output(batch: PagedBatch, output: torch.Tensor, max_query_len: in
     assert torch.equal(output[:real].view(torch.uint8), unfused.view(torch.uint8))
     expected = static_scaled_fp8_quant(run_reference(batch), scale)[:real].float()
     actual = output[:real].float()
-    assert (expected.abs() == FP8_MAX).any(), "no value saturates: choose a smaller scale"
+    assert (expected.abs() == KERNEL_FP8_MAX).any(), "no value saturates: choose a smaller scale"
     # The kernel and the reference differ before quantization (float16: by TOLERANCES, as the
     # kernel multiplies float16 probabilities); a value near an e4m3 rounding boundary then lands
     # one e4m3 step away (2^-3 relative), and near zero the kernel's own error, scaled, remains.
@@ -542,7 +542,7 @@ def test_triton_decode_fp8_output_is_fused_quantization(dtype, num_heads, num_kv
     batch = make_batch(seq_lens, [1, 1, 1, 1, 1, 0], num_heads=num_heads,
                        num_kv_heads=num_kv_heads, dtype=dtype, num_padded_tokens=2)  # fmt: skip
     output = run_triton_fp8(batch, max_query_len=1, num_kv_splits=num_kv_splits)
-    assert output.dtype == FP8_DTYPE
+    assert output.dtype == KERNEL_FP8_DTYPE
     assert_fp8_output(batch, output, max_query_len=1, num_kv_splits=num_kv_splits)
     real = batch.num_real_tokens
     assert not output[:real].float().isnan().any(), "a real row was never written"
@@ -557,7 +557,7 @@ def test_triton_prefill_and_mixed_fp8_output(dtype, case):
                             "mixed": ([50, 75, 19, 33], [1, 21, 19, 1])}[case]  # fmt: skip
     batch = make_batch(seq_lens, query_lens, num_heads=8, num_kv_heads=2, dtype=dtype)
     output = run_triton_fp8(batch, max_query_len=max(query_lens))
-    assert output.dtype == FP8_DTYPE
+    assert output.dtype == KERNEL_FP8_DTYPE
     assert_fp8_output(batch, output, max_query_len=max(query_lens))
 
 
@@ -566,7 +566,7 @@ def test_triton_prefill_and_mixed_fp8_output(dtype, case):
 def test_output_dtype_must_match_the_quantization(max_query_len):
     batch = make_batch([20, 9], [1, 1], num_heads=8, num_kv_heads=2)
     scale = torch.tensor(OUTPUT_SCALE, device=DEVICE)
-    fp8_output = torch.empty_like(batch.query, dtype=FP8_DTYPE)
+    fp8_output = torch.empty_like(batch.query, dtype=KERNEL_FP8_DTYPE)
     args = (batch.query, batch.key_cache, batch.value_cache)
     with pytest.raises(ValueError, match="float8_e4m3fn exactly when"):
         paged_attention_triton(*args, fp8_output, **batch.metadata(), max_query_len=max_query_len)

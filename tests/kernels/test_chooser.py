@@ -1,8 +1,9 @@
 """The kernel chooser picks one implementation per op from what each supports, and says why.
 
 On a fake H200 capability the decode GEMVs (and the Hopper resident GEMV for FP8) are chosen; on
-a fake ROCm (MI300) capability no NVIDIA-only implementation is ever chosen, FP8 is e4m3fnuz and
-every chosen jitted kernel is on the warm-up list; on the CPU every op runs its torch form.
+a fake ROCm (MI300) capability no NVIDIA-only implementation is ever chosen, FP8 is e4m3fnuz, so
+``fp8_linear`` gets ``torch._scaled_mm`` (the FP8 kernels store e4m3fn), and every chosen jitted
+kernel is on the warm-up list; on the CPU every op runs its torch form.
 ``custom_ops`` switches kernels off and on as in vLLM, and a platform's own registration is
 chosen there and nowhere else.
 Run: PYTHONPATH=. PIECEWORKS_PLATFORM=cpu python -m pytest tests/kernels/test_chooser.py -q
@@ -42,17 +43,21 @@ def test_rocm_never_gets_nvidia_only_code_and_warms_up_every_triton_kernel(monke
     monkeypatch.setattr(chooser, "_CHOSEN", {})
     platform = type("FakeRocm", (), {"name": "rocm", "device_capability": lambda self: MI300})()
     monkeypatch.setattr("pieceworks.platforms._current", platform)
-    choices = {op: choose(op) for op in chooser.known_ops()}
+    fp8 = MI300.fp8_dtype
+    choices = {
+        op: choose(op, dtype=fp8 if op == "fp8_linear" else None) for op in chooser.known_ops()
+    }
     for op, choice in choices.items():
         vendors = choice.impl.supports.vendors
         assert vendors is None or "amd" in vendors, f"{op} got {choice.impl.name}"
-    assert choices["fp8_linear"].impl.name == "triton_gemv"
+    assert MI300.fp8_dtype == torch.float8_e4m3fnuz
+    assert choices["fp8_linear"].impl.name == "scaled_mm"  # the FP8 kernels store e4m3fn
     passed = dict(choices["fp8_linear"].passed_over)
     assert passed["hopper_resident_gemv"] == "for nvidia devices, not amd"
-    assert MI300.fp8_dtype == torch.float8_e4m3fnuz
+    assert passed["triton_gemv"] == "does not take float8_e4m3fnuz"
     warmed = {choice.op for choice in chooser.warmup_kernels()}
     assert warmed == {op for op, choice in choices.items() if choice.impl.jitted}
-    assert {"linear", "fp8_linear", "silu_and_mul", "rotary", "argmax"} <= warmed
+    assert {"linear", "silu_and_mul", "rotary", "argmax"} <= warmed
 
 
 def test_cpu_runs_every_op_in_torch_and_says_why():
@@ -75,6 +80,15 @@ def test_custom_ops_switch_kernels_off_and_on_as_in_vllm():
     with kernel_selection(CompilationConfig(custom_ops=["-linear"])):
         passed = dict(choose("linear", capability=H200, platform_name="cuda").passed_over)
     assert passed["triton_gemv"] == "switched off (custom_ops)"
+
+
+def test_custom_ops_naming_an_unknown_op_is_a_clear_error():
+    with pytest.raises(ValueError) as error:
+        with kernel_selection(CompilationConfig(custom_ops=["+linear", "-silu_and_mull"])):
+            pass
+    message = str(error.value)
+    assert message.startswith("custom_ops names unknown op(s) ['silu_and_mull']; known ops: ")
+    assert "silu_and_mul" in message and "'+op', '-op'" in message
 
 
 def test_a_platform_s_own_kernel_is_chosen_there_and_nowhere_else():

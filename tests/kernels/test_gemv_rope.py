@@ -29,7 +29,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel below is decorated
 
-from pieceworks.core.norm_quant import FP8_DTYPE  # noqa: E402
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE  # noqa: E402
 from pieceworks.kernels import triton_launch  # noqa: E402
 from pieceworks.kernels.gemv import triton_gemv_rope  # noqa: E402
 from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
@@ -306,41 +306,26 @@ def test_fp8_rope_op_falls_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
     )
     qkv = fp8.fp8_gemm(x_fp8, weight, x_scale, weight_scale, torch.float32, None, False)
     assert_same_rotation(output, rotary_emb.rotate_leading_heads(positions, qkv, 6))
-    assert x_fp8.dtype == FP8_DTYPE
+    assert x_fp8.dtype == KERNEL_FP8_DTYPE
 
 
-class QKVLayer(torch.nn.Module):
-    """What ``apply_rope`` reads of a linear layer: its weight."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
-
-
-@pytest.mark.parametrize("rotary_dim,fused", [(32, True), (16, False)], ids=["full", "partial"])
-def test_apply_rope_fuses_only_full_neox_rotary_in_a_graph(rotary_dim, fused, monkeypatch):
-    """With the GEMV on: full neox rotary is the fused op, eager or in a graph (the choice is made
-    when the method is built); partial rotary (Bamba's) keeps the GEMM and
-    ``rotate_leading_heads``, with the same values."""
-    from pieceworks.models.layers.quantization import base
-
-    calls: list[int] = []
-
-    def fused_op():
-        return lambda x, weight, *args: (
-            calls.append(x.shape[0]) or small_m_rope_linear(x, weight, *args)
-        )
-
-    monkeypatch.setattr(base, "small_m_rope_linear_op", fused_op)
+@pytest.mark.parametrize("rotary_dim,op_form", [(32, True), (16, False)], ids=["full", "partial"])
+def test_rotary_takes_the_op_form_only_for_full_neox(rotary_dim, op_form, monkeypatch):
+    """With the GEMV ops on, a full neox rotary calls ``pieceworks::rotary_embedding`` (what the
+    rope fusion pass folds into the qkv GEMV); a partial rotary (Bamba's) stays plain ATen. Both
+    rotate q and k as ``rotate_heads`` does, bit for bit."""
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
-    method = base.UnquantizedLinearMethod()
-    x, weight = operands(3, 8 * 32, 64, torch.float32)
-    layer = QKVLayer(weight)
     rotary_emb = get_rope(32, rotary_dim, MAX_POSITION, 10000.0, None, True, torch.float32)
     rotary_emb = rotary_emb.to(DEVICE)
+    assert rotary_emb.uses_op is op_form
     positions = torch.tensor([0, 7, 300], device=DEVICE)
-    expected = unfused(x, weight, positions, rotary_emb, 4, 2)
-    output = method.apply_rope(layer, x, None, positions, rotary_emb, 6)
-    assert calls == ([3] if fused else [])
-    tolerances = TOLERANCES[torch.float32] if fused else {"rtol": 0, "atol": 0}
-    torch.testing.assert_close(output, expected, **tolerances)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 4 * 32, generator=generator).to(DEVICE)
+    key = torch.randn(3, 2 * 32, generator=generator).to(DEVICE)
+    rotated_query, rotated_key = rotary_emb(positions, query, key)
+    torch.testing.assert_close(
+        rotated_query, rotary_emb.rotate_heads(positions, query), rtol=0, atol=0
+    )
+    torch.testing.assert_close(rotated_key, rotary_emb.rotate_heads(positions, key), rtol=0, atol=0)
+    monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
+    assert not get_rope(32, rotary_dim, MAX_POSITION, 10000.0, None, True, torch.float32).uses_op

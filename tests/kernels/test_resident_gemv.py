@@ -18,7 +18,7 @@ import logging
 import pytest
 import torch
 
-from pieceworks.core.norm_quant import FP8_DTYPE
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
 from pieceworks.kernels.gemv import resident_gemv
 from pieceworks.kernels.gemv.resident_gemv import (
     copies_align,
@@ -91,11 +91,13 @@ def test_the_rotary_form_copies_fewer_chunks_and_stacks_pairs(monkeypatch):
     monkeypatch.setattr(resident_gemv, "_resident_gemv_kernel", Recorder())
     monkeypatch.setattr(resident_gemv.triton_gemv_config, "max_shared_bytes", lambda d: 232448)
     monkeypatch.setattr(resident_gemv, "programmatic_launch", lambda device: True)
-    x = torch.zeros(1, 4096, dtype=FP8_DTYPE)
+    x = torch.zeros(1, 4096, dtype=KERNEL_FP8_DTYPE)
     scales = (torch.tensor(1.0), torch.tensor(1.0))
     rope = RopeEpilogue(torch.zeros(1, dtype=torch.int64), torch.zeros(8, 128), 128, 40)
-    launch_resident_gemv(x, torch.zeros(6144, 4096, dtype=FP8_DTYPE), scales, torch.bfloat16, rope)
-    launch_resident_gemv(x, torch.zeros(4096, 4096, dtype=FP8_DTYPE), scales, torch.bfloat16)
+    launch_resident_gemv(
+        x, torch.zeros(6144, 4096, dtype=KERNEL_FP8_DTYPE), scales, torch.bfloat16, rope
+    )
+    launch_resident_gemv(x, torch.zeros(4096, 4096, dtype=KERNEL_FP8_DTYPE), scales, torch.bfloat16)
     (rope_grid, rope_launch), (plain_grid, plain_launch) = launches
     assert rope_launch["RESIDENT"] == resident_gemv.ROPE_RESIDENT_CHUNKS == 8
     assert rope_launch["ROPE"] and rope_grid == (96,)
@@ -105,17 +107,19 @@ def test_the_rotary_form_copies_fewer_chunks_and_stacks_pairs(monkeypatch):
 def test_copies_must_start_16_byte_aligned():
     """A launch whose x or W rows do not start on 16 bytes does not compile (Triton 3.6: seen
     on the H200 in an FP8 model); such operands take the Triton GEMV."""
-    buffer = torch.zeros(2, 4096 + 32, dtype=FP8_DTYPE)
-    weight = torch.zeros(64, 4096, dtype=FP8_DTYPE)
+    buffer = torch.zeros(2, 4096 + 32, dtype=KERNEL_FP8_DTYPE)
+    weight = torch.zeros(64, 4096, dtype=KERNEL_FP8_DTYPE)
     assert copies_align(buffer[:, :4096], weight)  # a row stride of 4128 bytes
     assert not copies_align(buffer[:, 1:4097], weight)  # starts one byte in
-    assert not copies_align(torch.zeros(2, 4104, dtype=FP8_DTYPE)[:, :4096], weight)  # stride 4104
+    assert not copies_align(
+        torch.zeros(2, 4104, dtype=KERNEL_FP8_DTYPE)[:, :4096], weight
+    )  # stride 4104
     assert not copies_align(buffer[:, :4096], weight.t().contiguous().t())  # column-major W
 
 
 def test_cpu_operands_never_take_the_kernel():
-    x = torch.zeros(1, 4096, dtype=FP8_DTYPE)
-    assert not uses_resident_gemv(x, torch.zeros(4096, 4096, dtype=FP8_DTYPE))
+    x = torch.zeros(1, 4096, dtype=KERNEL_FP8_DTYPE)
+    assert not uses_resident_gemv(x, torch.zeros(4096, 4096, dtype=KERNEL_FP8_DTYPE))
 
 
 def test_a_variant_that_does_not_compile_is_reported_once_and_replaced(monkeypatch, caplog):
@@ -137,8 +141,8 @@ def test_a_variant_that_does_not_compile_is_reported_once_and_replaced(monkeypat
     scales = (torch.tensor(1.0), torch.tensor(1.0))
 
     def gemv(num_tokens: int, in_features: int) -> str:
-        x = torch.zeros(num_tokens, in_features, dtype=FP8_DTYPE)
-        weight = torch.zeros(64, in_features, dtype=FP8_DTYPE)
+        x = torch.zeros(num_tokens, in_features, dtype=KERNEL_FP8_DTYPE)
+        weight = torch.zeros(64, in_features, dtype=KERNEL_FP8_DTYPE)
         return fp8_decode_gemv(x, weight, scales, torch.bfloat16)
 
     with caplog.at_level(logging.WARNING):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant
 from pieceworks.kernels.gemv import resident_gemv
 from pieceworks.kernels.gemv.resident_gemv import launch_resident_gemv, uses_resident_gemv
 from pieceworks.kernels.gemv.triton_gemv import launch_gemv
@@ -120,7 +120,7 @@ def test_resident_gemv_waits_for_the_kernel_that_writes_x(rotary):
     x_scale = torch.tensor(0.05, device="cuda")
     source = torch.empty(1, hidden, device="cuda", dtype=torch.bfloat16)
     norm_weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
-    x_fp8 = torch.empty(1, hidden, device="cuda", dtype=FP8_DTYPE)
+    x_fp8 = torch.empty(1, hidden, device="cuda", dtype=KERNEL_FP8_DTYPE)
     rope = None
     if rotary:
         angles = torch.rand(64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
@@ -159,13 +159,13 @@ def test_which_products_take_the_resident_gemv():
     tokens; not down_proj (too little of its slice fits), not 16
     tokens at K = 4096 (x takes the slots), not bfloat16."""
 
-    def takes(num_tokens, out_features, in_features, dtype=FP8_DTYPE) -> bool:
+    def takes(num_tokens, out_features, in_features, dtype=KERNEL_FP8_DTYPE) -> bool:
         x = torch.zeros(num_tokens, in_features, device="cuda", dtype=dtype)
         weight = torch.zeros(out_features, in_features, device="cuda", dtype=dtype)
         return uses_resident_gemv(x, weight)
 
     assert takes(1, 4096, 4096) and takes(8, 4096, 4096)
-    x, qkv_weight = (torch.zeros(n, 4096, device="cuda", dtype=FP8_DTYPE) for n in (1, 6144))
+    x, qkv_weight = (torch.zeros(n, 4096, device="cuda", dtype=KERNEL_FP8_DTYPE) for n in (1, 6144))
     for head_size, taken in ((128, True), (64, True), (32, False)):  # pairs of one head only
         rope = RopeEpilogue(torch.zeros(1, device="cuda"), x, head_size, 8)
         assert uses_resident_gemv(x, qkv_weight, rope) is taken, head_size

@@ -42,7 +42,7 @@ if not torch.cuda.is_available():
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pieceworks import envs  # noqa: E402
-from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.kernels import triton_launch  # noqa: E402
@@ -110,18 +110,18 @@ EPILOGUES: list[dict] = []  # kernel_on_cpu: the keyword arguments of every laun
 
 @pytest.fixture
 def traced_rotations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Collects one entry per rotation the model runs as torch ops (``rotate_leading_heads``, the
-    unfused path ``LinearMethod.apply_rope`` takes; compiled, the traced rotation kernel)."""
+    """Collects one entry per q or k the model rotates as torch ops (``rotate_heads``, the form
+    ``RotaryEmbedding`` takes without the op; compiled, counted while Dynamo traces it)."""
     from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 
     rotations: list[int] = []
-    rotate = RotaryEmbedding.rotate_leading_heads
+    rotate = RotaryEmbedding.rotate_heads
 
-    def counted_rotate(self, positions, qkv, num_rotary_heads):
-        rotations.append(num_rotary_heads)
-        return rotate(self, positions, qkv, num_rotary_heads)
+    def counted_rotate(self, positions, heads):
+        rotations.append(heads.shape[-1] // self.head_size)
+        return rotate(self, positions, heads)
 
-    monkeypatch.setattr(RotaryEmbedding, "rotate_leading_heads", counted_rotate)
+    monkeypatch.setattr(RotaryEmbedding, "rotate_heads", counted_rotate)
     return rotations
 
 
@@ -243,9 +243,10 @@ def test_llama_decodes_the_same_tokens_through_the_gemv(
     kernel_on_cpu, traced_rotations, monkeypatch
 ):
     """Compiled (level 3, eager backend: Dynamo traces the op), the decode steps' linear layers
-    run the kernel and decode what cuBLAS decodes; eager (level 0) runs the same ops, so it calls
-    the kernel as often and decodes the same tokens. The qkv launch rotates q and k in its
-    epilogue, and the compiled graph holds no rotation of its own."""
+    run the kernel and decode what cuBLAS decodes; eager (level 0) runs the plain ops (the GEMV
+    without epilogues, the activation and rotary ops after it), so it calls the kernel as often
+    and decodes the same tokens. Compiled, the fusion passes give the qkv launch the rotation and
+    the gate/up launch the activation as epilogues, and the graph holds no rotation of its own."""
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
     assert envs.compile_factors()["PIECEWORKS_SMALL_M_GEMV"] is False  # enters the cache hash
     tokens, logits = greedy_decode(num_tokens=4, level=3)
@@ -256,7 +257,11 @@ def test_llama_decodes_the_same_tokens_through_the_gemv(
     eager_launches = list(kernel_on_cpu)
     assert eager_launches  # eager (level 0) runs the GEMV ops, as compiled code does
     assert eager_tokens == tokens
+    eager_epilogues = list(EPILOGUES)
+    assert not any(epilogue.get("rope") is not None or epilogue.get("gated")
+                   for epilogue in eager_epilogues)  # fmt: skip
     kernel_on_cpu.clear()
+    EPILOGUES.clear()
     traced_rotations.clear()
     gemv_tokens, gemv_logits = greedy_decode(num_tokens=4, level=3)
     assert kernel_on_cpu == eager_launches  # the same launches, token count for token count
@@ -266,7 +271,8 @@ def test_llama_decodes_the_same_tokens_through_the_gemv(
     rope = [epilogue["rope"] for epilogue in EPILOGUES if epilogue.get("rope") is not None]
     assert len(rope) == len(EPILOGUES) // 4  # qkv: one of the 4 launches per layer
     assert all(epilogue.num_rotary_heads == 4 + 2 for epilogue in rope)  # llama-tiny's q and k
-    assert traced_rotations == []  # no rotation kernel left in the compiled graph
+    assert len([e for e in EPILOGUES if e.get("gated")]) == len(EPILOGUES) // 4  # gate_up
+    assert traced_rotations == []  # the rotary op, fused into the qkv GEMV by the rope pass
     assert gemv_tokens == tokens
     for actual, expected in zip(gemv_logits, logits, strict=True):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
@@ -366,7 +372,7 @@ def test_fp8_gated_kernel_quantizes_like_the_unfused_layers(model_dtype, num_tok
         out_dtype=model_dtype,
         out_scale=out_scale,
     )
-    assert output.dtype == FP8_DTYPE and output.shape == (num_tokens, 80)
+    assert output.dtype == KERNEL_FP8_DTYPE and output.shape == (num_tokens, 80)
     gate_up = fp8.fp8_gemm(x_fp8, weight, x_scale, weight_scale, model_dtype, None, False)
     expected = static_scaled_fp8_quant(silu_and_mul(gate_up.float()), out_scale)
     same = output.view(torch.uint8) == expected.view(torch.uint8)
@@ -389,7 +395,7 @@ def test_silu_and_mul_epilogue_kernel_matches_torch(quantize, monkeypatch):
     if quantize:
         expected = static_scaled_fp8_quant(expected, out_scale)
         same = (output.view(torch.uint8) == expected.view(torch.uint8)).float().mean()
-        assert output.dtype == FP8_DTYPE and same >= 0.99  # exp's last bit may round across
+        assert output.dtype == KERNEL_FP8_DTYPE and same >= 0.99  # exp's last bit may round across
     rtol = 2**-3 if quantize else 1e-5  # quantized: one e4m3 step where the bytes differ
     torch.testing.assert_close(output.float(), expected.float(), rtol=rtol, atol=1e-5)
     monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: False)

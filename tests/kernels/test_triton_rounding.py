@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX  # noqa: E402
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, KERNEL_FP8_MAX  # noqa: E402
 from pieceworks.kernels.triton_rounding import round_to, round_to_e4m3  # noqa: E402
 from tests.kernels.test_triton_gemv import DEVICE, requires_triton  # noqa: E402
 
@@ -44,7 +44,7 @@ def cases() -> torch.Tensor:
     """Float32 values: ties and near-ties of bfloat16 and e4m3, subnormals, saturation, zeros,
     and random values from 1e-6 to 1e6 in magnitude."""
     generator = torch.Generator().manual_seed(0)
-    e4m3 = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(KERNEL_FP8_DTYPE).float()
     e4m3 = e4m3[torch.isfinite(e4m3)].unique()
     e4m3_ties = (e4m3[1:] + e4m3[:-1]) / 2  # exactly halfway between neighbours
     bf16 = torch.randn(2048, generator=generator).bfloat16().float()
@@ -64,9 +64,9 @@ def test_rounding_equals_torch_casts():
     y = cases().to(DEVICE)
     bf16, fp16, e4m3 = (torch.empty_like(y) for _ in range(3))
     _round_kernel[(triton.cdiv(y.numel(), BLOCK),)](
-        y, bf16, fp16, e4m3, y.numel(), FP8_MAX, BLOCK=BLOCK
+        y, bf16, fp16, e4m3, y.numel(), KERNEL_FP8_MAX, BLOCK=BLOCK
     )
-    expected_e4m3 = y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    expected_e4m3 = y.clamp(-KERNEL_FP8_MAX, KERNEL_FP8_MAX).to(KERNEL_FP8_DTYPE).float()
     for actual, expected in ((bf16, y.bfloat16().float()), (fp16, y.half().float()),
                              (e4m3, expected_e4m3)):  # fmt: skip
         mismatch = actual.view(torch.int32) != expected.view(torch.int32)

@@ -7,13 +7,12 @@ one ``DecodeWorkspace`` (as the runner binds it) get the same scratch views and 
 when run in turn; (3) a bad layout raises a clear ``ValueError`` on the first call of its shape
 and caches nothing, so it raises again; (4) one plan is built per shape signature, and binding a
 new KV cache forgets them; (5) ``DecodeWorkspace`` hands out the same views per shape, shares one
-buffer between shapes, and keeps outgrown buffers alive; (6) a layer whose output is quantized for
-an FP8 consumer (``quantize_output``) writes ``static_scaled_fp8_quant`` of the unquantized
-output with the consumer's current ``input_scale`` on both backends (the torch backend byte for
-byte, Triton within one e4m3 step), reads that scale on every call (a replaced Parameter is
-used without a new plan), and raises clearly for an output of the wrong dtype or a consumer
-without its scale. A GPU test captures two layers in one CUDA graph and replays it with new
-metadata.
+buffer between shapes, and keeps outgrown buffers alive; (6) a call given an ``output_scale``
+(what the attention quant fusion pass passes for an FP8 ``o_proj``) writes
+``static_scaled_fp8_quant`` of the unquantized output with that scale on both backends (the torch
+backend byte for byte, Triton within one e4m3 step), a new scale needs no new plan, and an FP8
+output without a scale (or a scale with another output) raises clearly. A GPU test captures two
+layers in one CUDA graph and replays it with new metadata.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (see
 ``tests/kernels/test_attention_kernels.py`` for how TRITON_INTERPRET is set).
@@ -29,11 +28,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
 
-from torch import nn  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pieceworks.config import EngineConfig  # noqa: E402
-from pieceworks.core.norm_quant import FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.kernels.attention import triton_attention  # noqa: E402
 from pieceworks.models.attention.backends import (  # noqa: E402
     TorchAttentionBackend,
@@ -239,42 +237,26 @@ def test_workspace_views_per_shape_and_growth():
     assert workspace.get(4, 8, 16, 32, DEVICE)[0] is big_out
 
 
-class FakeFp8Consumer(nn.Module):
-    """Stands in for an FP8 ``o_proj``: all the attention reads of it is ``input_scale``."""
-
-    def __init__(self, input_scale: float) -> None:
-        super().__init__()
-        self.replace_scale(input_scale)
-
-    def replace_scale(self, input_scale: float) -> None:
-        """A new Parameter, as ``Fp8LinearMethod.process_weights_after_loading`` makes one."""
-        scale = torch.tensor(input_scale, device=DEVICE)
-        self.input_scale = nn.Parameter(scale, requires_grad=False)
-
-
 @pytest.mark.parametrize("step", STEPS)
-def test_fp8_output_is_the_quantized_output_with_the_current_scale(step):
+def test_fp8_output_is_the_quantized_output_with_the_scale_of_the_call(step):
     seq_lens, query_lens, num_padded = STEPS[step]
     triton_layer, reference_layer = paired_layers(f"fp8.{step}")
     plain_layer = make_layer(EngineConfig(), f"fp8.{step}.plain", TorchAttentionBackend)
     plain_layer.kv_cache = tuple(cache.clone() for cache in reference_layer.kv_cache)
-    consumer = FakeFp8Consumer(0.003)  # outputs of randn V up to ~3: the largest saturate
-    triton_layer.quantize_output(consumer)
-    reference_layer.quantize_output(consumer)
-    assert not list(triton_layer.children())  # the consumer is not made a submodule
     layers = (triton_layer, reference_layer, plain_layer)
     qkv, (query, key, value), metadata = make_step(seq_lens, query_lens, num_padded)
     real = metadata.num_actual_tokens
+    # outputs of randn V up to ~3: at 0.003 the largest saturate
     for call, input_scale in enumerate([0.003, 0.02]):
         if call:
             rewrite_step(metadata, qkv, seq_lens, query_lens)
-            consumer.replace_scale(input_scale)
-        actual = torch.empty_like(query, dtype=FP8_DTYPE)
-        expected = torch.empty_like(query, dtype=FP8_DTYPE)
+        scale = torch.tensor(input_scale, device=DEVICE)
+        actual = torch.empty_like(query, dtype=KERNEL_FP8_DTYPE)
+        expected = torch.empty_like(query, dtype=KERNEL_FP8_DTYPE)
         plain = torch.empty_like(query)
         for layer, output in zip(layers, (actual, expected, plain), strict=True):
-            layer.attend(query, key, value, output, metadata)
-        quantized = static_scaled_fp8_quant(plain, consumer.input_scale)
+            layer.attend(query, key, value, output, metadata, None if output is plain else scale)
+        quantized = static_scaled_fp8_quant(plain, scale)
         assert torch.equal(expected[:real].view(torch.uint8), quantized[:real].view(torch.uint8))
         actual, expected = actual[:real].float(), expected[:real].float()
         assert (actual == expected).float().mean() >= 0.99
@@ -282,19 +264,17 @@ def test_fp8_output_is_the_quantized_output_with_the_current_scale(step):
     assert len(triton_layer._plans) == 1  # the new scale needed no new plan
 
 
-def test_fp8_output_of_the_wrong_dtype_or_without_a_scale_raises():
+def test_fp8_output_exactly_when_a_scale_is_given_else_a_clear_error():
     layer = make_layer(EngineConfig(), "fp8.errors", TritonAttentionBackend)
     layer.kv_cache = make_cache()
-    layer.quantize_output(nn.Linear(4, 4))  # no input_scale: weights not processed
     _, (query, key, value), metadata = make_step([5, 6], [1, 1])
-    with pytest.raises(ValueError, match="allocate the output as Attention.forward does"):
-        layer.attend(query, key, value, torch.empty_like(query), metadata)
-    with pytest.raises(RuntimeError, match="load the weights"):
-        layer.attend(query, key, value, torch.empty_like(query, dtype=FP8_DTYPE), metadata)
-    plain = make_layer(EngineConfig(), "fp8.errors.plain", TritonAttentionBackend)
-    plain.kv_cache = make_cache()
-    with pytest.raises(ValueError, match="does not quantize"):
-        plain.attend(query, key, value, torch.empty_like(query, dtype=FP8_DTYPE), metadata)
+    scale = torch.tensor(0.01, device=DEVICE)
+    with pytest.raises(ValueError, match="does not quantize to") as error:
+        layer.attend(query, key, value, torch.empty_like(query, dtype=KERNEL_FP8_DTYPE), metadata)
+    assert "the output is FP8 exactly when output_scale is given" in str(error.value)
+    with pytest.raises(ValueError, match="quantizes its output to"):
+        layer.attend(query, key, value, torch.empty_like(query), metadata, scale)
+    assert not layer._plans  # nothing cached: the same call raises again
 
 
 @pytest.mark.gpu

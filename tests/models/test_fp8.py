@@ -9,10 +9,11 @@
   its prefill logits stay within FP8's error of the unquantized model's; compiled with Inductor
   and the fusion pass (slow), every norm + quant pair is fused and the logits equal the eager
   FP8 run's.
-- The attention of FP8 Llama hands ``o_proj`` FP8 values (``Attention.quantize_output``): compiled
-  (eager backend) on the Triton attention backend, whose decode reduce quantizes in its epilogue
-  (interpreted on CPU), it decodes the same tokens with the same logits as with the quantization
-  left to ``o_proj``; a bfloat16 model's attention still hands ``o_proj`` bfloat16.
+- The attention of FP8 Llama hands ``o_proj`` FP8 values (the attention quant fusion pass):
+  compiled (eager backend) on the Triton attention backend, whose decode reduce quantizes in its
+  epilogue (interpreted on CPU), it decodes the same tokens with the same logits as with the pass
+  off (the quantization left to ``o_proj``); a bfloat16 model's attention still hands ``o_proj``
+  bfloat16.
 Tolerances: e4m3 keeps 3 mantissa bits, so each weight carries a relative rounding error of up
 to 2^-4 (RMS about 2^-4 / sqrt(3), 3.6 %). Measured on llama-tiny (float32): weights alone give
 logits a relative RMS error of 3.4 %, weights and activations 4.1 % (max abs 0.032 at logit
@@ -28,8 +29,8 @@ import torch
 
 from pieceworks.config import ModelConfig
 from pieceworks.core.norm_quant import (
-    FP8_DTYPE,
-    FP8_MAX,
+    KERNEL_FP8_DTYPE,
+    KERNEL_FP8_MAX,
     fused_add_rms_norm_static_fp8_quant_reference,
     rms_norm_static_fp8_quant_reference,
 )
@@ -66,9 +67,9 @@ def test_cpu_has_no_native_fp8():
 def test_weight_quantization_per_tensor_round_trip():
     weight = torch.randn(96, 64) * 0.02
     quantized, scale = quantize_weight_per_tensor(weight)
-    assert quantized.dtype == FP8_DTYPE and scale.dim() == 0
-    assert torch.isclose(scale, weight.abs().max() / FP8_MAX)
-    assert float(quantized.float().abs().max()) == FP8_MAX  # the largest weight maps to 448
+    assert quantized.dtype == KERNEL_FP8_DTYPE and scale.dim() == 0
+    assert torch.isclose(scale, weight.abs().max() / KERNEL_FP8_MAX)
+    assert float(quantized.float().abs().max()) == KERNEL_FP8_MAX  # the largest weight maps to 448
     dequantized = quantized.float() * scale
     # normal range: relative error <= 2^-4; subnormals: absolute error <= 2^-10 * scale
     torch.testing.assert_close(dequantized, weight, rtol=2**-4, atol=float(scale) * 2**-10)
@@ -81,7 +82,7 @@ def quantized_operands(num_tokens: int = 7, in_features: int = 64, out_features:
         torch.randn(out_features, in_features, generator=generator) * 0.02
     )
     input_scale = torch.tensor(0.01)
-    x_fp8 = (x / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x_fp8 = (x / input_scale).clamp(-KERNEL_FP8_MAX, KERNEL_FP8_MAX).to(KERNEL_FP8_DTYPE)
     return x_fp8, weight, input_scale, weight_scale
 
 
@@ -109,7 +110,7 @@ def test_fp8_linear_layer_quantizes_after_loading():
     full_weight = torch.randn_like(layer.weight) * 0.05
     layer.weight_loader(layer.weight, full_weight)
     layer.quant_method.process_weights_after_loading(layer)
-    assert layer.weight.dtype == FP8_DTYPE
+    assert layer.weight.dtype == KERNEL_FP8_DTYPE
     assert float(layer.input_scale) == Fp8Config().input_scale
     x = torch.randn(5, 64)
     expected = torch.nn.functional.linear(x, full_weight)
@@ -132,7 +133,7 @@ def norm_quant_inputs(dtype: torch.dtype, num_tokens: int = 5, hidden: int = 48)
 def assert_fp8_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Equal bytes, but for the rare value a different float32 reduction order moves across a
     rounding boundary: at most 1 % of elements, one e4m3 step each (measured: 0 of 55,872)."""
-    assert actual.dtype == expected.dtype == FP8_DTYPE
+    assert actual.dtype == expected.dtype == KERNEL_FP8_DTYPE
     torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-3, atol=2**-9)
     assert (actual.view(torch.uint8) != expected.view(torch.uint8)).float().mean() <= 0.01
 
@@ -143,7 +144,7 @@ def test_triton_fused_norm_quant_matches_reference(dtype, num_tokens, hidden):
     from pieceworks.kernels.norm_quant import triton_norm_quant
 
     x, _, weight, scale = norm_quant_inputs(dtype, num_tokens, hidden)
-    result, expected = (torch.empty(x.shape, dtype=FP8_DTYPE) for _ in range(2))
+    result, expected = (torch.empty(x.shape, dtype=KERNEL_FP8_DTYPE) for _ in range(2))
     triton_norm_quant.rms_norm_static_fp8_quant(result, x, weight, scale, 1e-5)
     rms_norm_static_fp8_quant_reference(expected, x, weight, scale, 1e-5)
     assert_fp8_close(result, expected)
@@ -155,7 +156,7 @@ def test_triton_fused_add_norm_quant_matches_reference(dtype, num_tokens, hidden
     from pieceworks.kernels.norm_quant import triton_norm_quant
 
     x, residual, weight, scale = norm_quant_inputs(dtype, num_tokens, hidden)
-    result, expected = (torch.empty(x.shape, dtype=FP8_DTYPE) for _ in range(2))
+    result, expected = (torch.empty(x.shape, dtype=KERNEL_FP8_DTYPE) for _ in range(2))
     residual_out, expected_residual = torch.empty_like(x), torch.empty_like(x)
     triton_norm_quant.fused_add_rms_norm_static_fp8_quant(
         result, residual_out, x, residual, weight, scale, 1e-5
@@ -324,7 +325,11 @@ def test_fp8_amplifies_gemm_rounding_differences(tmp_path):
 
 
 def decode_recording_o_proj_inputs(
-    monkeypatch: pytest.MonkeyPatch, quantization: str | None, dtype: str, level: int
+    monkeypatch: pytest.MonkeyPatch,
+    quantization: str | None,
+    dtype: str,
+    level: int,
+    attn_quant_fusion: bool = True,
 ) -> tuple[list[list[int]], list[torch.Tensor], set[torch.dtype], list[Attention]]:
     """Greedy tokens of three prompts, every step's logits, the dtypes ``o_proj`` was given (when
     traced, at least once per trace) and the model's attention layers (plans kept)."""
@@ -339,7 +344,11 @@ def decode_recording_o_proj_inputs(
         monkeypatch.setattr(cls, "apply", spy)
     llm = LLM(
         "llama-tiny",
-        compilation_config={"level": level, "backend": "eager"},
+        compilation_config={
+            "level": level,
+            "backend": "eager",
+            "pass_config": {"enable_attn_quant_fusion": attn_quant_fusion},
+        },
         dtype=dtype,
         max_num_seqs=4,
         quantization=quantization,
@@ -361,14 +370,17 @@ def test_fp8_attention_hands_o_proj_fp8_and_decodes_the_same(monkeypatch):
     triton_backend = "pieceworks.models.attention.backends.TritonAttentionBackend"
     monkeypatch.setattr(current_platform(), "attention_backend_qualname", triton_backend)
     with monkeypatch.context() as unfused:  # the attention output left to o_proj to quantize
-        unfused.setattr(Attention, "quantize_output", lambda layer, consumer: None)
-        tokens, logits, seen, _ = decode_recording_o_proj_inputs(unfused, "fp8", "float32", 3)
+        tokens, logits, seen, _ = decode_recording_o_proj_inputs(
+            unfused, "fp8", "float32", 3, attn_quant_fusion=False
+        )
     assert seen == {torch.float32}
     fused_tokens, fused_logits, fused_seen, layers = decode_recording_o_proj_inputs(
         monkeypatch, "fp8", "float32", 3
     )
-    assert fused_seen == {FP8_DTYPE}
-    assert layers and all(layer.quantizes_output for layer in layers)
+    # The layers hand o_proj the model dtype as traced; the pass makes the graph's attention
+    # write FP8 (its decode launches quantize, below) and drops o_proj's quantization.
+    assert fused_seen == {torch.float32}
+    assert layers
     for layer in layers:  # the decode steps ran the reduce with its quantizing epilogue
         launches = [plan.attend for plan in layer._plans.values()]
         assert any(isinstance(launch, DecodeLaunch) and launch.quantizes_output
@@ -384,5 +396,10 @@ def test_fp8_attention_hands_o_proj_fp8_and_decodes_the_same(monkeypatch):
 def test_bf16_attention_output_stays_bf16(monkeypatch):
     _, logits, seen, layers = decode_recording_o_proj_inputs(monkeypatch, None, "bfloat16", 0)
     assert seen == {torch.bfloat16}
-    assert layers and not any(layer.quantizes_output for layer in layers)
+    assert layers and not any(
+        isinstance(launch := getattr(plan, "attend", None), DecodeLaunch)
+        and launch.quantizes_output
+        for layer in layers
+        for plan in layer._plans.values()
+    )
     assert len(logits) == 4 and all(step.isfinite().all() for step in logits)

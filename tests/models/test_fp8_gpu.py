@@ -20,7 +20,7 @@ import torch
 
 from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.core.norm_quant import (
-    FP8_DTYPE,
+    KERNEL_FP8_DTYPE,
     fused_add_rms_norm_static_fp8_quant_reference,
     rms_norm_static_fp8_quant_reference,
 )
@@ -83,7 +83,7 @@ def test_scaled_mm_matches_reference_gemm(num_tokens):
         torch.randn(6144, 4096, device=device(), generator=generator) * 0.02
     )
     input_scale = torch.tensor(1.0, device=device())
-    x_fp8 = x.clamp(-448, 448).to(FP8_DTYPE)
+    x_fp8 = x.clamp(-448, 448).to(KERNEL_FP8_DTYPE)
     args = (x_fp8, weight, input_scale, weight_scale, torch.bfloat16, None)
     native, reference = fp8_gemm(*args, native=True), fp8_gemm(*args, native=False)
     print(f"scaled_mm vs reference, {num_tokens} tokens: {relative_rms(native, reference):.2e}")
@@ -101,7 +101,9 @@ def test_triton_fused_kernel_matches_reference_at_8b_width(num_tokens, with_resi
     residual = torch.randn(shape, device=device(), generator=generator).bfloat16()
     weight = (1 + 0.1 * torch.randn(4096, device=device(), generator=generator)).bfloat16()
     scale = torch.tensor(0.02, device=device())
-    result, expected = (torch.empty(shape, dtype=FP8_DTYPE, device=device()) for _ in range(2))
+    result, expected = (
+        torch.empty(shape, dtype=KERNEL_FP8_DTYPE, device=device()) for _ in range(2)
+    )
     if with_residual:
         residual_out, expected_residual = torch.empty_like(x), torch.empty_like(x)
         triton_norm_quant.fused_add_rms_norm_static_fp8_quant(

@@ -207,9 +207,9 @@ def test_only_hopper_reports_the_warpgroup_mma(monkeypatch):
 
 
 def test_device_capability_names_each_vendor_s_features_and_fp8_format():
-    """NVIDIA: Triton everywhere, PDL and native FP8 GEMMs on Hopper, e4m3fn; AMD: Triton only,
-    e4m3fnuz on the MI300 family (gfx94x) and e4m3fn after it; CPU: nothing; an unknown feature
-    name is refused."""
+    """NVIDIA: Triton everywhere, PDL and native FP8 GEMMs on Hopper, e4m3fn; AMD: Triton, native
+    FP8 GEMMs on gfx94x/gfx95x, e4m3fnuz on the MI300 family (gfx94x) and e4m3fn after it; CPU:
+    nothing; an unknown feature name is refused."""
     from pieceworks.platforms.capability import (
         FP8_GEMM,
         PROGRAMMATIC_LAUNCH,
@@ -224,7 +224,8 @@ def test_device_capability_names_each_vendor_s_features_and_fp8_format():
     assert hopper.fp8_dtype == torch.float8_e4m3fn and hopper.arch_name == "sm_90"
     assert nvidia_capability(8, 0).features == {TRITON}
     mi300 = amd_capability("gfx942:sramecc+:xnack-")
-    assert mi300.features == {TRITON} and mi300.arch == (9, 4)
+    assert mi300.features == {TRITON, FP8_GEMM} and mi300.arch == (9, 4)
+    assert amd_capability("gfx90a").features == {TRITON}  # MI200: no FP8
     assert mi300.fp8_dtype == torch.float8_e4m3fnuz
     assert amd_capability("gfx950").fp8_dtype == torch.float8_e4m3fn
     assert CpuPlatform().device_capability().features == frozenset()

@@ -30,10 +30,10 @@ from torch import Tensor
 from pieceworks.core import norm_quant
 from pieceworks.core.config import LIBRARY_NAMESPACE
 from pieceworks.core.norm_quant import (
-    FP8_DTYPE,
     FUSED_ADD_RMS_NORM_QUANT_OP,
     RMS_NORM_QUANT_OP,
     add_rms_norm,
+    fp8_dtype,
     rms_norm,
     static_scaled_fp8_quant,
 )
@@ -125,7 +125,7 @@ def _register_rms_norm_quant(
         return static_scaled_fp8_quant(rms_norm(input, weight, epsilon), scale)
 
     def replace(input: Tensor, weight: Tensor, scale: Tensor, epsilon: float) -> Tensor:
-        result = torch.empty_like(input, dtype=FP8_DTYPE)
+        result = torch.empty_like(input, dtype=fp8_dtype())
         fused: Any = auto_functionalized(  # (None, result[, residual_out])
             op, result=result, input=input, weight=weight, scale=scale, epsilon=epsilon
         )
@@ -148,7 +148,7 @@ def _register_add_rms_norm_quant(
     def replace(
         input: Tensor, residual: Tensor, weight: Tensor, scale: Tensor, epsilon: float
     ) -> tuple[Tensor, Tensor]:
-        result = torch.empty_like(input, dtype=FP8_DTYPE)
+        result = torch.empty_like(input, dtype=fp8_dtype())
         residual_out = torch.empty_like(input)
         fused: Any = auto_functionalized(  # (None, result[, residual_out])
             op,

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, KERNEL_FP8_MAX, static_scaled_fp8_quant
 from pieceworks.kernels.attention.launch import KernelLaunch
 from pieceworks.kernels.attention.workspace import DecodeWorkspace
 from pieceworks.kernels.triton_launch import launch_options, pdl_start, programmatic_launch
@@ -64,7 +64,7 @@ PREFILL_NUM_STAGES = 2
 LOG2_E = 1.4426950408889634
 # Finite stand-in for -inf as the running max: exp2(-inf - NEG_LARGE) is 0, never NaN.
 NEG_LARGE = tl.constexpr(-1.0e30)
-_FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_MAX = tl.constexpr(KERNEL_FP8_MAX)
 
 
 @triton.jit
@@ -443,7 +443,7 @@ class QuantizedOutputLaunch:
                  block_tables, output_scale) -> None:  # fmt: skip
         result = torch.empty(output.shape, dtype=query.dtype, device=output.device)
         self.launch(query, key_cache, value_cache, result, query_start_loc, seq_lens, block_tables)
-        output.copy_(static_scaled_fp8_quant(result, output_scale))
+        output.copy_(static_scaled_fp8_quant(result, output_scale, output.dtype))
 
 
 # Every launch is called as launch(query, key_cache, value_cache, output, query_start_loc,
@@ -580,7 +580,7 @@ def _check_new_kv(new_kv, query, key_cache) -> None:
 def _check_attention_inputs(query, key_cache, value_cache, output, block_tables,
                             quantize_output=False) -> None:  # fmt: skip
     """Reject layouts the kernels cannot address (they assume unit stride along D)."""
-    if (output.dtype == FP8_DTYPE) != quantize_output or query.dtype not in TRITON_DTYPES:
+    if (output.dtype == KERNEL_FP8_DTYPE) != quantize_output or query.dtype not in TRITON_DTYPES:
         raise ValueError(
             f"output dtype {output.dtype} with query dtype {query.dtype}: the output must be "
             "float8_e4m3fn exactly when it is quantized (output_scale given), and the query one "

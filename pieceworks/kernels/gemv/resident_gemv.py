@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from pieceworks.core.norm_quant import FP8_DTYPE
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
 from pieceworks.kernels import triton_launch
 from pieceworks.kernels.gemv import triton_gemv_config
 from pieceworks.kernels.gemv.triton_gemv import launch_gemv
@@ -420,7 +420,11 @@ def uses_resident_gemv(
     num_tokens, in_features = x.shape
     if gluon is None or not triton_launch.compiled_kernels_run_on(x.device):
         return False
-    if x.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE or not 0 < num_tokens <= MAX_TOKENS:
+    if (
+        x.dtype != KERNEL_FP8_DTYPE
+        or weight.dtype != KERNEL_FP8_DTYPE
+        or not 0 < num_tokens <= MAX_TOKENS
+    ):
         return False
     if not copies_align(x, weight):
         return False

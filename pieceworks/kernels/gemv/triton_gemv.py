@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
-from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, KERNEL_FP8_MAX
 from pieceworks.kernels import triton_launch
 from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_epilogue
 from pieceworks.kernels.gemv import triton_gemv_config
@@ -92,7 +92,7 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
 
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_MAX = tl.constexpr(KERNEL_FP8_MAX)
 
 
 @triton.jit
@@ -266,7 +266,7 @@ def launch_gemv(
     config = launch_config(x, weight, config, stacked, rope)
     pdl = programmatic_launch(x.device)
     grid = (triton.cdiv(out_features, config.block_n),)
-    store_dtype = FP8_DTYPE if out_scale is not None else out_dtype
+    store_dtype = KERNEL_FP8_DTYPE if out_scale is not None else out_dtype
     out_shape = (num_tokens, weight.shape[0] if rope is not None else out_features)
     out = torch.empty(out_shape, dtype=store_dtype, device=x.device)
     x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED

@@ -13,8 +13,9 @@ GEMM, then the rotation (``rotate_qk_heads``): one Triton launch that rotates th
 place where the kernels run (inside the op Inductor cannot fuse the rotation, and as eager torch
 ops it would be about ten launches per layer at batch 64 and in prefill), else
 ``rotate_leading_heads`` (the rotation ``RotaryEmbedding`` computes). The choice is made inside
-the op at run time, like ``small_m_linear``'s. ``quantization/base.py`` routes to the op
-(``LinearMethod.apply_rope``); ``quantization/fp8.py`` registers the FP8 form.
+the op at run time, like ``small_m_linear``'s. ``quantization/base.py`` registers the op and
+``quantization/fp8.py`` the FP8 form; the rope fusion pass (``core/passes/gemv_fusion.py``) puts
+them into compiled graphs in place of the qkv GEMV and the rotary op after it.
 """
 
 from __future__ import annotations

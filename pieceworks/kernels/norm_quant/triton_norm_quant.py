@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.core.norm_quant import FP8_MAX
+from pieceworks.core.norm_quant import KERNEL_FP8_MAX
 from pieceworks.kernels.triton_launch import launch_options, pdl_start, programmatic_launch
 from pieceworks.kernels.triton_rounding import round_to, round_to_e4m3
 
@@ -87,7 +87,7 @@ def _launch(
         residual_out if residual_out is not None else input,
         hidden_size,
         epsilon,
-        FP8_MAX,
+        KERNEL_FP8_MAX,
         BLOCK_SIZE=block_size,
         HAS_RESIDUAL=residual is not None,
         PDL=pdl,

@@ -5,11 +5,21 @@ rotates with it, and so do the ops that receive the cache rather than the module
 fallback and oracle, ``kernels/gemv/triton_gemv_rope.py``). Tokens are flattened: heads are
 ``(num_tokens, num_heads * head_size)``; the cache is ``(max_position, rotary_dim)``, cos in the
 first half of each row and sin in the second (vLLM's layout).
+
+``pieceworks::rotary_embedding(positions, query, key, cos_sin_cache, head_size, is_neox_style)``
+is the rotation of q and k as one opaque op (``rotary_embedding_op``): what ``RotaryEmbedding``
+calls where the chooser gives ``rotary`` its kernel (the qkv GEMV's epilogue), so that the rope
+fusion pass (``core/passes/gemv_fusion.py``) finds it in the graph; its implementation is this
+torch form.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from pieceworks.core.custom_op import direct_register_custom_op
 
 
 def apply_rotary_emb(
@@ -68,3 +78,36 @@ def rotate_leading_heads(
     heads, rest = qkv.split([rotary_size, qkv.shape[-1] - rotary_size], dim=-1)
     rotated = rotate_heads_by_cache(positions, heads, cos_sin_cache, head_size, is_neox_style)
     return torch.cat((rotated, rest), dim=-1)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query (T, Hq * D)`` and ``key (T, Hkv * D)`` rotated at ``positions (T,)``: new tensors."""
+    return (
+        rotate_heads_by_cache(positions, query, cos_sin_cache, head_size, is_neox_style),
+        rotate_heads_by_cache(positions, key, cos_sin_cache, head_size, is_neox_style),
+    )
+
+
+def rotary_embedding_fake(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(query), torch.empty_like(key)
+
+
+def rotary_embedding_op() -> Any:
+    """``torch.ops.pieceworks.rotary_embedding``, registered on first use (never at import)."""
+    return direct_register_custom_op(
+        "rotary_embedding", rotary_embedding, mutates_args=[], fake_impl=rotary_embedding_fake
+    )

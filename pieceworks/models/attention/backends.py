@@ -7,8 +7,8 @@ it). A backend with nothing to precompute keeps the defaults: no plan, and ``run
 ``store_kv`` then ``forward`` on (T, H, D) views. Both take the step's ``AttentionMetadata`` and
 write into tensors they are given.
 
-A layer with an FP8 output (``Attention.quantize_output``) hands ``run`` a float8_e4m3fn output;
-``layer.output_scale()`` is its static scale. The Triton decode plan quantizes in its reduce
+A call with an ``output_scale`` (the attention quant fusion pass gives the op one) hands ``run``
+a float8_e4m3fn output and that static scale. The Triton decode plan quantizes in its reduce
 kernel; every other path attends into a scratch tensor of the query dtype and writes
 ``static_scaled_fp8_quant(scratch, scale)``, as the FP8 ``o_proj`` would have quantized it.
 """
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pieceworks.core.norm_quant import static_scaled_fp8_quant
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.attention.ops import (
     DecodeLaunch,
@@ -69,18 +69,26 @@ class AttentionBackend:
 
     @classmethod
     def run(
-        cls, plan: Any, layer: Attention, query, key, value, output, metadata: AttentionMetadata
+        cls,
+        plan: Any,
+        layer: Attention,
+        query,
+        key,
+        value,
+        output,
+        metadata: AttentionMetadata,
+        output_scale: torch.Tensor | None = None,
     ) -> None:
-        """One call on the layer's flat (T, H * D) tensors: store K/V, then attend."""
+        """One call on the layer's flat (T, H * D) tensors: store K/V, then attend (FP8 output:
+        quantized with ``output_scale``)."""
         key_cache, value_cache = layer.bound_kv_cache()
-        output_scale = layer.output_scale()
         # FP8 output: attend into a scratch tensor of the query dtype, then quantize it
         result = output if output_scale is None else query.new_empty(query.shape)  # (T, Hq * D)
         query, key, value, result_heads = head_views(layer, query, key, value, result)
         cls.store_kv(key, value, key_cache, value_cache, metadata)
         cls.forward(query, key_cache, value_cache, result_heads, metadata, layer.scale)
         if output_scale is not None:
-            output.copy_(static_scaled_fp8_quant(result, output_scale))
+            output.copy_(static_scaled_fp8_quant(result, output_scale, output.dtype))
 
 
 def head_views(layer: Attention, query, key, value, output) -> tuple[torch.Tensor, ...]:
@@ -159,7 +167,8 @@ class TritonAttentionBackend(AttentionBackend):
             max_query_len=metadata.max_query_len,
             workspace=layer.workspace,
             new_kv=(key, value),  # a decode plan stores them itself: one launch fewer
-            quantize_output=layer.quantizes_output,  # a decode plan quantizes in its reduce
+            quantize_output=output.dtype
+            == KERNEL_FP8_DTYPE,  # a decode plan quantizes in its reduce
         )
         # Planned either way: it checks the K/V and slot layouts for both paths.
         store = plan_store_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
@@ -167,7 +176,7 @@ class TritonAttentionBackend(AttentionBackend):
         return dataclasses.replace(plan, store=None) if plan.stores_kv else plan
 
     @classmethod
-    def run(cls, plan, layer, query, key, value, output, metadata) -> None:
+    def run(cls, plan, layer, query, key, value, output, metadata, output_scale=None) -> None:
         # The launches were bound from the (T, H, D) views of tensors with exactly these shapes
         # and strides, and a kernel reads only a tensor's base pointer: the flat tensors go in
         # as they are, without building the views again.
@@ -177,7 +186,7 @@ class TritonAttentionBackend(AttentionBackend):
             return
         args = (query, plan.key_cache, plan.value_cache, output, metadata.query_start_loc,
                 metadata.seq_lens, metadata.block_tables)  # fmt: skip
-        output_scale = layer.output_scale()  # read per call: a plan keeps no tensor value
+        # the scale comes with each call: a plan keeps no tensor value
         quantized = {} if output_scale is None else {"output_scale": output_scale}
         if plan.stores_kv:
             plan.attend(*args, new_kv=(key, value, metadata.slot_mapping), **quantized)

@@ -7,10 +7,12 @@ paged cache and writes attention into ``output`` in place; its fake implementati
 so tracing never runs a kernel. The layer keeps what the backend derives from shapes (checks,
 launch grids, split count, scratch) per shape signature, so a repeated shape costs only launches.
 
-For an FP8 output projection the model calls ``quantize_output(o_proj)``: ``forward`` then
-allocates a float8_e4m3fn output and the op writes ``static_scaled_fp8_quant(attention, scale)``
-with ``o_proj``'s static input scale, which ``o_proj`` takes as already quantized. The op's
-signature does not change; the layer reads the scale when the op runs.
+``forward`` allocates an output of the query's dtype. The op takes an optional ``output_scale``
+(vLLM's signature): given it, the output is float8_e4m3fn and the op writes
+``static_scaled_fp8_quant(attention, output_scale)``. The model never passes it; the attention
+quant fusion pass (``core/passes/attn_quant_fusion.py``) does, where an FP8 ``o_proj`` quantizes
+the attention output with its static input scale, and then allocates the output in FP8 and drops
+that quantization from the graph.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.forward_context import get_forward_context
-from pieceworks.core.norm_quant import FP8_DTYPE
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
 from pieceworks.models.attention.backends import AttentionBackend
 from pieceworks.models.attention.ops import DecodeWorkspace
 from pieceworks.platforms import current_platform
@@ -37,10 +39,11 @@ def unified_attention_with_output(
     value: torch.Tensor,
     output: torch.Tensor,
     layer_name: str,
+    output_scale: torch.Tensor | None = None,
 ) -> None:
     context = get_forward_context()
     layer = context.no_compile_layers[layer_name]
-    layer.attend(query, key, value, output, context.attn_metadata)
+    layer.attend(query, key, value, output, context.attn_metadata, output_scale)
 
 
 def unified_attention_with_output_fake(
@@ -49,6 +52,7 @@ def unified_attention_with_output_fake(
     value: torch.Tensor,
     output: torch.Tensor,
     layer_name: str,
+    output_scale: torch.Tensor | None = None,
 ) -> None:
     return None
 
@@ -106,8 +110,6 @@ class Attention(nn.Module):
         self.workspace = DecodeWorkspace()
         self._plans: dict[tuple, Any] = {}
         self._kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.output_dtype: torch.dtype | None = None  # None: the query's; FP8: quantize_output
-        self._output_consumer: nn.Module | None = None
         self.op = attention_op()
         config.compilation_config.register_layer(prefix, self)
 
@@ -143,39 +145,8 @@ class Attention(nn.Module):
             )
         return self._kv_cache
 
-    def quantize_output(self, consumer: nn.Module) -> None:
-        """Write float8_e4m3fn for ``consumer``, an FP8 linear layer that takes its input already
-        quantized with its own static ``input_scale`` (``Fp8LinearMethod.quantized_operands``)."""
-        # In __dict__, not registered as a submodule: o_proj's parameters stay o_proj's alone.
-        vars(self)["_output_consumer"] = consumer
-        self.output_dtype = FP8_DTYPE
-
-    @property
-    def quantizes_output(self) -> bool:
-        """Whether the output is float8_e4m3fn for a consumer (``quantize_output``)."""
-        return self._output_consumer is not None
-
-    def output_scale(self) -> torch.Tensor | None:
-        """The consumer's input scale (0-d float32), or None when the output is not quantized.
-
-        Looked up on every call, never kept: loading replaces the consumer's ``input_scale``
-        Parameter after construction (``process_weights_after_loading``), so a tensor kept from
-        then would be stale. The current one is the tensor the consumer itself reads, and the one
-        a captured graph holds the address of (graphs are captured after loading).
-        """
-        consumer = self._output_consumer
-        if consumer is None:
-            return None
-        scale = getattr(consumer, "input_scale", None)
-        if not isinstance(scale, torch.Tensor):
-            raise RuntimeError(
-                f"{self.layer_name}: its FP8 output needs {type(consumer).__name__}.input_scale, "
-                "set by process_weights_after_loading; load the weights before the first forward"
-            )
-        return scale
-
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        output = torch.empty_like(query, dtype=self.output_dtype)  # (T, Hq * D)
+        output = torch.empty_like(query)  # (T, Hq * D)
         self.op(query, key, value, output, self.layer_name)
         return output
 
@@ -186,8 +157,10 @@ class Attention(nn.Module):
         value: torch.Tensor,  # (T, Hkv * D)
         output: torch.Tensor,  # (T, Hq * D), written in place
         metadata,
+        output_scale: torch.Tensor | None = None,  # 0-d float32: output is float8_e4m3fn
     ) -> None:
-        """The op's body: store this step's K/V, then attend over the paged cache."""
+        """The op's body: store this step's K/V, then attend over the paged cache (and quantize
+        the result with ``output_scale`` when given)."""
         block_tables = metadata.block_tables
         signature = (
             query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
@@ -197,17 +170,22 @@ class Attention(nn.Module):
         try:
             plan = self._plans[signature]
         except KeyError:
-            plan = self._new_plan(signature, query, key, value, output, metadata)
-        self.backend.run(plan, self, query, key, value, output, metadata)
+            plan = self._new_plan(signature, query, key, value, output, metadata, output_scale)
+        if output_scale is None:
+            self.backend.run(plan, self, query, key, value, output, metadata)
+        else:
+            self.backend.run(plan, self, query, key, value, output, metadata, output_scale)
 
-    def _new_plan(self, signature: tuple, query, key, value, output, metadata) -> Any:
+    def _new_plan(self, signature: tuple, query, key, value, output, metadata, output_scale) -> Any:
         """Check and plan a shape signature seen for the first time (raises if it is invalid)."""
         self.bound_kv_cache()
-        if (output.dtype == FP8_DTYPE) != self.quantizes_output:
+        quantized = output_scale is not None
+        if (output.dtype == KERNEL_FP8_DTYPE) != quantized:
             raise ValueError(
-                f"{self.layer_name}: output dtype {output.dtype}, but the layer "
-                f"{'quantizes its output to' if self.quantizes_output else 'does not quantize to'}"
-                f" {FP8_DTYPE}; allocate the output as Attention.forward does"
+                f"{self.layer_name}: output dtype {output.dtype}, but the call "
+                f"{'quantizes its output to' if quantized else 'does not quantize to'}"
+                f" {KERNEL_FP8_DTYPE} (output_scale {'given' if quantized else 'None'}); the "
+                "output is FP8 exactly when output_scale is given"
             )
         if len(self._plans) >= MAX_CACHED_PLANS:
             self._plans.clear()

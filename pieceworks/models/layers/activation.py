@@ -1,11 +1,42 @@
-"""``silu_and_mul``: the gated activation of Llama-style MLPs, on a merged gate/up projection.
+"""``SiluAndMul``: the gated activation of Llama-style MLPs, on a merged gate/up projection.
 
-The layer-level name of the torch form in ``kernels/activation/torch_activation.py``; input
-``(num_tokens, 2 * d)``, output ``(num_tokens, d)``. The MLP reaches it through
-``LinearMethod.apply_silu_and_mul``, which in compiled decode graphs runs it as the gate/up GEMV's
-epilogue instead (``kernels/gemv/triton_gemv.py``).
+Input ``(num_tokens, 2 * d)``, output ``(num_tokens, d)``: ``silu(x[..., :d]) * x[..., d:]``. The
+chooser decides its form once, when the layer is built (vLLM's ``custom_ops``;
+``kernels.chooser.uses_op_form``): where it gives ``silu_and_mul`` a kernel, the layer calls the
+op ``pieceworks::silu_and_mul`` (``kernels/activation/triton_silu_and_mul.py``), which the gate/up
+GEMV fusion pass (``core/passes/gemv_fusion.py``) folds into the GEMV before it; elsewhere it is
+the plain ATen form (``kernels/activation/torch_activation.py``), which Inductor fuses with its
+neighbours. Eager and compiled calls run the same form.
 """
 
-from pieceworks.kernels.activation.torch_activation import silu_and_mul
+from __future__ import annotations
 
-__all__ = ["silu_and_mul"]
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pieceworks.kernels.activation.torch_activation import silu_and_mul
+from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_op
+from pieceworks.kernels.chooser import choose, uses_op_form
+
+__all__ = ["SiluAndMul", "silu_and_mul"]
+
+
+class SiluAndMul(nn.Module):
+    """``silu(gate) * up`` for ``x = [gate, up] (T, 2d)``: the op or the torch form, as chosen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # an out-of-tree platform's silu_and_mul(x), where it registered one
+        self.kernel: Callable[..., torch.Tensor] | None = choose("silu_and_mul").impl.fn
+        self.uses_op = uses_op_form("silu_and_mul")
+        if self.uses_op:
+            silu_and_mul_op()  # registered before Dynamo traces the first call
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
+        if self.uses_op and x.dim() == 2:
+            return silu_and_mul_op()(x)  # (T, d)
+        return silu_and_mul(x)  # (T, d)

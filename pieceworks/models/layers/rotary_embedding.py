@@ -5,21 +5,28 @@ Owns the inverse-frequency schedules that HF transformers implements in ``modeli
 match HF bit for bit in float32. The cache is built once (on the CPU, then moved) and never written
 in ``forward``: the compiled graph only gathers rows by position. After a model is built on the
 ``meta`` device and materialised with ``to_empty``, the loader calls ``init_buffers()`` to rebuild
-it. Tokens are flattened: queries are ``(num_tokens, num_heads * head_size)``. The rotation
-itself is ``rotate_heads_by_cache`` (``kernels/rope/torch_rotary.py``), a function of the cache
-alone, so that ops which receive the cache rather than the module (the qkv GEMV's fallback,
-``kernels/gemv/triton_gemv_rope.py``) rotate with the same arithmetic.
+it. Tokens are flattened: queries are ``(num_tokens, num_heads * head_size)``. ``forward(positions,
+q, k)`` is the op ``pieceworks::rotary_embedding`` where the chooser gives ``rotary`` its kernel
+(the qkv GEMV's rotary epilogue: the rope fusion pass, ``core/passes/gemv_fusion.py``, folds the
+op into the GEMV before it) and the rotary is neox style on every dim, else plain ATen; the
+choice is made once, when the module is built, so eager and compiled calls run the same form.
+The rotation itself is ``rotate_heads_by_cache`` (``kernels/rope/torch_rotary.py``), a function
+of the cache alone, so that ops which receive the cache rather than the module (the qkv GEMV's
+fallback, ``kernels/gemv/triton_gemv_rope.py``) rotate with the same arithmetic.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from pieceworks.kernels.chooser import choose, uses_op_form
 from pieceworks.kernels.rope.torch_rotary import (
+    rotary_embedding_op,
     rotate_heads_by_cache,
     rotate_leading_heads,
 )
@@ -112,6 +119,14 @@ class RotaryEmbedding(nn.Module):
         _rope_type(self.rope_scaling)  # reject an unsupported type at construction
         cache = self._compute_cos_sin_cache(dtype).to(torch.get_default_device())
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+        choice = choose("rotary").impl
+        # an out-of-tree platform's rotary(positions, q, k, cos_sin_cache, head_size, neox)
+        self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = choice.fn
+        # The kernel is the qkv GEMV's epilogue, which rotates every dim neox style: a partial
+        # rotary (Bamba) stays plain ATen, which Inductor fuses with its neighbours.
+        self.uses_op = uses_op_form("rotary") and self.is_full_neox
+        if self.uses_op:
+            rotary_embedding_op()  # registered before Dynamo traces the first call
 
     def _compute_cos_sin_cache(self, dtype: torch.dtype) -> torch.Tensor:
         """Build the cache on the CPU in float32 (HF's arithmetic), then cast to ``dtype``."""
@@ -130,6 +145,12 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions (T,)``, ``query (T, Hq * D)``, ``key (T, Hkv * D)`` -> rotated q, k."""
+        args = (self.cos_sin_cache, self.head_size, self.is_neox_style)
+        if self.kernel is not None:
+            return self.kernel(positions, query, key, *args)
+        if self.uses_op:
+            query, key = rotary_embedding_op()(positions, query, key, *args)
+            return query, key
         return self.rotate_heads(positions, query), self.rotate_heads(positions, key)
 
     def rotate_heads(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,10 @@ The unquantized GEMM goes through ``pieceworks::small_m_linear``
 the GEMV for the platform (``kernels/chooser.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides this,
 read when the method is built), and an out-of-tree platform's own ``linear`` where it registered
 one. The choice is made when the method is built, so eager (level 0) and compiled calls run the
-same ops and eager is an oracle for compiled numerics. ``apply_silu_and_mul`` is the MLP's
-gate/up projection followed by its activation; with the GEMV ops it is one GEMV whose epilogue
-computes the activation (``pieceworks::small_m_silu_and_mul_linear``). ``apply_rope`` is the
-attention's qkv projection followed by the rotary embedding of its q and k heads; with the GEMV
-ops, for neox-style rotary on every dim, it is one GEMV whose epilogue rotates them
-(``pieceworks::small_m_rope_linear``, ``kernels/gemv/triton_gemv_rope.py``).
+same ops and eager is an oracle for compiled numerics. The fused forms (the gate/up GEMV with the
+activation as its epilogue, ``pieceworks::small_m_silu_and_mul_linear``; the qkv GEMV with the
+rotary as its epilogue, ``pieceworks::small_m_rope_linear``) are registered here, when the GEMV
+ops are on, and put into compiled graphs by the fusion passes (``core/passes/gemv_fusion.py``).
 """
 
 from __future__ import annotations
@@ -31,8 +29,6 @@ from pieceworks.kernels.gemv.triton_gemv import (
     small_m_silu_and_mul_linear_op,
 )
 from pieceworks.kernels.gemv.triton_gemv_rope import small_m_rope_linear_op
-from pieceworks.models.layers.activation import silu_and_mul
-from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 
 
 def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
@@ -42,13 +38,13 @@ def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
     return value
 
 
-def small_m_gemv_enabled(op: str = "linear") -> bool:
+def small_m_gemv_enabled(op: str = "linear", dtype: torch.dtype | None = None) -> bool:
     """Whether decode-sized GEMMs of ``op`` (``linear``, ``fp8_linear``) go to pieceworks' GEMV
     ops: where the chooser picks a GEMV for this platform, unless ``PIECEWORKS_SMALL_M_GEMV``
     says otherwise (``0`` makes the choice the torch form, ``1`` forces the ops, which fall back
     inside where the kernel does not run)."""
     forced = envs.PIECEWORKS_SMALL_M_GEMV
-    choice = choose(op, prefer_native=True if forced is False else None)
+    choice = choose(op, dtype=dtype, prefer_native=True if forced is False else None)
     return choice.impl.jitted if forced is None else forced
 
 
@@ -63,38 +59,11 @@ class LinearMethod:
         and compiled calls run the same ops)."""
         return self.small_m_gemv
 
-    def fuses_rope(self, bias: torch.Tensor | None, rotary_emb: RotaryEmbedding) -> bool:
-        """Whether ``apply_rope`` runs as one GEMV with the rotation as its epilogue: the GEMV
-        ops are on, no bias, neox rotary on every dim."""
-        return bias is None and self.in_graph() and rotary_emb.is_full_neox
-
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Rewrite ``layer``'s parameters once the checkpoint is loaded (default: nothing)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
-
-    def apply_silu_and_mul(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, consumer: nn.Module
-    ) -> torch.Tensor:
-        """``silu_and_mul(apply(layer, x, bias))`` for a merged [gate; up] layer, as an input
-        that ``consumer`` (the next linear layer) takes; a method may return it in the form
-        ``consumer``'s method wants (FP8: already quantized)."""
-        return silu_and_mul(self.apply(layer, x, bias))  # (T, I)
-
-    def apply_rope(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        positions: torch.Tensor,
-        rotary_emb: RotaryEmbedding,
-        num_rotary_heads: int,
-    ) -> torch.Tensor:
-        """``apply(layer, x, bias)`` for a merged qkv layer, its first ``num_rotary_heads`` heads
-        (q and k) rotated by ``rotary_emb`` at ``positions (T,)``: (T, (Hq + 2 Hkv) D)."""
-        qkv = self.apply(layer, x, bias)  # (T, (Hq + 2 Hkv) D)
-        return rotary_emb.rotate_leading_heads(positions, qkv, num_rotary_heads)
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -116,29 +85,4 @@ class UnquantizedLinearMethod(LinearMethod):
         if not self.in_graph():
             return F.linear(x, weight, bias)  # (T, out)
         output = small_m_linear_op()(x.reshape(-1, x.shape[-1]), weight, bias)  # (T, out)
-        return output.reshape(*x.shape[:-1], output.shape[-1])
-
-    def apply_silu_and_mul(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, consumer: nn.Module
-    ) -> torch.Tensor:
-        if bias is not None or not self.in_graph():
-            return super().apply_silu_and_mul(layer, x, bias, consumer)
-        weight = layer_tensor(layer, "weight")
-        output = small_m_silu_and_mul_linear_op()(x.reshape(-1, x.shape[-1]), weight)  # (T, I)
-        return output.reshape(*x.shape[:-1], output.shape[-1])
-
-    def apply_rope(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        positions: torch.Tensor,
-        rotary_emb: RotaryEmbedding,
-        num_rotary_heads: int,
-    ) -> torch.Tensor:
-        if not self.fuses_rope(bias, rotary_emb):
-            return super().apply_rope(layer, x, bias, positions, rotary_emb, num_rotary_heads)
-        weight = layer_tensor(layer, "weight")
-        args = (positions, rotary_emb.cos_sin_cache, rotary_emb.head_size, num_rotary_heads)
-        output = small_m_rope_linear_op()(x.reshape(-1, x.shape[-1]), weight, *args)  # (T, qkv)
         return output.reshape(*x.shape[:-1], output.shape[-1])

@@ -1,10 +1,13 @@
 """FP8 (e4m3) linear layers with static per-tensor scales (``quantization="fp8"``).
 
-Weights are loaded in the model dtype and quantized once, after loading, to ``float8_e4m3fn`` with
-one scale per weight tensor: ``weight_scale = max|W| / 448`` (a merged ``qkv_proj`` or
-``gate_up_proj`` gets one scale for the whole merged tensor). Activations are quantized on every
-call with a static scale ``input_scale`` (see ``docs/passes.md``, "FP8", for the rule:
-``FP8_STATIC_INPUT_SCALE``, values saturate at +-448 * scale). The GEMM is ``torch._scaled_mm``
+Weights are loaded in the model dtype and quantized once, after loading, to the platform's FP8
+format (``core.norm_quant.fp8_dtype()``: ``float8_e4m3fn``, max 448, on NVIDIA and the CPU;
+``float8_e4m3fnuz``, max 240, on AMD MI300) with one scale per weight tensor: ``weight_scale =
+max|W| / fp8_max`` (a merged ``qkv_proj`` or ``gate_up_proj`` gets one scale for the whole merged
+tensor). Activations are quantized on every call with a static scale ``input_scale`` (see
+``docs/passes.md``, "FP8", for the rule: ``FP8_STATIC_INPUT_SCALE``, values saturate at
++-fp8_max * scale). pieceworks' Triton FP8 kernels take e4m3fn only: on a device of another
+format every FP8 product takes ``fp8_gemm``. The GEMM is ``torch._scaled_mm``
 where the platform's device capability has ``fp8_gemm``, else the torch reference: dequantize both
 operands to float32, multiply, scale, cast back. Both read the same FP8 tensors, so the CPU
 reference computes what the GPU computes up to float32 accumulation order.
@@ -13,19 +16,20 @@ The activation quantization is ``core.norm_quant.static_scaled_fp8_quant`` in pl
 fuses it into whatever produced the activation, and where that is an RMSNorm the fusion pass
 (``core/passes/fusion.py``) replaces the pair with one fused op.
 
-In compiled graphs, where the small-M GEMV is on (``quantization/base.py``), the GEMM is the op
+Where the small-M GEMV is on (``quantization/base.py``), the GEMM is the op
 ``pieceworks::small_m_fp8_linear``: the Triton GEMV on FP8 operands for at most 16 tokens
 (``kernels/gemv/triton_gemv.py``), ``fp8_gemm`` above that. On Hopper, products whose weight slices
 mostly fit in shared memory (the attention's ``o_proj`` and ``qkv_proj`` at 8B widths) take the
 resident-weight GEMV instead, which copies its weights before it waits for the kernel before
-(``kernels/gemv/resident_gemv.py``). The MLP's gate/up projection is
+(``kernels/gemv/resident_gemv.py``). In compiled graphs the fusion passes
+(``core/passes/gemv_fusion.py``) make the MLP's gate/up projection
 ``pieceworks::small_m_fp8_silu_and_mul``: the GEMV with ``silu(gate) * up`` and the down
 projection's static quantization as its epilogue, so it hands ``down_proj`` FP8 values and the
-activation costs no kernel of its own. The attention's qkv projection is
+activation costs no kernel of its own; and the attention's qkv projection
 ``pieceworks::small_m_fp8_rope_linear``: the GEMV with the rotary embedding of the q and k heads
 as its epilogue (``kernels/gemv/triton_gemv_rope.py``; the resident GEMV's rotary form where it
-applies). ``apply`` takes an input that is already FP8 as
-quantized with the layer's own ``input_scale``.
+applies). ``apply`` takes an input that is already FP8 as quantized with the layer's own
+``input_scale``.
 """
 
 from __future__ import annotations
@@ -37,7 +41,12 @@ import torch
 from torch import nn
 
 from pieceworks.core.custom_op import direct_register_custom_op
-from pieceworks.core.norm_quant import FP8_DTYPE, FP8_MAX, static_scaled_fp8_quant
+from pieceworks.core.norm_quant import (
+    KERNEL_FP8_DTYPE,
+    fp8_dtype,
+    fp8_max,
+    static_scaled_fp8_quant,
+)
 from pieceworks.kernels.gemv.resident_gemv import fp8_decode_gemv
 from pieceworks.kernels.gemv.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
 from pieceworks.kernels.gemv.triton_gemv_rope import (
@@ -50,7 +59,6 @@ from pieceworks.models.layers.quantization.base import (
     layer_tensor,
     small_m_gemv_enabled,
 )
-from pieceworks.models.layers.rotary_embedding import RotaryEmbedding
 from pieceworks.platforms.capability import FP8_GEMM
 
 # The static activation scale of every FP8 linear layer (see the module docstring).
@@ -67,11 +75,15 @@ class Fp8Config:
         return Fp8LinearMethod(self)
 
 
-def quantize_weight_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(W_fp8, scale)`` with ``W ~= W_fp8 * scale`` and ``scale = max|W| / 448`` (0-d, fp32)."""
+def quantize_weight_per_tensor(
+    weight: torch.Tensor, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W_fp8, scale)`` with ``W ~= W_fp8 * scale`` and ``scale = max|W| / fp8_max(dtype)``
+    (0-d, fp32) in ``dtype`` (default: the platform's FP8 format)."""
+    dtype = dtype or fp8_dtype()
     amax = weight.abs().max().to(torch.float32)
-    scale = torch.clamp(amax, min=torch.finfo(torch.float32).tiny) / FP8_MAX
-    return static_scaled_fp8_quant(weight, scale), scale
+    scale = torch.clamp(amax, min=torch.finfo(torch.float32).tiny) / fp8_max(dtype)
+    return static_scaled_fp8_quant(weight, scale, dtype), scale
 
 
 def fp8_gemm(
@@ -109,7 +121,7 @@ def small_m_fp8_linear(
     native: bool,
 ) -> torch.Tensor:
     """``fp8_gemm`` for 2-D x; the Triton GEMV on the FP8 operands when ``uses_kernel``."""
-    if not uses_kernel(x_fp8, weight, (FP8_DTYPE,)):
+    if not uses_kernel(x_fp8, weight, (KERNEL_FP8_DTYPE,)):
         return fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, bias, native)
     output = fp8_decode_gemv(x_fp8, weight, (input_scale, weight_scale), out_dtype)
     return output if bias is None else output + bias
@@ -137,8 +149,8 @@ def small_m_fp8_silu_and_mul(
     native: bool,
 ) -> torch.Tensor:
     """``quant(silu_and_mul(fp8_gemm(...)), out_scale)`` for a merged [gate; up] weight: (T, I)
-    float8_e4m3fn; one GEMV with both as its epilogue when ``uses_kernel``."""
-    if not uses_kernel(x_fp8, weight, (FP8_DTYPE,)):
+    in the platform's FP8 format; one GEMV with both as its epilogue when ``uses_kernel``."""
+    if not uses_kernel(x_fp8, weight, (KERNEL_FP8_DTYPE,)):
         gate_up = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
         return silu_and_mul_epilogue(gate_up, out_scale)
     scales = (input_scale, weight_scale)
@@ -174,7 +186,9 @@ def small_m_fp8_rope_linear(
     """``fp8_gemm`` for a merged qkv weight, its first ``num_rotary_heads`` heads rotated (neox,
     every dim) at ``positions (T,)``: (T, (Hq + 2 Hkv) D) in ``out_dtype``; one GEMV with the
     rotation as its epilogue when ``uses_rope_kernel`` (``kernels/gemv/triton_gemv_rope.py``)."""
-    if not uses_rope_kernel(x_fp8, weight, cos_sin_cache, head_size, out_dtype, (FP8_DTYPE,)):
+    if not uses_rope_kernel(
+        x_fp8, weight, cos_sin_cache, head_size, out_dtype, (KERNEL_FP8_DTYPE,)
+    ):
         qkv = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
         return rotate_qk_heads(positions, qkv, cos_sin_cache, head_size, num_rotary_heads)
     rope = rope_epilogue(positions, cos_sin_cache, head_size, num_rotary_heads)
@@ -238,9 +252,10 @@ class Fp8LinearMethod(LinearMethod):
         from pieceworks.models.layers.quantization.norm_quant_ops import register_norm_quant_ops
 
         self.config = config
+        self.fp8_dtype = fp8_dtype()  # the device's e4m3 flavour
         self.native = False  # decided after loading, when the weights are on their device
         register_norm_quant_ops()  # the fusion pass replaces RMSNorm -> quant with these
-        self.small_m_gemv = small_m_gemv_enabled("fp8_linear")
+        self.small_m_gemv = small_m_gemv_enabled("fp8_linear", self.fp8_dtype)
         if self.small_m_gemv:
             register_small_m_fp8_ops()
             small_m_fp8_rope_linear_op()
@@ -249,9 +264,9 @@ class Fp8LinearMethod(LinearMethod):
         from pieceworks.platforms import current_platform
 
         loaded = layer_tensor(layer, "weight").detach()
-        weight, weight_scale = quantize_weight_per_tensor(loaded)
+        weight, weight_scale = quantize_weight_per_tensor(loaded, self.fp8_dtype)
         vars(layer)["output_dtype"] = loaded.dtype  # the model dtype: what the GEMM returns
-        layer.weight = nn.Parameter(weight, requires_grad=False)  # (out, in) float8_e4m3fn
+        layer.weight = nn.Parameter(weight, requires_grad=False)  # (out, in) self.fp8_dtype
         layer.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         input_scale = torch.tensor(self.config.input_scale, dtype=torch.float32)
         layer.input_scale = nn.Parameter(input_scale.to(weight.device), requires_grad=False)
@@ -262,14 +277,17 @@ class Fp8LinearMethod(LinearMethod):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x_fp8, weight, input_scale, weight_scale)`` with x as 2-D (T, in)."""
         weight, input_scale = layer_tensor(layer, "weight"), layer_tensor(layer, "input_scale")
-        if weight.dtype != FP8_DTYPE:
+        if weight.dtype != self.fp8_dtype:
             raise RuntimeError(
                 f"{getattr(layer, 'prefix', 'linear')}: FP8 weights not processed; the loader "
                 "calls process_weights_after_loading after loading the checkpoint"
             )
         x_2d = x.reshape(-1, x.shape[-1])  # (T, in): the GEMM is 2-D
-        # an FP8 input was quantized with this layer's scale (apply_silu_and_mul's epilogue)
-        x_fp8 = x_2d if x.dtype == FP8_DTYPE else static_scaled_fp8_quant(x_2d, input_scale)
+        # an FP8 input was quantized with this layer's scale (a fused epilogue before it)
+        if x.dtype == self.fp8_dtype:
+            x_fp8 = x_2d
+        else:
+            x_fp8 = static_scaled_fp8_quant(x_2d, input_scale, self.fp8_dtype)
         return x_fp8, weight, input_scale, layer_tensor(layer, "weight_scale")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -284,55 +302,3 @@ class Fp8LinearMethod(LinearMethod):
                 x_fp8, weight, input_scale, weight_scale, out_dtype, bias, self.native
             )
         return output.reshape(*x.shape[:-1], output.shape[-1])  # (T, out)
-
-    def apply_silu_and_mul(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, consumer: nn.Module
-    ) -> torch.Tensor:
-        consumer_method = getattr(consumer, "quant_method", None)
-        if (
-            bias is not None
-            or not self.in_graph()
-            or not isinstance(consumer_method, Fp8LinearMethod)
-        ):
-            return super().apply_silu_and_mul(layer, x, bias, consumer)
-        x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
-        out_scale = layer_tensor(consumer, "input_scale")  # the consumer's static input scale
-        _, gated = register_small_m_fp8_ops()
-        args = (
-            x_fp8,
-            weight,
-            input_scale,
-            weight_scale,
-            out_scale,
-            output_dtype(layer),
-            self.native,
-        )
-        output = gated(*args)  # (T, I) float8_e4m3fn
-        return output.reshape(*x.shape[:-1], output.shape[-1])
-
-    def apply_rope(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        positions: torch.Tensor,
-        rotary_emb: RotaryEmbedding,
-        num_rotary_heads: int,
-    ) -> torch.Tensor:
-        if not self.fuses_rope(bias, rotary_emb):
-            return super().apply_rope(layer, x, bias, positions, rotary_emb, num_rotary_heads)
-        x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
-        args = (
-            x_fp8,
-            weight,
-            input_scale,
-            weight_scale,
-            positions,
-            rotary_emb.cos_sin_cache,
-            rotary_emb.head_size,
-            num_rotary_heads,
-            output_dtype(layer),
-            self.native,
-        )
-        output = small_m_fp8_rope_linear_op()(*args)  # (T, (Hq + 2 Hkv) D)
-        return output.reshape(*x.shape[:-1], output.shape[-1])
