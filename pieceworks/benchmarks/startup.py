@@ -3,11 +3,12 @@ and warm, split into phases (after ``vllm bench startup``).
 
 Each run is a fresh process (``python -m pieceworks.benchmarks.startup``, ``main`` below), so
 nothing an earlier run compiled or imported is in memory. Caches live under one temporary
-directory: the cold run starts with pieceworks' compile cache (``CompilationConfig.cache_dir``),
-Inductor's (``TORCHINDUCTOR_CACHE_DIR``) and Triton's (``TRITON_CACHE_DIR``) all empty; the warm
-run reuses pieceworks' cache and, as SPEC §6 defines a warm start, gets empty Inductor and Triton
-caches again, so what it loads comes from pieceworks' artifacts alone (``reuse_inductor_cache``
-keeps theirs as well). The phases, in the order start-up runs them:
+directory: the cold run starts with pieceworks' compile cache (``CompilationConfig.cache_dir``,
+which also holds Triton's kernel binaries: ``core/triton_cache.py``) and Inductor's
+(``TORCHINDUCTOR_CACHE_DIR``) empty; the warm run reuses pieceworks' cache and, as SPEC §6 defines
+a warm start, gets an empty Inductor cache again, so what it loads comes from pieceworks' cache
+alone (``reuse_inductor_cache`` keeps Inductor's as well). The phases, in the order start-up
+runs them:
 
     weight_load_s      build the model and load its weights
     dynamo_trace_s     Dynamo tracing ``forward`` (first call until the graph reaches the backend);
@@ -160,7 +161,9 @@ def run_startup(
         for run in ("cold", "warm"):
             compiler_caches = "cold" if reuse_inductor_cache else run
             environment["TORCHINDUCTOR_CACHE_DIR"] = str(root / f"inductor-{compiler_caches}")
-            environment["TRITON_CACHE_DIR"] = str(root / f"triton-{compiler_caches}")
+            # Triton's binaries live under pieceworks' cache (``core/triton_cache.py``): kept
+            # with it for the warm run, empty for the cold one.
+            environment.pop("TRITON_CACHE_DIR", None)
             result = run_fresh_process(spec, environment, root / f"{run}.json", timeout_s)
             rows.append({"run": run, **result})
     return rows

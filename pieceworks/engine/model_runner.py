@@ -30,6 +30,7 @@ from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
 from pieceworks.core.decorators import static_graph_wrappers
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
 from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphSet, StaticGraphWrapperBase
+from pieceworks.core.triton_cache import use_pieceworks_triton_cache
 from pieceworks.engine.block_manager import cdiv
 from pieceworks.engine.input_buffers import InputBuffers, StepShape
 from pieceworks.engine.kv_cache import (
@@ -64,6 +65,7 @@ class ModelRunner:
         self.config = config
         self.platform = current_platform()
         self.device = self.platform.device(config.parallel_config.local_rank or 0)
+        use_pieceworks_triton_cache(config)  # before any kernel compiles
         start = time.perf_counter()
         self.model: Any = get_model(config, self.device).requires_grad_(False)
         self.load_seconds = time.perf_counter() - start
