@@ -14,6 +14,7 @@ launch, ``griddepcontrol``), ``fp8_gemm`` (FP8 GEMMs run natively, ``torch._scal
 from __future__ import annotations
 
 import dataclasses
+import string
 
 import torch
 
@@ -82,14 +83,23 @@ def amd_capability(gcn_arch_name: str, **facts: object) -> DeviceCapability:
     """An AMD GPU named by its gfx architecture (``gfx942:sramecc+:xnack-``): Triton, no NVIDIA
     features; FP8 in e4m3fnuz on the MI300 family (gfx94x), e4m3fn (OCP) on later ones."""
     arch_name = gcn_arch_name.split(":")[0]
-    digits = arch_name.removeprefix("gfx")
-    arch = (int(digits[:-2] or 0), int(digits[-2], 16)) if len(digits) >= 3 else None
     fnuz = arch_name.startswith("gfx94")
     return DeviceCapability(
         vendor="amd",
-        arch=arch,
+        arch=_gfx_arch(arch_name),
         arch_name=arch_name,
         features=frozenset({TRITON}),
         fp8_dtype=torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn,
         **facts,  # type: ignore[arg-type]
     )
+
+
+def _gfx_arch(arch_name: str) -> tuple[int, int] | None:
+    """(major, minor) of a gfx name: gfx942 is (9, 4), gfx90a (9, 0), gfx1100 (11, 0); None for
+    a name that is not one (a device without ``gcnArchName`` reports "unknown")."""
+    digits = arch_name.removeprefix("gfx")
+    if not arch_name.startswith("gfx") or len(digits) < 3 or not digits[:-2].isdigit():
+        return None
+    if digits[-2] not in string.hexdigits:
+        return None
+    return int(digits[:-2]), int(digits[-2], 16)
