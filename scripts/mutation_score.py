@@ -1,11 +1,12 @@
 """Per-module mutation score from mutmut's results and the list of judged mutants.
 
 Reads ``mutmut results --all true`` (run from the repository root, after ``scripts/mutation.sh``)
-and ``scripts/mutation_judged.txt`` (one judged survivor a line: its name, its verdict
-``equivalent``, ``time`` or ``gpu``, and the reason), and prints the Markdown table of
-docs/testing.md "Score": per module the mutants tested, killed, judged, left, and killed over
-tested and over non-equivalent (equivalent and time-only mutants are left out of the second
-denominator; GPU-only ones stay in it, as survivors). Mutants not yet tested are counted apart.
+and the judged survivors of docs/testing.md (its table rows ``| `<mutant>` | <verdict> | <why> |``,
+the verdict ``equivalent``, ``time`` or ``gpu``), and prints the Markdown table of
+docs/testing.md "Score": per module the mutants tested, killed (a test failed, timed out or
+crashed), judged, left, and killed over tested and over non-equivalent (equivalent and time-only
+mutants are left out of the second denominator; GPU-only ones stay in it, as survivors). Mutants
+not yet tested are counted apart; mutmut's "suspicious" counts as survived.
 
 Usage: python scripts/mutation_score.py [module prefix ...]   e.g. pieceworks.platforms
 """
@@ -18,25 +19,24 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-JUDGED_FILE = Path(__file__).with_name("mutation_judged.txt")
-KILLED = {"killed", "timeout", "segfault", "suspicious", "caught by type check"}
+JUDGED_FILE = Path(__file__).parents[1] / "docs" / "testing.md"
+KILLED = {"killed", "timeout", "segfault", "caught by type check"}
 VERDICTS = ("equivalent", "time", "gpu")
+JUDGED_ROW = re.compile(r"^\| `(?P<name>pieceworks\.[^`]+)` \| (?P<verdict>\w+) \| .+ \|$")
 # "pieceworks.core.cache_key.x_cache_directory__mutmut_3" -> "pieceworks.core.cache_key"
 MODULE = re.compile(r"^(?P<module>.+?)\.x(?:ǁ|_)")
 
 
 def read_judged() -> dict[str, str]:
-    """Mutant name -> verdict, from JUDGED_FILE (blank lines and # comments skipped)."""
+    """Mutant name -> verdict, from the judged-survivor table rows of JUDGED_FILE."""
     judged = {}
     for number, line in enumerate(JUDGED_FILE.read_text().splitlines(), 1):
-        if not line.strip() or line.startswith("#"):
+        match = JUDGED_ROW.match(line)
+        if match is None:
             continue
-        name, verdict, *reason = line.split(maxsplit=2)
-        if verdict not in VERDICTS or not reason:
-            raise SystemExit(
-                f"{JUDGED_FILE}:{number}: want '<mutant> <{'|'.join(VERDICTS)}> <why>'"
-            )
-        judged[name] = verdict
+        if match["verdict"] not in VERDICTS:
+            raise SystemExit(f"{JUDGED_FILE}:{number}: the verdict is one of {', '.join(VERDICTS)}")
+        judged[match["name"]] = match["verdict"]
     return judged
 
 
