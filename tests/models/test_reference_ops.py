@@ -24,12 +24,14 @@ from pieceworks.models.mamba.ops import causal_conv1d_ref, gated_rms_norm_ref, s
 
 CONV_DIM, D_CONV = 3, 4
 NUM_HEADS, HEAD_DIM, NUM_GROUPS, D_STATE = 4, 2, 2, 3
-NUM_SLOTS = 4
-# Sequence 0 continues from slot 2; 1 starts fresh in slot 0; 2 is padding (slot 1 must stay);
-# 3 has no slot (-1): it starts from zeros and its state is dropped.
-SEQ_LENS = [2, 5, 0, 3]
-SLOTS = [2, 0, 1, -1]
-HAS_INITIAL = [True, False, True, True]
+NUM_SLOTS = 5
+# Sequence 0 continues from slot 0 (fewer tokens than d_conv - 1); 1 starts fresh in slot 3;
+# 2 is padding (slot 1 must stay as it is); 3 has no slot (-1): it starts from zeros and its
+# state is dropped; 4 starts fresh in slot 2 with one token. Nobody owns slot 4.
+SEQ_LENS = [2, 5, 0, 3, 1]
+SLOTS = [0, 3, 1, -1, 2]
+HAS_INITIAL = [True, False, True, True, False]
+UNTOUCHED_SLOTS = (1, 4)
 
 
 def _batch_tensors():
@@ -81,10 +83,10 @@ def test_causal_conv1d_is_the_windowed_sum_and_leaves_the_last_inputs_in_each_sl
         if slot >= 0 and end > start:
             expected_state = window[:, -(D_CONV - 1) :]
             torch.testing.assert_close(conv_state[slot].double(), expected_state)
-    assert torch.equal(conv_state[1], before[1])  # the padded sequence's slot
-    assert torch.equal(conv_state[3], before[3])  # nobody's slot (sequence 3 has none)
+    for slot in UNTOUCHED_SLOTS:  # the padded sequence's, and nobody's
+        assert torch.equal(conv_state[slot], before[slot])
     # Sequence 0 is shorter than d_conv - 1: its new state still holds one input of its history.
-    assert torch.equal(conv_state[2][:, 0], before[2][:, 2])
+    assert torch.equal(conv_state[0][:, 0], before[0][:, 2])
 
 
 def _scan_inputs(gen, dtype=torch.float32):
@@ -157,10 +159,11 @@ def test_ssm_scan_is_the_recurrence_per_token_and_leaves_final_states_in_slots(
 
     expected_y, final_states = _scan_formula(inputs, D, dt_bias, before, dt_limit)
     torch.testing.assert_close(y.double(), expected_y, atol=1e-5, rtol=1e-5)
-    assert set(final_states) == {0, 2}
+    assert set(final_states) == {0, 2, 3}
     for slot, state in final_states.items():
         torch.testing.assert_close(ssm_state[slot].double(), state, atol=1e-5, rtol=1e-5)
-    assert torch.equal(ssm_state[1], before[1]) and torch.equal(ssm_state[3], before[3])
+    for slot in UNTOUCHED_SLOTS:
+        assert torch.equal(ssm_state[slot], before[slot])
 
 
 def test_ssm_scan_default_dt_limit_only_applies_softplus():
