@@ -14,7 +14,7 @@ launch, ``griddepcontrol``), ``fp8_gemm`` (FP8 GEMMs run natively, ``torch._scal
 from __future__ import annotations
 
 import dataclasses
-import string
+import re
 
 import torch
 
@@ -97,9 +97,5 @@ def amd_capability(gcn_arch_name: str, **facts: object) -> DeviceCapability:
 def _gfx_arch(arch_name: str) -> tuple[int, int] | None:
     """(major, minor) of a gfx name: gfx942 is (9, 4), gfx90a (9, 0), gfx1100 (11, 0); None for
     a name that is not one (a device without ``gcnArchName`` reports "unknown")."""
-    digits = arch_name.removeprefix("gfx")
-    if not arch_name.startswith("gfx") or len(digits) < 3 or not digits[:-2].isdigit():
-        return None
-    if digits[-2] not in string.hexdigits:
-        return None
-    return int(digits[:-2]), int(digits[-2], 16)
+    match = re.fullmatch(r"gfx(\d+)(\d)[0-9a-z]", arch_name)  # major, minor, stepping
+    return (int(match[1]), int(match[2])) if match else None

@@ -87,6 +87,7 @@ def test_cuda_capability_comes_from_the_device_properties(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda: H100_PROPERTIES)
     capability = CudaPlatform().device_capability()
+    assert (capability.num_compute_units, capability.shared_memory_per_block) == (132, 232448)
     assert capability == nvidia_capability(
         9, 0, num_compute_units=132, shared_memory_per_block=232448
     )
@@ -373,6 +374,8 @@ def test_nvidia_features_by_compute_capability():
         ("gfx1100", (11, 0), torch.float8_e4m3fn),
         ("gfx950", (9, 5), torch.float8_e4m3fn),
         ("gfx9", None, torch.float8_e4m3fn),
+        ("gfx94", None, torch.float8_e4m3fnuz),
+        ("gfxabc", None, torch.float8_e4m3fn),
         ("unknown", None, torch.float8_e4m3fn),
     ],
 )
