@@ -181,6 +181,18 @@ def test_cuda_graph_pool_is_one_handle_until_renewed(monkeypatch):
     assert platform.graph_pool() == "pool-2"
 
 
+def test_a_cuda_platform_with_graphs_turned_off_makes_no_pool(monkeypatch):
+    """A plugin that subclasses CudaPlatform without static graphs allocates no graph pool."""
+
+    class NoGraphs(CudaPlatform):
+        static_graph_wrapper = None
+
+    handles = _Recorder("pool")
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", handles)
+    assert NoGraphs().graph_pool() is None
+    assert handles.calls == []
+
+
 @pytest.mark.parametrize("skip_gc", [False, True])
 def test_cuda_capture_is_thread_local_into_the_pool_and_skips_gc_after_the_first_piece(
     monkeypatch, skip_gc
