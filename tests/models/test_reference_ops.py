@@ -249,9 +249,9 @@ def _dense_attention(query, key, value, scale):
 
 def test_paged_attention_reads_through_a_shuffled_block_table_in_float32():
     """Two sequences (a 3-token chunk of a 7-token context, a decode of a 5-token context),
-    bfloat16, GQA with 2 query heads per KV head, blocks of 2 in a shuffled order."""
+    bfloat16, GQA with 2 query heads per KV head, blocks of 3 in a shuffled order."""
     gen = torch.Generator().manual_seed(5)
-    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 8, 2
+    num_heads, num_kv_heads, head_dim, block_size = 8, 4, 8, 3  # more KV heads than block rows
     seq_lens, query_lens = [7, 5], [3, 1]
     block_tables = torch.tensor([[5, 0, 3, 6, 1], [2, 7, 4, 9, 9]], dtype=torch.int32)
     key_cache = torch.randn(10, block_size, num_kv_heads, head_dim, generator=gen).bfloat16()
