@@ -338,3 +338,18 @@ def test_the_factors_file_is_written_only_when_the_factors_differ(tmp_path, monk
     CompileCache(str(tmp_path), {"dtype": "bfloat16"})
     assert writes == ["cache_key_factors.json"] * 2
     assert json.loads((tmp_path / "cache_key_factors.json").read_text()) == {"dtype": "bfloat16"}
+
+
+def test_an_unreadable_index_is_warned_about_once_when_an_artifact_is_overwritten(
+    tmp_path, caplog, warnings_text
+):
+    """A store that finds an artifact file but no readable index to vouch for it overwrites the
+    file without warning about the index a second time."""
+    (tmp_path / "index.json").write_text("{not json")
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "k0.bin").write_bytes(b"left by a crashed writer")
+    cache = CompileCache(str(tmp_path), {})
+    cache.store(ENTRY, "k0", writer(b"piece"))
+    assert (tmp_path / "artifacts" / "k0.bin").read_bytes() == b"piece"
+    unreadable = [r for r in caplog.records if "is unreadable" in r.getMessage()]
+    assert len(unreadable) == 1
