@@ -263,12 +263,17 @@ def test_hash_source_files_is_each_files_sha256(tmp_path):
 
 
 @pytest.fixture
-def make_unwritable(monkeypatch):
-    """Call it to make cache directories read as not writable (as a read-only mount would;
-    root may write anywhere, so it is ``os.access`` that answers)."""
+def make_unwritable(monkeypatch, tmp_path):
+    """Call it to make ``tmp_path``'s artifacts directory read as not writable (as one owned by
+    another user would; root may write anywhere, so it is ``os.access`` that answers)."""
     from pieceworks.core import compile_cache
 
-    return lambda: monkeypatch.setattr(compile_cache.os, "access", lambda path, mode: False)
+    artifacts = os.path.realpath(tmp_path / "artifacts")
+
+    def access(path: str, mode: int) -> bool:
+        return not (mode == os.W_OK and os.path.realpath(path) == artifacts)
+
+    return lambda: monkeypatch.setattr(compile_cache.os, "access", access)
 
 
 @pytest.fixture
