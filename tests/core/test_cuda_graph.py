@@ -11,8 +11,8 @@ debug logging, a replay on inputs at other addresses raises and only a wrapper w
 a breakable FULL capture, saying why; ``release_static_graphs`` drops one engine's graphs (a
 breakable capture's segments counted one by one) and no other's; the segment primitives of a
 breakable capture open one capture each into the pool (gc only for a phase's first), end it and
-return its graph, replay it, and keep a segment's outputs as weak aliases. The same wrapper on real CUDA
-graphs is tested by the GPU tests (``tests/core/test_piecewise.py`` on a GPU machine).
+return its graph, replay it, and keep a segment's outputs as weak aliases. The same wrapper on
+real CUDA graphs is tested by the GPU tests (``tests/core/test_piecewise.py`` on a GPU machine).
 Run: pytest tests/core/test_cuda_graph.py
 """
 
