@@ -143,6 +143,8 @@ def test_captures_once_per_descriptor_into_the_pool_then_replays(stub_platform):
     graphs = {desc.num_tokens: entry.graph for desc, entry in wrapper.entries.items()}
     assert (graphs[4].num_replays, graphs[2].num_replays) == (2, 0)
     assert [capture.graph for capture in stub_platform.captures] == [graphs[4], graphs[2]]
+    # gc and empty_cache before the phase's first capture only: the second one skips them.
+    assert [capture.skip_gc for capture in stub_platform.captures] == [False, True]
     assert {id(capture.pool) for capture in stub_platform.captures} == {
         id(stub_platform.graph_pool())
     }
