@@ -366,3 +366,31 @@ def test_retained_segment_values_are_weak_aliases(stub_platform):
     assert type(pair) is tuple and all(map(is_weak_alias, pair, (hidden, residual)))
     assert is_weak_alias(wrapper.retained(hidden), hidden)
     assert torch.equal(kept["hidden"], hidden)
+
+
+def test_a_call_through_keeps_keyword_arguments(stub_platform):
+    config = piecewise_config([4])
+    wrapper = CUDAGraphWrapper(lambda x, *, scale: x * scale, config, PIECEWISE)
+    out = run_kwargs(wrapper, config, CUDAGraphMode.NONE, BatchDescriptor(4), torch.ones(4), 3.0)
+    assert torch.equal(out, torch.full((4,), 3.0))
+
+
+def run_kwargs(wrapper, config, mode, descriptor, x, scale):
+    with set_forward_context(
+        None, config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
+    ):
+        return wrapper(x, scale=scale)
+
+
+def test_a_dynamic_op_reached_in_a_piecewise_capture_is_refused_naming_the_splitting_ops(
+    stub_platform,
+):
+    from pieceworks.core.breakable_graph import DynamicOpCaptureError, run_dynamic_op
+
+    config = piecewise_config([4])
+    wrapper = CUDAGraphWrapper(
+        lambda x: run_dynamic_op("pieceworks.plan_op", lambda t: t, (x,), {}), config, PIECEWISE
+    )
+    with pytest.raises(DynamicOpCaptureError) as error:
+        run(wrapper, config, PIECEWISE, BatchDescriptor(4), torch.ones(4))
+    assert f"(splitting_ops: {[SILLY_OP]})" in str(error.value)
