@@ -14,6 +14,7 @@ launch, ``griddepcontrol``), ``fp8_gemm`` (FP8 GEMMs run natively, ``torch._scal
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -83,17 +84,22 @@ def amd_capability(gcn_arch_name: str, **facts: object) -> DeviceCapability:
     features; FP8 in e4m3fnuz on the MI300 family (gfx94x), e4m3fn (OCP) on later ones; native
     FP8 GEMMs (``torch._scaled_mm`` through hipBLASLt) on gfx94x and gfx95x."""
     arch_name = gcn_arch_name.split(":")[0]
-    digits = arch_name.removeprefix("gfx")
-    arch = (int(digits[:-2] or 0), int(digits[-2], 16)) if len(digits) >= 3 else None
     fnuz = arch_name.startswith("gfx94")
     features = {TRITON}
     if arch_name.startswith(("gfx94", "gfx95")):
         features.add(FP8_GEMM)
     return DeviceCapability(
         vendor="amd",
-        arch=arch,
+        arch=_gfx_arch(arch_name),
         arch_name=arch_name,
         features=frozenset(features),
         fp8_dtype=torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn,
         **facts,  # type: ignore[arg-type]
     )
+
+
+def _gfx_arch(arch_name: str) -> tuple[int, int] | None:
+    """(major, minor) of a gfx name: gfx942 is (9, 4), gfx90a (9, 0), gfx1100 (11, 0); None for
+    a name that is not one (a device without ``gcnArchName`` reports "unknown")."""
+    match = re.fullmatch(r"gfx(\d+)(\d)[0-9a-z]", arch_name)  # major, minor, stepping
+    return (int(match[1]), int(match[2])) if match else None

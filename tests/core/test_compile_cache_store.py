@@ -9,7 +9,10 @@ raises leaves no file behind; an entry that points to another piece's artifact, 
 artifact and an unreadable or malformed index are each reported with a warning saying what was
 wrong and that the piece is recompiled; a writer waits for the directory's lock;
 ``cache_key_factors.json`` is sorted, indented JSON (two files diff line by line); the cache
-directory is ``<root>/torch_compile_cache/<hash>/rank_<r>/<prefix>``. About two seconds in all.
+directory is ``<root>/torch_compile_cache/<hash>/rank_<r>/<prefix>``; a cache directory it cannot
+write is read (its artifacts load) and never written (no artifact, entry or factors file), with
+one log line, and its warnings promise no rewrite; without an index to read it raises; the factors
+file is written only when the factors differ. About two seconds in all.
 Run: pytest tests/core/test_compile_cache_store.py
 """
 
@@ -257,3 +260,101 @@ def test_hash_source_files_is_each_files_sha256(tmp_path):
     digests = hash_source_files([str(first), str(second)])
     assert digests == {str(first): sha256_of(str(first)), str(second): sha256_of(str(second))}
     assert digests[str(first)] != digests[str(second)]
+
+
+@pytest.fixture
+def make_unwritable(monkeypatch, tmp_path):
+    """Call it to make ``tmp_path``'s artifacts directory read as not writable (as one owned by
+    another user would; root may write anywhere, so it is ``os.access`` that answers)."""
+    from pieceworks.core import compile_cache
+
+    artifacts = os.path.realpath(tmp_path / "artifacts")
+
+    def access(path: str, mode: int) -> bool:
+        return not (mode == os.W_OK and os.path.realpath(path) == artifacts)
+
+    return lambda: monkeypatch.setattr(compile_cache.os, "access", access)
+
+
+@pytest.fixture
+def unwritable(make_unwritable):
+    make_unwritable()
+
+
+def test_a_cache_it_cannot_write_is_read_and_left_as_it_is(
+    tmp_path, make_unwritable, caplog, warnings_text
+):
+    """Written by an earlier run, then mounted read-only: its artifact loads; nothing is stored,
+    recorded or rewritten (the factors file keeps the first run's factors), with one log line."""
+    CompileCache(str(tmp_path), {"dtype": "bfloat16"}).store(ENTRY, "k0", writer(b"first"))
+    index_before = (tmp_path / "index.json").read_bytes()
+    factors_before = (tmp_path / "cache_key_factors.json").read_bytes()
+    make_unwritable()
+    caplog.set_level(logging.INFO, logger="pieceworks")
+    cache = CompileCache(str(tmp_path), {"dtype": "float16"})
+    assert cache.read_only
+    assert {r.getMessage() for r in caplog.records if r.levelno == logging.INFO} == {
+        f"compile cache {tmp_path} is read-only ({tmp_path} is not writable): its artifacts are "
+        "loaded, but nothing compiled in this run is written back"
+    }
+    path = cache.lookup(ENTRY, "k0")
+    assert path is not None and Path(path).read_bytes() == b"first"
+    saved: list[str] = []
+    cache.store("piece_1/general", "k1", saved.append)
+    cache.record("piece_2/general", "k0")  # an artifact it has verified: still not recorded
+    assert saved == [] and not (tmp_path / "artifacts" / "k1.bin").exists()
+    assert (tmp_path / "index.json").read_bytes() == index_before
+    assert set(cache.entries) == {ENTRY}
+    assert (tmp_path / "cache_key_factors.json").read_bytes() == factors_before
+
+
+def test_a_read_only_cache_s_broken_entry_is_not_promised_a_rewrite(
+    tmp_path, unwritable, warning_messages
+):
+    (tmp_path / "index.json").write_text(json.dumps({"version": 1, "entries": {}}))
+    cache = CompileCache(str(tmp_path), {})
+    cache.warn_corrupt(ENTRY, "its artifact is missing or fails its checksum")
+    assert warning_messages() == {
+        f"compile cache {tmp_path}: {ENTRY} unusable (its artifact is missing or fails its "
+        "checksum); recompiling it; the read-only cache is left as it is"
+    }
+
+
+def test_an_unwritable_directory_without_an_index_raises(tmp_path, unwritable):
+    """Nothing to read and nothing to write: the caller turns the cache off."""
+    with pytest.raises(PermissionError, match=f"^{tmp_path} is not writable$"):
+        CompileCache(str(tmp_path), {})
+
+
+def test_the_factors_file_is_written_only_when_the_factors_differ(tmp_path, monkeypatch):
+    from pieceworks.core import compile_cache
+
+    writes: list[str] = []
+    real_write_atomic = compile_cache.write_atomic
+
+    def counting_write(path: str, data: bytes) -> None:
+        writes.append(os.path.basename(path))
+        real_write_atomic(path, data)
+
+    monkeypatch.setattr(compile_cache, "write_atomic", counting_write)
+    CompileCache(str(tmp_path), {"dtype": "float16"})
+    CompileCache(str(tmp_path), {"dtype": "float16"})  # the same factors: left as it is
+    assert writes == ["cache_key_factors.json"]
+    CompileCache(str(tmp_path), {"dtype": "bfloat16"})
+    assert writes == ["cache_key_factors.json"] * 2
+    assert json.loads((tmp_path / "cache_key_factors.json").read_text()) == {"dtype": "bfloat16"}
+
+
+def test_an_unreadable_index_is_warned_about_once_when_an_artifact_is_overwritten(
+    tmp_path, caplog, warnings_text
+):
+    """A store that finds an artifact file but no readable index to vouch for it overwrites the
+    file without warning about the index a second time."""
+    (tmp_path / "index.json").write_text("{not json")
+    (tmp_path / "artifacts").mkdir()
+    (tmp_path / "artifacts" / "k0.bin").write_bytes(b"left by a crashed writer")
+    cache = CompileCache(str(tmp_path), {})
+    cache.store(ENTRY, "k0", writer(b"piece"))
+    assert (tmp_path / "artifacts" / "k0.bin").read_bytes() == b"piece"
+    unreadable = [r for r in caplog.records if "is unreadable" in r.getMessage()]
+    assert len(unreadable) == 1

@@ -11,8 +11,9 @@ debug logging, a replay on inputs at other addresses raises and only a wrapper w
 a breakable FULL capture, saying why; a ``StaticGraphSet`` releases the graphs of its own
 wrappers (a breakable capture's segments counted one by one) and no other's, and closes their
 capturing; the first capture of a set's phase runs gc, later ones of any of its wrappers skip
-it. The same wrapper on real CUDA graphs is tested by the GPU tests
-(``tests/core/test_piecewise.py`` on a GPU machine).
+it; the segment primitives of a breakable capture open one capture each into the pool, end it and
+return its graph, replay it, and keep a segment's outputs as weak aliases. The same wrapper on
+real CUDA graphs is tested by the GPU tests (``tests/core/test_piecewise.py`` on a GPU machine).
 Run: pytest tests/core/test_cuda_graph.py
 """
 
@@ -56,6 +57,7 @@ class Capture:
     graph: StubGraph
     pool: Any
     skip_gc: bool
+    ended: bool = False  # the capture's context was left (the stream capture ended)
 
 
 class StubGraphPlatform(CpuPlatform):
@@ -76,8 +78,12 @@ class StubGraphPlatform(CpuPlatform):
 
     @contextlib.contextmanager
     def graph_capture(self, graph: Any, pool: Any, *, skip_gc: bool = False):
-        self.captures.append(Capture(graph, pool, skip_gc))
-        yield
+        capture = Capture(graph, pool, skip_gc)
+        self.captures.append(capture)
+        try:
+            yield
+        finally:
+            capture.ended = True
 
 
 @pytest.fixture
@@ -138,6 +144,8 @@ def test_captures_once_per_descriptor_into_the_pool_then_replays(stub_platform):
     graphs = {desc.num_tokens: entry.graph for desc, entry in wrapper.entries.items()}
     assert (graphs[4].num_replays, graphs[2].num_replays) == (2, 0)
     assert [capture.graph for capture in stub_platform.captures] == [graphs[4], graphs[2]]
+    # gc and empty_cache before the phase's first capture only: the second one skips them.
+    assert [capture.skip_gc for capture in stub_platform.captures] == [False, True]
     assert {id(capture.pool) for capture in stub_platform.captures} == {
         id(stub_platform.graph_pool())
     }
@@ -327,3 +335,78 @@ def test_capture_passes_keyword_arguments_and_only_debug_logging_checks_addresse
         wrapper(torch.ones(4), scale=3.0)  # inputs elsewhere: replayed without a check
     assert captured.tolist() == [3.0] * 4
     assert wrapper.entries[BatchDescriptor(4)].input_addresses is None
+
+
+def test_segments_are_captured_one_graph_each_into_the_pool_and_gc_runs_once(stub_platform):
+    """The breakable-capture primitives on stub graphs: ``begin_segment`` opens a capture into
+    the platform's pool (gc only for the first segment of a phase with no capture yet),
+    ``end_segment`` ends it and returns its graph, ``replay_segment`` replays it."""
+    config = piecewise_config([4])
+    wrapper = CUDAGraphWrapper(Doubling(), config, PIECEWISE)
+    descriptor = BatchDescriptor(4)
+    wrapper.begin_segment(descriptor, first=True)
+    assert [capture.ended for capture in stub_platform.captures] == [False]  # still capturing
+    first = wrapper.end_segment()
+    wrapper.begin_segment(descriptor, first=False)
+    second = wrapper.end_segment()
+    assert [capture.graph for capture in stub_platform.captures] == [first, second]
+    assert isinstance(first, StubGraph) and first is not second
+    assert [capture.skip_gc for capture in stub_platform.captures] == [False, True]
+    assert [capture.ended for capture in stub_platform.captures] == [True, True]
+    assert {id(capture.pool) for capture in stub_platform.captures} == {
+        id(stub_platform.graph_pool())
+    }
+    wrapper.replay_segment(first)
+    assert (first.num_replays, second.num_replays) == (1, 0)
+    with pytest.raises(AssertionError, match=r"^end_segment\(\) without begin_segment\(\)$"):
+        wrapper.end_segment()
+
+
+def test_a_first_segment_after_another_capture_skips_gc(stub_platform):
+    config = piecewise_config([4])
+    wrapper = CUDAGraphWrapper(Doubling(), config, PIECEWISE)
+    run(wrapper, config, PIECEWISE, BatchDescriptor(4), torch.arange(4.0))  # one capture
+    wrapper.begin_segment(BatchDescriptor(2), first=True)
+    wrapper.end_segment()
+    assert [capture.skip_gc for capture in stub_platform.captures] == [False, True]
+
+
+def test_retained_segment_values_are_weak_aliases(stub_platform):
+    """A segment's outputs are kept as weak aliases of the pool's memory, in their container."""
+    wrapper = CUDAGraphWrapper(Doubling(), piecewise_config([4]), PIECEWISE)
+    hidden, residual = torch.arange(4.0), torch.ones(4)
+    kept = wrapper.retained({"hidden": hidden, "residual": residual})
+    assert list(kept) == ["hidden", "residual"]
+    assert is_weak_alias(kept["hidden"], hidden) and is_weak_alias(kept["residual"], residual)
+    pair = wrapper.retained((hidden, residual))
+    assert type(pair) is tuple and all(map(is_weak_alias, pair, (hidden, residual)))
+    assert is_weak_alias(wrapper.retained(hidden), hidden)
+    assert torch.equal(kept["hidden"], hidden)
+
+
+def test_a_call_through_keeps_keyword_arguments(stub_platform):
+    config = piecewise_config([4])
+    wrapper = CUDAGraphWrapper(lambda x, *, scale: x * scale, config, PIECEWISE)
+    out = run_kwargs(wrapper, config, CUDAGraphMode.NONE, BatchDescriptor(4), torch.ones(4), 3.0)
+    assert torch.equal(out, torch.full((4,), 3.0))
+
+
+def run_kwargs(wrapper, config, mode, descriptor, x, scale):
+    with set_forward_context(
+        None, config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
+    ):
+        return wrapper(x, scale=scale)
+
+
+def test_a_dynamic_op_reached_in_a_piecewise_capture_is_refused_naming_the_splitting_ops(
+    stub_platform,
+):
+    from pieceworks.core.breakable_graph import DynamicOpCaptureError, run_dynamic_op
+
+    config = piecewise_config([4])
+    wrapper = CUDAGraphWrapper(
+        lambda x: run_dynamic_op("pieceworks.plan_op", lambda t: t, (x,), {}), config, PIECEWISE
+    )
+    with pytest.raises(DynamicOpCaptureError) as error:
+        run(wrapper, config, PIECEWISE, BatchDescriptor(4), torch.ones(4))
+    assert f"(splitting_ops: {[SILLY_OP]})" in str(error.value)

@@ -669,3 +669,20 @@ def test_running_requests_beyond_the_budget_wait_for_the_next_step():
         ("r0", 1),
         ("r1", 1),
     ]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_one_token_prompt_is_a_prefill_then_its_next_steps_are_decodes(async_scheduling):
+    """A prompt of one token computes one token and samples, as a decode would, but it starts
+    from no state (a Mamba layer must not read its slot): only the later steps are decodes, the
+    first of them at one computed token."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    request = Request("one", [5], params, eos_token_id=EOS_TOKEN_ID)
+    steps = run_to_completion(make_scheduler(async_scheduling=async_scheduling), [request])
+    (prefill,) = steps[0].scheduled_requests
+    assert (prefill.num_computed_tokens, prefill.num_new_tokens, prefill.is_decode) == (0, 1, False)
+    assert steps[0].num_decodes == 0 and not steps[0].is_uniform_decode
+    decodes = [step.scheduled_requests[0] for step in steps[1:]]
+    assert [(d.num_computed_tokens, d.is_decode) for d in decodes] == [(1, True), (2, True)]
+    assert all(step.is_uniform_decode for step in steps[1:])
+    assert request.output_token_ids == reference_output(request)[0]

@@ -414,3 +414,65 @@ def test_unregistering_an_unknown_plugin_is_a_no_op(plugins):
     platforms.unregister_platform_plugin("fakevendor")
     platforms.unregister_platform_plugin("fakevendor")  # twice: still fine
     assert "fakevendor" not in registry._allowed_plugins()
+
+
+def test_every_probe_is_recorded_field_by_field(plugins, monkeypatch, caplog):
+    """What `pieceworks platforms` and ``platform_resolution().probes`` report, on a CPU-only
+    build: a declining, an unavailable, a raising and an available plugin, then the built-ins
+    (CUDA raising, ROCm absent, CPU available); each warning in full."""
+    from pieceworks.platforms.cuda import CudaPlatform
+
+    def broken() -> str:
+        raise OSError("driver exploded")
+
+    def broken_cuda(cls) -> bool:
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(CudaPlatform, "is_available", classmethod(broken_cuda))
+    monkeypatch.setenv("PIECEWORKS_PLATFORM", "cpu")
+    monkeypatch.setenv("PIECEWORKS_PLUGINS", "shy,ghostly,broken,fake,absent")
+    plugins("shy", lambda: None)
+    plugins("ghostly", lambda: _qualname(_UnavailablePlatform))
+    plugins("broken", broken)
+    plugins("fake", lambda: _qualname(_PluginPlatform))
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="pieceworks"):
+        platforms.current_platform()
+    resolution = platforms.platform_resolution()
+    assert (resolution.platform_name, resolution.rule) == ("cpu", "env")
+    Probe = registry.PlatformProbe
+    assert resolution.probes == [
+        Probe("shy", "plugin:shy", False, "plugin declined (returned None)"),
+        Probe(
+            "ghost",
+            "plugin:ghostly",
+            False,
+            "is_available() returned False",
+            _qualname(_UnavailablePlatform),
+        ),
+        Probe("broken", "plugin:broken", False, "probe raised OSError('driver exploded')"),
+        Probe("fakevendor", "plugin:fake", True, "", _qualname(_PluginPlatform)),
+        Probe(
+            "cuda",
+            "builtin",
+            False,
+            "probe raised RuntimeError('no driver')",
+            registry.BUILTIN_PLATFORMS["cuda"],
+        ),
+        Probe(
+            "rocm",
+            "builtin",
+            False,
+            "this torch build is not a ROCm (HIP) build",
+            registry.BUILTIN_PLATFORMS["rocm"],
+        ),
+        Probe("cpu", "builtin", True, "", registry.BUILTIN_PLATFORMS["cpu"]),
+    ]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert list(dict.fromkeys(warnings)) == [  # each once (caplog may see a record twice)
+        "PIECEWORKS_PLUGINS names 'absent', but no such plugin is installed (installed: "
+        "['broken', 'fake', 'ghostly', 'shy'])",
+        "platform plugin 'broken' raised while probing: OSError('driver exploded')",
+        "probing built-in platform 'cuda' raised: RuntimeError('no driver')",
+    ]
