@@ -46,7 +46,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_the_key_has_the_four_factors_by_name():
+def test_the_key_has_its_five_factors_by_name():
     config = EngineConfig(compilation_config=CompilationConfig(backend="eager"))
     toy = REPO_ROOT / "tests/core/toy_model.py"
     factors = cache_key_factors(config, FixedCompiler(), [str(toy)])
@@ -54,6 +54,12 @@ def test_the_key_has_the_four_factors_by_name():
         "env": envs.compile_factors(),
         "config": config.compute_factors(),
         "traced_files": {"tests/core/toy_model.py": _sha256(toy)},
+        "graph_passes": {
+            f"pieceworks/core/passes/{name}.py": _sha256(
+                REPO_ROOT / f"pieceworks/core/passes/{name}.py"
+            )
+            for name in ("graph_match", "gemv_fusion", "attn_quant_fusion")
+        },
         "compiler": {"torch": "fixed"},
     }
 

@@ -136,7 +136,6 @@ class _Recorder:
         ("device_count", (), "device_count", 8),
         ("set_device", (torch.device("cuda", 3),), "set_device", None),
         ("synchronize", (), "synchronize", None),
-        ("create_event", (), "Event", "event"),
         ("mem_get_info", (), "mem_get_info", (1 << 30, 1 << 34)),
         ("empty_cache", (), "empty_cache", None),
         ("device_name", (), "get_device_name", "NVIDIA H200"),
@@ -153,6 +152,14 @@ def test_each_cuda_hook_calls_its_torch_cuda_function(
     monkeypatch.setattr(torch.cuda, cuda_function, recorder)
     assert getattr(CudaPlatform(), hook)(*args) == result
     assert recorder.calls == [(args, {})]
+
+
+def test_cuda_events_time_only_when_asked(monkeypatch):
+    recorder = _Recorder("event")
+    monkeypatch.setattr(torch.cuda, "Event", recorder)
+    platform = CudaPlatform()
+    assert platform.create_event() == platform.create_event(timing=True) == "event"
+    assert recorder.calls == [((), {"enable_timing": False}), ((), {"enable_timing": True})]
 
 
 def test_cuda_seeds_the_host_and_every_device(monkeypatch):
@@ -396,7 +403,9 @@ def test_amd_architecture_is_parsed_from_the_gfx_name(gcn_arch_name, arch, fp8_d
     assert capability.arch == arch
     assert capability.arch_name == gcn_arch_name.split(":")[0]
     assert capability.fp8_dtype == fp8_dtype
-    assert capability.vendor == "amd" and capability.features == {TRITON}
+    native_fp8 = capability.arch_name.startswith(("gfx94", "gfx95"))  # hipBLASLt FP8 GEMMs
+    assert capability.vendor == "amd"
+    assert capability.features == ({TRITON, FP8_GEMM} if native_fp8 else {TRITON})
     assert capability.num_compute_units == 304
 
 
@@ -406,7 +415,8 @@ def test_describe_says_what_is_unknown():
         "x 3.5; features: none; fp8: float8_e4m3fn"
     )
     assert (
-        amd_capability("gfx942").describe() == "amd gfx942; features: triton; fp8: float8_e4m3fnuz"
+        amd_capability("gfx942").describe()
+        == "amd gfx942; features: fp8_gemm, triton; fp8: float8_e4m3fnuz"
     )
     with pytest.raises(ValueError) as error:
         DeviceCapability(vendor="x", features=frozenset({"b_magic", "a_magic", TRITON}))
