@@ -126,7 +126,9 @@ def save_scaled_llama_tiny(path) -> str:
     return str(path)
 
 
-def make_llm(checkpoint: str, mode: str, async_scheduling: bool = True) -> LLM:
+def make_llm(
+    checkpoint: str, mode: str, async_scheduling: bool = True, num_scheduler_steps: int = 1
+) -> LLM:
     return LLM(
         checkpoint,
         compilation_config=compilation_for_mode(mode, {"backend": "eager"}),
@@ -134,6 +136,7 @@ def make_llm(checkpoint: str, mode: str, async_scheduling: bool = True) -> LLM:
         max_num_seqs=4,
         num_gpu_blocks_override=NUM_BLOCKS,
         async_scheduling=async_scheduling,
+        num_scheduler_steps=num_scheduler_steps,
     )
 
 

@@ -3,7 +3,8 @@
 A server whose engine runs ``num_scheduler_steps=4`` answers completions, batched, streamed and
 seeded, with exactly the token ids an offline ``LLM.generate`` with single steps gives (greedy and
 seeded sampling; ``max_tokens`` 13 and 11, no multiple of 4); a streamed choice carries its tokens
-in order, a run's 4 tokens in one chunk, and its usage counts every one.
+in order, a run's 4 tokens together (one chunk, or one with a later run's when the stream falls
+behind and its deltas are merged), and its usage counts every one.
 Run: pytest tests/entrypoints/test_serve_multi_step.py
 """
 
@@ -71,7 +72,7 @@ def test_batched_completions_equal_single_step_offline(server):
     assert response.usage.completion_tokens == 3 * MAX_TOKENS
 
 
-def test_streamed_completion_comes_in_order_in_chunks_of_at_most_the_steps(server):
+def test_streamed_completion_comes_in_order_a_run_at_a_time(server):
     client, offline, _ = server
     stream = client.completions.create(
         model=MODEL,
@@ -85,7 +86,8 @@ def test_streamed_completion_comes_in_order_in_chunks_of_at_most_the_steps(serve
     chunks = list(stream)
     pieces = [chunk.choices[0].token_ids for chunk in chunks if chunk.choices]
     assert [token for piece in pieces for token in piece] == offline[2]
-    assert max(len(piece) for piece in pieces) == NUM_STEPS  # a run's tokens in one chunk
+    # a run's tokens in one chunk (merged deltas can put more than one run in a chunk)
+    assert max(len(piece) for piece in pieces) >= NUM_STEPS
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
