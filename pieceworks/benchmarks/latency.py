@@ -198,6 +198,7 @@ def _measure_engine(
         "capture_s": runner.warmup_seconds + runner.capture_seconds,  # warm-ups, then captures
         "graph_memory_gib": runner.graph_memory_bytes / 1024**3,
         "compile_cache": compile_cache_state(runner.model),
+        "epilogue_fusions": epilogue_fusions(runner.model),
         "first_output_token_ids": outputs[0].outputs[0].token_ids[:16] if outputs else [],
     }
     if bandwidth:
@@ -231,6 +232,16 @@ def compile_cache_state(model: torch.nn.Module) -> dict[str, Any]:
     if not backends:
         reasons = ["not used (no piecewise compile below level 3)"]
     return {"dirs": dirs, "off_reason": "; ".join(reasons) if not dirs else None}
+
+
+def epilogue_fusions(model: torch.nn.Module) -> dict[str, int]:
+    """The epilogue fusions the compile passes made in ``model``, by kind, summed over its
+    compiled modules (empty below level 3 and on a warm start, which loads the fused graph)."""
+    counts: dict[str, int] = {}
+    for backend in piecewise_backends(model):
+        for kind, count in backend.num_fusions.items():
+            counts[kind] = counts.get(kind, 0) + count
+    return counts
 
 
 def _stats(values: list[float]) -> dict[str, float]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pieceworks.benchmarks import latency
 from pieceworks.entrypoints import bench
@@ -163,3 +164,22 @@ def test_the_recorded_command_reruns_the_case_and_leaves_out_where_results_went(
         "pieceworks bench latency --model llama-125m --batch-size 8 --input-len 32 "
         "--output-len 128 --num-iters 7 --compare"
     )
+
+
+def test_epilogue_fusions_sums_every_compiled_module_by_kind():
+    from types import SimpleNamespace
+
+    from pieceworks.benchmarks.latency import epilogue_fusions
+
+    def compiled(counts):
+        module = torch.nn.Linear(1, 1)
+        backend = SimpleNamespace(num_fusions=counts)
+        module._pieceworks_compiler = SimpleNamespace(piecewise_backend=backend)
+        return module
+
+    model = torch.nn.Sequential(
+        compiled({"gemv_act": 2, "rope": 2}), compiled({"gemv_act": 1, "attn_quant": 3}),
+        torch.nn.Linear(1, 1),  # not compiled
+    )  # fmt: skip
+    assert epilogue_fusions(model) == {"gemv_act": 3, "rope": 2, "attn_quant": 3}
+    assert epilogue_fusions(torch.nn.Linear(1, 1)) == {}
