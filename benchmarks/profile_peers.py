@@ -7,12 +7,14 @@ step (how ``bench latency`` times peers), the step with no sync between steps (h
 overlapping the device), the device-busy time, and the kernels taking most device time.
 
 Variants: ``gpt_fast:<attention>[+qkv][+cdt]`` (attention ``flex`` or ``sdpa``, ``+qkv`` one
-q/k/v matmul, ``+cdt`` Inductor's coordinate-descent tuning) and ``static:<attention>``
+q/k/v matmul, ``+cdt`` Inductor's coordinate-descent tuning) and ``static:<attention>[+qkv]``
 (``gqa``: pieceworks' folded-GQA SDPA registered with transformers, or any
-``attn_implementation`` transformers knows, e.g. ``flex_attention``, ``sdpa``).
+``attn_implementation`` transformers knows, e.g. ``flex_attention``, ``sdpa``; ``+qkv`` one q/k/v
+matmul, as ``bench latency``'s ``static_compiled`` runs).
 
     python benchmarks/profile_peers.py --model llama-3.1-8b --batch-size 1 \\
-        --variants gpt_fast:sdpa,gpt_fast:flex+qkv,static:gqa --output-json peers.json
+        --variants gpt_fast:sdpa,gpt_fast:flex+qkv,static:gqa,static:gqa+qkv \\
+        --output-json peers.json
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def build(variant: str, hf_config: dict[str, Any], batch: int, max_len: int) -> 
         _random_(model)
         if attention != "gqa":
             model.set_attn_implementation(attention)
-        decoder = StaticCacheDecoder(model.eval(), max_len, gqa=attention == "gqa")
+        decoder = StaticCacheDecoder(
+            model.eval(), max_len, gqa=attention == "gqa", fuse_qkv="qkv" in flags
+        )
         return decoder, decoder.reset
     raise ValueError(f"unknown variant {variant!r}: gpt_fast:<attention>... or static:<attention>")
 
@@ -107,7 +111,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--variants", default="gpt_fast:sdpa,gpt_fast:flex+qkv,static:gqa")
+    parser.add_argument(
+        "--variants", default="gpt_fast:sdpa,gpt_fast:flex+qkv,static:gqa,static:gqa+qkv"
+    )
     parser.add_argument("--output-json")
     args = parser.parse_args()
     hf_config = get_preset(args.model)

@@ -18,7 +18,9 @@ checkpoint for a directory) and the same prompts (``latency._prompts``):
   with ``enable_gqa`` over a causal ``BlockMask`` (gpt-fast's decode, which also skips the cache
   blocks past the position; transformers' own ``flex_attention`` does not compile with
   ``fullgraph`` in transformers 5.17), a prompt SDPA with the query heads of a KV head folded into
-  the query length.
+  the query length. Each layer's q, k and v projections run as one matmul (``fuse_hf_qkv``, the
+  recipe's fused ``wqkv``): HF's three separate projections cost 0.40 ms of device time per step
+  at the 8B shape, batch 1 (``benchmarks/profile_peers.py``).
 - ``gpt_fast``: an independent hand-written loop (``gpt_fast_loop``: its own Llama modules, its
   own static cache), the check that ``static_compiled`` is not a straw man.
 
@@ -282,6 +284,75 @@ def use_gqa_attention(model: nn.Module) -> None:
         model.config._attn_implementation = GQA_ATTENTION  # type: ignore[union-attr]
 
 
+class _QkvParts:
+    """What the fused projection hands to ``k_proj`` and ``v_proj`` within one attention call."""
+
+    parts: list[torch.Tensor] | None = None
+
+
+class _FusedQkvProjection(nn.Module):
+    """``q_proj``'s replacement: q, k and v in one matmul of the concatenated weights; the k and
+    v columns wait in ``holder`` for the ``k_proj`` and ``v_proj`` calls that follow."""
+
+    def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, holder: _QkvParts) -> None:
+        super().__init__()
+        projections = (q, k, v)
+        self.weight = nn.Parameter(torch.cat([p.weight for p in projections]), requires_grad=False)
+        biases = [p.bias for p in projections]
+        self.bias = None
+        if all(b is not None for b in biases):
+            self.bias = nn.Parameter(torch.cat(biases), requires_grad=False)  # type: ignore[arg-type]
+        self.sizes = [p.weight.shape[0] for p in projections]
+        self.holder = holder
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        query, key, value = F.linear(hidden_states, self.weight, self.bias).split(self.sizes, -1)
+        self.holder.parts = [key, value]
+        return query
+
+
+class _FusedQkvPart(nn.Module):
+    """``k_proj`` (``index`` 0) or ``v_proj`` (1) after fusion: the part the fused q projection
+    made for this call; ``v_proj`` empties the holder (nothing outlives the attention call)."""
+
+    def __init__(self, holder: _QkvParts, index: int) -> None:
+        super().__init__()
+        self.holder = holder
+        self.index = index
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        parts = self.holder.parts
+        if parts is None:
+            raise RuntimeError(
+                "the fused q/k/v projection of the static_compiled peer expects q_proj to be "
+                "called before k_proj and v_proj (this transformers version calls them in "
+                "another order); run the peer with fuse_qkv=False"
+            )
+        if self.index == 1:
+            self.holder.parts = None
+        return parts[self.index]
+
+
+def fuse_hf_qkv(model: nn.Module) -> int:
+    """Give every attention layer of an HF Llama-family ``model`` one q/k/v matmul, as the
+    gpt-fast recipe's ``wqkv`` (Inductor does not merge matmuls of unequal widths itself, and a
+    one-token step reads the input once instead of three times); how many layers were fused.
+    The three projections keep their names and call order, so HF's attention code is unchanged."""
+    fused = 0
+    for module in model.modules():
+        if not all(isinstance(getattr(module, n, None), nn.Linear) for n in _QKV_NAMES):
+            continue
+        holder = _QkvParts()
+        module.q_proj = _FusedQkvProjection(module.q_proj, module.k_proj, module.v_proj, holder)
+        module.k_proj = _FusedQkvPart(holder, 0)
+        module.v_proj = _FusedQkvPart(holder, 1)
+        fused += 1
+    return fused
+
+
+_QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+
+
 class StaticCacheDecoder:
     """The HF static-cache loop: a ``StaticCache``, eager prefill, compiled one-token decode.
 
@@ -289,15 +360,19 @@ class StaticCacheDecoder:
     static addresses), so "reduce-overhead" can replay one CUDA graph per step. Positions come
     from a device tensor advanced in place (no cache-length query per step). The step's output
     buffer belongs to the graph and is overwritten by the next replay: each token is cloned out.
-    ``gqa=False`` keeps HF's own attention (for comparing the two).
+    ``gqa=False`` keeps HF's own attention (for comparing the two); ``fuse_qkv`` (on by
+    default, as the independent loop and the engine do) makes each layer's q/k/v one matmul
+    (``fuse_hf_qkv``).
     """
 
     def __init__(
         self, model: nn.Module, max_cache_len: int, compile_backend: str | Callable = "inductor",
-        gqa: bool = True,
+        gqa: bool = True, fuse_qkv: bool = True,
     ) -> None:  # fmt: skip
         transformers = _transformers()
         self.model = model
+        if fuse_qkv:
+            fuse_hf_qkv(model)
         if gqa:
             use_gqa_attention(model)
             block_mask = causal_block_mask(max_cache_len, next(model.parameters()).device)

@@ -29,6 +29,7 @@ from pieceworks.benchmarks.baselines import (  # noqa: E402
     applicable_baselines,
     baseline_model_config,
     build_gpt_fast_model,
+    fuse_hf_qkv,
     hf_decode_bytes,
     hf_generate,
     load_hf_baseline,
@@ -270,3 +271,44 @@ def test_flex_decode_steps_equal_the_sdpa_steps_and_both_peers_take_them(tmp_pat
     ]
     layers = GQA_LLAMA3["num_hidden_layers"]
     assert flex_calls == [layers, layers]  # each peer's decode step, every layer
+
+
+def test_fused_qkv_keeps_the_logits_and_makes_one_projection_matmul_per_layer(tmp_path):
+    """``fuse_hf_qkv`` (what ``static_compiled`` runs): HF's logits, biases included, and in the
+    compiled step one matmul for q, k and v per layer (o, gate, up and down stay: 5 per layer,
+    plus the LM head), where HF makes three."""
+    random_hf_checkpoint({**GQA_LLAMA3, "attention_bias": True}, tmp_path, seed=3)
+    case = LatencyCase(str(tmp_path), 2, 6, 3, engine_args={"dtype": "float32"})
+    _, model, input_ids = load_hf_baseline(case)
+    layers = GQA_LLAMA3["num_hidden_layers"]
+    assert all(layer.self_attn.k_proj.bias is not None for layer in model.model.layers)
+    with torch.no_grad():
+        reference = model(input_ids).logits
+    assert fuse_hf_qkv(model) == layers
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(lambda ids: model(ids).logits, fullgraph=True, backend=record)
+    with torch.no_grad():
+        fused = step(input_ids)
+        assert torch.allclose(fused, reference, atol=1e-5 * reference.abs().max())
+        assert torch.allclose(model(input_ids).logits, fused)  # eager as compiled
+    torch.compiler.reset()
+    linears = [n for n in graphs[0].graph.nodes if n.target is torch._C._nn.linear]
+    assert len(linears) == 5 * layers + 1
+
+
+def test_fused_k_and_v_projections_refuse_to_run_before_q():
+    model = torch.nn.Module()
+    model.q_proj, model.k_proj, model.v_proj = (torch.nn.Linear(4, n) for n in (8, 4, 4))
+    fuse_hf_qkv(model)
+    with pytest.raises(RuntimeError, match="q_proj to be called before k_proj and v_proj"):
+        model.k_proj(torch.zeros(1, 4))
+    query = model.q_proj(torch.ones(1, 4))
+    key, value = model.k_proj(torch.ones(1, 4)), model.v_proj(torch.ones(1, 4))
+    assert (query.shape, key.shape, value.shape) == ((1, 8), (1, 4), (1, 4))
+    with pytest.raises(RuntimeError, match="fuse_qkv=False"):  # v_proj emptied the holder
+        model.v_proj(torch.ones(1, 4))
