@@ -593,7 +593,11 @@ def _measure_static_loop(
     reset()
     first, position = decoder.prefill(input_ids)
     num_steps = min(NUM_PROFILED_STEPS, case.output_len - 1)
-    busy = profile_device_busy(lambda: decoder.decode(first, position, num_steps), num_steps)
+
+    def run_steps() -> None:  # the tokens it returns are not a step count
+        decoder.decode(first, position, num_steps)
+
+    busy = profile_device_busy(run_steps, num_steps)
     return latencies, step_seconds, tokens, startup, busy
 
 
