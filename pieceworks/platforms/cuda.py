@@ -44,7 +44,24 @@ class CudaPlatform(Platform):
         return "torch.cuda.is_available() is False (no visible NVIDIA device or driver)"
 
     def _create_graph_pool(self) -> Any:
-        return torch.cuda.graph_pool_handle()
+        """A new pool, held open by one tiny graph captured into it (``_pool_keeper``).
+
+        The caching allocator refuses a capture into a pool whose graphs were all destroyed while
+        memory it allocated is still cached (``use_count > 0 INTERNAL ASSERT FAILED``, and the
+        failed capture leaves the RNG expecting a capture: every later random op raises). That
+        happens whenever an engine's or a test's graphs are garbage collected without
+        ``ModelRunner.release_graphs``; the keeper makes it impossible until the pool is renewed.
+        """
+        handle = torch.cuda.graph_pool_handle()
+        keeper = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(keeper, pool=handle, capture_error_mode="thread_local"):
+            torch.zeros(1, device=torch.cuda.current_device())  # one kernel: no empty graph
+        self._pool_keeper: torch.cuda.CUDAGraph | None = keeper
+        return handle
+
+    def renew_graph_pool(self) -> None:
+        super().renew_graph_pool()
+        self._pool_keeper = None  # the old pool's memory can go once its graphs are gone
 
     def create_graph(self) -> torch.cuda.CUDAGraph:
         return torch.cuda.CUDAGraph()

@@ -178,14 +178,30 @@ def test_cuda_pins_staging_memory_and_traces_cuda_activity():
     assert platform.profiler_activity() == torch.profiler.ProfilerActivity.CUDA
 
 
-def test_cuda_graph_pool_is_one_handle_until_renewed(monkeypatch):
+def test_cuda_graph_pool_is_one_handle_held_open_by_a_graph_until_renewed(monkeypatch):
+    """A pool whose graphs were all destroyed takes no new capture on CUDA: a graph captured
+    into it when it is made stays referenced until the pool is renewed."""
     handles = iter(["pool-1", "pool-2"])
+    captured = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode="global"):
+        captured.append((graph, pool))
+        yield
+
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     platform = CudaPlatform()
     assert platform.graph_pool() == "pool-1"
     assert platform.graph_pool() == "pool-1"
+    assert [pool for _, pool in captured] == ["pool-1"]
+    assert platform._pool_keeper is captured[0][0]
     platform.renew_graph_pool()
+    assert platform._pool_keeper is None
     assert platform.graph_pool() == "pool-2"
+    assert [pool for _, pool in captured] == ["pool-1", "pool-2"]
 
 
 def test_a_cuda_platform_with_graphs_turned_off_makes_no_pool(monkeypatch):
