@@ -48,6 +48,7 @@ from pieceworks.engine.sampled_tokens import SampledTokens
 from pieceworks.engine.sampler import Sampler, make_generator, row_param_tensor
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.scheduler import SchedulerOutput
+from pieceworks.kernels.chooser import warmup_kernels
 from pieceworks.logger import init_logger
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.sources import get_model
@@ -235,6 +236,10 @@ class ModelRunner:
         free_before, _ = self.platform.mem_get_info()
         gc.collect()
         gc.freeze()  # objects alive now are never collected during capture: faster gc passes
+        logger.debug(
+            "the warm-up before capture runs the chosen Triton/Gluon kernels: %s",
+            ", ".join(f"{c.op} ({c.impl.name})" for c in warmup_kernels()) or "none",
+        )
         try:
             start = time.perf_counter()
             self._warm_up([descriptor for _, descriptor in descriptors])
