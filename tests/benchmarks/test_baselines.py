@@ -312,3 +312,23 @@ def test_fused_k_and_v_projections_refuse_to_run_before_q():
     assert (query.shape, key.shape, value.shape) == ((1, 8), (1, 4), (1, 4))
     with pytest.raises(RuntimeError, match="fuse_qkv=False"):  # v_proj emptied the holder
         model.v_proj(torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("measure", [measure_static_cache_compiled, measure_gpt_fast])
+def test_static_loops_profile_their_decode_steps_where_the_platform_traces_activity(
+    llama_tiny, measure, monkeypatch
+):
+    """Where the profiler records work (here the CPU's own ops stand in for device kernels), a
+    static loop's device-busy time is per profiled decode step."""
+    from pieceworks.benchmarks import device_busy
+    from pieceworks.platforms import current_platform
+
+    platform = type(current_platform())
+    cpu_activity = torch.profiler.ProfilerActivity.CPU
+    monkeypatch.setattr(platform, "profiler_activity", lambda self: cpu_activity)
+    monkeypatch.setattr(device_busy, "DEVICE_EVENT_CATEGORIES", ("cpu_op",))
+    case, _, _ = llama_tiny
+    result = measure(case, BANDWIDTH, compile_backend="eager")
+    assert result["device_busy_ms"] > 0
+    steps = min(device_busy.NUM_PROFILED_STEPS, case.output_len - 1)
+    assert result["device_busy_note"].startswith(f"{steps} decode steps profiled")
