@@ -340,10 +340,11 @@ def fuse_hf_qkv(model: nn.Module) -> int:
     The three projections keep their names and call order, so HF's attention code is unchanged."""
     fused = 0
     for module in model.modules():
-        if not all(isinstance(getattr(module, n, None), nn.Linear) for n in _QKV_NAMES):
+        q, k, v = (getattr(module, name, None) for name in _QKV_NAMES)
+        if not (isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and isinstance(v, nn.Linear)):
             continue
         holder = _QkvParts()
-        module.q_proj = _FusedQkvProjection(module.q_proj, module.k_proj, module.v_proj, holder)
+        module.q_proj = _FusedQkvProjection(q, k, v, holder)
         module.k_proj = _FusedQkvPart(holder, 0)
         module.v_proj = _FusedQkvPart(holder, 1)
         fused += 1
