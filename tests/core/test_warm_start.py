@@ -167,8 +167,13 @@ def test_triton_binaries_of_a_warm_start_come_from_the_artifacts(tmp_path):
     assert warm["inductor_counters"].get("triton_bundler_read_and_emit_kernel", 0) > 0
     cache = tmp_path / "warm" / "triton"
     files = sorted(str(path.relative_to(cache)) for path in cache.rglob("*") if path.is_file())
+    # The counter counts files. Triton's driver also builds its own helper module into this
+    # cache on first use (cuda_utils.cpython-312-x86_64-linux-gnu.so, hip_utils...): not a
+    # kernel, in no bundle.
     emitted = warm["inductor_counters"]["triton_bundler_read_and_emit_kernel"]
-    assert len(files) == emitted, f"{emitted} files from the bundle; Triton's cache: {files}"
+    driver_modules = ("cuda_utils.", "hip_utils.")
+    kernel_files = [name for name in files if not Path(name).name.startswith(driver_modules)]
+    assert len(kernel_files) == emitted, f"{emitted} files from the bundle; Triton's cache: {files}"
 
 
 @pytest.mark.inductor
