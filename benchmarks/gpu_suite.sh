@@ -4,7 +4,7 @@
 #
 # Usage: OUT=dir bash benchmarks/gpu_suite.sh [steps...]
 #   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 bamba
-#   breakable serve throughput startup tests
+#   breakable serve throughput startup tests kernels
 #   OUT: where JSON, plots and logs go (default docs/bench); COMMIT: recorded in each JSON
 #   (default: git's HEAD where this is a checkout).
 # Every step is guarded: one that fails is logged with its exit status and the next one runs.
@@ -27,7 +27,7 @@ mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
 COMMIT=${COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
-steps=${*:-"install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput startup tests"}
+steps=${*:-"install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput startup tests kernels"}
 failed=()
 
 step() {  # name, command...: log to $OUT/logs/<name>.log and the console, never stop the suite
@@ -121,7 +121,9 @@ for name in $steps; do
              startup llama125m --model llama-125m --batch-size 1
              startup smollm2_135m --model "$(smollm2_model)" --batch-size 1 ;;
     tests) step tests python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput startup tests)"; failed+=("$name") ;;
+    # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
+    kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput startup tests kernels)"; failed+=("$name") ;;
   esac
 done
 

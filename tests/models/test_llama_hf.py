@@ -82,7 +82,8 @@ def run_and_compare(
         logits = engine.runner.compute_logits(output)
         producing = [s.request for s in output.scheduled_requests if s.produces_token]
         for row, request in enumerate(producing):
-            assert_close_to_hf(logits[row], hf_last_logits(hf_model, request.all_token_ids))
+            reference = hf_last_logits(hf_model, request.all_token_ids)
+            assert_close_to_hf(logits[row].cpu(), reference)
             compared += 1
         sampled = logits.argmax(dim=-1).tolist() if logits is not None else []
         engine.scheduler.update_from_output(output, sampled)
