@@ -7,7 +7,9 @@ scale, and cuBLAS runs float32 GEMMs in IEEE float32 by default (TF32 off, asser
 here is pieceworks' GPU path. Three runs tell its parts apart: level 0 with the kernels the
 platform chooses (the Triton GEMV for at most 16 tokens, the activation kernel, Triton paged
 attention), level 0 with every kernel op in its torch form (``custom_ops=["none"]``: attention is
-still the platform's), and level 3 with Inductor and FULL_AND_PIECEWISE graphs.
+still the platform's), level 0 with the platform's kernels launched without programmatic
+dependent launch (``PIECEWORKS_PDL=0``: each kernel starts after the one before has finished,
+whatever it reads before its wait), and level 3 with Inductor and FULL_AND_PIECEWISE graphs.
 Run on a GPU machine: pytest -m gpu tests/models/test_llama_hf_gpu.py
 """
 
@@ -18,6 +20,7 @@ import torch
 
 from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
+from pieceworks.kernels import programmatic_launch
 from tests.models.test_llama_hf import run_and_compare, saved  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.gpu
@@ -25,13 +28,22 @@ pytestmark = pytest.mark.gpu
 RUNS = {
     "level0-kernels": lambda: {"level": 0},
     "level0-torch-ops": lambda: {"level": 0, "custom_ops": ["none"]},
+    "level0-kernels-no-pdl": lambda: {"level": 0},
     "full_and_piecewise": lambda: compilation_for_mode("full_and_piecewise"),
 }
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))
-def test_float32_logits_match_hf_on_the_gpu(saved, run):  # noqa: F811 (the fixture)
+def test_float32_logits_match_hf_on_the_gpu(saved, run, monkeypatch, request):  # noqa: F811
     path, hf_model, _ = saved
+    no_pdl = run.endswith("no-pdl")
+    if no_pdl:
+        monkeypatch.setenv("PIECEWORKS_PDL", "0")
+    # the decision is made once per process: read the variable now, and again after this test
+    programmatic_launch.programmatic_launch_enabled.cache_clear()
+    request.addfinalizer(programmatic_launch.programmatic_launch_enabled.cache_clear)
+    if no_pdl:
+        assert not programmatic_launch.programmatic_launch_enabled()
     assert not torch.backends.cuda.matmul.allow_tf32
     llm = LLM(
         path,
