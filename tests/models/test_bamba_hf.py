@@ -124,6 +124,49 @@ def test_triton_backend_matches_hf(saved, monkeypatch):
     assert compared == 3 * 4
 
 
+def test_the_kernels_a_gpu_chooses_match_hf(saved, monkeypatch):
+    """Every kernel choice an H200 makes (Triton attention, Mamba, GEMV, activation and argmax,
+    the GEMV with the H200's tile file, shared memory and SM count), run by Triton's interpreter
+    on CPU tensors: HF's logits within 1e-4 of the scale, so on a GPU a gap to HF is the launch
+    or the hardware's arithmetic, not what the kernels compute."""
+    from pieceworks.kernels import chooser, triton_launch
+    from pieceworks.kernels.gemv import triton_gemv, triton_gemv_config
+    from pieceworks.platforms.capability import TRITON, DeviceCapability
+
+    if current_platform().supports_static_graphs():
+        pytest.skip("on a GPU the kernels run compiled: tests/models/test_bamba_gpu.py")
+    platform = type(current_platform())
+    backends = "pieceworks.models.{0}.backends.Triton{1}Backend"
+    monkeypatch.setattr(
+        platform, "attention_backend_qualname", backends.format("attention", "Attention")
+    )
+    monkeypatch.setattr(platform, "mamba_backend_qualname", backends.format("mamba", "Mamba"))
+    capability = DeviceCapability(vendor="cpu", features=frozenset({TRITON}))
+    monkeypatch.setattr(platform, "device_capability", classmethod(lambda cls: capability))
+    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_gemv_config, "device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(triton_gemv_config, "max_shared_bytes", lambda device: 232448)
+    monkeypatch.setattr(triton_gemv_config, "num_sms", lambda device: 132)
+    triton_gemv_config.gemv_config.cache_clear()
+    launches = []
+    launch_gemv = triton_gemv.launch_gemv
+    monkeypatch.setattr(
+        triton_gemv,
+        "launch_gemv",
+        lambda *args, **kw: launches.append(1) or launch_gemv(*args, **kw),
+    )
+    path, hf_model = saved
+    llm = make_llm(path, 0)
+    choices = {op: choice.impl.name for op, choice in chooser.chosen_kernels().items()}
+    assert choices["linear"] == "triton_gemv" and choices["silu_and_mul"] == "triton_silu_and_mul"
+    assert llm.engine.runner.model.model.layers[0].mamba.backend.name == "triton"
+    prompt = prompt_maker(11)
+    compared = run_and_compare(llm, hf_model, [prompt(5), prompt(11)], 4, [prompt(46)])
+    assert compared == 3 * 4
+    assert launches  # the GEMV ran (every step of at most 16 tokens)
+    triton_gemv_config.gemv_config.cache_clear()
+
+
 def test_hf_really_rotates_half_of_each_head(saved):
     path, hf_model = saved
     head_dim = HF_CONFIG["hidden_size"] // HF_CONFIG["num_attention_heads"]
