@@ -21,6 +21,7 @@ from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.platforms import current_platform
+from tests.models.float32_gpu_runs import RUNS, compilation_for_run
 
 pytestmark = pytest.mark.gpu
 
@@ -58,35 +59,16 @@ def test_bamba_tiny_bf16_tokens_equal_across_graph_modes():
     assert first["full_and_piecewise"] == first["compiled"]
 
 
-# The float32 comparison with HF, in several runs that tell the parts of the GPU path apart (as
-# tests/models/test_llama_hf_gpu.py): the graphs, the kernels at level 0, the same launched
-# without programmatic dependent launch, and level 0 with the kernel ops in their torch forms.
-FLOAT32_RUNS = {
-    "full_and_piecewise": lambda: compilation_for_mode("full_and_piecewise"),
-    "level0-kernels": lambda: {"level": 0},
-    "level0-kernels-no-pdl": lambda: {"level": 0},
-    "level0-torch-ops": lambda: {"level": 0, "custom_ops": ["none"]},
-}
-
-
-@pytest.mark.parametrize("run", sorted(FLOAT32_RUNS))
+@pytest.mark.parametrize("run", sorted(RUNS))  # the runs that tell the GPU path's parts apart
 def test_bamba_tiny_float32_logits_match_hf(tmp_path, run, monkeypatch, request):
     pytest.importorskip("transformers")
-    from pieceworks.kernels import programmatic_launch
     from tests.models.test_bamba_hf import HF_CONFIG, make_hf_model, prompt_maker, run_and_compare
 
-    no_pdl = run.endswith("no-pdl")
-    if no_pdl:
-        monkeypatch.setenv("PIECEWORKS_PDL", "0")
-    # the decision is made once per process: read the variable now, and again after this test
-    programmatic_launch.programmatic_launch_enabled.cache_clear()
-    request.addfinalizer(programmatic_launch.programmatic_launch_enabled.cache_clear)
-    if no_pdl:
-        assert not programmatic_launch.programmatic_launch_enabled()
+    compilation = compilation_for_run(run, monkeypatch, request)
     path, hf_model = make_hf_model(tmp_path)
     llm = LLM(
         path,
-        compilation_config=FLOAT32_RUNS[run](),
+        compilation_config=compilation,
         dtype="float32",
         max_num_seqs=4,
         max_num_batched_tokens=24,
