@@ -147,7 +147,6 @@ def test_the_kernels_a_gpu_chooses_match_hf(saved, monkeypatch):
     monkeypatch.setattr(triton_gemv_config, "device_name", lambda device: "NVIDIA H200")
     monkeypatch.setattr(triton_gemv_config, "max_shared_bytes", lambda device: 232448)
     monkeypatch.setattr(triton_gemv_config, "num_sms", lambda device: 132)
-    triton_gemv_config.gemv_config.cache_clear()
     launches = []
     launch_gemv = triton_gemv.launch_gemv
     monkeypatch.setattr(
@@ -164,7 +163,6 @@ def test_the_kernels_a_gpu_chooses_match_hf(saved, monkeypatch):
     compared = run_and_compare(llm, hf_model, [prompt(5), prompt(11)], 4, [prompt(46)])
     assert compared == 3 * 4
     assert launches  # the GEMV ran (every step of at most 16 tokens)
-    triton_gemv_config.gemv_config.cache_clear()
 
 
 def test_hf_really_rotates_half_of_each_head(saved):
