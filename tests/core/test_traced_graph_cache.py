@@ -111,6 +111,7 @@ def test_an_edited_traced_source_file_misses_and_names_the_file(cold, tmp_path):
     source_root = tmp_path / "src"
     shutil.copytree(REPO_ROOT / "pieceworks", source_root / "pieceworks", ignore=IGNORED)
     shutil.copytree(REPO_ROOT / "tests", source_root / "tests", ignore=IGNORED)
+    shutil.copy(REPO_ROOT / "pyproject.toml", source_root)  # its tool settings go with the tree
     root = tmp_path / "root"
     run_worker(root, tmp_path / "first.pt", source_root)
     toy_file = source_root / "tests" / "core" / "toy_model.py"
