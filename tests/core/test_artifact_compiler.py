@@ -1,0 +1,119 @@
+"""The compile cache's artifact path on the CPU in seconds: a compiler that saves artifacts.
+
+Inductor is the only compiler in the tree that saves artifacts, and a compile takes it tens of
+seconds on a small CPU (``test_warm_start.py`` runs it). ``SavingEagerAdaptor`` is the eager
+compiler with artifacts (a piece's artifact is its graph's code, and loading checks the code),
+so every step Inductor's artifacts take runs here in process on the toy (eager arithmetic, 3
+layers: 4 capturable pieces, 3 distinct structures, since the two middle pieces are identical).
+Proves: a cold start compiles each distinct structure once and saves it (the twins share one
+artifact); a second start loads the stored graph and every artifact and compiles nothing; an
+artifact that fails its checksum is named in a warning, the start traces, compiles that
+structure alone, loads the rest, and the next start is warm again; outputs always equal the cold
+start's.
+Run: pytest tests/core/test_artifact_compiler.py
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pieceworks.core import backend as backend_module
+from pieceworks.core.compiler_interface import EagerAdaptor
+from tests.core.compile_cache_worker import run_toy
+
+NUM_LAYERS = 3
+NUM_CAPTURABLE = NUM_LAYERS + 1
+NUM_DISTINCT = 3  # first piece, the middle structure (2 pieces), last piece
+
+
+class SavingEagerAdaptor(EagerAdaptor):
+    """The eager compiler with artifacts: a piece's artifact is its graph's code."""
+
+    name = "eager-with-artifacts"
+    saves_artifacts = True
+
+    def save_artifact(self, compiled: Any, path: str) -> None:
+        Path(path).write_text(compiled.code)
+
+    def load_artifact(self, path: str, graph: torch.fx.GraphModule) -> Any:
+        if Path(path).read_text() != graph.code:
+            raise ValueError(f"{path} is not the code of this piece")
+        return graph
+
+
+@pytest.fixture
+def log_text(caplog, monkeypatch):
+    """The cache on (the test session turns it off), the saving compiler in place of the eager
+    one, and the text of the ``pieceworks`` records at INFO and above (call it to read)."""
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+    monkeypatch.setattr(backend_module, "make_compiler", lambda *_: SavingEagerAdaptor())
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="pieceworks")
+    return lambda: caplog.text
+
+
+def start(root: Path) -> dict:
+    return run_toy(str(root), NUM_LAYERS, backend="eager")
+
+
+def assert_same_outputs(result: dict, reference: dict) -> None:
+    for output, expected in zip(result["outputs"], reference["outputs"], strict=True):
+        assert torch.equal(output, expected)
+
+
+def test_a_cold_start_saves_one_artifact_per_distinct_piece(tmp_path, log_text):
+    cold = start(tmp_path)
+    counters = cold["counters"]
+    assert counters["num_dynamo_traces"] == 1
+    assert counters["num_backend_compilations"] == NUM_CAPTURABLE
+    assert counters["num_eager_compiles"] == NUM_DISTINCT  # the twins share one compile
+    assert counters["num_compiled_artifacts_saved"] == NUM_DISTINCT
+    assert counters["num_compiled_artifacts_loaded"] == 0
+    assert counters["num_traced_graphs_saved"] == 1
+    entries = json.loads((Path(cold["cache_dir"]) / "index.json").read_text())["entries"]
+    assert sorted(entries) == [f"piece_{i}/general" for i in range(NUM_CAPTURABLE)]
+    assert entries["piece_1/general"] == entries["piece_2/general"]  # one artifact file
+    assert len({entry["artifact"] for entry in entries.values()}) == NUM_DISTINCT
+    assert f"compile cache: {cold['cache_dir']}" in log_text()
+    assert "compile cache miss (compiling every piece)" in log_text()
+
+
+def test_a_second_start_loads_every_artifact_and_compiles_nothing(tmp_path, log_text):
+    cold = start(tmp_path)
+    warm = start(tmp_path)
+    counters = warm["counters"]
+    assert (counters["num_dynamo_traces"], counters["num_traced_graphs_loaded"]) == (0, 1)
+    assert counters["num_eager_compiles"] == 0
+    assert counters["num_compiled_artifacts_loaded"] == NUM_DISTINCT  # the twins load one
+    assert counters["num_compiled_artifacts_saved"] == 0
+    assert counters["num_backend_compilations"] == NUM_CAPTURABLE
+    assert warm["cache_dir"] == cold["cache_dir"]
+    assert_same_outputs(warm, cold)
+
+
+def test_a_damaged_artifact_is_named_compiled_again_and_the_next_start_is_warm(tmp_path, log_text):
+    cold = start(tmp_path)
+    cache_dir = Path(cold["cache_dir"])
+    entries = json.loads((cache_dir / "index.json").read_text())["entries"]
+    last = cache_dir / entries[f"piece_{NUM_CAPTURABLE - 1}/general"]["artifact"]
+    last.write_text(last.read_text() + "\n# damaged\n")
+    damaged = start(tmp_path)
+    text = log_text()
+    assert f"the artifact of piece_{NUM_CAPTURABLE - 1}/general in {cache_dir}" in text
+    assert "is missing or fails its checksum" in text
+    counters = damaged["counters"]
+    assert counters["num_dynamo_traces"] == 1
+    assert counters["num_eager_compiles"] == 1  # the last structure only
+    assert counters["num_compiled_artifacts_loaded"] == NUM_DISTINCT - 1
+    assert counters["num_compiled_artifacts_saved"] == 1
+    assert_same_outputs(damaged, cold)
+    repaired = start(tmp_path)
+    assert repaired["counters"]["num_traced_graphs_loaded"] == 1
+    assert repaired["counters"]["num_eager_compiles"] == 0
+    assert_same_outputs(repaired, cold)
