@@ -3,7 +3,9 @@
 A model whose output depends on a Python branch on the token count shows it: at levels 2 and 3 the
 branch taken at trace time stays frozen (no guard is evaluated), at level 1 Dynamo re-traces.
 Dimensions declared dynamic are traced once for every size: Dynamo converts no frame again (a
-bytecode hook counts its conversions), also at level 1 where guards are evaluated.
+bytecode hook counts its conversions), also at level 1 where guards are evaluated. The first
+call's times add up (trace and compile within the call; a warm start's graph load and rebuild
+likewise), and the debug dump holds the split graph and Dynamo's transformed code.
 Run: pytest tests/core/test_decorators.py
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import ignore_torch_compile, support_torch_compile
 from pieceworks.core.forward_context import set_forward_context
 from pieceworks.platforms import current_platform
+from tests.core.compile_cache_worker import toy_config
 from tests.core.toy_model import SILLY_OP, ShapeBranchModel, ToyModel
 
 pytestmark = pytest.mark.platform_agnostic
@@ -163,3 +167,35 @@ def test_attribute_assignment_in_forward_raises_with_static_graphs(graph_platfor
     config = config_at(CompilationLevel.PIECEWISE, CUDAGraphMode.PIECEWISE)
     with pytest.raises(RuntimeError, match="assigns module attributes or buffers"):
         call(Mutating(config=config), config, torch.ones(3))
+
+
+def first_call_of(config: EngineConfig):
+    """A 2-layer toy's ``TraceOnceCompiler`` after one call of 4 tokens."""
+    model = ToyModel(config=config, num_layers=2)
+    call(model, config, torch.randn(4, 8))
+    return model._pieceworks_compiler
+
+
+def test_the_first_calls_times_add_up_traced_and_warm(tmp_path, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+    config = toy_config(str(tmp_path), backend="eager")
+    traced = first_call_of(config)
+    assert traced.warm_forward is None and traced.graph_load_seconds == 0.0
+    assert 0 < traced.trace_seconds and 0 < traced.compile_seconds
+    assert traced.trace_seconds + traced.compile_seconds <= traced.first_call_seconds
+    assert traced.compile_seconds == traced.piecewise_backend.backend_seconds
+    warm = first_call_of(config)
+    assert warm.warm_forward is not None and warm.trace_seconds == 0.0
+    assert 0 < warm.graph_load_seconds and 0 < warm.compile_seconds
+    assert warm.graph_load_seconds + warm.compile_seconds <= warm.first_call_seconds
+    assert warm.compile_seconds == warm.piecewise_backend.backend_seconds
+
+
+def test_debug_dump_holds_the_split_graph_and_the_transformed_code(tmp_path):
+    config = config_at(CompilationLevel.PIECEWISE)
+    config.compilation_config.debug_dump_path = str(tmp_path)
+    first_call_of(config)
+    graph = (tmp_path / "rank_0" / "computation_graph.py").read_text()
+    assert "class GraphModule" in graph and "submod_4" in graph  # 2L+1 = 5 pieces
+    code = Path(tmp_path / "rank_0" / "transformed_code.py").read_text()
+    assert "__compiled_fn" in code  # Dynamo's bytecode calls the compiled graph
