@@ -8,8 +8,10 @@ layers: 4 capturable pieces, 3 distinct structures, since the two middle pieces 
 Proves: a cold start compiles each distinct structure once and saves it (the twins share one
 artifact); a second start loads the stored graph and every artifact and compiles nothing; an
 artifact that fails its checksum is named in a warning, the start traces, compiles that
-structure alone, loads the rest, and the next start is warm again; outputs always equal the cold
-start's.
+structure alone, loads the rest, and the next start is warm again; an intact artifact that does
+not load is named and the start traces; with piecewise graphs and a static compile size (the
+simgraph platform on CPU), a warm start wraps the pieces as the traced start did and loads the
+static size's artifacts when that size first runs; outputs always equal the cold start's.
 Run: pytest tests/core/test_artifact_compiler.py
 """
 
@@ -23,9 +25,15 @@ from typing import Any
 import pytest
 import torch
 
+from pieceworks.config import EngineConfig, SchedulerConfig
 from pieceworks.core import backend as backend_module
 from pieceworks.core.compiler_interface import EagerAdaptor
+from pieceworks.core.config import CompilationConfig, CUDAGraphMode
+from pieceworks.core.counters import compilation_counter
+from pieceworks.core.decorators import piecewise_backends
 from tests.core.compile_cache_worker import run_toy
+from tests.core.test_piecewise import build, run
+from tests.core.toy_model import SILLY_OP
 
 NUM_LAYERS = 3
 NUM_CAPTURABLE = NUM_LAYERS + 1
@@ -117,3 +125,64 @@ def test_a_damaged_artifact_is_named_compiled_again_and_the_next_start_is_warm(t
     assert repaired["counters"]["num_traced_graphs_loaded"] == 1
     assert repaired["counters"]["num_eager_compiles"] == 0
     assert_same_outputs(repaired, cold)
+
+
+def test_an_intact_artifact_that_does_not_load_is_named_and_the_start_traces(
+    tmp_path, log_text, monkeypatch
+):
+    cold = start(tmp_path)
+
+    def refuse(self, path, graph):
+        raise ValueError("unreadable")
+
+    monkeypatch.setattr(SavingEagerAdaptor, "load_artifact", refuse)
+    again = start(tmp_path)
+    text = log_text()
+    assert "unusable (the artifact of piece_0/general does not load)" in text
+    assert again["counters"]["num_dynamo_traces"] == 1
+    assert_same_outputs(again, cold)
+
+
+def graphs_config(root: Path) -> EngineConfig:
+    compilation = CompilationConfig(
+        backend="eager",
+        splitting_ops=[SILLY_OP],
+        cudagraph_mode=CUDAGraphMode.PIECEWISE,
+        cudagraph_capture_sizes=[1, 2, 4],
+        compile_sizes=[2],
+        cache_dir=str(root),
+    )
+    return EngineConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=4), compilation_config=compilation
+    )
+
+
+def test_a_warm_start_with_piecewise_graphs_rebuilds_what_the_traced_start_built(
+    tmp_path, log_text, graph_platform
+):
+    config = graphs_config(tmp_path)
+    inputs = [torch.randn(n, 8, generator=torch.Generator().manual_seed(n)) for n in (4, 2)]
+    cold_model = build(config, NUM_LAYERS)
+    cold_outputs = [run(cold_model, config, x).clone() for x in inputs]
+    (cold,) = piecewise_backends(cold_model)
+    warm_config = graphs_config(tmp_path)
+    warm_model = build(warm_config, NUM_LAYERS)
+    with compilation_counter.expect(
+        num_traced_graphs_loaded=1,
+        num_compiled_artifacts_loaded=NUM_DISTINCT,  # the dynamic shape, the twins loading one
+        num_eager_compiles=0,
+    ):
+        assert torch.equal(run(warm_model, warm_config, inputs[0]), cold_outputs[0])
+    with compilation_counter.expect(
+        num_compiled_artifacts_loaded=NUM_DISTINCT,  # size 2's, when size 2 first runs
+        num_eager_compiles=0,
+    ):
+        assert torch.equal(run(warm_model, warm_config, inputs[1]), cold_outputs[1])
+    (warm,) = piecewise_backends(warm_model)
+    assert warm.split_gm is not None and warm.split_gm.code == cold.split_gm.code
+    assert warm.piece_records == cold.piece_records
+    assert warm.dynamic_input_indices == cold.dynamic_input_indices
+    assert len(cold.dynamic_input_indices) == 1  # x: dim 0 is the token count
+    options = [wrapper.options for wrapper in warm.static_graph_wrappers]
+    assert len(options) == NUM_CAPTURABLE
+    assert options == [wrapper.options for wrapper in cold.static_graph_wrappers]

@@ -199,3 +199,16 @@ def test_debug_dump_holds_the_split_graph_and_the_transformed_code(tmp_path):
     assert "class GraphModule" in graph and "submod_4" in graph  # 2L+1 = 5 pieces
     code = Path(tmp_path / "rank_0" / "transformed_code.py").read_text()
     assert "__compiled_fn" in code  # Dynamo's bytecode calls the compiled graph
+
+
+def test_a_warm_start_writes_the_split_graph_to_the_debug_dump_too(tmp_path, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+    config = toy_config(str(tmp_path / "cache"), backend="eager")
+    config.compilation_config.debug_dump_path = str(tmp_path / "dump")
+    first_call_of(config)
+    graph_file = tmp_path / "dump" / "rank_0" / "computation_graph.py"
+    assert "submod_4" in graph_file.read_text()
+    graph_file.unlink()
+    assert first_call_of(config).warm_forward is not None
+    rebuilt = graph_file.read_text()  # the stored graph (no example values: no shape notes)
+    assert "class GraphModule" in rebuilt and "submod_4" in rebuilt
