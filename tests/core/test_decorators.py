@@ -24,6 +24,7 @@ from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGrap
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import ignore_torch_compile, support_torch_compile
 from pieceworks.core.forward_context import set_forward_context
+from pieceworks.core.trace_once import trace_once_compilers
 from pieceworks.platforms import current_platform
 from tests.core.compile_cache_worker import toy_config
 from tests.core.toy_model import SILLY_OP, ShapeBranchModel, ToyModel
@@ -167,6 +168,43 @@ def test_attribute_assignment_in_forward_raises_with_static_graphs(graph_platfor
     config = config_at(CompilationLevel.PIECEWISE, CUDAGraphMode.PIECEWISE)
     with pytest.raises(RuntimeError, match="assigns module attributes or buffers"):
         call(Mutating(config=config), config, torch.ones(3))
+    for mode in (CUDAGraphMode.NONE,):  # without static graphs the assignment is allowed
+        allowed = config_at(CompilationLevel.PIECEWISE, mode)
+        assert torch.equal(
+            call(Mutating(config=allowed), allowed, torch.ones(3)), torch.full((3,), 2.0)
+        )
+
+
+def test_the_buffer_assignment_refusal_says_what_to_do_and_shows_the_code(graph_platform):
+    @support_torch_compile
+    class Counting(nn.Module):
+        def __init__(self, *, config, prefix=""):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen = self.seen + x.shape[0]
+            return x + 1
+
+    config = config_at(CompilationLevel.PIECEWISE, CUDAGraphMode.PIECEWISE)
+    with pytest.raises(RuntimeError) as raised:
+        call(Counting(config=config), config, torch.ones(3))
+    message = str(raised.value)
+    head, code = message.split("Transformed code (look for `update`):\n")
+    assert head == (
+        "Counting.forward assigns module attributes or buffers during the forward pass; with "
+        "static graphs the assignment would be frozen into the graph and silently go stale. "
+        "Keep state in tensors updated in place, or set cudagraph_mode=NONE. "
+    )
+    assert "LOAD_ATTR" in code and "update" in code  # the bytecode (depyf is not installed)
+
+
+def test_trace_once_compilers_lists_each_compiled_module():
+    config = config_at(CompilationLevel.PIECEWISE)
+    model = ToyModel(config=config, num_layers=1)
+    assert trace_once_compilers(model) == [model._pieceworks_compiler]
+    eager = config_at(CompilationLevel.NO_COMPILATION)
+    assert trace_once_compilers(ToyModel(config=eager, num_layers=1)) == []
 
 
 def first_call_of(config: EngineConfig):
