@@ -3,8 +3,9 @@
 Every number in ``compilation_counter.expect`` is derived from SPEC §3 for L layers (L split ops)
 and capture sizes S: graphs 1, pieces 2L+1, capturable L+1, backend compilations L+1,
 captures |S|·(L+1) for PIECEWISE, plus |S| for FULL, each phase counted on its own; a static
-``compile_sizes`` entry gets one compile a piece, logged, the first time its size runs. Runs on
-the platform's graphs, or on the simgraph example platform on CPU.
+``compile_sizes`` entry gets one compile a piece, logged, the first time its size runs; a piece
+with neither example inputs nor a loaded artifact is refused. Runs on the platform's graphs, or
+on the simgraph example platform on CPU.
 Run: pytest tests/core/test_piecewise.py
 """
 
@@ -16,10 +17,13 @@ import pytest
 import torch
 
 from pieceworks.config import EngineConfig, SchedulerConfig
+from pieceworks.core.compiler_interface import EagerAdaptor
+from pieceworks.core.compiler_manager import CompilerManager
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import static_graph_wrappers
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
+from pieceworks.core.piecewise_backend import PiecewiseBackend
 from pieceworks.core.static_graph import StaticGraphSet
 from tests.core.toy_model import SILLY_OP, ToyModel, silly_calls
 
@@ -227,3 +231,14 @@ def test_static_compile_sizes_get_their_own_compile(graph_platform, caplog, monk
         run(model, config, torch.randn(1, 8, device=device()))  # not a compile size: dynamic
     compiled = {r.getMessage() for r in caplog.records if r.message.startswith("compiling")}
     assert compiled == {f"compiling piece {i}/2 for static size 2" for i in (1, 2)}
+
+
+def test_a_piece_without_example_inputs_or_a_loaded_artifact_is_refused():
+    graph = torch.fx.symbolic_trace(lambda x: x * 2)
+    config = make_config(CUDAGraphMode.NONE, [1, 2])
+    manager = CompilerManager(EagerAdaptor(), None)
+    with pytest.raises(AssertionError, match="^compiling needs the piece's example inputs$"):
+        PiecewiseBackend(graph, config, 0, 1, [0], manager)
+    loaded = PiecewiseBackend(graph, config, 0, 1, [], manager, compiled_general=graph)
+    assert loaded.compiled_general is graph and loaded.artifact_keys == {}
+    assert loaded.runtime_shape((torch.ones(3),)) is None  # no symbolic size: the general one
