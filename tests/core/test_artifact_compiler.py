@@ -9,9 +9,12 @@ Proves: a cold start compiles each distinct structure once and saves it (the twi
 artifact); a second start loads the stored graph and every artifact and compiles nothing; an
 artifact that fails its checksum is named in a warning, the start traces, compiles that
 structure alone, loads the rest, and the next start is warm again; an intact artifact that does
-not load is named and the start traces; with piecewise graphs and a static compile size (the
-simgraph platform on CPU), a warm start wraps the pieces as the traced start did and loads the
-static size's artifacts when that size first runs; outputs always equal the cold start's.
+not load is named and the start traces; a compile cache that cannot be opened is named with what
+to do, and a stored graph then cannot load its artifacts (the start traces and compiles); the
+cache directory holds its key factors and the log names it; with piecewise graphs and a static
+compile size (the simgraph platform on CPU), a warm start wraps the pieces as the traced start
+did and loads the static size's artifacts when that size first runs; outputs always equal the
+cold start's.
 Run: pytest tests/core/test_artifact_compiler.py
 """
 
@@ -186,3 +189,40 @@ def test_a_warm_start_with_piecewise_graphs_rebuilds_what_the_traced_start_built
     options = [wrapper.options for wrapper in warm.static_graph_wrappers]
     assert len(options) == NUM_CAPTURABLE
     assert options == [wrapper.options for wrapper in cold.static_graph_wrappers]
+
+
+def test_the_cache_directory_holds_its_key_factors_and_is_named_in_the_log(
+    tmp_path, log_text, caplog
+):
+    cold = start(tmp_path)
+    cache_dir = Path(cold["cache_dir"])
+    factors = json.loads((cache_dir / "cache_key_factors.json").read_text())
+    assert factors["compiler"] == {"name": "eager-with-artifacts"}
+    messages = [record.getMessage() for record in caplog.records]
+    assert f"compile cache: {cache_dir}" in messages
+
+
+def test_a_cache_that_cannot_be_opened_is_named_and_a_stored_graph_traces(
+    tmp_path, log_text, monkeypatch
+):
+    cold = start(tmp_path)
+
+    def unwritable(directory, factors):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(backend_module, "CompileCache", unwritable)
+    again = start(tmp_path)
+    text = log_text()
+    directory = cold["cache_dir"]
+    assert (
+        f"compile cache off: cannot write {directory} (read-only file system); set "
+        "PIECEWORKS_CACHE_ROOT or CompilationConfig.cache_dir to a writable directory"
+    ) in text
+    assert f"unusable (the compile cache is not used (cannot write {directory})); tracing" in text
+    counters = again["counters"]
+    assert (counters["num_dynamo_traces"], counters["num_traced_graphs_loaded"]) == (1, 0)
+    assert counters["num_eager_compiles"] == NUM_DISTINCT  # compiled, nothing loaded or saved
+    assert (
+        counters["num_compiled_artifacts_loaded"] == counters["num_compiled_artifacts_saved"] == 0
+    )
+    assert_same_outputs(again, cold)
