@@ -161,7 +161,7 @@ def graphs_config(root: Path) -> EngineConfig:
 
 
 def test_a_warm_start_with_piecewise_graphs_rebuilds_what_the_traced_start_built(
-    tmp_path, log_text, graph_platform
+    tmp_path, log_text, graph_platform, caplog
 ):
     config = graphs_config(tmp_path)
     inputs = [torch.randn(n, 8, generator=torch.Generator().manual_seed(n)) for n in (4, 2)]
@@ -170,6 +170,7 @@ def test_a_warm_start_with_piecewise_graphs_rebuilds_what_the_traced_start_built
     (cold,) = piecewise_backends(cold_model)
     warm_config = graphs_config(tmp_path)
     warm_model = build(warm_config, NUM_LAYERS)
+    caplog.set_level(logging.DEBUG, logger="pieceworks.core.piecewise_backend")
     with compilation_counter.expect(
         num_traced_graphs_loaded=1,
         num_compiled_artifacts_loaded=NUM_DISTINCT,  # the dynamic shape, the twins loading one
@@ -181,6 +182,10 @@ def test_a_warm_start_with_piecewise_graphs_rebuilds_what_the_traced_start_built
         num_eager_compiles=0,
     ):
         assert torch.equal(run(warm_model, warm_config, inputs[1]), cold_outputs[1])
+    static = {r.getMessage() for r in caplog.records if r.message.startswith("compiling piece")}
+    assert static == {
+        f"compiling piece {i}/{NUM_CAPTURABLE} for static size 2" for i in (1, 2, 3, 4)
+    }
     (warm,) = piecewise_backends(warm_model)
     assert warm.split_gm is not None and warm.split_gm.code == cold.split_gm.code
     assert warm.piece_records == cold.piece_records
@@ -200,6 +205,19 @@ def test_the_cache_directory_holds_its_key_factors_and_is_named_in_the_log(
     assert factors["compiler"] == {"name": "eager-with-artifacts"}
     messages = [record.getMessage() for record in caplog.records]
     assert f"compile cache: {cache_dir}" in messages
+    first = (
+        f"no other compile cache of model under {tmp_path}/torch_compile_cache (a first compile)"
+    )
+    assert f"compile cache miss (compiling every piece): {first}" in messages
+    other = run_toy(str(tmp_path), NUM_LAYERS, backend="eager", max_model_len=4096)
+    misses = [
+        m for m in (r.getMessage() for r in caplog.records) if m.startswith("compile cache miss")
+    ]
+    assert misses[-1] == (
+        f"compile cache miss (compiling every piece): the nearest cache, {cache_dir}, differs in "
+        "1 factor(s): config.max_model_len: 2048 -> 4096"
+    )
+    assert other["cache_dir"] != cold["cache_dir"]
 
 
 def test_a_cache_that_cannot_be_opened_is_named_and_a_stored_graph_traces(
