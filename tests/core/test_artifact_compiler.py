@@ -221,7 +221,7 @@ def test_the_cache_directory_holds_its_key_factors_and_is_named_in_the_log(
 
 
 def test_a_cache_that_cannot_be_opened_is_named_and_a_stored_graph_traces(
-    tmp_path, log_text, monkeypatch
+    tmp_path, log_text, monkeypatch, caplog
 ):
     cold = start(tmp_path)
 
@@ -229,6 +229,7 @@ def test_a_cache_that_cannot_be_opened_is_named_and_a_stored_graph_traces(
         raise OSError("read-only file system")
 
     monkeypatch.setattr(backend_module, "CompileCache", unwritable)
+    caplog.set_level(logging.DEBUG, logger="pieceworks.core.backend")
     again = start(tmp_path)
     text = log_text()
     directory = cold["cache_dir"]
@@ -237,6 +238,8 @@ def test_a_cache_that_cannot_be_opened_is_named_and_a_stored_graph_traces(
         "PIECEWORKS_CACHE_ROOT or CompilationConfig.cache_dir to a writable directory"
     ) in text
     assert f"unusable (the compile cache is not used (cannot write {directory})); tracing" in text
+    messages = {record.getMessage() for record in caplog.records}
+    assert f"compile cache not used (cannot write {directory})" in messages  # debug, each start
     counters = again["counters"]
     assert (counters["num_dynamo_traces"], counters["num_traced_graphs_loaded"]) == (1, 0)
     assert counters["num_eager_compiles"] == NUM_DISTINCT  # compiled, nothing loaded or saved
