@@ -11,7 +11,8 @@ artifact that fails its checksum is named in a warning, the start traces, compil
 structure alone, loads the rest, and the next start is warm again; an intact artifact that does
 not load is named and the start traces; a compile cache that cannot be opened is named with what
 to do, and a stored graph then cannot load its artifacts (the start traces and compiles); the
-cache directory holds its key factors and the log names it; with piecewise graphs and a static
+cache directory holds its key factors and the log names it; a torch that does not report the
+traced files leaves the cache off, saying so; with piecewise graphs and a static
 compile size (the simgraph platform on CPU), a warm start wraps the pieces as the traced start
 did and loads the static size's artifacts when that size first runs; outputs always equal the
 cold start's.
@@ -247,3 +248,17 @@ def test_a_cache_that_cannot_be_opened_is_named_and_a_stored_graph_traces(
         counters["num_compiled_artifacts_loaded"] == counters["num_compiled_artifacts_saved"] == 0
     )
     assert_same_outputs(again, cold)
+
+
+def test_a_torch_that_does_not_report_the_traced_files_leaves_the_cache_off(
+    tmp_path, log_text, monkeypatch, caplog
+):
+    monkeypatch.setattr(backend_module, "traced_source_files", lambda forward_code: None)
+    caplog.set_level(logging.DEBUG, logger="pieceworks.core.backend")
+    result = start(tmp_path)
+    messages = {record.getMessage() for record in caplog.records}
+    reason = "not used (Dynamo did not report the files it traced)"
+    assert f"compile cache {reason}" in messages
+    assert f"traced graph not stored ({reason}): every start of this model traces" in messages
+    assert result["cache_dir"] is None
+    assert result["counters"]["num_compiled_artifacts_saved"] == 0
