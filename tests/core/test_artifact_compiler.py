@@ -262,3 +262,12 @@ def test_a_torch_that_does_not_report_the_traced_files_leaves_the_cache_off(
     assert f"traced graph not stored ({reason}): every start of this model traces" in messages
     assert result["cache_dir"] is None
     assert result["counters"]["num_compiled_artifacts_saved"] == 0
+
+
+def test_the_variable_that_disables_the_cache_is_named(tmp_path, log_text, monkeypatch, caplog):
+    monkeypatch.setenv("PIECEWORKS_DISABLE_COMPILE_CACHE", "1")
+    caplog.set_level(logging.DEBUG, logger="pieceworks.core.backend")
+    result = start(tmp_path)
+    messages = {record.getMessage() for record in caplog.records}
+    assert "compile cache disabled (PIECEWORKS_DISABLE_COMPILE_CACHE=1)" in messages
+    assert result["counters"]["num_compiled_artifacts_saved"] == 0

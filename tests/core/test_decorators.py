@@ -12,6 +12,7 @@ Run: pytest tests/core/test_decorators.py
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -250,3 +251,14 @@ def test_a_warm_start_writes_the_split_graph_to_the_debug_dump_too(tmp_path, mon
     assert first_call_of(config).warm_forward is not None
     rebuilt = graph_file.read_text()  # the stored graph (no example values: no shape notes)
     assert "class GraphModule" in rebuilt and "submod_4" in rebuilt
+
+
+def test_the_debug_dump_is_logged_and_not_printed(tmp_path, caplog, capsys, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="pieceworks.core.backend")
+    config = config_at(CompilationLevel.PIECEWISE)
+    config.compilation_config.debug_dump_path = str(tmp_path)
+    first_call_of(config)
+    messages = {record.getMessage() for record in caplog.records}
+    assert f"split graph written to {tmp_path / 'rank_0'}" in messages
+    assert "class GraphModule" not in capsys.readouterr().out
