@@ -3,14 +3,18 @@
 A model whose output depends on a Python branch on the token count shows it: at levels 2 and 3 the
 branch taken at trace time stays frozen (no guard is evaluated), at level 1 Dynamo re-traces.
 Dimensions declared dynamic are traced once for every size: Dynamo converts no frame again (a
-bytecode hook counts its conversions), also at level 1 where guards are evaluated.
+bytecode hook counts its conversions), also at level 1 where guards are evaluated. The first
+call's times add up (trace and compile within the call; a warm start's graph load and rebuild
+likewise), and the debug dump holds the split graph and Dynamo's transformed code.
 Run: pytest tests/core/test_decorators.py
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +25,9 @@ from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGrap
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import ignore_torch_compile, support_torch_compile
 from pieceworks.core.forward_context import set_forward_context
+from pieceworks.core.trace_once import trace_once_compilers
 from pieceworks.platforms import current_platform
+from tests.core.compile_cache_worker import toy_config
 from tests.core.toy_model import SILLY_OP, ShapeBranchModel, ToyModel
 
 pytestmark = pytest.mark.platform_agnostic
@@ -163,3 +169,96 @@ def test_attribute_assignment_in_forward_raises_with_static_graphs(graph_platfor
     config = config_at(CompilationLevel.PIECEWISE, CUDAGraphMode.PIECEWISE)
     with pytest.raises(RuntimeError, match="assigns module attributes or buffers"):
         call(Mutating(config=config), config, torch.ones(3))
+    for mode in (CUDAGraphMode.NONE,):  # without static graphs the assignment is allowed
+        allowed = config_at(CompilationLevel.PIECEWISE, mode)
+        assert torch.equal(
+            call(Mutating(config=allowed), allowed, torch.ones(3)), torch.full((3,), 2.0)
+        )
+
+
+def test_the_buffer_assignment_refusal_says_what_to_do_and_shows_the_code(graph_platform):
+    @support_torch_compile
+    class Counting(nn.Module):
+        def __init__(self, *, config, prefix=""):
+            super().__init__()
+            self.register_buffer("seen", torch.zeros(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen = self.seen + x.shape[0]
+            return x + 1
+
+    config = config_at(CompilationLevel.PIECEWISE, CUDAGraphMode.PIECEWISE)
+    with pytest.raises(RuntimeError) as raised:
+        call(Counting(config=config), config, torch.ones(3))
+    message = str(raised.value)
+    head, code = message.split("Transformed code (look for `update`):\n")
+    assert head == (
+        "Counting.forward assigns module attributes or buffers during the forward pass; with "
+        "static graphs the assignment would be frozen into the graph and silently go stale. "
+        "Keep state in tensors updated in place, or set cudagraph_mode=NONE. "
+    )
+    assert "LOAD_ATTR" in code and "update" in code  # the bytecode (depyf is not installed)
+
+
+def test_trace_once_compilers_lists_each_compiled_module():
+    config = config_at(CompilationLevel.PIECEWISE)
+    model = ToyModel(config=config, num_layers=1)
+    assert trace_once_compilers(model) == [model._pieceworks_compiler]
+    eager = config_at(CompilationLevel.NO_COMPILATION)
+    assert trace_once_compilers(ToyModel(config=eager, num_layers=1)) == []
+
+
+def first_call_of(config: EngineConfig):
+    """A 2-layer toy's ``TraceOnceCompiler`` after one call of 4 tokens."""
+    model = ToyModel(config=config, num_layers=2)
+    call(model, config, torch.randn(4, 8))
+    return model._pieceworks_compiler
+
+
+def test_the_first_calls_times_add_up_traced_and_warm(tmp_path, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+    config = toy_config(str(tmp_path), backend="eager")
+    traced = first_call_of(config)
+    assert traced.warm_forward is None and traced.graph_load_seconds == 0.0
+    assert 0 < traced.trace_seconds and 0 < traced.compile_seconds
+    assert traced.trace_seconds + traced.compile_seconds <= traced.first_call_seconds
+    assert traced.compile_seconds == traced.piecewise_backend.backend_seconds
+    warm = first_call_of(config)
+    assert warm.warm_forward is not None and warm.trace_seconds == 0.0
+    assert 0 < warm.graph_load_seconds and 0 < warm.compile_seconds
+    assert warm.graph_load_seconds + warm.compile_seconds <= warm.first_call_seconds
+    assert warm.compile_seconds == warm.piecewise_backend.backend_seconds
+
+
+def test_debug_dump_holds_the_split_graph_and_the_transformed_code(tmp_path):
+    config = config_at(CompilationLevel.PIECEWISE)
+    config.compilation_config.debug_dump_path = str(tmp_path)
+    first_call_of(config)
+    graph = (tmp_path / "rank_0" / "computation_graph.py").read_text()
+    assert "class GraphModule" in graph and "submod_4" in graph  # 2L+1 = 5 pieces
+    code = Path(tmp_path / "rank_0" / "transformed_code.py").read_text()
+    assert "__compiled_fn" in code  # Dynamo's bytecode calls the compiled graph
+
+
+def test_a_warm_start_writes_the_split_graph_to_the_debug_dump_too(tmp_path, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+    config = toy_config(str(tmp_path / "cache"), backend="eager")
+    config.compilation_config.debug_dump_path = str(tmp_path / "dump")
+    first_call_of(config)
+    graph_file = tmp_path / "dump" / "rank_0" / "computation_graph.py"
+    assert "submod_4" in graph_file.read_text()
+    graph_file.unlink()
+    assert first_call_of(config).warm_forward is not None
+    rebuilt = graph_file.read_text()  # the stored graph (no example values: no shape notes)
+    assert "class GraphModule" in rebuilt and "submod_4" in rebuilt
+
+
+def test_the_debug_dump_is_logged_and_not_printed(tmp_path, caplog, capsys, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="pieceworks.core.backend")
+    config = config_at(CompilationLevel.PIECEWISE)
+    config.compilation_config.debug_dump_path = str(tmp_path)
+    first_call_of(config)
+    messages = {record.getMessage() for record in caplog.records}
+    assert f"split graph written to {tmp_path / 'rank_0'}" in messages
+    assert "class GraphModule" not in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """The pipeline with Inductor: pieces compiled by ``standalone_compile``, replay equals compiled.
 
 One module-scoped model keeps Inductor's cost (tens of seconds on a small CPU) paid once.
-Also: static ``compile_sizes`` get their own compile (eager backend, cheap), and the debug dump.
+Also: the debug dump. Static ``compile_sizes`` (eager backend): ``tests/core/test_piecewise.py``.
 Run: pytest tests/core/test_inductor_pipeline.py
 """
 
@@ -76,24 +76,3 @@ def test_debug_dump_written(compiled):
     code_file = os.path.join(dump, "rank_0", "transformed_code.py")
     assert "submod_1" in open(graph_file).read()
     assert os.path.getsize(code_file) > 0
-
-
-def test_static_compile_sizes_get_their_own_compile(graph_platform):
-    compilation = CompilationConfig(
-        backend="eager",
-        splitting_ops=[SILLY_OP],
-        cudagraph_mode=CUDAGraphMode.NONE,
-        cudagraph_capture_sizes=[1, 2, 4],
-        compile_sizes=[2],
-    )
-    config = EngineConfig(
-        scheduler_config=SchedulerConfig(max_num_seqs=4), compilation_config=compilation
-    )
-    model = build(config, 1)
-    with compilation_counter.expect(num_eager_compiles=2):  # dynamic shape, 2 pieces
-        run(model, config, torch.randn(4, 8, device=device()))
-    with compilation_counter.expect(num_eager_compiles=2):  # size 2: one static compile a piece
-        run(model, config, torch.randn(2, 8, device=device()))
-    with compilation_counter.expect(num_eager_compiles=0):  # compiled once, reused
-        run(model, config, torch.randn(2, 8, device=device()))
-        run(model, config, torch.randn(1, 8, device=device()))  # not a compile size: dynamic

@@ -2,21 +2,28 @@
 
 Every number in ``compilation_counter.expect`` is derived from SPEC §3 for L layers (L split ops)
 and capture sizes S: graphs 1, pieces 2L+1, capturable L+1, backend compilations L+1,
-captures |S|·(L+1) for PIECEWISE, plus |S| for FULL, each phase counted on its own. Runs on the
-platform's graphs, or on the simgraph example platform on CPU.
+captures |S|·(L+1) for PIECEWISE, plus |S| for FULL, each phase counted on its own; a static
+``compile_sizes`` entry gets one compile a piece, logged, the first time its size runs; a piece
+with neither example inputs nor a loaded artifact is refused. Runs on the platform's graphs, or
+on the simgraph example platform on CPU.
 Run: pytest tests/core/test_piecewise.py
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from pieceworks.config import EngineConfig, SchedulerConfig
+from pieceworks.core.compiler_interface import EagerAdaptor
+from pieceworks.core.compiler_manager import CompilerManager
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import static_graph_wrappers
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
+from pieceworks.core.piecewise_backend import PiecewiseBackend
 from pieceworks.core.static_graph import StaticGraphSet
 from tests.core.toy_model import SILLY_OP, ToyModel, silly_calls
 
@@ -199,3 +206,39 @@ def test_copy_inputs_gives_fresh_results_for_fresh_tensors(graph_platform):
     expected = run(model, config, fresh).clone()
     replayed = run(model, config, fresh.clone(), CUDAGraphMode.PIECEWISE, BatchDescriptor(2))
     assert torch.equal(replayed, expected)
+
+
+def test_static_compile_sizes_get_their_own_compile(graph_platform, caplog, monkeypatch):
+    compilation = CompilationConfig(
+        backend="eager",
+        splitting_ops=[SILLY_OP],
+        cudagraph_mode=CUDAGraphMode.NONE,
+        cudagraph_capture_sizes=[1, 2, 4],
+        compile_sizes=[2],
+    )
+    config = EngineConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=4), compilation_config=compilation
+    )
+    model = build(config, 1)
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.DEBUG, logger="pieceworks.core.piecewise_backend")
+    with compilation_counter.expect(num_eager_compiles=2):  # dynamic shape, 2 pieces
+        run(model, config, torch.randn(4, 8, device=device()))
+    with compilation_counter.expect(num_eager_compiles=2):  # size 2: one static compile a piece
+        run(model, config, torch.randn(2, 8, device=device()))
+    with compilation_counter.expect(num_eager_compiles=0):  # compiled once, reused
+        run(model, config, torch.randn(2, 8, device=device()))
+        run(model, config, torch.randn(1, 8, device=device()))  # not a compile size: dynamic
+    compiled = {r.getMessage() for r in caplog.records if r.message.startswith("compiling")}
+    assert compiled == {f"compiling piece {i}/2 for static size 2" for i in (1, 2)}
+
+
+def test_a_piece_without_example_inputs_or_a_loaded_artifact_is_refused():
+    graph = torch.fx.symbolic_trace(lambda x: x * 2)
+    config = make_config(CUDAGraphMode.NONE, [1, 2])
+    manager = CompilerManager(EagerAdaptor(), None)
+    with pytest.raises(AssertionError, match="^compiling needs the piece's example inputs$"):
+        PiecewiseBackend(graph, config, 0, 1, [0], manager)
+    loaded = PiecewiseBackend(graph, config, 0, 1, [], manager, compiled_general=graph)
+    assert loaded.compiled_general is graph and loaded.artifact_keys == {}
+    assert loaded.runtime_shape((torch.ones(3),)) is None  # no symbolic size: the general one

@@ -4,10 +4,13 @@ Proves, in fresh processes (``compile_cache_worker.py``, eager backend, a 2-laye
 capturable pieces): the second start runs no Dynamo trace (``num_dynamo_traces`` 0, no graph
 reaches the backend) and computes the same outputs; an edited traced source file, another torch
 or Triton version and another config each miss, with the reason logged; a damaged stored graph is
-reported with a warning, traced again and stored anew. In process: a graph file that passes its
-checksum but does not unpickle is damage too, and the replay record (``GraphCall``) sources every
-input and output or refuses. Inductor artifacts on a warm start: ``tests/core/test_warm_start.py``.
-About 70 s on 2 CPU cores.
+reported with a warning, traced again and stored anew. In process: a second start of the toy
+loads the graph the first stored (the same counts and outputs as in a fresh process), another
+config misses with the reason and a damaged graph is traced again with the warning; a graph file
+that passes its checksum but does not unpickle is damage too; the backend keeps the first call's
+inputs and outputs, and only those, until released; and the replay record (``GraphCall``)
+sources every input and output or refuses. Inductor artifacts on a warm start:
+``tests/core/test_warm_start.py``. About 80 s on 2 CPU cores.
 Run: pytest tests/core/test_traced_graph_cache.py
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -24,9 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pieceworks.core.backend import FirstCallRecorder
 from pieceworks.core.graph_call import GraphCall, UnsupportedGraphCall
 from pieceworks.core.traced_graph_cache import MANIFEST_FILE, TracedGraphDamaged, TracedGraphStore
-from tests.core.compile_cache_worker import toy_config
+from tests.core.compile_cache_worker import run_toy, toy_config
 from tests.core.toy_model import ToyModel
 
 NUM_LAYERS = 2
@@ -111,6 +116,7 @@ def test_an_edited_traced_source_file_misses_and_names_the_file(cold, tmp_path):
     source_root = tmp_path / "src"
     shutil.copytree(REPO_ROOT / "pieceworks", source_root / "pieceworks", ignore=IGNORED)
     shutil.copytree(REPO_ROOT / "tests", source_root / "tests", ignore=IGNORED)
+    shutil.copy(REPO_ROOT / "pyproject.toml", source_root)  # its tool settings go with the tree
     root = tmp_path / "root"
     run_worker(root, tmp_path / "first.pt", source_root)
     toy_file = source_root / "tests" / "core" / "toy_model.py"
@@ -223,3 +229,63 @@ def test_graph_call_refuses_what_it_cannot_replay():
     del smaller.layers[0]._parameters["weight"]
     with pytest.raises(UnsupportedGraphCall, match="no parameter or buffer layers.0.weight"):
         graph_call_of(model, torch.zeros(4, 8)).bind(smaller, lambda *inputs: inputs)
+
+
+@pytest.fixture
+def log_text(caplog, monkeypatch):
+    """The cache on (the test session turns it off) and the text of the ``pieceworks`` records
+    logged during the test at INFO and above (call it to read)."""
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="pieceworks")
+    return lambda: caplog.text
+
+
+def test_a_second_start_in_the_same_process_loads_the_stored_graph(tmp_path, log_text):
+    cold = run_toy(str(tmp_path), NUM_LAYERS, backend="eager")
+    assert_traced(cold)
+    assert cold["counters"]["num_traced_graphs_saved"] == 1
+    warm = run_toy(str(tmp_path), NUM_LAYERS, backend="eager")
+    counters = warm["counters"]
+    assert (counters["num_dynamo_traces"], counters["num_traced_graphs_loaded"]) == (0, 1)
+    assert (counters["num_traced_graphs_saved"], counters["num_graphs_seen"]) == (0, 0)
+    assert counters["num_piecewise_graphs_seen"] == 0  # nothing was split
+    assert counters["num_backend_compilations"] == NUM_CAPTURABLE  # the pieces, rebuilt
+    assert counters["num_eager_compiles"] == NUM_CAPTURABLE
+    assert "warm start: traced graph loaded from " in log_text()
+    assert warm["cache_dir"] == cold["cache_dir"]
+    assert_same_outputs(warm, cold)
+
+
+def test_another_config_in_the_same_process_misses_with_the_reason(tmp_path, log_text):
+    cold = run_toy(str(tmp_path), NUM_LAYERS, backend="eager")
+    other = run_toy(str(tmp_path), NUM_LAYERS, backend="eager", max_model_len=4096)
+    assert "config.max_model_len: 2048 -> 4096" in log_text()
+    assert_traced(other)
+    assert other["cache_dir"] != cold["cache_dir"]
+    assert_same_outputs(other, cold)
+
+
+def test_a_damaged_graph_in_the_same_process_is_traced_again_with_a_warning(tmp_path, log_text):
+    cold = run_toy(str(tmp_path), NUM_LAYERS, backend="eager")
+    (graph_file,) = stored_graph_dir(tmp_path).glob("graph-*.pkl")
+    graph_file.write_bytes(graph_file.read_bytes()[:-1] + b"x")  # same length, last byte
+    damaged = run_toy(str(tmp_path), NUM_LAYERS, backend="eager")
+    assert "fails its checksum" in log_text() and "is unusable" in log_text()
+    assert_traced(damaged)
+    assert damaged["counters"]["num_traced_graphs_saved"] == 1  # stored anew
+    assert_same_outputs(damaged, cold)
+
+
+def test_the_first_call_is_kept_until_released_and_later_calls_are_not():
+    recorder = FirstCallRecorder(lambda *inputs: [x * 2 for x in inputs])
+    assert (recorder.inputs, recorder.outputs, recorder.recording) == (None, None, True)
+    first, second = torch.ones(2), torch.zeros(2)
+    assert recorder(first)[0].tolist() == [2.0, 2.0]
+    recorder(second)
+    assert recorder.inputs == (first,) and recorder.outputs[0].tolist() == [2.0, 2.0]
+    assert recorder.recording is False
+    recorder.release()
+    assert (recorder.inputs, recorder.outputs, recorder.recording) == (None, None, False)
+    recorder(first)  # released: nothing is kept again
+    assert (recorder.inputs, recorder.outputs) == (None, None)

@@ -31,12 +31,12 @@ class SiluAndMul(nn.Module):
         # an out-of-tree platform's silu_and_mul(x), where it registered one
         self.kernel: Callable[..., torch.Tensor] | None = choose("silu_and_mul").impl.fn
         self.uses_op = uses_op_form("silu_and_mul")
-        if self.uses_op:
-            silu_and_mul_op()  # registered before Dynamo traces the first call
+        if self.uses_op:  # registered before Dynamo traces the first call, which uses the handle
+            self.op = silu_and_mul_op()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x)
         if self.uses_op and x.dim() == 2:
-            return silu_and_mul_op()(x)  # (T, d)
+            return self.op(x)  # (T, d)
         return silu_and_mul(x)  # (T, d)

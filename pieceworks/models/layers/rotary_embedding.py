@@ -125,8 +125,8 @@ class RotaryEmbedding(nn.Module):
         # The kernel is the qkv GEMV's epilogue, which rotates every dim neox style: a partial
         # rotary (Bamba) stays plain ATen, which Inductor fuses with its neighbours.
         self.uses_op = uses_op_form("rotary") and self.is_full_neox
-        if self.uses_op:
-            rotary_embedding_op()  # registered before Dynamo traces the first call
+        if self.uses_op:  # registered before Dynamo traces the first call, which uses the handle
+            self.op = rotary_embedding_op()
 
     def _compute_cos_sin_cache(self, dtype: torch.dtype) -> torch.Tensor:
         """Build the cache on the CPU in float32 (HF's arithmetic), then cast to ``dtype``."""
@@ -149,7 +149,7 @@ class RotaryEmbedding(nn.Module):
         if self.kernel is not None:
             return self.kernel(positions, query, key, *args)
         if self.uses_op:
-            query, key = rotary_embedding_op()(positions, query, key, *args)
+            query, key = self.op(positions, query, key, *args)
             return query, key
         return self.rotate_heads(positions, query), self.rotate_heads(positions, key)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pieceworks.core.config import PassConfig
-from pieceworks.core.norm_quant import add_rms_norm, rms_norm, static_scaled_fp8_quant
+from pieceworks.core.norm_quant import add_rms_norm, fp8_dtype, rms_norm, static_scaled_fp8_quant
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
 from pieceworks.core.passes.pass_manager import PostGradPassManager
 from pieceworks.models.layers.quantization.norm_quant_ops import register_norm_quant_ops
@@ -25,6 +25,9 @@ FUSED = "pieceworks.rms_norm_static_fp8_quant.default"
 FUSED_ADD = "pieceworks.fused_add_rms_norm_static_fp8_quant.default"
 TO_FP8 = "prims.convert_element_type.default"  # the quant's final cast (also other casts)
 EPS = 1e-5
+# The platform's FP8 format, read here rather than inside the traced functions: the traced code
+# then holds only the quant itself (a platform lookup traced by Dynamo is not what is tested).
+FP8_DTYPE = fp8_dtype()
 
 
 @pytest.fixture(autouse=True)
@@ -45,12 +48,12 @@ def inputs(dtype: torch.dtype, num_tokens: int = 5, hidden: int = 64):
 
 
 def norm_then_quant(x, weight, scale):
-    return static_scaled_fp8_quant(rms_norm(x, weight, EPS), scale)
+    return static_scaled_fp8_quant(rms_norm(x, weight, EPS), scale, FP8_DTYPE)
 
 
 def add_norm_then_quant(x, residual, weight, scale):
     normed, residual = add_rms_norm(x, residual, weight, EPS)
-    return static_scaled_fp8_quant(normed, scale), residual
+    return static_scaled_fp8_quant(normed, scale, FP8_DTYPE), residual
 
 
 def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -82,10 +85,10 @@ def test_residual_add_form_becomes_the_fused_add_op(dtype):
 
 def decoder_like(x, residual, w1, w2, scale):
     """Two norm + quant sites (as a layer's two norms), the second behind an FP8-linear reshape."""
-    first = static_scaled_fp8_quant(rms_norm(x, w1, EPS), scale)
+    first = static_scaled_fp8_quant(rms_norm(x, w1, EPS), scale, FP8_DTYPE)
     hidden = first.to(x.dtype) + x
     normed, residual = add_rms_norm(hidden, residual, w2, EPS)
-    second = static_scaled_fp8_quant(normed.reshape(-1, normed.shape[-1]), scale)
+    second = static_scaled_fp8_quant(normed.reshape(-1, normed.shape[-1]), scale, FP8_DTYPE)
     return first, second, residual
 
 

@@ -73,8 +73,9 @@ class UnquantizedLinearMethod(LinearMethod):
     def __init__(self) -> None:
         self.kernel = choose("linear").impl.fn  # set where a platform registered its own
         self.small_m_gemv = self.kernel is None and small_m_gemv_enabled()
-        if self.small_m_gemv:  # registered before Dynamo traces the first call
-            small_m_linear_op()
+        # registered before Dynamo traces the first call; forward calls the handle it keeps
+        if self.small_m_gemv:
+            self.small_m_linear = small_m_linear_op()
             small_m_silu_and_mul_linear_op()
             small_m_rope_linear_op()
 
@@ -84,5 +85,5 @@ class UnquantizedLinearMethod(LinearMethod):
             return self.kernel(x, weight, bias)  # (T, out)
         if not self.in_graph():
             return F.linear(x, weight, bias)  # (T, out)
-        output = small_m_linear_op()(x.reshape(-1, x.shape[-1]), weight, bias)  # (T, out)
+        output = self.small_m_linear(x.reshape(-1, x.shape[-1]), weight, bias)  # (T, out)
         return output.reshape(*x.shape[:-1], output.shape[-1])

@@ -256,8 +256,8 @@ class Fp8LinearMethod(LinearMethod):
         self.native = False  # decided after loading, when the weights are on their device
         register_norm_quant_ops()  # the fusion pass replaces RMSNorm -> quant with these
         self.small_m_gemv = small_m_gemv_enabled("fp8_linear", self.fp8_dtype)
-        if self.small_m_gemv:
-            register_small_m_fp8_ops()
+        if self.small_m_gemv:  # forward calls the handles it keeps, never the registration
+            self.small_m_linear, _ = register_small_m_fp8_ops()
             small_m_fp8_rope_linear_op()
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -294,9 +294,8 @@ class Fp8LinearMethod(LinearMethod):
         x_fp8, weight, input_scale, weight_scale = self.quantized_operands(layer, x)
         out_dtype = output_dtype(layer)
         if self.in_graph():
-            linear, _ = register_small_m_fp8_ops()
             args = (x_fp8, weight, input_scale, weight_scale, bias, out_dtype, self.native)
-            output = linear(*args)
+            output = self.small_m_linear(*args)
         else:
             output = fp8_gemm(
                 x_fp8, weight, input_scale, weight_scale, out_dtype, bias, self.native
