@@ -12,7 +12,9 @@ still on the device are filled from the previous step's sampled ids, in order, s
 alone; one the previous step did not sample is refused with a message naming the request; (5)
 the two staging buffers alternate and a step waits only on the copy two steps back; (6) each
 later step of a multi-step decode run, made on the device by ``advance_decode``, holds that
-step's values.
+step's values; (7) a staging buffer updated in place (a step laid out like its last one, new
+block ids appended to a row, a row taken by another request or a new block list, a steady async
+decode with every token still on the device) gives the forward what a fresh buffer would.
 
 The "device" is the CPU here: device and staging buffers are still separate tensors, so a field
 the copies missed would read stale values.
@@ -20,6 +22,8 @@ Run: pytest tests/engine/test_input_buffers.py
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -60,14 +64,18 @@ def scheduled_request(
     return ScheduledRequest(request, num_new)
 
 
-def reference_step(scheduled: list[ScheduledRequest], shape: StepShape) -> dict[str, list]:
-    """What every field must hold for this step, built one request and one token at a time."""
+def reference_step(
+    scheduled: list[ScheduledRequest], shape: StepShape, on_device: Mapping[str, int] | None = None
+) -> dict[str, list]:
+    """What every field must hold for this step, built one request and one token at a time;
+    ``on_device``: a request id -> the id the previous step sampled for it, still on the device."""
     expected: dict[str, list] = {name: [] for name in ("input_ids", "positions", "slot_mapping")}
     query_start_loc, block_tables = [0], []
     for item in scheduled:
         request, start = item.request, item.num_computed_tokens
+        known = request.all_token_ids + [(on_device or {}).get(request.request_id)]
         for position in range(start, start + item.num_new_tokens):
-            expected["input_ids"].append(request.all_token_ids[position])
+            expected["input_ids"].append(known[position])
             expected["positions"].append(position)
             block = request.block_ids[position // BLOCK_SIZE]
             expected["slot_mapping"].append(block * BLOCK_SIZE + position % BLOCK_SIZE)
@@ -106,8 +114,15 @@ DTYPES = {
 }
 
 
-def assert_step_matches(buffers: InputBuffers, scheduled, shape: StepShape) -> None:
-    metadata = buffers.prepare(scheduled, shape, BLOCK_SIZE)
+def assert_step_matches(
+    buffers: InputBuffers, scheduled, shape: StepShape, sampled_rows: dict[str, int] | None = None
+) -> None:
+    """``prepare`` the step and compare every field the forward reads with ``reference_step``;
+    ``sampled_rows``: the decodes whose token is on the device, and their rows in the previous
+    step's sampled ids (here 900, 901, ...), filled in by ``fill_placeholders``."""
+    metadata = buffers.prepare(scheduled, shape, BLOCK_SIZE, sampled_rows)
+    sampled = torch.arange(900, 900 + MAX_NUM_SEQS)
+    buffers.fill_placeholders(sampled)
     input_ids, positions = buffers.model_inputs(shape)
     num_logits = sum(1 for s in scheduled if s.produces_token)
     actual = {
@@ -122,7 +137,8 @@ def assert_step_matches(buffers: InputBuffers, scheduled, shape: StepShape) -> N
         "logits_indices": buffers.logits_indices(),
     }
     assert buffers.num_logits == num_logits
-    for name, expected in reference_step(scheduled, shape).items():
+    on_device = {name: 900 + row for name, row in (sampled_rows or {}).items()}
+    for name, expected in reference_step(scheduled, shape, on_device).items():
         assert actual[name].dtype == DTYPES[name], name
         assert actual[name].tolist() == expected, name
     assert metadata.num_actual_tokens == shape.num_tokens
@@ -380,3 +396,95 @@ def test_a_step_waits_for_the_copy_two_steps_back_never_the_last_one():
     # Steps 0 and 1 find fresh buffers; steps 2 and 3 wait on the copies of steps 0 and 1.
     assert log == [(0, False), (1, False), (0, True), (1, True)]
     assert staging[0] == staging[2] != staging[1] == staging[3]
+
+
+def decode_one_token(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The next decode step of these requests: the token each sampled appended, one position on,
+    a block appended to the same block-id list when the new position starts one."""
+    next_step = []
+    for item in scheduled:
+        request = item.request
+        request.output_token_ids.append(6000 + len(request.all_token_ids))
+        request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+        if request.num_tokens > len(request.block_ids) * BLOCK_SIZE:
+            request.block_ids.append(request.block_ids[-1] + 1)  # appended in place
+        next_step.append(ScheduledRequest(request, 1))
+    return next_step
+
+
+@pytest.mark.usefixtures("copy_gap")
+def test_a_steady_decode_batch_updates_only_lengths_positions_slots_and_new_blocks():
+    """Five decode steps of one batch, padded to 4 sequences, after its prefill step: steps 3, 4
+    and 5 reuse the staging buffer of two steps back laid out the same way (the layout-only
+    fields left as they are), and the block ids appended since (r0's new block at step 2, r10's
+    and r20's at step 3) are added to their rows; every step reads what a fresh buffer would."""
+    buffers = make_buffers()
+    scheduled = [
+        scheduled_request(3, 0, 0, 3, first_block=0, slot=2),
+        scheduled_request(5, 1, 5, 1, first_block=10, slot=1),  # a decode already
+        scheduled_request(2, 0, 0, 2, first_block=20),
+    ]
+    assert_step_matches(buffers, scheduled, StepShape(6, 8, 3, 4, 3))  # two prompts, a decode
+    for _ in range(5):
+        scheduled = decode_one_token(scheduled)
+        assert_step_matches(buffers, scheduled, StepShape(3, 4, 3, 4, 1))
+    assert [item.request.block_ids for item in scheduled] == [[0, 1], [10, 11, 12], [20, 21]]
+
+
+@pytest.mark.usefixtures("copy_gap")
+def test_a_row_taken_by_another_request_or_a_new_block_list_is_written_whole():
+    """A block-table row rewritten where its request changed: a shorter list in a row that held
+    a longer one (a request finished, the next moved up; or a preempted request back with new
+    blocks, a new list), the stale ids past its end zeroed; and the row of a request that left a
+    smaller batch zeroed as padding. Each pair of steps reaches the same staging buffer."""
+    buffers = make_buffers()
+    long = scheduled_request(12, 1, 12, 1, first_block=0)  # 4 blocks
+    short = scheduled_request(2, 1, 2, 1, first_block=10)  # 1 block
+    other = scheduled_request(6, 1, 6, 1, first_block=20)  # 2 blocks
+    shape = StepShape(2, 2, 2, 2, 1)
+    for _ in range(2):  # both staging buffers hold rows [long, short]
+        assert_step_matches(buffers, [long, short], shape)
+    assert_step_matches(buffers, [other, short], shape)  # row 0: 2 blocks where 4 were
+    assert_step_matches(buffers, [other, short], shape)
+    # The same request in row 0, its blocks freed and allocated again as a new, shorter list.
+    other.request.block_ids, other.request.num_computed_tokens = [30], 2
+    resumed = ScheduledRequest(other.request, 1)
+    assert_step_matches(buffers, [resumed, short], shape)
+    assert_step_matches(buffers, [resumed, short], shape)
+    # One sequence padded to two: row 1, which held `short`, is padding now.
+    assert_step_matches(buffers, [long], StepShape(1, 2, 1, 2, 1))
+    assert_step_matches(buffers, [long], StepShape(1, 2, 1, 2, 1))
+
+
+def async_decode_steps(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The next async decode step: the host now knows the token sampled two steps back (the
+    last step's is still on the device, a placeholder again), one position on."""
+    next_step = []
+    for item in scheduled:
+        request = item.request
+        request.output_token_ids.append(6000 + len(request.all_token_ids))
+        request.num_computed_tokens = item.num_computed_tokens + 1
+        if request.num_tokens > len(request.block_ids) * BLOCK_SIZE:
+            request.block_ids.append(request.block_ids[-1] + 1)  # appended in place
+        next_step.append(ScheduledRequest(request, 1))
+    return next_step
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0, 1]])
+@pytest.mark.usefixtures("copy_gap")
+def test_a_steady_async_decode_batch_fills_every_token_from_the_device(rows):
+    """Every token of the step still on the device, the same layout as two steps back: the
+    staged ids are not written again, and each decode still gets its own sampled id (one slice
+    copy for rows in order, the indexed copy for shuffled ones), with positions, lengths, slots
+    and new blocks of its step."""
+    buffers = make_buffers()
+    scheduled = []
+    for first_block in (0, 10, 20):
+        request = scheduled_request(4, 1, 0, 1, first_block, slot=first_block // 10 + 1).request
+        request.num_computed_tokens, request.num_output_placeholders = 5, 1
+        scheduled.append(ScheduledRequest(request, 1))
+    sampled_rows = {item.request.request_id: row for item, row in zip(scheduled, rows)}
+    for _ in range(5):  # positions 5 to 9: a second block from position 8
+        assert_step_matches(buffers, scheduled, StepShape(3, 4, 3, 4, 1), sampled_rows)
+        scheduled = async_decode_steps(scheduled)
+    assert scheduled[0].request.block_ids == [0, 1, 2]
