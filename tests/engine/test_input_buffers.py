@@ -488,3 +488,43 @@ def test_a_steady_async_decode_batch_fills_every_token_from_the_device(rows):
         assert_step_matches(buffers, scheduled, StepShape(3, 4, 3, 4, 1), sampled_rows)
         scheduled = async_decode_steps(scheduled)
     assert scheduled[0].request.block_ids == [0, 1, 2]
+
+
+def test_advance_decode_of_one_sequence_and_the_steps_it_refuses():
+    """One sequence run 3 steps: 2 later steps staged, each one position on; step 0 and step 3
+    are refused with the count of staged steps (the message in full)."""
+    buffers = make_buffers(max_num_steps=3)
+    item = scheduled_request(5, 1, 5, 1, first_block=0)
+    item.request.block_ids = [0, 1]  # positions 5, 6, 7: reserved ahead
+    buffers.prepare([item], StepShape(1, 1, 1, 1, 1), BLOCK_SIZE, num_steps=3)
+    for step in (1, 2):
+        buffers.advance_decode(torch.tensor([70 + step]), step)
+        assert buffers["input_ids"][:1].tolist() == [70 + step]
+        assert buffers["positions"][:1].tolist() == [5 + step]
+        assert buffers["seq_lens"][:1].tolist() == [6 + step]
+        assert buffers["slot_mapping"][:1].tolist() == [BLOCK_SIZE + 1 + step]  # block 1
+    for step in (0, 3):
+        message = (
+            f"step {step} of a run of 1 sequences: prepare() staged slots for 2 later steps; "
+            "pass num_steps to it"
+        )
+        with pytest.raises(ValueError) as error:
+            buffers.advance_decode(torch.tensor([0]), step)
+        assert str(error.value) == message
+
+
+@pytest.mark.usefixtures("copy_gap")
+def test_reset_staged_makes_the_next_steps_write_every_field_in_full():
+    """After ``reset_staged`` each staging buffer's next step is written as into a fresh buffer,
+    even laid out like its last step: here both staging buffers hold junk in every field first
+    (what an in-place update would leave standing, block-table rows past their ids included)."""
+    buffers = make_buffers()
+    scheduled, shape = mixed_step()
+    for _ in range(2):
+        assert_step_matches(buffers, scheduled, shape)
+    for views in buffers._staging_views:
+        for view in views.values():
+            view[...] = 77
+    buffers.reset_staged()
+    for _ in range(2):
+        assert_step_matches(buffers, scheduled, shape)
