@@ -23,6 +23,7 @@ Run: pytest tests/engine/test_input_buffers.py
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import pytest
@@ -528,3 +529,67 @@ def test_reset_staged_makes_the_next_steps_write_every_field_in_full():
     buffers.reset_staged()
     for _ in range(2):
         assert_step_matches(buffers, scheduled, shape)
+
+
+def decode(first_block: int, on_device: bool = False, slot: int | None = None) -> ScheduledRequest:
+    """A decode at position 5 (4 prompt tokens, 1 generated before); its token is still on the
+    device when ``on_device``."""
+    item = scheduled_request(4, 1 + (not on_device), 5, 1, first_block, slot)
+    if on_device:
+        item.request.num_output_placeholders = 1
+        item = ScheduledRequest(item.request, 1)
+    return item
+
+
+LAYOUT_CHANGES = {  # name: the base step (requests, shape) -> (requests, shape, sampled rows)
+    "padded tokens": lambda scheduled, shape: (
+        scheduled,
+        dataclasses.replace(shape, num_tokens_padded=12),
+        None,
+    ),
+    "padded sequences": lambda scheduled, shape: (
+        scheduled,
+        dataclasses.replace(shape, num_seqs_padded=6),
+        None,
+    ),
+    "state slots": lambda scheduled, shape: ([decode(0, slot=5), *scheduled[1:]], shape, None),
+    "a chunk that samples": lambda scheduled, shape: (
+        [*scheduled[:2], scheduled_request(4, 0, 0, 4, first_block=20, slot=3)],
+        shape,
+        None,
+    ),
+    "a token on the device": lambda scheduled, shape: (
+        [decode(0, on_device=True, slot=1), *scheduled[1:]],
+        shape,
+        {"r0": 0},
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(LAYOUT_CHANGES))
+@pytest.mark.usefixtures("copy_gap")
+def test_a_step_laid_out_unlike_the_buffers_last_step_writes_the_layout_fields(change):
+    """The same requests with the same query lengths as the staging buffer's last step, with one
+    thing the layout-only fields follow from changed: they are written again, and the step reads
+    what a fresh buffer would."""
+    scheduled = [decode(0, slot=1), decode(10, slot=2), scheduled_request(8, 0, 0, 4, 20, slot=3)]
+    shape = StepShape(6, 8, 3, 4, 4)
+    buffers = make_buffers()
+    for _ in range(2):  # both staging buffers hold the base step
+        assert_step_matches(buffers, scheduled, shape)
+    assert_step_matches(buffers, *LAYOUT_CHANGES[change](scheduled, shape))
+
+
+@pytest.mark.parametrize("rows", [{"r0": 0, "r10": 1}, {"r0": 1, "r10": 0}])
+@pytest.mark.usefixtures("copy_gap")
+def test_placeholder_rows_unlike_the_buffers_last_step_are_staged_again(rows):
+    """Two decodes with their tokens on the device, laid out like the buffer's last step but for
+    the rows of the sampled ids they take (swapped, or in order after swapped): each still gets
+    its own id."""
+    scheduled = [decode(0, on_device=True), decode(10, on_device=True)]
+    shape = StepShape(2, 2, 2, 2, 1)
+    buffers = make_buffers()
+    other = {"r0": rows["r10"], "r10": rows["r0"]}
+    for _ in range(2):
+        assert_step_matches(buffers, scheduled, shape, other)
+    assert_step_matches(buffers, scheduled, shape, rows)
