@@ -254,6 +254,7 @@ def test_copies_cover_every_used_byte(max_num_tokens, num_seqs, num_tokens):
 def test_one_copy_at_default_sizes():
     # llama-3.1-8b defaults: 2048 batched tokens, 128 sequences, 8192 / 16 blocks per sequence.
     buffers = InputBuffers(2048, 128, 512, torch.device("cpu"), pin_memory=False)
+    assert buffers["step_slots"].numel() == 0  # one step per output unless max_num_steps says
     for num_seqs in (1, 8, 64, 128):
         shape = StepShape(num_seqs, num_seqs, num_seqs, num_seqs, 1)
         assert len(buffers.copy_ranges(shape, num_logits=num_seqs)) == 1
@@ -593,3 +594,13 @@ def test_placeholder_rows_unlike_the_buffers_last_step_are_staged_again(rows):
     for _ in range(2):
         assert_step_matches(buffers, scheduled, shape, other)
     assert_step_matches(buffers, scheduled, shape, rows)
+
+
+def test_a_fresh_buffer_has_nothing_to_sample_fill_in_or_advance():
+    """Before any ``prepare``: no rows to sample, no tokens to fill in from the device, and no
+    later step staged (``advance_decode`` refuses step 1)."""
+    buffers = make_buffers(max_num_steps=4)
+    assert buffers.logits_indices().tolist() == [] and buffers.num_logits == 0
+    assert buffers.num_placeholders == 0
+    with pytest.raises(ValueError, match="prepare\\(\\) staged slots for 0 later steps"):
+        buffers.advance_decode(torch.tensor([7]), 1)
