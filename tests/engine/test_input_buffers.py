@@ -604,3 +604,17 @@ def test_a_fresh_buffer_has_nothing_to_sample_fill_in_or_advance():
     assert buffers.num_placeholders == 0
     with pytest.raises(ValueError, match="prepare\\(\\) staged slots for 0 later steps"):
         buffers.advance_decode(torch.tensor([7]), 1)
+
+
+def test_a_two_step_run_stages_the_second_steps_slots():
+    """``num_steps=2``: one later step staged, its slots through the next block for r0 (position
+    4) and the same block for r10 (position 6); a third step is refused."""
+    buffers = make_buffers(max_num_steps=2)
+    scheduled = [scheduled_request(3, 1, 3, 1, 0), scheduled_request(5, 1, 5, 1, 10)]
+    scheduled[0].request.block_ids = [0, 1]  # position 4 reserved ahead
+    buffers.prepare(scheduled, StepShape(2, 2, 2, 2, 1), BLOCK_SIZE, num_steps=2)
+    buffers.advance_decode(torch.tensor([71, 81]), 1)
+    assert buffers["slot_mapping"][:2].tolist() == [1 * BLOCK_SIZE + 0, 11 * BLOCK_SIZE + 2]
+    assert buffers["positions"][:2].tolist() == [4, 6]
+    with pytest.raises(ValueError, match="staged slots for 1 later steps"):
+        buffers.advance_decode(torch.tensor([72, 82]), 2)
