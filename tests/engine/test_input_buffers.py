@@ -618,3 +618,16 @@ def test_a_two_step_run_stages_the_second_steps_slots():
     assert buffers["positions"][:2].tolist() == [4, 6]
     with pytest.raises(ValueError, match="staged slots for 1 later steps"):
         buffers.advance_decode(torch.tensor([72, 82]), 2)
+
+
+def test_a_dummy_step_after_real_steps_on_both_staging_buffers_reads_no_real_block():
+    """Real steps leave block ids in every row of both staging buffers; the dummy steps that
+    follow on each read only zero block tables, no real step's values."""
+    buffers = make_buffers()
+    scheduled, shape = mixed_step()
+    for _ in range(2):
+        assert_step_matches(buffers, scheduled, shape)
+    for _ in range(2):
+        metadata = buffers.prepare_dummy(StepShape(4, 4, 4, 4, 1), uniform_decode=True)
+        assert metadata.block_tables.tolist() == [[0] * MAX_BLOCKS_PER_SEQ] * 4
+        assert metadata.seq_lens.tolist() == [1] * 4 and metadata.state_indices.tolist() == [0] * 4
