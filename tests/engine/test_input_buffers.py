@@ -260,6 +260,7 @@ def test_one_copy_at_default_sizes():
         assert len(buffers.copy_ranges(shape, num_logits=num_seqs)) == 1
 
 
+@pytest.mark.usefixtures("copy_gap")
 def test_advance_decode_gives_each_later_step_of_a_multi_step_run():
     """Three decodes padded to 4 sequences (a FULL decode layout), run 4 steps: after each
     ``advance_decode`` the device fields hold that step (the sampled ids as inputs, positions and
@@ -492,6 +493,7 @@ def test_a_steady_async_decode_batch_fills_every_token_from_the_device(rows):
     assert scheduled[0].request.block_ids == [0, 1, 2]
 
 
+@pytest.mark.usefixtures("copy_gap")
 def test_advance_decode_of_one_sequence_and_the_steps_it_refuses():
     """One sequence run 3 steps: 2 later steps staged, each one position on; step 0 and step 3
     are refused with the count of staged steps (the message in full)."""
@@ -606,6 +608,7 @@ def test_a_fresh_buffer_has_nothing_to_sample_fill_in_or_advance():
         buffers.advance_decode(torch.tensor([7]), 1)
 
 
+@pytest.mark.usefixtures("copy_gap")
 def test_a_two_step_run_stages_the_second_steps_slots():
     """``num_steps=2``: one later step staged, its slots through the next block for r0 (position
     4) and the same block for r10 (position 6); a third step is refused."""
