@@ -14,7 +14,9 @@ the two staging buffers alternate and a step waits only on the copy two steps ba
 later step of a multi-step decode run, made on the device by ``advance_decode``, holds that
 step's values; (7) a staging buffer updated in place (a step laid out like its last one, new
 block ids appended to a row, a row taken by another request or a new block list, a steady async
-decode with every token still on the device) gives the forward what a fresh buffer would.
+decode with every token still on the device) gives the forward what a fresh buffer would, and
+``reset_staged`` makes the next steps write every field; (8) a fresh buffer has nothing to
+sample, fill in or advance, and dummy steps after real ones read no real block.
 
 The "device" is the CPU here: device and staging buffers are still separate tensors, so a field
 the copies missed would read stale values.
