@@ -12,7 +12,11 @@ still on the device are filled from the previous step's sampled ids, in order, s
 alone; one the previous step did not sample is refused with a message naming the request; (5)
 the two staging buffers alternate and a step waits only on the copy two steps back; (6) each
 later step of a multi-step decode run, made on the device by ``advance_decode``, holds that
-step's values.
+step's values; (7) a staging buffer updated in place (a step laid out like its last one, new
+block ids appended to a row, a row taken by another request or a new block list, a steady async
+decode with every token still on the device) gives the forward what a fresh buffer would, and
+``reset_staged`` makes the next steps write every field; (8) a fresh buffer has nothing to
+sample, fill in or advance, and dummy steps after real ones read no real block.
 
 The "device" is the CPU here: device and staging buffers are still separate tensors, so a field
 the copies missed would read stale values.
@@ -20,6 +24,9 @@ Run: pytest tests/engine/test_input_buffers.py
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -60,14 +67,18 @@ def scheduled_request(
     return ScheduledRequest(request, num_new)
 
 
-def reference_step(scheduled: list[ScheduledRequest], shape: StepShape) -> dict[str, list]:
-    """What every field must hold for this step, built one request and one token at a time."""
+def reference_step(
+    scheduled: list[ScheduledRequest], shape: StepShape, on_device: Mapping[str, int] | None = None
+) -> dict[str, list]:
+    """What every field must hold for this step, built one request and one token at a time;
+    ``on_device``: a request id -> the id the previous step sampled for it, still on the device."""
     expected: dict[str, list] = {name: [] for name in ("input_ids", "positions", "slot_mapping")}
     query_start_loc, block_tables = [0], []
     for item in scheduled:
         request, start = item.request, item.num_computed_tokens
+        known = request.all_token_ids + [(on_device or {}).get(request.request_id)]
         for position in range(start, start + item.num_new_tokens):
-            expected["input_ids"].append(request.all_token_ids[position])
+            expected["input_ids"].append(known[position])
             expected["positions"].append(position)
             block = request.block_ids[position // BLOCK_SIZE]
             expected["slot_mapping"].append(block * BLOCK_SIZE + position % BLOCK_SIZE)
@@ -106,8 +117,15 @@ DTYPES = {
 }
 
 
-def assert_step_matches(buffers: InputBuffers, scheduled, shape: StepShape) -> None:
-    metadata = buffers.prepare(scheduled, shape, BLOCK_SIZE)
+def assert_step_matches(
+    buffers: InputBuffers, scheduled, shape: StepShape, sampled_rows: dict[str, int] | None = None
+) -> None:
+    """``prepare`` the step and compare every field the forward reads with ``reference_step``;
+    ``sampled_rows``: the decodes whose token is on the device, and their rows in the previous
+    step's sampled ids (here 900, 901, ...), filled in by ``fill_placeholders``."""
+    metadata = buffers.prepare(scheduled, shape, BLOCK_SIZE, sampled_rows)
+    sampled = torch.arange(900, 900 + MAX_NUM_SEQS)
+    buffers.fill_placeholders(sampled)
     input_ids, positions = buffers.model_inputs(shape)
     num_logits = sum(1 for s in scheduled if s.produces_token)
     actual = {
@@ -122,7 +140,8 @@ def assert_step_matches(buffers: InputBuffers, scheduled, shape: StepShape) -> N
         "logits_indices": buffers.logits_indices(),
     }
     assert buffers.num_logits == num_logits
-    for name, expected in reference_step(scheduled, shape).items():
+    on_device = {name: 900 + row for name, row in (sampled_rows or {}).items()}
+    for name, expected in reference_step(scheduled, shape, on_device).items():
         assert actual[name].dtype == DTYPES[name], name
         assert actual[name].tolist() == expected, name
     assert metadata.num_actual_tokens == shape.num_tokens
@@ -237,11 +256,13 @@ def test_copies_cover_every_used_byte(max_num_tokens, num_seqs, num_tokens):
 def test_one_copy_at_default_sizes():
     # llama-3.1-8b defaults: 2048 batched tokens, 128 sequences, 8192 / 16 blocks per sequence.
     buffers = InputBuffers(2048, 128, 512, torch.device("cpu"), pin_memory=False)
+    assert buffers["step_slots"].numel() == 0  # one step per output unless max_num_steps says
     for num_seqs in (1, 8, 64, 128):
         shape = StepShape(num_seqs, num_seqs, num_seqs, num_seqs, 1)
         assert len(buffers.copy_ranges(shape, num_logits=num_seqs)) == 1
 
 
+@pytest.mark.usefixtures("copy_gap")
 def test_advance_decode_gives_each_later_step_of_a_multi_step_run():
     """Three decodes padded to 4 sequences (a FULL decode layout), run 4 steps: after each
     ``advance_decode`` the device fields hold that step (the sampled ids as inputs, positions and
@@ -380,3 +401,238 @@ def test_a_step_waits_for_the_copy_two_steps_back_never_the_last_one():
     # Steps 0 and 1 find fresh buffers; steps 2 and 3 wait on the copies of steps 0 and 1.
     assert log == [(0, False), (1, False), (0, True), (1, True)]
     assert staging[0] == staging[2] != staging[1] == staging[3]
+
+
+def decode_one_token(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The next decode step of these requests: the token each sampled appended, one position on,
+    a block appended to the same block-id list when the new position starts one."""
+    next_step = []
+    for item in scheduled:
+        request = item.request
+        request.output_token_ids.append(6000 + len(request.all_token_ids))
+        request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+        if request.num_tokens > len(request.block_ids) * BLOCK_SIZE:
+            request.block_ids.append(request.block_ids[-1] + 1)  # appended in place
+        next_step.append(ScheduledRequest(request, 1))
+    return next_step
+
+
+@pytest.mark.usefixtures("copy_gap")
+def test_a_steady_decode_batch_updates_only_lengths_positions_slots_and_new_blocks():
+    """Five decode steps of one batch, padded to 4 sequences, after its prefill step: steps 3, 4
+    and 5 reuse the staging buffer of two steps back laid out the same way (the layout-only
+    fields left as they are), and the block ids appended since (r0's new block at step 2, r10's
+    and r20's at step 3) are added to their rows; every step reads what a fresh buffer would."""
+    buffers = make_buffers()
+    scheduled = [
+        scheduled_request(3, 0, 0, 3, first_block=0, slot=2),
+        scheduled_request(5, 1, 5, 1, first_block=10, slot=1),  # a decode already
+        scheduled_request(2, 0, 0, 2, first_block=20),
+    ]
+    assert_step_matches(buffers, scheduled, StepShape(6, 8, 3, 4, 3))  # two prompts, a decode
+    for _ in range(5):
+        scheduled = decode_one_token(scheduled)
+        assert_step_matches(buffers, scheduled, StepShape(3, 4, 3, 4, 1))
+    assert [item.request.block_ids for item in scheduled] == [[0, 1], [10, 11, 12], [20, 21]]
+
+
+@pytest.mark.usefixtures("copy_gap")
+def test_a_row_taken_by_another_request_or_a_new_block_list_is_written_whole():
+    """A block-table row rewritten where its request changed: a shorter list in a row that held
+    a longer one (a request finished, the next moved up; or a preempted request back with new
+    blocks, a new list), the stale ids past its end zeroed; and the row of a request that left a
+    smaller batch zeroed as padding. Each pair of steps reaches the same staging buffer."""
+    buffers = make_buffers()
+    long = scheduled_request(12, 1, 12, 1, first_block=0)  # 4 blocks
+    short = scheduled_request(2, 1, 2, 1, first_block=10)  # 1 block
+    other = scheduled_request(6, 1, 6, 1, first_block=20)  # 2 blocks
+    shape = StepShape(2, 2, 2, 2, 1)
+    for _ in range(2):  # both staging buffers hold rows [long, short]
+        assert_step_matches(buffers, [long, short], shape)
+    assert_step_matches(buffers, [other, short], shape)  # row 0: 2 blocks where 4 were
+    assert_step_matches(buffers, [other, short], shape)
+    # The same request in row 0, its blocks freed and allocated again as a new, shorter list.
+    other.request.block_ids, other.request.num_computed_tokens = [30], 2
+    resumed = ScheduledRequest(other.request, 1)
+    assert_step_matches(buffers, [resumed, short], shape)
+    assert_step_matches(buffers, [resumed, short], shape)
+    # One sequence padded to two: row 1, which held `short`, is padding now.
+    assert_step_matches(buffers, [long], StepShape(1, 2, 1, 2, 1))
+    assert_step_matches(buffers, [long], StepShape(1, 2, 1, 2, 1))
+
+
+def async_decode_steps(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The next async decode step: the host now knows the token sampled two steps back (the
+    last step's is still on the device, a placeholder again), one position on."""
+    next_step = []
+    for item in scheduled:
+        request = item.request
+        request.output_token_ids.append(6000 + len(request.all_token_ids))
+        request.num_computed_tokens = item.num_computed_tokens + 1
+        if request.num_tokens > len(request.block_ids) * BLOCK_SIZE:
+            request.block_ids.append(request.block_ids[-1] + 1)  # appended in place
+        next_step.append(ScheduledRequest(request, 1))
+    return next_step
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [2, 0, 1]])
+@pytest.mark.usefixtures("copy_gap")
+def test_a_steady_async_decode_batch_fills_every_token_from_the_device(rows):
+    """Every token of the step still on the device, the same layout as two steps back: the
+    staged ids are not written again, and each decode still gets its own sampled id (one slice
+    copy for rows in order, the indexed copy for shuffled ones), with positions, lengths, slots
+    and new blocks of its step."""
+    buffers = make_buffers()
+    scheduled = []
+    for first_block in (0, 10, 20):
+        request = scheduled_request(4, 1, 0, 1, first_block, slot=first_block // 10 + 1).request
+        request.num_computed_tokens, request.num_output_placeholders = 5, 1
+        scheduled.append(ScheduledRequest(request, 1))
+    sampled_rows = {item.request.request_id: row for item, row in zip(scheduled, rows)}
+    for _ in range(5):  # positions 5 to 9: a second block from position 8
+        assert_step_matches(buffers, scheduled, StepShape(3, 4, 3, 4, 1), sampled_rows)
+        scheduled = async_decode_steps(scheduled)
+    assert scheduled[0].request.block_ids == [0, 1, 2]
+
+
+@pytest.mark.usefixtures("copy_gap")
+def test_advance_decode_of_one_sequence_and_the_steps_it_refuses():
+    """One sequence run 3 steps: 2 later steps staged, each one position on; step 0 and step 3
+    are refused with the count of staged steps (the message in full)."""
+    buffers = make_buffers(max_num_steps=3)
+    item = scheduled_request(5, 1, 5, 1, first_block=0)
+    item.request.block_ids = [0, 1]  # positions 5, 6, 7: reserved ahead
+    buffers.prepare([item], StepShape(1, 1, 1, 1, 1), BLOCK_SIZE, num_steps=3)
+    for step in (1, 2):
+        buffers.advance_decode(torch.tensor([70 + step]), step)
+        assert buffers["input_ids"][:1].tolist() == [70 + step]
+        assert buffers["positions"][:1].tolist() == [5 + step]
+        assert buffers["seq_lens"][:1].tolist() == [6 + step]
+        assert buffers["slot_mapping"][:1].tolist() == [BLOCK_SIZE + 1 + step]  # block 1
+    for step in (0, 3):
+        message = (
+            f"step {step} of a run of 1 sequences: prepare() staged slots for 2 later steps; "
+            "pass num_steps to it"
+        )
+        with pytest.raises(ValueError) as error:
+            buffers.advance_decode(torch.tensor([0]), step)
+        assert str(error.value) == message
+
+
+@pytest.mark.usefixtures("copy_gap")
+def test_reset_staged_makes_the_next_steps_write_every_field_in_full():
+    """After ``reset_staged`` each staging buffer's next step is written as into a fresh buffer,
+    even laid out like its last step: here both staging buffers hold junk in every field first
+    (what an in-place update would leave standing, block-table rows past their ids included)."""
+    buffers = make_buffers()
+    scheduled, shape = mixed_step()
+    for _ in range(2):
+        assert_step_matches(buffers, scheduled, shape)
+    for views in buffers._staging_views:
+        for view in views.values():
+            view[...] = 77
+    buffers.reset_staged()
+    for _ in range(2):
+        assert_step_matches(buffers, scheduled, shape)
+
+
+def decode(first_block: int, on_device: bool = False, slot: int | None = None) -> ScheduledRequest:
+    """A decode at position 5 (4 prompt tokens, 1 generated before); its token is still on the
+    device when ``on_device``."""
+    item = scheduled_request(4, 1 + (not on_device), 5, 1, first_block, slot)
+    if on_device:
+        item.request.num_output_placeholders = 1
+        item = ScheduledRequest(item.request, 1)
+    return item
+
+
+LAYOUT_CHANGES = {  # name: the base step (requests, shape) -> (requests, shape, sampled rows)
+    "padded tokens": lambda scheduled, shape: (
+        scheduled,
+        dataclasses.replace(shape, num_tokens_padded=12),
+        None,
+    ),
+    "padded sequences": lambda scheduled, shape: (
+        scheduled,
+        dataclasses.replace(shape, num_seqs_padded=6),
+        None,
+    ),
+    "state slots": lambda scheduled, shape: ([decode(0, slot=5), *scheduled[1:]], shape, None),
+    "a chunk that samples": lambda scheduled, shape: (
+        [*scheduled[:2], scheduled_request(4, 0, 0, 4, first_block=20, slot=3)],
+        shape,
+        None,
+    ),
+    "a token on the device": lambda scheduled, shape: (
+        [decode(0, on_device=True, slot=1), *scheduled[1:]],
+        shape,
+        {"r0": 0},
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(LAYOUT_CHANGES))
+@pytest.mark.usefixtures("copy_gap")
+def test_a_step_laid_out_unlike_the_buffers_last_step_writes_the_layout_fields(change):
+    """The same requests with the same query lengths as the staging buffer's last step, with one
+    thing the layout-only fields follow from changed: they are written again, and the step reads
+    what a fresh buffer would."""
+    scheduled = [decode(0, slot=1), decode(10, slot=2), scheduled_request(8, 0, 0, 4, 20, slot=3)]
+    shape = StepShape(6, 8, 3, 4, 4)
+    buffers = make_buffers()
+    for _ in range(2):  # both staging buffers hold the base step
+        assert_step_matches(buffers, scheduled, shape)
+    assert_step_matches(buffers, *LAYOUT_CHANGES[change](scheduled, shape))
+
+
+@pytest.mark.parametrize("rows", [{"r0": 0, "r10": 1}, {"r0": 1, "r10": 0}])
+@pytest.mark.usefixtures("copy_gap")
+def test_placeholder_rows_unlike_the_buffers_last_step_are_staged_again(rows):
+    """Two decodes with their tokens on the device, laid out like the buffer's last step but for
+    the rows of the sampled ids they take (swapped, or in order after swapped): each still gets
+    its own id."""
+    scheduled = [decode(0, on_device=True), decode(10, on_device=True)]
+    shape = StepShape(2, 2, 2, 2, 1)
+    buffers = make_buffers()
+    other = {"r0": rows["r10"], "r10": rows["r0"]}
+    for _ in range(2):
+        assert_step_matches(buffers, scheduled, shape, other)
+    assert_step_matches(buffers, scheduled, shape, rows)
+
+
+def test_a_fresh_buffer_has_nothing_to_sample_fill_in_or_advance():
+    """Before any ``prepare``: no rows to sample, no tokens to fill in from the device, and no
+    later step staged (``advance_decode`` refuses step 1)."""
+    buffers = make_buffers(max_num_steps=4)
+    assert buffers.logits_indices().tolist() == [] and buffers.num_logits == 0
+    assert buffers.num_placeholders == 0
+    with pytest.raises(ValueError, match="prepare\\(\\) staged slots for 0 later steps"):
+        buffers.advance_decode(torch.tensor([7]), 1)
+
+
+@pytest.mark.usefixtures("copy_gap")
+def test_a_two_step_run_stages_the_second_steps_slots():
+    """``num_steps=2``: one later step staged, its slots through the next block for r0 (position
+    4) and the same block for r10 (position 6); a third step is refused."""
+    buffers = make_buffers(max_num_steps=2)
+    scheduled = [scheduled_request(3, 1, 3, 1, 0), scheduled_request(5, 1, 5, 1, 10)]
+    scheduled[0].request.block_ids = [0, 1]  # position 4 reserved ahead
+    buffers.prepare(scheduled, StepShape(2, 2, 2, 2, 1), BLOCK_SIZE, num_steps=2)
+    buffers.advance_decode(torch.tensor([71, 81]), 1)
+    assert buffers["slot_mapping"][:2].tolist() == [1 * BLOCK_SIZE + 0, 11 * BLOCK_SIZE + 2]
+    assert buffers["positions"][:2].tolist() == [4, 6]
+    with pytest.raises(ValueError, match="staged slots for 1 later steps"):
+        buffers.advance_decode(torch.tensor([72, 82]), 2)
+
+
+def test_a_dummy_step_after_real_steps_on_both_staging_buffers_reads_no_real_block():
+    """Real steps leave block ids in every row of both staging buffers; the dummy steps that
+    follow on each read only zero block tables, no real step's values."""
+    buffers = make_buffers()
+    scheduled, shape = mixed_step()
+    for _ in range(2):
+        assert_step_matches(buffers, scheduled, shape)
+    for _ in range(2):
+        metadata = buffers.prepare_dummy(StepShape(4, 4, 4, 4, 1), uniform_decode=True)
+        assert metadata.block_tables.tolist() == [[0] * MAX_BLOCKS_PER_SEQ] * 4
+        assert metadata.seq_lens.tolist() == [1] * 4 and metadata.state_indices.tolist() == [0] * 4
