@@ -85,6 +85,12 @@ def run_toy(
     }
 
 
+def assert_same_outputs(result: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Two ``run_toy`` results computed the same outputs, bit for bit."""
+    for output, expected in zip(result["outputs"], reference["outputs"], strict=True):
+        assert torch.equal(output, expected)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-root", required=True)

@@ -35,7 +35,7 @@ from pieceworks.core.compiler_interface import EagerAdaptor
 from pieceworks.core.config import CompilationConfig, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import piecewise_backends
-from tests.core.compile_cache_worker import run_toy
+from tests.core.compile_cache_worker import assert_same_outputs, run_toy
 from tests.core.test_piecewise import build, run
 from tests.core.toy_model import SILLY_OP
 
@@ -59,24 +59,15 @@ class SavingEagerAdaptor(EagerAdaptor):
         return graph
 
 
-@pytest.fixture
-def log_text(caplog, monkeypatch):
-    """The cache on (the test session turns it off), the saving compiler in place of the eager
-    one, and the text of the ``pieceworks`` records at INFO and above (call it to read)."""
-    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+@pytest.fixture(autouse=True)
+def saving_compiler(monkeypatch):
+    """The saving compiler in place of the eager one (every test also takes ``log_text``, from
+    ``tests/core/conftest.py``: the cache on, the log's text)."""
     monkeypatch.setattr(backend_module, "make_compiler", lambda *_: SavingEagerAdaptor())
-    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
-    caplog.set_level(logging.INFO, logger="pieceworks")
-    return lambda: caplog.text
 
 
 def start(root: Path) -> dict:
     return run_toy(str(root), NUM_LAYERS, backend="eager")
-
-
-def assert_same_outputs(result: dict, reference: dict) -> None:
-    for output, expected in zip(result["outputs"], reference["outputs"], strict=True):
-        assert torch.equal(output, expected)
 
 
 def test_a_cold_start_saves_one_artifact_per_distinct_piece(tmp_path, log_text):

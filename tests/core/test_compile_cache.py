@@ -34,7 +34,7 @@ from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import piecewise_backends, support_torch_compile
 from pieceworks.core.forward_context import set_forward_context
 from pieceworks.models.presets import get_preset
-from tests.core.compile_cache_worker import run_toy
+from tests.core.compile_cache_worker import assert_same_outputs, run_toy
 from tests.core.toy_model import SILLY_OP, ToyModel
 
 NUM_LAYERS = 12
@@ -94,11 +94,6 @@ def run_worker(cache_root: Path, out: Path, **env: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "tests.core.compile_cache_worker"]
     command += ["--cache-root", str(cache_root), "--out", str(out)]
     return subprocess.Popen(command, cwd=REPO_ROOT, env={**environment, **env})
-
-
-def assert_same_outputs(result, reference) -> None:
-    for output, expected in zip(result["outputs"], reference["outputs"], strict=True):
-        assert torch.equal(output, expected)
 
 
 @pytest.mark.inductor

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -31,7 +30,7 @@ import torch
 from pieceworks.core.backend import FirstCallRecorder
 from pieceworks.core.graph_call import GraphCall, UnsupportedGraphCall
 from pieceworks.core.traced_graph_cache import MANIFEST_FILE, TracedGraphDamaged, TracedGraphStore
-from tests.core.compile_cache_worker import run_toy, toy_config
+from tests.core.compile_cache_worker import assert_same_outputs, run_toy, toy_config
 from tests.core.toy_model import ToyModel
 
 NUM_LAYERS = 2
@@ -77,11 +76,6 @@ def stored_graph_dir(root: Path) -> Path:
 def assert_traced(result: dict) -> None:
     assert result["counters"]["num_dynamo_traces"] == 1
     assert result["counters"]["num_traced_graphs_loaded"] == 0
-
-
-def assert_same_outputs(result: dict, reference: dict) -> None:
-    for output, expected in zip(result["outputs"], reference["outputs"], strict=True):
-        assert torch.equal(output, expected)
 
 
 def test_a_cold_start_traces_once_and_stores_the_graph(cold):
@@ -229,16 +223,6 @@ def test_graph_call_refuses_what_it_cannot_replay():
     del smaller.layers[0]._parameters["weight"]
     with pytest.raises(UnsupportedGraphCall, match="no parameter or buffer layers.0.weight"):
         graph_call_of(model, torch.zeros(4, 8)).bind(smaller, lambda *inputs: inputs)
-
-
-@pytest.fixture
-def log_text(caplog, monkeypatch):
-    """The cache on (the test session turns it off) and the text of the ``pieceworks`` records
-    logged during the test at INFO and above (call it to read)."""
-    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
-    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
-    caplog.set_level(logging.INFO, logger="pieceworks")
-    return lambda: caplog.text
 
 
 def test_a_second_start_in_the_same_process_loads_the_stored_graph(tmp_path, log_text):

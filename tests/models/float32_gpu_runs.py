@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pieceworks.benchmarks.modes import compilation_for_mode
-from pieceworks.core.config import CompilationConfig
+from pieceworks.engine.llm import LLM
 from pieceworks.kernels import programmatic_launch
 
 RUNS = {
@@ -21,11 +21,12 @@ RUNS = {
 }
 
 
-def compilation_for_run(
-    run: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-) -> CompilationConfig | dict:
-    """``run``'s compilation config, with programmatic dependent launch off for the no-pdl run
-    (the decision is made once per process: it is read again now, and again after the test)."""
+def float32_llm(
+    path: str, run: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> LLM:
+    """The float32 engine of the checkpoint at ``path`` for ``run`` (4 sequences, 24 tokens a
+    step), with programmatic dependent launch off for the no-pdl run (the decision is made once
+    per process: it is read again now, and again after the test)."""
     no_pdl = run.endswith("no-pdl")
     if no_pdl:
         monkeypatch.setenv("PIECEWORKS_PDL", "0")
@@ -33,4 +34,10 @@ def compilation_for_run(
     request.addfinalizer(programmatic_launch.programmatic_launch_enabled.cache_clear)
     if no_pdl:
         assert not programmatic_launch.programmatic_launch_enabled()
-    return RUNS[run]()
+    return LLM(
+        path,
+        compilation_config=RUNS[run](),
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+    )

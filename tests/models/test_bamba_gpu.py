@@ -21,7 +21,7 @@ from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.platforms import current_platform
-from tests.models.float32_gpu_runs import RUNS, compilation_for_run
+from tests.models.float32_gpu_runs import RUNS, float32_llm
 
 pytestmark = pytest.mark.gpu
 
@@ -64,15 +64,8 @@ def test_bamba_tiny_float32_logits_match_hf(tmp_path, run, monkeypatch, request)
     pytest.importorskip("transformers")
     from tests.models.test_bamba_hf import HF_CONFIG, make_hf_model, prompt_maker, run_and_compare
 
-    compilation = compilation_for_run(run, monkeypatch, request)
     path, hf_model = make_hf_model(tmp_path)
-    llm = LLM(
-        path,
-        compilation_config=compilation,
-        dtype="float32",
-        max_num_seqs=4,
-        max_num_batched_tokens=24,
-    )
+    llm = float32_llm(path, run, monkeypatch, request)
     assert llm.engine.runner.model.model.layers[0].mamba.backend.name == "triton"
     assert HF_CONFIG["mamba_n_groups"] == 2
     prompt = prompt_maker(11)

@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pieceworks.engine.llm import LLM
-from tests.models.float32_gpu_runs import RUNS, compilation_for_run
+from tests.models.float32_gpu_runs import RUNS, float32_llm
 from tests.models.test_llama_hf import run_and_compare, saved  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.gpu
@@ -25,15 +24,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_float32_logits_match_hf_on_the_gpu(saved, run, monkeypatch, request):  # noqa: F811
     path, hf_model, _ = saved
-    compilation = compilation_for_run(run, monkeypatch, request)
     assert not torch.backends.cuda.matmul.allow_tf32
-    llm = LLM(
-        path,
-        compilation_config=compilation,
-        dtype="float32",
-        max_num_seqs=4,
-        max_num_batched_tokens=24,
-    )
+    llm = float32_llm(path, run, monkeypatch, request)
     generator = torch.Generator().manual_seed(0)
     prompt = lambda n: torch.randint(0, 256, (n,), generator=generator).tolist()  # noqa: E731
     compared = run_and_compare(
