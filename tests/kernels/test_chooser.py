@@ -60,7 +60,15 @@ def test_rocm_never_gets_nvidia_only_code_and_warms_up_every_triton_kernel(monke
     assert {"linear", "silu_and_mul", "rotary", "argmax"} <= warmed
 
 
-def test_cpu_runs_every_op_in_torch_and_says_why():
+@pytest.fixture
+def on_the_cpu(monkeypatch: pytest.MonkeyPatch, fresh_platform) -> None:
+    """The CPU platform is the current one, whatever this machine has (a GPU machine runs these
+    tests too)."""
+    monkeypatch.setenv("PIECEWORKS_PLATFORM", "cpu")
+    monkeypatch.setattr(chooser, "_CHOSEN", {})
+
+
+def test_cpu_runs_every_op_in_torch_and_says_why(on_the_cpu):
     for op in chooser.known_ops():
         choice = choose(op)
         assert choice.impl.native, choice.describe()
@@ -117,7 +125,7 @@ def test_an_op_nothing_supports_is_a_clear_error():
         chooser.unregister_kernel("warp_drive", "nvidia_only")
 
 
-def test_platforms_kernels_prints_each_op_s_choice_and_why(capsys):
+def test_platforms_kernels_prints_each_op_s_choice_and_why(on_the_cpu, capsys):
     from pieceworks.entrypoints.cli import main
 
     assert main(["platforms", "--kernels"]) == 0

@@ -126,7 +126,8 @@ def test_rope_kernel_matches_float64_reference(
 def test_rope_gemv_releases_decode_attention_at_its_start_under_pdl(monkeypatch, pdl):
     # The rotary GEMV comes right before decode attention: under PDL it lets the split kernel be
     # scheduled at its own start; the other GEMVs here release the next kernel after their K loop
-    # (on the CPU the SM count is unknown, so no grid counts as one wave with SMs to spare).
+    # (the SM count is made unknown, as on the CPU, so no grid counts as one wave with SMs to
+    # spare).
     from pieceworks.kernels.gemv import triton_gemv
 
     launches: list[dict] = []
@@ -137,6 +138,7 @@ def test_rope_gemv_releases_decode_attention_at_its_start_under_pdl(monkeypatch,
 
     monkeypatch.setattr(triton_gemv, "_gemv_kernel", Recorder())
     monkeypatch.setattr(triton_gemv, "programmatic_launch", lambda device: pdl)
+    monkeypatch.setattr(triton_gemv.triton_gemv_config, "num_sms", lambda device: None)
     x, weight = operands(1, 4 * 64, 96, torch.float32)
     rotary_emb, positions = rope_operands(1, 64, torch.float32)
     launch_gemv(x, weight, rope=RopeEpilogue(positions, rotary_emb.cos_sin_cache, 64, 3))

@@ -218,10 +218,12 @@ def test_op_traces_with_dynamic_token_count():
 def greedy_decode(
     num_tokens: int, level: int, quantization: str | None = None
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy tokens of three prompts, and every step's logits (llama-tiny, float32)."""
+    """Greedy tokens of three prompts, and every step's logits (llama-tiny, float32), with no
+    static graphs on any platform: each forward calls the ops, so ``kernel_on_cpu`` counts every
+    step's launches on a GPU machine too (a replayed graph calls none)."""
     llm = LLM(
         "llama-tiny",
-        compilation_config={"level": level, "backend": "eager"},
+        compilation_config={"level": level, "backend": "eager", "cudagraph_mode": "NONE"},
         dtype="float32",
         max_num_seqs=4,
         quantization=quantization,

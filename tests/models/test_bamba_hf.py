@@ -11,6 +11,10 @@ Run: pytest tests/models/test_bamba_hf.py
 
 from __future__ import annotations
 
+import functools
+import inspect
+import types
+
 import pytest
 import torch
 
@@ -41,12 +45,54 @@ def randomised_weights(hf_config: dict, seed: int) -> dict[str, torch.Tensor]:
     return state_dict
 
 
+def per_group_gated_norm(norm, hidden_states, gate=None, *, num_groups: int):
+    """transformers 5.23's ``BambaRMSNormGated.forward``: x * silu(gate), each of the
+    ``num_groups`` groups of the last dim normalized by its own RMS, times the weight."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    if gate is not None:
+        hidden_states = hidden_states * torch.nn.functional.silu(gate.to(torch.float32))
+    grouped = hidden_states.unflatten(-1, (num_groups, -1))
+    variance = grouped.pow(2).mean(-1, keepdim=True)
+    hidden_states = (grouped * torch.rsqrt(variance + norm.variance_epsilon)).flatten(-2)
+    return norm.weight * hidden_states.to(input_dtype)
+
+
+def hf_norms_per_group() -> bool:
+    from transformers.models.bamba import modeling_bamba
+
+    return "group_size" in inspect.signature(modeling_bamba.BambaRMSNormGated.__init__).parameters
+
+
+def normalize_gated_norms_per_group(hf_model, num_groups: int) -> int:
+    """Give HF's gated norms the per-group normalization of transformers >= 5.23; returns how
+    many norms were changed (0 where HF already normalizes per group).
+
+    Mamba2's gated RMSNorm normalizes each of the ``n_groups`` groups of the intermediate size by
+    its own RMS (mamba_ssm's ``RMSNormGated(group_size=d_ssm // ngroups)``, and pieceworks).
+    ``BambaRMSNormGated`` before transformers 5.23 normalizes over the whole intermediate size,
+    which is the same only for one group: with two, its logits are 1e-2 of the scale off the
+    per-group ones. On those versions the reference gets 5.23's forward, so the two-group
+    checkpoint is checked against the right numbers on every transformers this test meets."""
+    if hf_norms_per_group():
+        return 0
+    from transformers.models.bamba import modeling_bamba
+
+    forward = functools.partial(per_group_gated_norm, num_groups=num_groups)
+    norms = [m for m in hf_model.modules() if isinstance(m, modeling_bamba.BambaRMSNormGated)]
+    for norm in norms:
+        norm.forward = types.MethodType(forward, norm)
+    return len(norms)
+
+
 def make_hf_model(path) -> tuple[str, object]:
-    """Save the randomised checkpoint under ``path``; return it and HF's model of it (CPU)."""
+    """Save the randomised checkpoint under ``path``; return it and HF's model of it (CPU), its
+    gated norms normalizing per group (``normalize_gated_norms_per_group``)."""
     save_hf_directory(randomised_weights(HF_CONFIG, seed=1), HF_CONFIG, path)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    normalize_gated_norms_per_group(hf_model, HF_CONFIG["mamba_n_groups"])
     return str(path), hf_model
 
 
@@ -172,3 +218,22 @@ def test_hf_really_rotates_half_of_each_head(saved):
     llm = make_llm(path, 0)
     attention = llm.engine.runner.model.model.layers[HF_CONFIG["attn_layer_indices"][0]]
     assert attention.self_attn.rotary_emb.rotary_dim == head_dim // 2
+
+
+def test_the_reference_gated_norm_normalizes_each_group(saved):
+    """The reference's gated norms normalize per group: HF's own (transformers >= 5.23) or the
+    forward given to older versions, which equals 5.23's; scaling one group's input leaves the
+    other group's output unchanged, which a norm over the whole width does not."""
+    _, hf_model = saved
+    norm = hf_model.model.layers[0].mamba.norm
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 128, generator=generator)
+    gate = torch.randn(2, 3, 128, generator=generator)
+    scaled = x.clone()
+    scaled[..., :64] *= 10.0
+    out, out_scaled = norm(x, gate), norm(scaled, gate)
+    torch.testing.assert_close(out_scaled[..., 64:], out[..., 64:], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(out_scaled[..., :64], out[..., :64])
+    if hf_norms_per_group():  # HF's own forward is the one the older versions are given
+        expected = per_group_gated_norm(norm, x, gate, num_groups=HF_CONFIG["mamba_n_groups"])
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
