@@ -4,8 +4,8 @@
 #
 # Usage: OUT=dir bash benchmarks/gpu_suite.sh [steps...]
 #   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 bamba
-#   breakable serve throughput startup tests kernels (tests_parallel: the tests step in three
-#   concurrent groups, for a call with a time limit)
+#   breakable serve throughput startup tests kernels (tests_parallel: the tests and kernels steps
+#   in four concurrent groups, for a call with a time limit)
 #   OUT: where JSON, plots and logs go (default docs/bench); COMMIT: recorded in each JSON
 #   (default: git's HEAD where this is a checkout).
 # Every step is guarded: one that fails is logged with its exit status and the next one runs.
@@ -97,19 +97,21 @@ startup() {  # name, bench startup flags...: cold and warm start-up, each in a f
     --output-json "$OUT/startup_$name.json"
 }
 
-parallel_tests() {  # the GPU tests in three concurrent groups, then the timed ones alone
-  local marker="gpu or platform_agnostic" pids=() group=0 rc=0
-  for paths in "tests/core tests/platforms tests/entrypoints tests/distributed" \
-               "tests/models" "tests/kernels tests/engine"; do
+parallel_tests() {  # the GPU tests in three concurrent groups and the compiled kernel tests
+  # beside them, then the timed ones alone
+  local pids=() group=0 rc=0
+  for tests in "gpu or platform_agnostic|tests/core tests/platforms tests/entrypoints tests/distributed" \
+               "gpu or platform_agnostic|tests/models" "gpu or platform_agnostic|tests/kernels tests/engine" \
+               "not gpu and not platform_agnostic|tests/kernels"; do
     group=$((group + 1))
     # shellcheck disable=SC2086  # the paths are words
     (PIECEWORKS_CACHE_ROOT=$PIECEWORKS_CACHE_ROOT/group$group step "tests_group$group" \
-       python3 -m pytest -m "$marker" $paths -q -p no:cacheprovider -rfE
+       python3 -m pytest -m "${tests%%|*}" ${tests#*|} -q -p no:cacheprovider -rfE
      grep -q "^=== tests_group$group: exit 0 " "$OUT/logs/tests_group$group.log") &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-  step tests_timed python3 -m pytest -m "$marker" tests/benchmarks -q -p no:cacheprovider -rfE
+  step tests_timed python3 -m pytest -m "gpu or platform_agnostic" tests/benchmarks -q -p no:cacheprovider -rfE
   [ "$rc" -eq 0 ] || failed+=("tests_parallel")
 }
 
@@ -138,7 +140,8 @@ for name in $steps; do
              startup llama125m --model llama-125m --batch-size 1
              startup smollm2_135m --model "$(smollm2_model)" --batch-size 1 ;;
     tests) step tests python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
-    # the same tests in three groups side by side (each its own process and cache), then the
+    # the same tests in three groups side by side (each its own process and cache), the kernels
+    # step as a fourth beside them, then the
     # tests that time their loops alone: the serial step ran past a 9-minute limit on an H200
     # (2026-12-02: tests/kernels + tests/engine alone took 188 s, tests/benchmarks 96 s)
     tests_parallel) parallel_tests ;;
