@@ -207,9 +207,11 @@ def test_trace_once_compilers_lists_each_compiled_module():
 
 
 def first_call_of(config: EngineConfig):
-    """A 2-layer toy's ``TraceOnceCompiler`` after one call of 4 tokens."""
-    model = ToyModel(config=config, num_layers=2)
-    call(model, config, torch.randn(4, 8))
+    """A 2-layer toy's ``TraceOnceCompiler`` after one call of 4 tokens on the platform's device
+    (the split op is registered for its dispatch key)."""
+    device = current_platform().device()
+    model = ToyModel(config=config, num_layers=2).to(device)
+    call(model, config, torch.randn(4, 8, device=device))
     return model._pieceworks_compiler
 
 
