@@ -212,7 +212,16 @@ def performance_rows(payload: dict[str, Any]) -> list[list[str]]:
 
 
 def format_performance_table(payloads: list[dict[str, Any]]) -> str:
-    """The markdown table of ``docs/performance.md`` from ``bench latency`` JSON payloads."""
+    """The markdown table of ``docs/performance.md`` from ``bench latency`` JSON payloads: one
+    row per model, dtype, batch size and mode, the newest run's where several measured it (the
+    others stay in their JSON), in the order the configurations first appear."""
+    date = PERFORMANCE_COLUMNS.index("date")
+    newest: dict[tuple[str, ...], list[str]] = {}
+    for payload in payloads:
+        for row in performance_rows(payload):
+            key = tuple(row[:4])  # model, dtype, batch, mode
+            if key not in newest or row[date] > newest[key][date]:  # "YYYY-MM-DD HH:MM UTC"
+                newest[key] = row
     lines = [
         "| " + " | ".join(PERFORMANCE_COLUMNS) + " |",
         "|"
@@ -221,11 +230,9 @@ def format_performance_table(payloads: list[dict[str, Any]]) -> str:
         )
         + "|",
     ]
-    for payload in payloads:
-        lines += [
-            "| " + " | ".join(cell.replace("|", "/") for cell in row) + " |"
-            for row in performance_rows(payload)
-        ]
+    lines += [
+        "| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in newest.values()
+    ]
     return "\n".join(lines)
 
 

@@ -1,6 +1,8 @@
 """The run report: the compile-cache line (hit, miss, partial hit, disabled, not used), a mode
 table whose cells stay apart when a value is wider than its column, failed rows that show their
-error, and a bar plot for one or several batch sizes.
+error, a bar plot for one or several batch sizes, and the performance table of
+``docs/performance.md`` (each configuration once, from the newest run that measured it, with the
+peers of that run).
 
 Run: pytest tests/benchmarks/test_report.py
 """
@@ -14,6 +16,7 @@ from pieceworks.benchmarks.report import (
     compile_cache_status,
     format_compile_cache,
     format_mode_table,
+    format_performance_table,
     plot_latency,
 )
 
@@ -91,3 +94,40 @@ def test_plot_writes_bars_with_the_floor(tmp_path, batch_sizes):
     path = tmp_path / "plot.png"
     assert plot_latency(path, results, "llama-tiny")
     assert path.stat().st_size > 1000
+
+
+def bench_payload(date: str, commit: str, step_ms: float, batch_sizes=(1, 64)) -> dict:
+    """A ``bench latency`` JSON: FULL_AND_PIECEWISE at ``step_ms`` x batch, gpt_fast twice that."""
+
+    def row(mode: str, graph_mode: str, batch: int, ms: float) -> dict:
+        steps = {"median": ms, "min": ms - 0.1, "max": ms + 1.0}
+        return {
+            "mode": mode,
+            "graph_mode": graph_mode,
+            "batch_size": batch,
+            "decode_step_ms": steps,
+        }
+
+    results = []
+    for batch in batch_sizes:
+        ours = row("full_and_piecewise", "FULL_AND_PIECEWISE", batch, step_ms * batch)
+        ours.update(level=3, ratio_to_floor=1.2, device_busy_ms=step_ms, device_idle_share=0.01)
+        results += [ours, row("gpt_fast", "baseline", batch, 2 * step_ms * batch)]
+    sizes = ",".join(map(str, batch_sizes))
+    return {
+        "model": "llama-3.1-8b", "dtype": "bfloat16", "date": date, "commit": commit,
+        "device": "NVIDIA H200", "versions": {"torch": "2.11.0"}, "results": results,
+        "command": f"pieceworks bench latency --batch-size {sizes}",
+    }  # fmt: skip
+
+
+def test_performance_table_keeps_the_newest_run_of_each_configuration():
+    older = bench_payload("2026-12-02 07:36 UTC", "aaaa", 4.0)
+    newer = bench_payload("2026-12-03 14:30 UTC", "bbbb", 0.1, batch_sizes=(64,))
+    rows = format_performance_table([newer, older]).splitlines()[2:]
+    assert len(rows) == 2  # batch 64 from the newer run only, batch 1 from the older
+    cells = [row.split(" | ") for row in rows]
+    assert [(c[2], c[8]) for c in cells] == [("64", "bbbb"), ("1", "aaaa")]
+    assert "6.400 (6.300-7.400)" in rows[0] and "gpt_fast 12.80" in rows[0]
+    assert "4.000 (3.900-5.000)" in rows[1] and "gpt_fast 8.00" in rows[1]
+    assert rows[0].endswith("`pieceworks bench latency --batch-size 64` |")
