@@ -14,8 +14,8 @@ to do, and a stored graph then cannot load its artifacts (the start traces and c
 cache directory holds its key factors and the log names it; a torch that does not report the
 traced files leaves the cache off, saying so; with piecewise graphs and a static
 compile size (the simgraph platform on CPU), a warm start wraps the pieces as the traced start
-did and loads the static size's artifacts when that size first runs; outputs always equal the
-cold start's.
+did and loads the static size's artifacts when that size first runs; an artifact that cannot be
+saved is named in a warning and the model runs; outputs always equal the cold start's.
 Run: pytest tests/core/test_artifact_compiler.py
 """
 
@@ -262,3 +262,25 @@ def test_the_variable_that_disables_the_cache_is_named(tmp_path, log_text, monke
     messages = {record.getMessage() for record in caplog.records}
     assert "compile cache disabled (PIECEWORKS_DISABLE_COMPILE_CACHE=1)" in messages
     assert result["counters"]["num_compiled_artifacts_saved"] == 0
+
+
+class FailingSaveAdaptor(SavingEagerAdaptor):
+    """Its artifacts cannot be written (a full disk)."""
+
+    def save_artifact(self, compiled: Any, path: str) -> None:
+        raise OSError("no space left on device")
+
+
+def test_an_artifact_that_cannot_be_saved_is_named_and_the_model_still_runs(
+    tmp_path, log_text, monkeypatch
+):
+    reference = start(tmp_path / "reference")
+    monkeypatch.setattr(backend_module, "make_compiler", lambda *_: FailingSaveAdaptor())
+    unsaved = start(tmp_path / "unsaved")
+    warning = (
+        "compile cache: could not save piece_0/general (OSError('no space left on device')); "
+        "it will be compiled again next run"
+    )
+    assert any(line.endswith(f" {warning}") for line in log_text().splitlines())
+    assert unsaved["counters"]["num_compiled_artifacts_saved"] == 0
+    assert_same_outputs(unsaved, reference)

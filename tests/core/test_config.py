@@ -110,3 +110,40 @@ def test_hash_changes_with_compiled_fields_only():
 def test_bad_backend_message():
     with pytest.raises(ValueError, match="use 'inductor' or 'eager'"):
         CompilationConfig(backend="tvm")
+
+
+def test_a_bad_level_or_mode_names_the_field_and_every_choice():
+    with pytest.raises(ValueError) as level:
+        CompilationConfig(level="high")
+    assert str(level.value) == (
+        "CompilationConfig.level='high' is not valid; use one of: 0 (NO_COMPILATION), "
+        "1 (DYNAMO_AS_IS), 2 (DYNAMO_ONCE), 3 (PIECEWISE)"
+    )
+    with pytest.raises(ValueError) as mode:
+        CompilationConfig(cudagraph_mode=True)  # a bool is not the int 1
+    assert str(mode.value) == (
+        "CompilationConfig.cudagraph_mode=True is not valid; use one of: 0 (NONE), "
+        "1 (PIECEWISE), 2 (FULL), FULL_DECODE_ONLY, FULL_AND_PIECEWISE"
+    )
+
+
+def test_from_fields_refuses_unknown_names_and_non_dicts_listing_the_fields():
+    fields = (
+        "level, backend, splitting_ops, cudagraph_mode, cudagraph_capture_sizes, compile_sizes, "
+        "cudagraph_num_of_warmups, cudagraph_copy_inputs, custom_ops, pass_config, cache_dir, "
+        "debug_dump_path, inductor_compile_config"
+    )
+    assert CompilationConfig.from_fields({"level": 1}).level == CompilationLevel.DYNAMO_AS_IS
+    with pytest.raises(ValueError) as unknown:
+        CompilationConfig.from_fields({"foo": 1, "bar": 2, "level": 1})
+    assert str(unknown.value) == (
+        f"unknown CompilationConfig field(s) 'bar', 'foo'; valid fields: {fields}"
+    )
+    with pytest.raises(ValueError, match="'static_forward_context'; valid"):
+        CompilationConfig.from_fields({"static_forward_context": {}})  # set by the engine
+    with pytest.raises(ValueError) as not_a_dict:
+        CompilationConfig.from_fields([1])
+    assert str(not_a_dict.value) == (
+        "the compilation config must be a JSON object / dict of CompilationConfig fields "
+        f'(e.g. {{"level": 3}}), not list [1]; fields: {fields}'
+    )

@@ -5,7 +5,8 @@ branch taken at trace time stays frozen (no guard is evaluated), at level 1 Dyna
 Dimensions declared dynamic are traced once for every size: Dynamo converts no frame again (a
 bytecode hook counts its conversions), also at level 1 where guards are evaluated. The first
 call's times add up (trace and compile within the call; a warm start's graph load and rebuild
-likewise), and the debug dump holds the split graph and Dynamo's transformed code.
+likewise), and the debug dump holds the split graph and Dynamo's transformed code. A first call
+by keyword passes every argument; a level-1 model is counted and reports no first-call times.
 Run: pytest tests/core/test_decorators.py
 """
 
@@ -155,6 +156,25 @@ def test_none_argument_stays_none():
     assert torch.equal(call(model, config, torch.ones(2)), torch.ones(2))
 
 
+@pytest.mark.parametrize("level", [CompilationLevel.DYNAMO_ONCE, CompilationLevel.PIECEWISE])
+def test_a_first_call_by_keyword_passes_every_argument(level):
+    @support_torch_compile
+    class Scaled(nn.Module):
+        def __init__(self, *, config, prefix=""):
+            super().__init__()
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return x * scale
+
+    config = config_at(level)
+    model = Scaled(config=config)
+    with set_forward_context(None, config):
+        first = model(x=torch.ones(3), scale=torch.full((3,), 2.0))
+        later = model(torch.ones(5), scale=torch.full((5,), 3.0))
+    assert torch.equal(first, torch.full((3,), 2.0))
+    assert torch.equal(later, torch.full((5,), 3.0))
+
+
 def test_attribute_assignment_in_forward_raises_with_static_graphs(graph_platform):
     @support_torch_compile
     class Mutating(nn.Module):
@@ -228,6 +248,17 @@ def test_the_first_calls_times_add_up_traced_and_warm(tmp_path, monkeypatch):
     assert 0 < warm.graph_load_seconds and 0 < warm.compile_seconds
     assert warm.graph_load_seconds + warm.compile_seconds <= warm.first_call_seconds
     assert warm.compile_seconds == warm.piecewise_backend.backend_seconds
+
+
+def test_a_level_1_model_is_counted_and_reports_no_first_call_times():
+    """Level 1 hands every call to Dynamo (no first call of its own): each time stays 0."""
+    config = config_at(CompilationLevel.DYNAMO_AS_IS)
+    with compilation_counter.expect(dynamo_as_is_count=1):
+        model = ShapeBranchModel(config=config)
+    call(model, config, torch.zeros(8, 2))
+    compiler = model._pieceworks_compiler
+    times = (compiler.first_call_seconds, compiler.trace_seconds, compiler.graph_load_seconds)
+    assert times + (compiler.compile_seconds,) == (0.0, 0.0, 0.0, 0.0)
 
 
 def test_debug_dump_holds_the_split_graph_and_the_transformed_code(tmp_path):

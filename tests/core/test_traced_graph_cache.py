@@ -6,9 +6,11 @@ reaches the backend) and computes the same outputs; an edited traced source file
 or Triton version and another config each miss, with the reason logged; a damaged stored graph is
 reported with a warning, traced again and stored anew. In process: a second start of the toy
 loads the graph the first stored (the same counts and outputs as in a fresh process), another
-config misses with the reason and a damaged graph is traced again with the warning; a graph file
-that passes its checksum but does not unpickle is damage too; the backend keeps the first call's
-inputs and outputs, and only those, until released; and the replay record (``GraphCall``)
+config misses with the reason, a graph traced from another version of a traced file is traced
+again naming the file, and a damaged graph is traced again with the warning; a graph file that
+passes its checksum but does not unpickle is damage too; the arguments are described with their
+dynamic dims starred; the backend keeps the first call's inputs and outputs, and only those,
+until released; and the replay record (``GraphCall``)
 sources every input and output or refuses. Inductor artifacts on a warm start:
 ``tests/core/test_warm_start.py``. About 80 s on 2 CPU cores.
 Run: pytest tests/core/test_traced_graph_cache.py
@@ -29,7 +31,12 @@ import torch
 
 from pieceworks.core.backend import FirstCallRecorder
 from pieceworks.core.graph_call import GraphCall, UnsupportedGraphCall
-from pieceworks.core.traced_graph_cache import MANIFEST_FILE, TracedGraphDamaged, TracedGraphStore
+from pieceworks.core.traced_graph_cache import (
+    MANIFEST_FILE,
+    TracedGraphDamaged,
+    TracedGraphStore,
+    describe_arguments,
+)
 from tests.core.compile_cache_worker import assert_same_outputs, run_toy, toy_config
 from tests.core.toy_model import ToyModel
 
@@ -236,7 +243,8 @@ def test_a_second_start_in_the_same_process_loads_the_stored_graph(tmp_path, log
     assert counters["num_piecewise_graphs_seen"] == 0  # nothing was split
     assert counters["num_backend_compilations"] == NUM_CAPTURABLE  # the pieces, rebuilt
     assert counters["num_eager_compiles"] == NUM_CAPTURABLE
-    assert "warm start: traced graph loaded from " in log_text()
+    loaded = f"warm start: traced graph loaded from {stored_graph_dir(tmp_path)} (no Dynamo trace)"
+    assert loaded in log_text()
     assert warm["cache_dir"] == cold["cache_dir"]
     assert_same_outputs(warm, cold)
 
@@ -259,6 +267,33 @@ def test_a_damaged_graph_in_the_same_process_is_traced_again_with_a_warning(tmp_
     assert_traced(damaged)
     assert damaged["counters"]["num_traced_graphs_saved"] == 1  # stored anew
     assert_same_outputs(damaged, cold)
+
+
+def test_a_graph_traced_from_another_source_in_the_same_process_is_traced_again(tmp_path, log_text):
+    cold = run_toy(str(tmp_path), NUM_LAYERS, backend="eager")
+    manifest_path = stored_graph_dir(tmp_path) / MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    (toy_file,) = [name for name in manifest["traced_files"] if name.endswith("toy_model.py")]
+    manifest["traced_files"][toy_file] = "0" * 64  # as if traced from another toy_model.py
+    manifest_path.write_text(json.dumps(manifest))
+    edited = run_toy(str(tmp_path), NUM_LAYERS, backend="eager")
+    assert (
+        "warm start: the stored graph was traced from other sources "
+        f"(traced_files.{toy_file}: changed); tracing" in log_text()
+    )
+    assert_traced(edited)
+    assert_same_outputs(edited, cold)
+
+
+def test_the_arguments_are_described_with_their_dynamic_dims_starred():
+    x, mask, table = torch.ones(4, 8), torch.ones(4, 3, dtype=torch.bool), torch.ones(2, 5)
+    arguments = {"x": x, "mask": mask, "table": table, "eps": 1e-6, "name": "n" * 300}
+    described = describe_arguments(arguments, {"x": 0, "mask": [0, 1]})
+    assert list(described) == ["eps", "mask", "name", "table", "x"]  # sorted by name
+    assert described["x"] == "torch.float32 cpu (*, 8)"
+    assert described["mask"] == "torch.bool cpu (*, *)"
+    assert described["table"] == "torch.float32 cpu (2, 5)"  # no dynamic dims: all static
+    assert (described["eps"], described["name"]) == ("1e-06", repr("n" * 300)[:200])
 
 
 def test_the_first_call_is_kept_until_released_and_later_calls_are_not():

@@ -5,8 +5,9 @@ and no Inductor compile (the stored graph and every artifact load); the same pac
 another path keys the same caches and loads them (traced files are keyed by package-relative path
 and content); a read-only cache (``chmod -R a-w``) is read, not ignored; an artifact damaged
 under a stored graph is reported with a warning, traced and recompiled; a miss is logged with its
-reason, and ``explain_miss`` names an edited source file, a torch version or a config change. On a
-GPU, the Triton kernels of a warm start come out of the artifacts (Inductor's Triton bundle).
+reason, and ``explain_miss`` names an edited source file, a torch version or a config change
+(a value longer than 60 characters cut). On a GPU, the Triton kernels of a warm start come out
+of the artifacts (Inductor's Triton bundle).
 One module-scoped cold compile of a 2-layer toy (3 pieces, 3 distinct structures: first, middle,
 last) is shared; fresh processes (``compile_cache_worker.py``) do the warm starts. About three
 minutes on 2 CPU cores (each warm process compiles Inductor's C++ kernels from the artifacts'
@@ -282,4 +283,12 @@ def test_source_digests_are_not_printed():
     assert differences(FACTORS, changed) == [
         "traced_files.b.py: added",
         "traced_files.pieceworks/models/llama.py: changed",
+    ]
+
+
+def test_a_value_is_shown_whole_up_to_sixty_characters_and_cut_beyond():
+    whole, cut = "x" * 58, "x" * 59  # reprs of 60 and 61 characters, quotes included
+    assert differences({"a": whole, "b": cut}, {"a": 1, "b": 1}) == [
+        f"a: '{whole}' -> 1",
+        f"b: '{cut[:56]}... -> 1",
     ]

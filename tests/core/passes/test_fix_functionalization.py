@@ -4,7 +4,8 @@ A toy op registered through ``direct_register_custom_op`` writes ``2 * x`` into 
 inside a graph (``graph_backend``: auto-functionalization v1, as pieces compile), it arrives
 wrapped in ``auto_functionalized``; after the pass the wrapper is gone, the raw op is called on
 the original buffer, and neither a clone nor a write-back copy is left. Where a later node still
-reads the buffer's old value the wrapper must stay; ops pieceworks did not register stay too.
+reads the buffer's old value the wrapper must stay; ops pieceworks did not register stay too. An op
+that also returns a tensor runs in place and its node keeps the result's value (``meta["val"]``).
 Run: pytest tests/core/passes/test_fix_functionalization.py
 """
 
@@ -133,3 +134,38 @@ def test_ops_not_registered_by_pieceworks_are_left_alone():
     out, run = run_with_passes(piece, [x], [FixFunctionalizationPass()])
     assert run.after[WRAPPER] == run.before[WRAPPER] == 1  # Inductor will clone as usual
     torch.testing.assert_close(out, x * 2)
+
+
+def _scale_into_and_sum(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    out.copy_(x * 2)
+    return x.sum(0)
+
+
+def _scale_into_and_sum_fake(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[1:])
+
+
+def test_an_op_with_a_result_runs_in_place_and_its_node_keeps_the_results_value():
+    """The in-place call's ``meta["val"]`` is the op's own result, as Inductor reads it."""
+    op = direct_register_custom_op(
+        "scale_into_and_sum",
+        _scale_into_and_sum,
+        mutates_args=["out"],
+        fake_impl=_scale_into_and_sum_fake,
+        target_lib=passes_toy_lib,
+    )
+
+    def piece(x):
+        out = torch.empty_like(x)
+        total = op(x, out)
+        return out + 1, total
+
+    x = torch.randn(5, 8)
+    (out, total), run = run_with_passes(piece, [x], [FixFunctionalizationPass()])
+    assert (run.before[WRAPPER], run.after[WRAPPER]) == (1, 0)
+    (call,) = [
+        node for node in run.graph.nodes if str(node.target).endswith("scale_into_and_sum.default")
+    ]
+    assert isinstance(call.meta["val"], torch.Tensor) and call.meta["val"].shape == (8,)
+    torch.testing.assert_close(out, x * 2 + 1)
+    torch.testing.assert_close(total, x.sum(0))

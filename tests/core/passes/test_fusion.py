@@ -5,7 +5,8 @@ The functions the layers call (``core.norm_quant``) are traced with a symbolic t
 fused op called in place (fix-functionalization runs last), leave no unfused quant behind, and
 produce the same FP8 bytes as eager (the fused ops' CPU implementation is the torch reference).
 A reshape between norm and quant hides the pattern unless no-op elimination runs first; a
-per-token scale is not a static per-tensor quant and must not match.
+per-token scale is not a static per-tensor quant and must not match. Each test traces the
+patterns afresh (the pass keeps them per process).
 Run: pytest tests/core/passes/test_fusion.py
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from pieceworks.core.config import PassConfig
 from pieceworks.core.norm_quant import add_rms_norm, fp8_dtype, rms_norm, static_scaled_fp8_quant
+from pieceworks.core.passes import fusion
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
 from pieceworks.core.passes.pass_manager import PostGradPassManager
 from pieceworks.models.layers.quantization.norm_quant_ops import register_norm_quant_ops
@@ -31,8 +33,12 @@ FP8_DTYPE = fp8_dtype()
 
 
 @pytest.fixture(autouse=True)
-def _fused_ops():
+def _fused_ops(monkeypatch):
     register_norm_quant_ops()
+    # The pass keeps the patterns it traced for the process: each test traces them afresh, so
+    # what it matches runs replacement code that its own call built (and a mutation tool that
+    # maps code to the tests running it sees every test of the patterns, not only the first).
+    monkeypatch.setattr(fusion, "_patterns", None)
 
 
 def manager(enable_noop: bool = True) -> PostGradPassManager:

@@ -3,7 +3,8 @@
 Each test traces a small function whose token dimension is symbolic (``graph_backend``), counts
 the view and slice ops before and after ``NoOpEliminationPass`` and checks the outputs against
 eager. Shapes that are equal only for some token counts must be left alone, and the pass must
-never add a guard on the token count.
+never add a guard on the token count. On a hand-built graph, views of a ``reshape`` fold into a
+``reshape`` of the base (it may have to copy), and each fold is counted.
 Run: pytest tests/core/passes/test_noop_elimination.py
 """
 
@@ -115,3 +116,21 @@ def test_rewritten_graph_serves_other_token_counts(num_tokens):
     x = tokens(num_tokens)
     with torch.no_grad():
         torch.testing.assert_close(run.compiled(x), x.sum(-1))
+
+
+def test_views_of_a_reshape_become_one_reshape_of_the_base_and_each_fold_counts():
+    """The folded op may have to copy as the inner ``reshape`` could: it is a reshape too."""
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    inner = graph.call_function(aten.reshape.default, (x, [-1, 4, 4]))
+    middle = graph.call_function(aten.view.default, (inner, [-1, 8, 2]))
+    graph.output(graph.call_function(aten.view.default, (middle, [-1, 2, 8])))
+    noop = NoOpEliminationPass()
+    noop(graph)
+    assert noop.num_rewrites == 2  # two reshapes folded away
+    (folded,) = [node for node in graph.nodes if node.op == "call_function"]
+    assert folded.target is aten.reshape.default and folded.args == (x, [-1, 2, 8])
+    transposed = torch.randn(16, 4).t()  # not contiguous: a view of it to (-1, 2, 8) fails
+    out = torch.fx.GraphModule(torch.nn.Module(), graph)(transposed)
+    torch.testing.assert_close(out, transposed.reshape(-1, 2, 8))

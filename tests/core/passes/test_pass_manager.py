@@ -2,13 +2,14 @@
 
 The uuid identifies the code a compile ran: it must change when a pass's source changes or the
 ``PassConfig`` changes, stay equal otherwise, and reach pieceworks' compile-cache key through
-the Inductor adaptor's hash factors.
+the Inductor adaptor's hash factors, under the factor names the cache's files and messages show.
 Run: pytest tests/core/passes/test_pass_manager.py
 """
 
 from __future__ import annotations
 
 import importlib.util
+import platform
 import sys
 import textwrap
 
@@ -23,6 +24,7 @@ from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPas
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
 from pieceworks.core.passes.pass_manager import PostGradPassManager
+from pieceworks.platforms import current_platform
 from pieceworks.utils import hash_factors
 
 
@@ -52,6 +54,11 @@ def test_fusion_also_runs_on_the_joint_graph():
     assert manager.joint_passes is not None
     joint = [type(graph_pass) for graph_pass in manager.joint_passes.passes]
     assert joint == [NoOpEliminationPass, RMSNormQuantFusionPass]
+    without_noop = PostGradPassManager(PassConfig(enable_noop=False, enable_fusion=True))
+    assert without_noop.joint_passes is not None
+    assert [type(graph_pass) for graph_pass in without_noop.joint_passes.passes] == [
+        RMSNormQuantFusionPass
+    ]
     assert manager.config_patches()["joint_custom_pre_pass"] is manager.joint_passes
     assert "joint_custom_pre_pass" not in PostGradPassManager(no_fusion).config_patches()
     assert manager.config_factors()["joint"] == manager.joint_passes.uuid()
@@ -139,6 +146,32 @@ def test_pass_manager_uuid_enters_the_compile_cache_key(load_pass):
     before_edit = key(PassConfig(), compiler)
     load_pass(4)
     assert key(PassConfig(), compiler) != before_edit
+
+
+def test_each_compilers_key_factors_by_name():
+    """The names ``cache_key_factors.json`` and a miss's reason give each compiler factor."""
+    assert make_compiler("eager", PassConfig()).compute_hash_factors() == {"name": "eager"}
+    factors = make_compiler("inductor", PassConfig()).compute_hash_factors()
+    assert sorted(factors) == [
+        "auto_functionalized_v2",
+        "device",
+        "inductor_config",
+        "name",
+        "pass_manager_uuid",
+        "python",
+        "static_size_options",
+        "torch",
+        "torch_git",
+        "triton",
+    ]
+    named = (factors["name"], factors["device"], factors["torch"], factors["python"])
+    assert named == (
+        "inductor",
+        current_platform().device_name(),
+        torch.__version__,
+        platform.python_version(),
+    )
+    assert factors["auto_functionalized_v2"] is False
 
 
 @pytest.mark.parametrize("backend,cls", [("eager", EagerAdaptor), ("inductor", InductorAdaptor)])

@@ -1,0 +1,130 @@
+"""A uniform random sample of the mutants of the core modules that no mutation run has tested.
+
+Reads the mutant names from mutmut's ``mutants/`` (the ``.meta`` file of each mutated module,
+written by the first ``mutmut run``, e.g. ``bash scripts/mutation.sh`` with any glob), sorts the
+names of the modules below, and prints ``random.Random(SEED).sample(names, K)`` one name a line,
+in the sample's order; the population size goes to stderr. With ``--score`` it prints instead the
+sample's per-module counts from ``mutmut results`` and the judged mutants of docs/testing.md
+(as ``scripts/mutation_score.py`` reads them), and the score with its Wilson 95 % interval.
+docs/testing.md, "A random sample of the untested core modules", records the result.
+
+Usage: python scripts/mutation_sample.py [K]           (default 150)
+       bash scripts/mutation.sh $(python scripts/mutation_sample.py | sed -n 1,15p)
+       python scripts/mutation_sample.py --score [K]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+SEED = 20261203
+K = 150
+ROOT = Path(__file__).parents[1]
+# The modules of pieceworks/core that no run had tested (docs/testing.md, "Not tested").
+MODULES = (
+    "trace_once",
+    "piecewise_backend",
+    "split",
+    "config",
+    "warm_start",
+    "traced_graph_cache",
+    "graph_call",
+    "compiler_manager",
+    "passes/*",
+    "artifact_key",
+    "breakable_graph",
+    "cache_miss",
+    "compiler_interface",
+    "counters",
+    "custom_op",
+    "decorators",
+    "forward_context",
+    "static_inputs",
+    "triton_cache",
+    "weak_ref",
+)
+
+
+def population() -> list[str]:
+    """Every mutant name of MODULES in ``mutants/``, sorted."""
+    names = []
+    core = ROOT / "mutants" / "pieceworks" / "core"
+    for module in MODULES:
+        metas = sorted(core.glob(f"{module}.py.meta"))
+        if not metas:
+            raise SystemExit(f"no {core}/{module}.py.meta: run mutmut once to generate mutants/")
+        for meta in metas:
+            names.extend(json.loads(meta.read_text())["exit_code_by_key"])
+    return sorted(names)
+
+
+def sample(k: int) -> list[str]:
+    names = population()
+    print(f"population: {len(names)} mutants", file=sys.stderr)
+    return random.Random(SEED).sample(names, k)
+
+
+def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95 % for z = 1.96)."""
+    p = successes / trials
+    denominator = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denominator
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
+    return centre - half, centre + half
+
+
+def score(names: list[str]) -> None:
+    """Per-module counts of the sample and its score, as mutation_score.py counts a mutant."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from mutation_score import KILLED, MODULE, module_path, read_judged, read_results
+
+    results, judged = read_results(), read_judged()
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for name in names:
+        status = results.get(name, "not checked")
+        module = module_path(MODULE.match(name)["module"])  # type: ignore[index]
+        counts[module]["sampled"] += 1
+        if status == "not checked":
+            counts[module]["untested"] += 1
+            continue
+        counts[module]["tested"] += 1
+        if status in KILLED:
+            counts[module]["killed"] += 1
+        else:
+            counts[module][judged.get(name, "survived")] += 1
+    columns = ["sampled", "tested", "killed", "equivalent", "time", "gpu", "survived"]
+    print("| module | " + " | ".join(columns) + " |")
+    print("| --- |" + " ---: |" * len(columns))
+    total: Counter = Counter()
+    for module in sorted(counts):
+        total.update(counts[module])
+        print(f"| `{module}` | " + " | ".join(str(counts[module][c]) for c in columns) + " |")
+    print("| total | " + " | ".join(str(total[c]) for c in columns) + " |")
+    non_equivalent = total["tested"] - total["equivalent"] - total["time"]
+    if non_equivalent:
+        low, high = wilson(total["killed"], non_equivalent)
+        print(
+            f"\nkilled / non-equivalent: {total['killed']} / {non_equivalent} = "
+            f"{100 * total['killed'] / non_equivalent:.1f} % "
+            f"(Wilson 95 %: {100 * low:.1f} % to {100 * high:.1f} %)"
+        )
+
+
+def main() -> None:
+    arguments = sys.argv[1:]
+    scoring = "--score" in arguments
+    arguments = [argument for argument in arguments if argument != "--score"]
+    names = sample(int(arguments[0]) if arguments else K)
+    if scoring:
+        score(names)
+    else:
+        print("\n".join(names))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""``artifact_key`` on hand-built FX graphs: what the key of a piece's structure tells apart.
+
+Proves: two pieces that differ only in node names share a key; another runtime shape, another
+input dtype or shape, and another type of a non-tensor input (an int, a float) each give another
+key; a piece that reads a constant (``get_attr``) is keyed by its index too.
+Run: pytest tests/core/test_artifact_key.py
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from pieceworks.core.artifact_key import artifact_key
+
+
+def piece(value, name: str = "x") -> torch.fx.GraphModule:
+    """``x * 2`` of one placeholder named ``name`` whose example value is ``value``."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder(name)
+    x.meta["example_value"] = value
+    graph.output(graph.call_function(operator.mul, (x, 2)))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_pieces_that_differ_only_in_names_share_a_key():
+    tensor = torch.empty(4, 8)
+    first, second = piece(tensor, "x_2"), piece(tensor, "x_4")
+    assert artifact_key(first, None, 0) == artifact_key(second, None, 1)
+
+
+def test_the_runtime_shape_and_each_input_property_change_the_key():
+    key = artifact_key(piece(torch.empty(4, 8)), None, 0)
+    assert artifact_key(piece(torch.empty(4, 8)), 4, 0) != key
+    assert artifact_key(piece(torch.empty(4, 8, dtype=torch.float16)), None, 0) != key
+    assert artifact_key(piece(torch.empty(8, 4)), None, 0) != key
+    assert artifact_key(piece(torch.empty(8, 4).t()), None, 0) != key  # another stride
+
+
+def test_a_non_tensor_input_is_keyed_by_its_type():
+    assert artifact_key(piece(2), None, 0) == artifact_key(piece(3), None, 0)
+    assert artifact_key(piece(2), None, 0) != artifact_key(piece(2.0), None, 0)
+
+
+def test_a_piece_reading_a_constant_is_keyed_by_its_index():
+    def with_constant() -> torch.fx.GraphModule:
+        module = torch.nn.Module()
+        module.register_buffer("table", torch.ones(3))
+        graph = torch.fx.Graph()
+        graph.output(graph.get_attr("table"))
+        return torch.fx.GraphModule(module, graph)
+
+    assert artifact_key(with_constant(), None, 0) != artifact_key(with_constant(), None, 1)
+    assert artifact_key(piece(2), None, 0) == artifact_key(piece(2), None, 1)
