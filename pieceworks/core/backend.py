@@ -246,7 +246,7 @@ class PiecewiseCompileBackend:
         pieces = record["pieces"]
         self._check_artifacts(pieces)
         manager = CompilerManager(self.compiler, self.compile_cache)
-        self.static_graph_wrappers = []
+        loaded = []  # every artifact before any piece is built: a failure leaves nothing built
         for piece in pieces:
             index, keys = piece["index"], piece["artifact_keys"]
             graph = split_gm._modules[piece["submod_name"]]
@@ -254,6 +254,10 @@ class PiecewiseCompileBackend:
             compiled = manager.load(graph, index, None, keys[None])
             if compiled is None:
                 raise TracedGraphDamaged(f"the artifact of {entry_name(index, None)} does not load")
+            loaded.append((piece, graph, compiled))
+        self.static_graph_wrappers = []
+        for piece, graph, compiled in loaded:
+            index, keys = piece["index"], piece["artifact_keys"]
             backend = PiecewiseBackend(
                 graph,
                 self.config,

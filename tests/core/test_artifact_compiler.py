@@ -9,7 +9,8 @@ Proves: a cold start compiles each distinct structure once and saves it (the twi
 artifact); a second start loads the stored graph and every artifact and compiles nothing; an
 artifact that fails its checksum is named in a warning, the start traces, compiles that
 structure alone, loads the rest, and the next start is warm again; an intact artifact that does
-not load is named and the start traces; a compile cache that cannot be opened is named with what
+not load is named and the start traces, building each piece once even when others loaded before
+it; a compile cache that cannot be opened is named with what
 to do, and a stored graph then cannot load its artifacts (the start traces and compiles); the
 cache directory holds its key factors and the log names it; a torch that does not report the
 traced files leaves the cache off, saying so; with piecewise graphs and a static
@@ -135,6 +136,30 @@ def test_an_intact_artifact_that_does_not_load_is_named_and_the_start_traces(
     text = log_text()
     assert "unusable (the artifact of piece_0/general does not load)" in text
     assert again["counters"]["num_dynamo_traces"] == 1
+    assert_same_outputs(again, cold)
+
+
+def test_an_artifact_that_fails_to_load_after_others_loaded_builds_each_piece_once(
+    tmp_path, log_text, monkeypatch
+):
+    """Loading stops at the first artifact that does not load, before any piece is built, so the
+    trace that follows builds every piece once, as a cold start does."""
+    cold = start(tmp_path)
+    load = SavingEagerAdaptor.load_artifact
+    loads: list[str] = []
+
+    def refuse_the_second(self, path, graph):
+        loads.append(path)
+        if len(loads) == 2:
+            raise ValueError("unreadable")
+        return load(self, path, graph)
+
+    monkeypatch.setattr(SavingEagerAdaptor, "load_artifact", refuse_the_second)
+    again = start(tmp_path)
+    assert "unusable (the artifact of piece_1/general does not load)" in log_text()
+    assert again["counters"]["num_dynamo_traces"] == 1
+    assert again["counters"]["num_backend_compilations"] == NUM_CAPTURABLE
+    assert cold["counters"]["num_backend_compilations"] == NUM_CAPTURABLE
     assert_same_outputs(again, cold)
 
 
