@@ -5,7 +5,9 @@ A small hybrid (Mamba2 layers around one attention layer, two SSM groups) with r
 Driven step by step through the engine: prefills, prefill + decode steps, a chunked prefill whose
 chunks (22, 22, 2 tokens) are aligned with neither the scan chunk nor ``d_conv``, and mixed steps
 (that prefill alongside two decodes); compile levels 0 and 3, and the Triton Mamba backend under
-the Triton interpreter. Tolerance (SPEC §4): max |diff| <= 1e-4 * max |HF logit|.
+the Triton interpreter. Tolerance (SPEC §4): max |diff| <= 1e-4 * max |HF logit|. The reference's
+gated norms normalize each SSM group apart on every transformers
+(``normalize_gated_norms_per_group``).
 Run: pytest tests/models/test_bamba_hf.py
 """
 
