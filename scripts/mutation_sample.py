@@ -3,14 +3,21 @@
 Reads the mutant names from mutmut's ``mutants/`` (the ``.meta`` file of each mutated module,
 written by the first ``mutmut run``, e.g. ``bash scripts/mutation.sh`` with any glob), sorts the
 names of the modules below, and prints ``random.Random(SEED).sample(names, K)`` one name a line,
-in the sample's order; the population size goes to stderr. With ``--score`` it prints instead the
-sample's per-module counts from ``mutmut results`` and the judged mutants of docs/testing.md
-(as ``scripts/mutation_score.py`` reads them), and the score with its Wilson 95 % interval.
-docs/testing.md, "A random sample of the untested core modules", records the result.
+in the sample's order; the population size goes to stderr. ``--seed N`` draws with another seed
+(default 20261203), and ``--exclude FILE`` leaves the names listed in FILE (one a line) out of
+the population before drawing. With ``--score`` it prints instead the sample's per-module counts
+from ``mutmut results`` and the judged mutants of docs/testing.md (as
+``scripts/mutation_score.py`` reads them), and the score with its Wilson 95 % interval;
+``--sample FILE`` scores the names listed in FILE instead of drawing them.
+docs/testing.md, "A random sample of the untested core modules" and "A second sample, after the
+tests for the first", records the results.
 
-Usage: python scripts/mutation_sample.py [K]           (default 150)
+Usage: python scripts/mutation_sample.py [K]           (default 150; docs/mutation_sample.txt)
        bash scripts/mutation.sh $(python scripts/mutation_sample.py | sed -n 1,15p)
        python scripts/mutation_sample.py --score [K]
+       python scripts/mutation_sample.py --seed 20261204 --exclude docs/mutation_sample.txt
+                                                        (docs/mutation_sample_2.txt)
+       python scripts/mutation_sample.py --score --sample docs/mutation_sample_2.txt
 """
 
 from __future__ import annotations
@@ -63,10 +70,21 @@ def population() -> list[str]:
     return sorted(names)
 
 
-def sample(k: int) -> list[str]:
+def read_names(path: str) -> list[str]:
+    """The mutant names listed in ``path``, one a line."""
+    return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def sample(k: int, seed: int = SEED, exclude: str | None = None) -> list[str]:
     names = population()
+    if exclude is not None:
+        excluded = set(read_names(exclude))
+        missing = excluded.difference(names)
+        if missing:
+            raise SystemExit(f"{len(missing)} names of {exclude} are not in the population")
+        names = [name for name in names if name not in excluded]
     print(f"population: {len(names)} mutants", file=sys.stderr)
-    return random.Random(SEED).sample(names, k)
+    return random.Random(seed).sample(names, k)
 
 
 def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -119,7 +137,20 @@ def main() -> None:
     arguments = sys.argv[1:]
     scoring = "--score" in arguments
     arguments = [argument for argument in arguments if argument != "--score"]
-    names = sample(int(arguments[0]) if arguments else K)
+    options = {}
+    for option in ("--seed", "--exclude", "--sample"):
+        if option in arguments:
+            index = arguments.index(option)
+            options[option] = arguments[index + 1]
+            del arguments[index : index + 2]
+    if "--sample" in options:
+        names = read_names(options["--sample"])
+    else:
+        names = sample(
+            int(arguments[0]) if arguments else K,
+            int(options.get("--seed", SEED)),
+            options.get("--exclude"),
+        )
     if scoring:
         score(names)
     else:
