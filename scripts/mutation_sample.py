@@ -99,22 +99,16 @@ def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
 def score(names: list[str]) -> None:
     """Per-module counts of the sample and its score, as mutation_score.py counts a mutant."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from mutation_score import KILLED, MODULE, module_path, read_judged, read_results
+    from mutation_score import MODULE, classify, module_path, read_judged, read_results
 
     results, judged = read_results(), read_judged()
     counts: dict[str, Counter] = defaultdict(Counter)
     for name in names:
-        status = results.get(name, "not checked")
+        category = classify(name, results.get(name, "not checked"), judged)
         module = module_path(MODULE.match(name)["module"])  # type: ignore[index]
         counts[module]["sampled"] += 1
-        if status == "not checked":
-            counts[module]["untested"] += 1
-            continue
-        counts[module]["tested"] += 1
-        if status in KILLED:
-            counts[module]["killed"] += 1
-        else:
-            counts[module][judged.get(name, "survived")] += 1
+        counts[module]["tested"] += category != "untested"
+        counts[module]["survived" if category == "no tests" else category] += 1
     columns = ["sampled", "tested", "killed", "equivalent", "time", "gpu", "survived"]
     print("| module | " + " | ".join(columns) + " |")
     print("| --- |" + " ---: |" * len(columns))

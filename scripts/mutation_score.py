@@ -56,6 +56,17 @@ def read_results() -> dict[str, str]:
     return results
 
 
+def classify(name: str, status: str, judged: dict[str, str]) -> str:
+    """untested, killed, the judged kind (equivalent, time, gpu), no tests or survived."""
+    if status == "not checked":
+        return "untested"
+    if status in KILLED:
+        return "killed"
+    if name in judged:
+        return judged[name]
+    return "no tests" if status == "no tests" else "survived"
+
+
 def tally(results: dict[str, str], judged: dict[str, str], prefixes: list[str]) -> dict:
     counts: dict[str, Counter] = defaultdict(Counter)
     for name, status in results.items():
@@ -63,16 +74,9 @@ def tally(results: dict[str, str], judged: dict[str, str], prefixes: list[str]) 
         module = match.group("module") if match else name
         if prefixes and not any(module.startswith(prefix) for prefix in prefixes):
             continue
-        if status == "not checked":
-            counts[module]["untested"] += 1
-            continue
-        counts[module]["tested"] += 1
-        if status in KILLED:
-            counts[module]["killed"] += 1
-        elif name in judged:
-            counts[module][judged[name]] += 1
-        else:
-            counts[module]["no tests" if status == "no tests" else "survived"] += 1
+        category = classify(name, status, judged)
+        counts[module]["tested"] += category != "untested"
+        counts[module][category] += 1
     return counts
 
 
