@@ -2,7 +2,9 @@
 
 Proves: two pieces that differ only in node names share a key; another runtime shape, another
 input dtype or shape, and another type of a non-tensor input (an int, a float) each give another
-key; a piece that reads a constant (``get_attr``) is keyed by its index too.
+key; a piece that reads a constant (``get_attr``) is keyed by its index too; pieces wired
+differently (``x - y``, ``y - x``) have different keys; an input described by ``val`` alone is
+keyed by it.
 Run: pytest tests/core/test_artifact_key.py
 """
 
@@ -54,3 +56,31 @@ def test_a_piece_reading_a_constant_is_keyed_by_its_index():
 
     assert artifact_key(with_constant(), None, 0) != artifact_key(with_constant(), None, 1)
     assert artifact_key(piece(2), None, 0) == artifact_key(piece(2), None, 1)
+
+
+def difference(first: str, second: str, meta: str = "example_value") -> torch.fx.GraphModule:
+    """``first - second`` of placeholders ``x`` and ``y`` (4 x 8 example values under ``meta``)."""
+    graph = torch.fx.Graph()
+    inputs = {name: graph.placeholder(name) for name in ("x", "y")}
+    for node in inputs.values():
+        node.meta[meta] = torch.empty(4, 8)
+    graph.output(graph.call_function(operator.sub, (inputs[first], inputs[second])))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_pieces_wired_differently_have_different_keys():
+    # The same nodes and inputs, the operands swapped: x - y and y - x must not share an artifact.
+    assert artifact_key(difference("x", "y"), None, 0) != artifact_key(
+        difference("y", "x"), None, 0
+    )
+    assert artifact_key(difference("x", "y"), None, 0) == artifact_key(
+        difference("x", "y"), None, 1
+    )
+
+
+def test_an_input_described_by_val_alone_is_keyed_by_it():
+    # A graph whose placeholders carry only ``val`` (no ``example_value``) is keyed by that value.
+    keyed_by_val = artifact_key(difference("x", "y", meta="val"), None, 0)
+    assert keyed_by_val == artifact_key(difference("x", "y"), None, 0)
+    untyped = difference("x", "y", meta="unused")
+    assert keyed_by_val != artifact_key(untyped, None, 0)
