@@ -9,7 +9,8 @@ loads the graph the first stored (the same counts and outputs as in a fresh proc
 config misses with the reason, a graph traced from another version of a traced file is traced
 again naming the file, and a damaged graph is traced again with the warning; a graph file that
 passes its checksum but does not unpickle is damage too; the arguments are described with their
-dynamic dims starred; the backend keeps the first call's inputs and outputs, and only those,
+dynamic dims starred, and another dtype or static dim of the first call's arguments is another
+stored graph; the backend keeps the first call's inputs and outputs, and only those,
 until released; and the replay record (``GraphCall``)
 sources every input and output or refuses. Inductor artifacts on a warm start:
 ``tests/core/test_warm_start.py``. About 80 s on 2 CPU cores.
@@ -37,6 +38,7 @@ from pieceworks.core.traced_graph_cache import (
     TracedGraphStore,
     describe_arguments,
 )
+from pieceworks.core.warm_start import traced_graph_store
 from tests.core.compile_cache_worker import assert_same_outputs, run_toy, toy_config
 from tests.core.toy_model import ToyModel
 
@@ -283,6 +285,22 @@ def test_a_graph_traced_from_another_source_in_the_same_process_is_traced_again(
     )
     assert_traced(edited)
     assert_same_outputs(edited, cold)
+
+
+def test_the_stored_graph_is_keyed_by_the_first_call_s_arguments(tmp_path, monkeypatch):
+    """Another dtype or a static dim of another size is another stored graph; another size of a
+    dynamic dim is the same one (the toy's ``x`` is dynamic in dim 0)."""
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+    config = toy_config(str(tmp_path), backend="eager")
+    model = ToyModel(config=config, num_layers=1)
+    backend = model._pieceworks_compiler.piecewise_backend
+    store = lambda x: traced_graph_store(backend, model, (x,), {})  # noqa: E731
+    stored = store(torch.ones(4, 8))
+    assert stored is not None
+    assert stored.factors["call"]["arguments"] == {"x": "torch.float32 cpu (*, 8)"}
+    assert store(torch.ones(6, 8)).directory == stored.directory
+    assert store(torch.ones(4, 8, dtype=torch.float16)).directory != stored.directory
+    assert store(torch.ones(4, 16)).directory != stored.directory
 
 
 def test_the_arguments_are_described_with_their_dynamic_dims_starred():
