@@ -6,8 +6,8 @@ another path keys the same caches and loads them (traced files are keyed by pack
 and content); a read-only cache (``chmod -R a-w``) is read, not ignored; an artifact damaged
 under a stored graph is reported with a warning, traced and recompiled; a miss is logged with its
 reason, and ``explain_miss`` names an edited source file, a torch version or a config change
-(a value longer than 60 characters cut). On a GPU, the Triton kernels of a warm start come out
-of the artifacts (Inductor's Triton bundle).
+(a value longer than 60 characters cut), from the nearest readable neighbour. On a GPU, the
+Triton kernels of a warm start come out of the artifacts (Inductor's Triton bundle).
 One module-scoped cold compile of a 2-layer toy (3 pieces, 3 distinct structures: first, middle,
 last) is shared; fresh processes (``compile_cache_worker.py``) do the warm starts. About three
 minutes on 2 CPU cores (each warm process compiles Inductor's C++ kernels from the artifacts'
@@ -270,6 +270,15 @@ def test_the_nearest_of_several_caches_is_reported(tmp_path):
     reason = explain_miss(str(cache_dir_of(tmp_path, "new")), FACTORS)
     assert f"{cache_dir_of(tmp_path, 'near')}, differs in 1 factor(s)" in reason
     assert "config.max_model_len: 4096 -> 2048" in reason
+
+
+def test_an_unreadable_neighbour_is_passed_over_for_the_next(tmp_path):
+    # "a" sorts first and holds no JSON: it explains nothing, and the search goes on to "b".
+    write_neighbour(cache_dir_of(tmp_path, "a"), {})
+    (cache_dir_of(tmp_path, "a") / KEY_FACTORS_FILE).write_text("not json")
+    write_neighbour(cache_dir_of(tmp_path, "b"), {**FACTORS, "env": {"PIECEWORKS_X": "0"}})
+    reason = explain_miss(str(cache_dir_of(tmp_path, "new")), FACTORS)
+    assert f"{cache_dir_of(tmp_path, 'b')}, differs in 1 factor(s)" in reason
 
 
 def test_a_first_compile_says_so(tmp_path):
