@@ -10,10 +10,10 @@ config misses with the reason, a graph traced from another version of a traced f
 again naming the file, and a damaged graph is traced again with the warning; a graph file that
 passes its checksum but does not unpickle is damage too; the arguments are described with their
 dynamic dims starred, and another dtype or static dim of the first call's arguments is another
-stored graph; the backend keeps the first call's inputs and outputs, and only those,
-until released; and the replay record (``GraphCall``)
-sources every input and output or refuses. Inductor artifacts on a warm start:
-``tests/core/test_warm_start.py``. About 80 s on 2 CPU cores.
+stored graph; the graph that is pickled keeps each constant and submodule its nodes read; the
+backend keeps the first call's inputs and outputs, and only those, until released; and the
+replay record (``GraphCall``) sources every input and output or refuses. Inductor artifacts on a
+warm start: ``tests/core/test_warm_start.py``. About 80 s on 2 CPU cores.
 Run: pytest tests/core/test_traced_graph_cache.py
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from pieceworks.core.traced_graph_cache import (
     TracedGraphDamaged,
     TracedGraphStore,
     describe_arguments,
+    portable_graph_module,
 )
 from pieceworks.core.warm_start import traced_graph_store
 from tests.core.compile_cache_worker import assert_same_outputs, run_toy, toy_config
@@ -301,6 +303,24 @@ def test_the_stored_graph_is_keyed_by_the_first_call_s_arguments(tmp_path, monke
     assert store(torch.ones(6, 8)).directory == stored.directory
     assert store(torch.ones(4, 8, dtype=torch.float16)).directory != stored.directory
     assert store(torch.ones(4, 16)).directory != stored.directory
+
+
+def test_a_portable_graph_keeps_the_constants_and_submodules_it_reads():
+    """The copy that is pickled holds each attribute its nodes read (a constant, a submodule)
+    and nothing else, and computes what the original does after a pickle round trip."""
+    module = torch.nn.Module()
+    module.register_buffer("table", torch.arange(3.0))
+    module.register_buffer("unused", torch.ones(2))
+    module.scale = torch.nn.Linear(3, 3)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    added = graph.call_function(torch.add, (x, graph.get_attr("table")))
+    graph.output(graph.call_module("scale", (added,)))
+    original = torch.fx.GraphModule(module, graph)
+    portable = pickle.loads(pickle.dumps(portable_graph_module(original)))
+    assert torch.equal(portable.table, torch.arange(3.0)) and not hasattr(portable, "unused")
+    x_value = torch.ones(2, 3)
+    assert torch.equal(portable(x_value), original(x_value))
 
 
 def test_the_arguments_are_described_with_their_dynamic_dims_starred():
