@@ -1,4 +1,5 @@
-"""``direct_register_custom_op``: the platform's dispatch key by default, and Dynamo traces the op.
+"""``direct_register_custom_op``: the platform's dispatch key by default, and Dynamo traces the op;
+a dynamic op called outside a capture gets its keyword arguments.
 
 Run: pytest tests/core/test_custom_op.py
 """
@@ -73,3 +74,22 @@ def test_dynamo_traces_through_the_op_without_running_it():
     assert _calls["count"] == before + 1  # ran once, at run time; tracing used the fake
     packet = torch.ops.pieceworks_test_custom_op.scale_into
     assert packet in seen_targets or packet.default in seen_targets
+
+
+def _scale_by_into(x: torch.Tensor, out: torch.Tensor, *, factor: float = 2.0) -> None:
+    out.copy_(x * factor)
+
+
+def test_a_dynamic_op_outside_a_capture_passes_its_keyword_arguments():
+    scale_by = direct_register_custom_op(
+        "scale_by_into",
+        _scale_by_into,
+        mutates_args=["out"],
+        fake_impl=lambda x, out, *, factor=2.0: None,
+        target_lib=_test_lib,
+        dynamic=True,
+    )
+    device = current_platform().device()
+    x, out = torch.ones(3, device=device), torch.empty(3, device=device)
+    scale_by(x, out, factor=5.0)
+    assert torch.equal(out.cpu(), torch.full((3,), 5.0))
