@@ -6,7 +6,9 @@ Dimensions declared dynamic are traced once for every size: Dynamo converts no f
 bytecode hook counts its conversions), also at level 1 where guards are evaluated. The first
 call's times add up (trace and compile within the call; a warm start's graph load and rebuild
 likewise), and the debug dump holds the split graph and Dynamo's transformed code. A first call
-by keyword passes every argument; a level-1 model is counted and reports no first-call times.
+by keyword passes every argument; a level-1 model is counted and reports no first-call times. A
+model with no dynamic dims is refused, and the forward context read outside one, each saying what
+to do.
 Run: pytest tests/core/test_decorators.py
 """
 
@@ -25,7 +27,7 @@ from pieceworks.config import EngineConfig
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import ignore_torch_compile, support_torch_compile
-from pieceworks.core.forward_context import set_forward_context
+from pieceworks.core.forward_context import get_forward_context, set_forward_context
 from pieceworks.core.trace_once import trace_once_compilers
 from pieceworks.platforms import current_platform
 from tests.core.compile_cache_worker import toy_config
@@ -114,6 +116,26 @@ def test_opted_out_subclass_is_not_compiled():
     with compilation_counter.expect(num_models_seen=1, num_graphs_seen=1):
         compiled = ToyModel(config=config, num_layers=2).to(device)
         call(compiled, config, torch.randn(3, 8, device=device))
+
+
+def test_a_model_with_no_dynamic_dims_is_refused_with_what_to_do():
+    class Untyped(nn.Module):
+        def forward(self, x, scale: float = 2.0):
+            return x * scale
+
+    expected = (
+        "support_torch_compile on Untyped: no dynamic dims. Annotate forward's tensor arguments "
+        "as torch.Tensor or pass dynamic_arg_dims"
+    )
+    with pytest.raises(ValueError) as refused:
+        support_torch_compile(Untyped)
+    assert str(refused.value) == expected
+
+
+def test_the_forward_context_read_outside_one_says_what_to_do():
+    with pytest.raises(RuntimeError) as refused:
+        get_forward_context()
+    assert str(refused.value) == "no forward context: run the model inside set_forward_context(...)"
 
 
 @pytest.mark.parametrize("level", [CompilationLevel.DYNAMO_AS_IS, CompilationLevel.DYNAMO_ONCE])
