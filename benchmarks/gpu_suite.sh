@@ -141,9 +141,9 @@ for name in $steps; do
              startup smollm2_135m --model "$(smollm2_model)" --batch-size 1 ;;
     tests) step tests python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;
     # the same tests in three groups side by side (each its own process and cache), the kernels
-    # step as a fourth beside them, then the
-    # tests that time their loops alone: the serial step ran past a 9-minute limit on an H200
-    # (2026-12-02: tests/kernels + tests/engine alone took 188 s, tests/benchmarks 96 s)
+    # step as a fourth beside them, then the tests that time their loops alone: the serial step
+    # ran past a 9-minute limit on an H200 (2026-12-03: the four groups 98 to 439 s side by side,
+    # tests/benchmarks 105 s)
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;

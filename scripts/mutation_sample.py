@@ -22,6 +22,7 @@ Usage: python scripts/mutation_sample.py [K]           (default 150; docs/mutati
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -128,24 +129,15 @@ def score(names: list[str]) -> None:
 
 
 def main() -> None:
-    arguments = sys.argv[1:]
-    scoring = "--score" in arguments
-    arguments = [argument for argument in arguments if argument != "--score"]
-    options = {}
-    for option in ("--seed", "--exclude", "--sample"):
-        if option in arguments:
-            index = arguments.index(option)
-            options[option] = arguments[index + 1]
-            del arguments[index : index + 2]
-    if "--sample" in options:
-        names = read_names(options["--sample"])
-    else:
-        names = sample(
-            int(arguments[0]) if arguments else K,
-            int(options.get("--seed", SEED)),
-            options.get("--exclude"),
-        )
-    if scoring:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("k", nargs="?", type=int, default=K, help=f"sample size (default {K})")
+    parser.add_argument("--seed", type=int, default=SEED, help=f"default {SEED}")
+    parser.add_argument("--exclude", metavar="FILE", help="names left out of the population")
+    parser.add_argument("--sample", metavar="FILE", help="the names to score, instead of a draw")
+    parser.add_argument("--score", action="store_true", help="print the sample's score")
+    args = parser.parse_args()
+    names = read_names(args.sample) if args.sample else sample(args.k, args.seed, args.exclude)
+    if args.score:
         score(names)
     else:
         print("\n".join(names))
