@@ -5,13 +5,14 @@
 ``EngineSpec`` (the engine is built in a process of its own, the default of ``pieceworks
 serve``), and runs uvicorn on 127.0.0.1 with a port the OS picks; it yields the base URL and the
 serving context, and stops the server (draining it, then stopping the engine) on exit.
-``start_cli_server`` runs ``pieceworks serve`` as a process instead; the ``/proc`` helpers find a
-server's engine process and tell whether a process is gone.
+``start_cli_server`` runs ``pieceworks serve`` as a process instead (a ``CliServer``, which keeps
+its log); the ``/proc`` helpers find a server's engine process and tell whether a process is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -58,23 +59,49 @@ def running_server(
         ctx.engine.shutdown()  # a no-op after the app's own shutdown
 
 
-def start_cli_server(*serve_args: str) -> tuple[subprocess.Popen, str]:
-    """``pieceworks serve *serve_args --port 0`` as a process, once uvicorn is up, and its URL."""
+@dataclasses.dataclass
+class CliServer:
+    """A ``pieceworks serve`` process, its URL, and the lines of its log read so far."""
+
+    process: subprocess.Popen
+    url: str
+    log: list[str]
+    reader: threading.Thread
+
+    def log_text(self) -> str:
+        """The log so far; all of it once the process has exited."""
+        if self.process.poll() is not None:
+            self.reader.join(10)
+        return "".join(self.log)
+
+
+def start_cli_server(*serve_args: str) -> CliServer:
+    """``pieceworks serve *serve_args --port 0`` as a process, once uvicorn is up; its log (stderr)
+    keeps being read into ``log`` by a thread, so a full pipe never blocks the server and a
+    failing test can show what the server said."""
     command = [sys.executable, "-m", "pieceworks.entrypoints.cli", "serve", *serve_args]
     command += ["--port", "0"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 180
     assert process.stderr is not None
+    log: list[str] = []
     for line in process.stderr:
+        log.append(line)
         found = re.search(r"Uvicorn running on (http://\S+)", line)
-        if found:  # keep reading its log, so a full pipe never blocks the server
-            threading.Thread(target=process.stderr.read, daemon=True).start()
-            return process, found.group(1)
+        if found:
+            reader = threading.Thread(target=_read_lines, args=(process.stderr, log), daemon=True)
+            reader.start()
+            return CliServer(process, found.group(1), log, reader)
         if time.monotonic() > deadline:
             break
     process.kill()
-    raise RuntimeError("the server process did not start")
+    raise RuntimeError("the server process did not start; its log:\n" + "".join(log))
+
+
+def _read_lines(stream: Any, lines: list[str]) -> None:
+    for line in stream:
+        lines.append(line)
 
 
 def parent_pid(pid: int) -> int:

@@ -119,7 +119,7 @@ def test_an_engine_that_cannot_be_built_is_one_error_line(argv, capsys):
 
 
 def test_a_killed_server_takes_its_engine_process_with_it():
-    server, _ = start_cli_server(MODEL, "-O", "0", "--dtype", "float32", "--max-num-seqs", "2")
+    server = start_cli_server(MODEL, "-O", "0", "--dtype", "float32", "--max-num-seqs", "2").process
     try:
         (engine_pid,) = spawned_children(server.pid)
         server.kill()
@@ -156,7 +156,8 @@ def test_only_the_engine_process_holds_a_device_context():
     """The server process never initialises CUDA: nvidia-smi lists only its engine process."""
     if shutil.which("nvidia-smi") is None:
         pytest.skip("needs nvidia-smi to list the processes holding a CUDA context")
-    server, url = start_cli_server(MODEL, "-O", "0", "--max-num-seqs", "2")
+    cli = start_cli_server(MODEL, "-O", "0", "--max-num-seqs", "2")
+    server, url = cli.process, cli.url
     try:
         (engine_pid,) = spawned_children(server.pid)
         assert httpx.get(f"{url}/health").status_code == 200
