@@ -1,9 +1,9 @@
 """The compiler adaptors: what each compiles, saves and loads, and what it refuses.
 
-``InductorAdaptor`` is compiled against in process, once for the module (a compile takes
-Inductor about 20 s on a small CPU; this file carries no ``inductor`` marker, so the mutation
-oracle runs it): two static-size pieces, one returning a single value as ``split_module``'s
-pieces do and one returning a tuple, and one dynamic-shape piece through ``torch.compile``.
+``InductorAdaptor`` is compiled against in process, in one test (a compile takes Inductor about
+20 s on a small CPU; this file carries no ``inductor`` marker, so the mutation oracle runs it):
+two static-size pieces, one returning a single value as ``split_module``'s pieces do and one
+returning a tuple, and one dynamic-shape piece through ``torch.compile``.
 Proves: the compile runs pieceworks' pass manager and the caller's options, with the
 autotuning options for a static size and without them for the dynamic shape; each compile is
 counted once; a saved artifact loads back into a callable that returns what the compiled piece
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,7 +64,7 @@ def two_values(x, y):
 
 @dataclass
 class Compiled:
-    """What the module's compiles produced, and what the recording passes saw."""
+    """What the compiles produced, and what the recording passes saw."""
 
     inputs: list[torch.Tensor]
     in_manager: RecordingPass
@@ -74,10 +75,11 @@ class Compiled:
     dynamic_outputs: list[torch.Tensor] = field(default_factory=list)
 
 
-@pytest.fixture(scope="module")
-def inductor(tmp_path_factory: pytest.TempPathFactory) -> Compiled:
-    """Each piece compiled once, saved and loaded back (Inductor's caches in a fresh directory,
-    so that a compile runs the passes however often the tests run)."""
+def compile_save_and_load(directory: Path, monkeypatch: pytest.MonkeyPatch) -> Compiled:
+    """Each piece compiled once, saved and loaded back, and the dynamic piece compiled and run
+    for two sizes (Inductor's caches in a fresh directory, so that a compile runs the passes
+    however often the test runs)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory / "inductor"))
     adaptor = InductorAdaptor(PassConfig())
     compiled = Compiled(
         inputs=[torch.randn(NUM_TOKENS, 3), torch.randn(NUM_TOKENS, 3)],
@@ -85,66 +87,52 @@ def inductor(tmp_path_factory: pytest.TempPathFactory) -> Compiled:
         from_options=RecordingPass(),
     )
     adaptor.pass_manager.passes.insert(0, compiled.in_manager)
-    directory = tmp_path_factory.mktemp("artifacts")
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-        for function in (single_value, two_values):
-            graph = torch.fx.symbolic_trace(function)
-            options = {"post_grad_custom_pre_pass": compiled.from_options}
-            before = compilation_counter.num_inductor_compiles
-            piece = adaptor.compile(graph, compiled.inputs, options, NUM_TOKENS)
-            compiled.num_compiles.append(compilation_counter.num_inductor_compiles - before)
-            path = str(directory / function.__name__)
-            adaptor.save_artifact(piece, path)
-            compiled.pieces[function.__name__] = piece
-            compiled.loaded[function.__name__] = adaptor.load_artifact(path, graph)
+    for function in (single_value, two_values):
+        graph = torch.fx.symbolic_trace(function)
+        options = {"post_grad_custom_pre_pass": compiled.from_options}
+        before = compilation_counter.num_inductor_compiles
+        piece = adaptor.compile(graph, compiled.inputs, options, NUM_TOKENS)
+        compiled.num_compiles.append(compilation_counter.num_inductor_compiles - before)
+        path = str(directory / function.__name__)
+        adaptor.save_artifact(piece, path)
+        compiled.pieces[function.__name__] = piece
+        compiled.loaded[function.__name__] = adaptor.load_artifact(path, graph)
 
-        def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            before = compilation_counter.num_inductor_compiles
-            piece = adaptor.compile(graph, example_inputs, {}, None)
-            compiled.num_compiles.append(compilation_counter.num_inductor_compiles - before)
-            return piece
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        before = compilation_counter.num_inductor_compiles
+        piece = adaptor.compile(graph, example_inputs, {}, None)
+        compiled.num_compiles.append(compilation_counter.num_inductor_compiles - before)
+        return piece
 
-        model = torch.compile(lambda x: x.sin() + 1, backend=backend, dynamic=True)
-        compiled.dynamic_outputs = [model(torch.arange(float(size))) for size in (5, 7)]
+    model = torch.compile(lambda x: x.sin() + 1, backend=backend, dynamic=True)
+    compiled.dynamic_outputs = [model(torch.arange(float(size))) for size in (5, 7)]
     return compiled
 
 
-def test_inductor_runs_the_pass_manager_and_the_options_with_autotuning_for_a_static_size(
-    inductor,
-):
-    # One graph per compile reaches the manager: two static pieces, then the dynamic one.
+def test_inductor_compiles_saves_and_loads_pieces_in_process(tmp_path, monkeypatch):
+    # One test for every Inductor compile: mutmut maps a function only to the test that ran it
+    # first, so the test that compiles must check everything the compiles produced.
+    inductor = compile_save_and_load(tmp_path, monkeypatch)
+    # One graph per compile reaches the manager: two static pieces, then the dynamic one; the
+    # caller's options reach Inductor too, and autotuning is on for the static sizes only.
     assert inductor.in_manager.max_autotune == [True, True, False]
     assert inductor.from_options.max_autotune == [True, True]
-
-
-def test_each_inductor_compile_is_counted_once(inductor):
-    # The two static pieces, then the dynamic piece (compiled once for both sizes).
+    # Each compile counted once (the dynamic piece compiled once for both sizes).
     assert inductor.num_compiles == [1, 1, 1]
-
-
-def test_a_dynamic_piece_serves_every_size_from_one_compile(inductor):
     for output, size in zip(inductor.dynamic_outputs, (5, 7), strict=True):
         torch.testing.assert_close(output, torch.arange(float(size)).sin() + 1)
 
-
-def test_a_loaded_single_value_piece_returns_the_tensor(inductor):
     x, y = inductor.inputs
-    loaded = inductor.loaded["single_value"](x, y)
-    assert isinstance(loaded, torch.Tensor)
-    torch.testing.assert_close(loaded, x * 2 + y)
+    single = inductor.loaded["single_value"](x, y)
+    assert isinstance(single, torch.Tensor)  # not the artifact's 1-list
+    torch.testing.assert_close(single, x * 2 + y)
     torch.testing.assert_close(inductor.pieces["single_value"](x, y), x * 2 + y)
 
-
-def test_a_loaded_tuple_piece_returns_the_tuple_in_order(inductor):
-    x, y = inductor.inputs
-    loaded = inductor.loaded["two_values"](x, y)
-    assert isinstance(loaded, tuple)
-    assert len(loaded) == 2
-    torch.testing.assert_close(loaded[0], x + y)
-    torch.testing.assert_close(loaded[1], x * y)
-    fresh = inductor.pieces["two_values"](x, y)
-    torch.testing.assert_close(list(fresh), list(loaded))
+    pair = inductor.loaded["two_values"](x, y)
+    assert isinstance(pair, tuple) and len(pair) == 2
+    torch.testing.assert_close(pair[0], x + y)
+    torch.testing.assert_close(pair[1], x * y)
+    torch.testing.assert_close(list(inductor.pieces["two_values"](x, y)), list(pair))
 
 
 def test_the_eager_adaptor_returns_the_graph_and_counts_it():
