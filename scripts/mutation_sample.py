@@ -9,8 +9,9 @@ the population before drawing. With ``--score`` it prints instead the sample's p
 from ``mutmut results`` and the judged mutants of docs/testing.md (as
 ``scripts/mutation_score.py`` reads them), and the score with its Wilson 95 % interval;
 ``--sample FILE`` scores the names listed in FILE instead of drawing them.
-docs/testing.md, "A random sample of the untested core modules" and "A second sample, after the
-tests for the first", records the results.
+docs/testing.md, "A random sample of the untested core modules", "A second sample, after the
+tests for the first" and "A third sample, after the tests for the module gaps", records the
+results.
 
 Usage: python scripts/mutation_sample.py [K]           (default 150; docs/mutation_sample.txt)
        bash scripts/mutation.sh $(python scripts/mutation_sample.py | sed -n 1,15p)
@@ -18,6 +19,9 @@ Usage: python scripts/mutation_sample.py [K]           (default 150; docs/mutati
        python scripts/mutation_sample.py --seed 20261204 --exclude docs/mutation_sample.txt
                                                         (docs/mutation_sample_2.txt)
        python scripts/mutation_sample.py --score --sample docs/mutation_sample_2.txt
+       cat docs/mutation_sample.txt docs/mutation_sample_2.txt > excluded.txt
+       python scripts/mutation_sample.py --seed 20261205 --exclude excluded.txt
+                                                        (docs/mutation_sample_3.txt)
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the same. The key hashes each node's op, qualified target and arguments with nod
 position, plus each input's dtype, (symbolic) shape, stride and device, plus the runtime shape the
 piece is compiled for. Two pieces with one key can run one compiled artifact. A piece that reads
 attributes (``get_attr``: a constant tensor baked into the graph) or calls a target with no stable
-name (a lambda) is made unique by its index: its twin may hold other constants or other code.
+name (a lambda or a local function, whose qualified name another function can share) is made
+unique by its index: its twin may hold other constants or other code.
 """
 
 from __future__ import annotations
@@ -35,11 +36,16 @@ def artifact_key(graph: torch.fx.GraphModule, runtime_shape: int | None, piece_i
 
 def _target_name(node: torch.fx.Node) -> str | None:
     """The target without memory addresses (``torch.empty_like``, not ``<built-in ... 0x7f..>``);
-    None for a target with no stable name (a lambda, a callable object)."""
+    None for a target with no stable name (a lambda, a local function, a callable object)."""
     if node.op == "placeholder":
         return ""  # a placeholder's target is its (per-layer) name
     if not callable(node.target):
         return str(node.target)
+    qualname = getattr(node.target, "__qualname__", "")
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        # FX would name it after its module and variable or ``__name__``, which another lambda
+        # or local function of that module can share while running other code.
+        return None
     try:
         return _get_qualified_name(node.target)
     except (AttributeError, RuntimeError):

@@ -167,7 +167,8 @@ class CompilationConfig:
             self.splitting_ops = [ATTENTION_OP, MAMBA_MIXER2_OP]
         self._resolve_cudagraph_mode()
         for entry in self.custom_ops:
-            if entry not in ("all", "none") and entry[:1] not in "+-":
+            # ("" and a bare sign are no names; ``"" in "+-"`` would let "" through.)
+            if entry not in ("all", "none") and (entry[:1] not in ("+", "-") or len(entry) < 2):
                 raise ValueError(
                     f"custom_ops entry {entry!r}: use 'all', 'none', '+name' or '-name'"
                 )

@@ -4,16 +4,21 @@ Proves: two pieces that differ only in node names share a key; another runtime s
 input dtype or shape, and another type of a non-tensor input (an int, a float) each give another
 key; a piece that reads a constant (``get_attr``) is keyed by its index too; pieces wired
 differently (``x - y``, ``y - x``) have different keys; an input described by ``val`` alone is
-keyed by it.
+keyed by it; the key is the hash of one line per node (op, qualified target, arguments by
+position, input description) after the runtime shape; an input's device and a symbolic size are
+part of it; a target with no stable name (a lambda) is keyed by the piece's index too, and a
+method call by the method's name.
 Run: pytest tests/core/test_artifact_key.py
 """
 
 from __future__ import annotations
 
+import hashlib
 import operator
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from pieceworks.core.artifact_key import artifact_key
 
@@ -84,3 +89,62 @@ def test_an_input_described_by_val_alone_is_keyed_by_it():
     assert keyed_by_val == artifact_key(difference("x", "y"), None, 0)
     untyped = difference("x", "y", meta="unused")
     assert keyed_by_val != artifact_key(untyped, None, 0)
+
+
+def test_the_key_hashes_each_node_s_op_target_arguments_and_input_description():
+    # The lines the key hashes, as a reader of a cache directory would rebuild them.
+    lines = [
+        "runtime_shape=8",
+        "placeholder  ((), {}) torch.float32 (4, 8) (8, 1) cpu",
+        "call_function _operator.mul (('%0', 2), {}) ",
+        "output output (('%1',), {}) ",
+    ]
+    expected = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
+    assert artifact_key(piece(torch.empty(4, 8)), 8, 0) == expected
+
+
+def test_the_device_and_a_symbolic_size_are_part_of_an_input_s_description():
+    key = artifact_key(piece(torch.empty(4, 8)), None, 0)
+    assert artifact_key(piece(torch.empty(4, 8, device="meta")), None, 0) != key
+    shape_env = ShapeEnv()
+    first, second = (shape_env.create_unbacked_symint() for _ in range(2))
+    assert artifact_key(piece(first), None, 0) != artifact_key(piece(second), None, 0)
+    assert artifact_key(piece(first), None, 0) != artifact_key(piece(4), None, 0)
+
+
+def calling(target, op: str = "call_function") -> torch.fx.GraphModule:
+    """``target(x)`` of one 4 x 8 placeholder, as a call of ``op``."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["example_value"] = torch.empty(4, 8)
+    graph.output(graph.create_node(op, target, (x,)))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def scaled_by(factor: float):
+    """A local function: every one is named ``scaled`` in this module, whatever its factor."""
+
+    def scaled(x):
+        return x * factor
+
+    return scaled
+
+
+def test_a_target_with_no_stable_name_is_keyed_by_the_piece_s_index():
+    # Two lambdas of one name, and two local functions of one name, that compute different
+    # things: FX gives each pair one qualified name, so only the index keeps them apart.
+    first = lambda x: x * 2  # noqa: E731
+    halve = first
+    first = lambda x: x * 0.5  # noqa: E731
+    assert artifact_key(calling(halve), None, 0) != artifact_key(calling(first), None, 1)
+    assert artifact_key(calling(first), None, 0) != artifact_key(calling(first), None, 1)
+    double, triple = scaled_by(2.0), scaled_by(3.0)
+    assert artifact_key(calling(double), None, 0) != artifact_key(calling(triple), None, 1)
+    assert artifact_key(calling(torch.neg), None, 0) == artifact_key(calling(torch.neg), None, 1)
+    assert artifact_key(calling(torch.neg), None, 0) != artifact_key(calling(torch.abs), None, 0)
+
+
+def test_a_method_call_is_keyed_by_the_method_s_name():
+    neg = artifact_key(calling("neg", "call_method"), None, 0)
+    assert neg == artifact_key(calling("neg", "call_method"), None, 1)
+    assert neg != artifact_key(calling("abs", "call_method"), None, 0)

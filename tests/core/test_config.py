@@ -1,10 +1,16 @@
 """Compilation config: defaults, capture-size grid and padding table, validation messages.
 
+Every refusal and the two logged decisions (a piecewise mode promoted to FULL, fusion without
+no-op elimination) read in full; what each graph mode captures; levels and modes read from
+names in any case and from ints; the compiled fields by name (what the cache key hashes); and
+how ``custom_ops`` entries decide before a kernel's default.
+
 Run: pytest tests/core/test_config.py
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -16,8 +22,10 @@ from pieceworks.core.config import (
     CompilationConfig,
     CompilationLevel,
     CUDAGraphMode,
+    PassConfig,
     default_capture_sizes,
 )
+from pieceworks.utils import hash_factors
 
 
 def test_graph_mode_routines():
@@ -147,3 +155,187 @@ def test_from_fields_refuses_unknown_names_and_non_dicts_listing_the_fields():
         "the compilation config must be a JSON object / dict of CompilationConfig fields "
         f'(e.g. {{"level": 3}}), not list [1]; fields: {fields}'
     )
+
+
+def test_each_refusal_reads_in_full():
+    refusals = [
+        (
+            lambda: CompilationConfig(cudagraph_capture_sizes=[0, 1]),
+            "cudagraph_capture_sizes must be positive ints, got [0, 1]",
+        ),
+        (
+            lambda: CompilationConfig(cudagraph_capture_sizes=[1, 2.0]),
+            "cudagraph_capture_sizes must be positive ints, got [1, 2.0]",
+        ),
+        (
+            lambda: CompilationConfig(cudagraph_capture_sizes=[1, 4, 4, 2]),
+            "cudagraph_capture_sizes has duplicates: [1, 4, 4, 2]; use [1, 2, 4]",
+        ),
+        (
+            lambda: CompilationConfig(cudagraph_capture_sizes=[4, 1, 2]),
+            "cudagraph_capture_sizes must be sorted ascending, got [4, 1, 2]; use [1, 2, 4]",
+        ),
+        (
+            lambda: CompilationConfig(backend="tvm"),
+            "CompilationConfig.backend='tvm' is not supported; use 'inductor' or 'eager'",
+        ),
+        (
+            lambda: CompilationConfig(custom_ops=["+rms_norm", "silu"]),
+            "custom_ops entry 'silu': use 'all', 'none', '+name' or '-name'",
+        ),
+        (
+            lambda: CompilationConfig(custom_ops=[""]),
+            "custom_ops entry '': use 'all', 'none', '+name' or '-name'",
+        ),
+        (
+            lambda: CompilationConfig(custom_ops=["-"]),
+            "custom_ops entry '-': use 'all', 'none', '+name' or '-name'",
+        ),
+        (
+            lambda: CompilationConfig(level=2, cudagraph_mode="full_and_piecewise"),
+            "cudagraph_mode=FULL_AND_PIECEWISE captures pieces split at the splitting ops, which "
+            "needs level 3 (PIECEWISE, compiled pieces) or level 0 (breakable graphs of the "
+            "eager forward); got level 2. Use level=3 or level=0, or cudagraph_mode FULL / NONE.",
+        ),
+    ]
+    for make, message in refusals:
+        with pytest.raises(ValueError) as refused:
+            make()
+        assert str(refused.value) == message
+
+
+def test_the_capture_size_refusals_of_a_finalized_config_read_in_full():
+    compilation = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4], compile_sizes=[3])
+    with pytest.raises(ValueError) as not_captured:
+        compilation.finalize_capture_sizes(max_num_seqs=4)
+    assert str(not_captured.value) == (
+        "compile_sizes entry 3 is not a capture size; compile sizes must be among "
+        "cudagraph_capture_sizes [1, 2, 4]"
+    )
+    compilation = CompilationConfig(cudagraph_capture_sizes=[1, 2, 4], compile_sizes=[4])
+    compilation.finalize_capture_sizes(max_num_seqs=4)
+    with pytest.raises(ValueError) as too_many:
+        compilation.pad_for_cudagraph(5)
+    assert str(too_many.value) == "5 tokens exceed the largest capture size 4"
+    assert CompilationConfig().max_capture_size == 0  # not finalized: no table yet
+    defaulted = CompilationConfig()
+    defaulted.finalize_capture_sizes(max_num_seqs=20)
+    assert defaulted.cudagraph_capture_sizes == default_capture_sizes(20)
+
+
+def test_a_duplicate_layer_prefix_is_refused_in_full():
+    compilation = CompilationConfig()
+    layer = object()
+    compilation.register_layer("layers.0.attn", layer)
+    assert compilation.static_forward_context == {"layers.0.attn": layer}
+    with pytest.raises(ValueError) as refused:
+        compilation.register_layer("layers.0.attn", object())
+    assert str(refused.value) == (
+        "duplicate layer name 'layers.0.attn': every attention / Mamba layer needs a unique prefix"
+    )
+    assert compilation.static_forward_context["layers.0.attn"] is layer
+
+
+def pieceworks_records(caplog) -> list[tuple[int, str]]:
+    """(level, message) of each pieceworks record, each once."""
+    records = {id(r): r for r in caplog.records if r.name.startswith("pieceworks")}.values()
+    return [(record.levelno, record.getMessage()) for record in records]
+
+
+def test_the_promotion_and_the_fusion_warning_read_in_full(caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="pieceworks.core.config")
+    CompilationConfig(splitting_ops=[], cudagraph_mode="full_and_piecewise")
+    PassConfig(enable_noop=False, enable_fusion=True)
+    PassConfig(enable_noop=False, enable_fusion=False)  # nothing to warn about
+    assert pieceworks_records(caplog) == [
+        (
+            logging.INFO,
+            "cudagraph_mode FULL_AND_PIECEWISE with empty splitting_ops has nothing to split: "
+            "promoted to FULL (one graph for the whole model)",
+        ),
+        (
+            logging.WARNING,
+            "PassConfig: enable_fusion without enable_noop matches fewer patterns (reshapes "
+            "between norm and quant hide them); set enable_noop=True",
+        ),
+    ]
+
+
+def test_level_0_may_capture_breakable_graphs_and_full_needs_no_split():
+    assert CompilationConfig(level=0, cudagraph_mode="piecewise").cudagraph_mode == (
+        CUDAGraphMode.PIECEWISE
+    )
+    assert CompilationConfig(level=2, cudagraph_mode="full").cudagraph_mode == CUDAGraphMode.FULL
+    no_split = CompilationConfig(splitting_ops=[], cudagraph_mode="full")
+    assert no_split.cudagraph_mode == CUDAGraphMode.FULL
+    assert CompilationConfig(level=0).cudagraph_mode == CUDAGraphMode.NONE
+
+
+def test_each_graph_mode_says_what_it_captures():
+    modes = {
+        CUDAGraphMode.NONE: (False, False, False),
+        CUDAGraphMode.PIECEWISE: (False, False, True),
+        CUDAGraphMode.FULL: (False, True, False),
+        CUDAGraphMode.FULL_DECODE_ONLY: (True, True, False),
+        CUDAGraphMode.FULL_AND_PIECEWISE: (True, True, True),
+    }
+    for mode, expected in modes.items():
+        said = (
+            mode.separate_routine(),
+            mode.has_full_cudagraphs(),
+            mode.has_piecewise_cudagraphs(),
+        )
+        assert said == expected, mode
+    assert CUDAGraphMode.FULL_DECODE_ONLY.decode_mode() == CUDAGraphMode.FULL
+    assert CUDAGraphMode.NONE.mixed_mode() == CUDAGraphMode.NONE
+
+
+def test_levels_and_modes_are_read_from_names_in_any_case_and_from_ints():
+    assert CompilationConfig(level="piecewise").level == CompilationLevel.PIECEWISE
+    assert CompilationConfig(level=2).level == CompilationLevel.DYNAMO_ONCE
+    assert CompilationConfig(level="Dynamo_Once").level == CompilationLevel.DYNAMO_ONCE
+    assert CompilationConfig(cudagraph_mode=2).cudagraph_mode == CUDAGraphMode.FULL
+    assert CompilationConfig(level=3, cudagraph_mode="Full").cudagraph_mode == CUDAGraphMode.FULL
+
+
+def test_the_compiled_fields_by_name():
+    compilation = CompilationConfig(
+        level=3,
+        backend="eager",
+        splitting_ops=["silly::attention"],
+        compile_sizes=[4, 1],
+        cudagraph_capture_sizes=[1, 2, 4],
+        custom_ops=["+rms_norm"],
+        pass_config={"enable_fusion": False},
+        inductor_compile_config={"max_autotune": True},
+    )
+    assert compilation.pass_config == PassConfig(enable_fusion=False)
+    assert compilation.compute_factors() == {
+        "level": 3,
+        "backend": "eager",
+        "splitting_ops": ["silly::attention"],
+        "compile_sizes": [1, 4],
+        "custom_ops": ["+rms_norm"],
+        "pass_config": dataclasses.asdict(PassConfig(enable_fusion=False)),
+        "inductor_compile_config": {"max_autotune": True},
+    }
+    assert compilation.compute_hash() == hash_factors(compilation.compute_factors())
+
+
+@pytest.mark.parametrize(
+    "custom_ops, default, enabled",
+    [
+        ([], True, True),
+        ([], False, False),
+        (["all"], False, True),
+        (["none"], True, False),
+        (["all", "-rms_norm"], True, False),
+        (["none", "+rms_norm"], False, True),
+        (["+rms_norm", "-rms_norm"], False, True),  # "+name" is read first
+        (["-silu"], True, True),  # another op's entry
+    ],
+)
+def test_custom_ops_entries_decide_before_the_default(custom_ops, default, enabled):
+    compilation = CompilationConfig(custom_ops=custom_ops)
+    assert compilation.custom_op_enabled("rms_norm", default) is enabled

@@ -1,5 +1,7 @@
 """``direct_register_custom_op``: the platform's dispatch key by default, and Dynamo traces the op;
-a dynamic op called outside a capture gets its keyword arguments.
+a dynamic op called outside a capture gets its keyword arguments, and during a capture goes
+through the capture guard with its qualified name; registered and dynamic ops are known by name;
+an explicit dispatch key replaces the platform's, and the schema comes from the signature.
 
 Run: pytest tests/core/test_custom_op.py
 """
@@ -10,7 +12,13 @@ import pytest
 import torch
 from torch.library import Library
 
-from pieceworks.core.custom_op import direct_register_custom_op
+from pieceworks.core import breakable_graph
+from pieceworks.core.custom_op import (
+    direct_register_custom_op,
+    dynamic_ops,
+    is_dynamic_op,
+    is_registered_custom_op,
+)
 from pieceworks.platforms import current_platform
 
 pytestmark = pytest.mark.platform_agnostic
@@ -93,3 +101,72 @@ def test_a_dynamic_op_outside_a_capture_passes_its_keyword_arguments():
     x, out = torch.ones(3, device=device), torch.empty(3, device=device)
     scale_by(x, out, factor=5.0)
     assert torch.equal(out.cpu(), torch.full((3,), 5.0))
+
+
+def _negate_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(-x)
+
+
+def _register_dynamic_negate():
+    return direct_register_custom_op(
+        "negate_into",
+        _negate_into,
+        mutates_args=["out"],
+        target_lib=_test_lib,
+        dynamic=True,
+    )
+
+
+def test_registered_ops_are_known_and_dynamic_ones_listed():
+    scale_into = _register()
+    _register_dynamic_negate()
+    assert is_registered_custom_op(scale_into.default)
+    assert not is_registered_custom_op(torch.ops.aten.add.Tensor)
+    assert is_dynamic_op("pieceworks_test_custom_op::negate_into")
+    assert not is_dynamic_op("pieceworks_test_custom_op::scale_into")
+    assert not is_dynamic_op("negate_into")
+    listed = dynamic_ops()
+    assert "pieceworks_test_custom_op::negate_into" in listed
+    assert "pieceworks_test_custom_op::scale_into" not in listed
+    assert listed == sorted(listed)
+
+
+def test_a_dynamic_op_during_a_capture_goes_through_the_capture_guard(monkeypatch):
+    negate = _register_dynamic_negate()
+    seen = []
+
+    def run_dynamic_op(name, op_func, args, kwargs):
+        seen.append((name, op_func, args, kwargs))
+
+    monkeypatch.setattr(breakable_graph, "active_capture", object())
+    monkeypatch.setattr(breakable_graph, "run_dynamic_op", run_dynamic_op)
+    x, out = torch.ones(2), torch.zeros(2)
+    negate(x, out)
+    ((name, op_func, args, kwargs),) = seen
+    assert (name, op_func, kwargs) == ("pieceworks_test_custom_op::negate_into", _negate_into, {})
+    assert args[0] is x and args[1] is out
+    assert torch.equal(out, torch.zeros(2))  # the guard decides; here it ran nothing
+    monkeypatch.setattr(breakable_graph, "active_capture", None)
+    negate(x, out)
+    assert torch.equal(out, -x) and len(seen) == 1
+
+
+def _offset_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x + 1)
+
+
+def test_an_explicit_dispatch_key_is_used_instead_of_the_platform_s():
+    offset = direct_register_custom_op(
+        "offset_into",
+        _offset_into,
+        mutates_args=["out"],
+        target_lib=_test_lib,
+        dispatch_key="CompositeExplicitAutograd",
+    )
+    name = "pieceworks_test_custom_op::offset_into"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, current_platform().dispatch_key)
+    out = torch.zeros(2)
+    offset(torch.ones(2), out)
+    assert torch.equal(out, torch.full((2,), 2.0))
+    assert str(offset.default._schema) == f"{name}(Tensor x, Tensor(a1!) out) -> ()"

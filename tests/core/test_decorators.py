@@ -8,7 +8,9 @@ call's times add up (trace and compile within the call; a warm start's graph loa
 likewise), and the debug dump holds the split graph and Dynamo's transformed code. A first call
 by keyword passes every argument; a level-1 model is counted and reports no first-call times. A
 model with no dynamic dims is refused, and the forward context read outside one, each saying what
-to do.
+to do, and so is a dynamic dim naming no argument. Every tensor annotation (plain or optional) is
+dynamic in dim 0, a list of dims marks each; each compiled instance is counted once; a compiled
+module inside a compiled one is traced into the outer graph, its own compiler never run.
 Run: pytest tests/core/test_decorators.py
 """
 
@@ -18,6 +20,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -26,7 +29,11 @@ from torch import nn
 from pieceworks.config import EngineConfig
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
-from pieceworks.core.decorators import ignore_torch_compile, support_torch_compile
+from pieceworks.core.decorators import (
+    _annotated_dynamic_dims,
+    ignore_torch_compile,
+    support_torch_compile,
+)
 from pieceworks.core.forward_context import get_forward_context, set_forward_context
 from pieceworks.core.trace_once import trace_once_compilers
 from pieceworks.platforms import current_platform
@@ -315,3 +322,99 @@ def test_the_debug_dump_is_logged_and_not_printed(tmp_path, caplog, capsys, monk
     messages = {record.getMessage() for record in caplog.records}
     assert f"split graph written to {tmp_path / 'rank_0'}" in messages
     assert "class GraphModule" not in capsys.readouterr().out
+
+
+def test_a_dynamic_dim_that_names_no_argument_is_refused_in_full():
+    class Scaled(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ValueError) as refused:
+        support_torch_compile(dynamic_arg_dims={"hidden": 0})(Scaled)
+    assert str(refused.value) == (
+        "dynamic_arg_dims names 'hidden', which is not an argument of Scaled.forward"
+    )
+
+
+def test_every_tensor_annotation_is_dynamic_in_dim_0_and_nothing_else():
+    class Annotated(nn.Module):
+        def forward(
+            self,
+            x: torch.Tensor,
+            residual: torch.Tensor | None,
+            positions: Optional[torch.Tensor],  # noqa: UP045 (the form the decorator reads too)
+            scale: float,
+            names: list[torch.Tensor],
+        ) -> torch.Tensor:
+            return x
+
+    assert _annotated_dynamic_dims(Annotated) == {"x": 0, "residual": 0, "positions": 0}
+
+
+def test_the_decorator_returns_the_class_with_or_without_arguments():
+    class Plain(nn.Module):
+        def __init__(self, *, config, prefix=""):
+            super().__init__()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    assert support_torch_compile(Plain) is Plain
+    assert support_torch_compile(dynamic_arg_dims={"x": 0})(Plain) is Plain
+
+
+def test_each_compiled_instance_is_counted_once_and_an_opted_out_one_not():
+    config = config_at(CompilationLevel.DYNAMO_ONCE)
+    with compilation_counter.expect(num_models_seen=2):
+        first, second = ShapeBranchModel(config=config), ShapeBranchModel(config=config)
+    assert first._pieceworks_compiler is not second._pieceworks_compiler
+    with compilation_counter.expect(num_models_seen=0):
+        opted_out = EagerToyModel(config=config, num_layers=1)
+    assert opted_out._pieceworks_compiler is None
+
+
+def test_a_dim_list_marks_each_dim_dynamic():
+    @support_torch_compile(dynamic_arg_dims={"x": [0, 1]})
+    class Summed(nn.Module):
+        def __init__(self, *, config, prefix=""):
+            super().__init__()
+
+        def forward(self, x):
+            return x.sum(dim=1)
+
+    config = config_at(CompilationLevel.DYNAMO_AS_IS)
+    model = Summed(config=config)
+    assert torch.equal(call(model, config, torch.ones(2, 3)), torch.full((2,), 3.0))
+    # Both dims traced as dynamic: a new size of either needs no re-trace where guards run.
+    with dynamo_conversions() as converted:
+        assert torch.equal(call(model, config, torch.ones(4, 5)), torch.full((4,), 5.0))
+    assert converted == []
+
+
+@support_torch_compile
+class Inner(nn.Module):
+    def __init__(self, *, config, prefix=""):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+@support_torch_compile
+class Outer(nn.Module):
+    def __init__(self, *, config, prefix=""):
+        super().__init__()
+        self.inner = Inner(config=config, prefix=f"{prefix}.inner")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2
+
+
+def test_a_compiled_module_inside_a_compiled_one_is_traced_into_its_graph():
+    config = config_at(CompilationLevel.DYNAMO_ONCE)
+    with compilation_counter.expect(num_models_seen=2):
+        model = Outer(config=config)
+    with dynamo_conversions() as converted:
+        assert torch.equal(call(model, config, torch.zeros(3)), torch.full((3,), 2.0))
+    assert converted == ["forward"]  # one trace: the inner forward ran inside it
+    assert not model.inner._pieceworks_compiler.is_ready  # the inner compiler never ran

@@ -3,13 +3,15 @@
 Proves: with ``TRITON_CACHE_DIR`` unset, building an engine points it at ``triton/`` under the
 compile cache root (``CompilationConfig.cache_dir``), so a warm start finds the binaries of
 pieceworks' own kernels with the rest of its cache; a directory the user set is kept; with the
-compile cache disabled Triton keeps its own default. ``bench startup`` leaves the variable unset
-in its runs so the warm run keeps the cold run's binaries.
+compile cache disabled Triton keeps its own default; without a configured cache directory the
+root is ``PIECEWORKS_CACHE_ROOT``; the directory chosen is logged at debug level. ``bench
+startup`` leaves the variable unset in its runs so the warm run keeps the cold run's binaries.
 Run: pytest tests/core/test_triton_cache.py
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from pieceworks.config import EngineConfig
@@ -48,3 +50,23 @@ def test_building_an_engine_sets_it_before_the_model_loads(tmp_path, monkeypatch
     llm = LLM("llama-tiny", enforce_eager=True, compilation_config={"cache_dir": str(tmp_path)})
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
     llm.shutdown()
+
+
+def test_the_directory_is_logged_at_debug(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored after the test, then unset
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.DEBUG, logger="pieceworks.core.triton_cache")
+    use_pieceworks_triton_cache(config_with_cache(tmp_path))
+    logged = {r.getMessage() for r in caplog.records if r.name == "pieceworks.core.triton_cache"}
+    assert logged == {f"Triton kernel binaries: {tmp_path / 'triton'}"}
+
+
+def test_without_a_configured_directory_the_cache_root_is_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored after the test, then unset
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("PIECEWORKS_CACHE_ROOT", str(tmp_path / "root"))
+    path = use_pieceworks_triton_cache(EngineConfig())
+    assert path == os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "root" / "triton")

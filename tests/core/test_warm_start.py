@@ -6,7 +6,9 @@ another path keys the same caches and loads them (traced files are keyed by pack
 and content); a read-only cache (``chmod -R a-w``) is read, not ignored; an artifact damaged
 under a stored graph is reported with a warning, traced and recompiled; a miss is logged with its
 reason, and ``explain_miss`` names an edited source file, a torch version or a config change
-(a value longer than 60 characters cut), from the nearest readable neighbour. On a GPU, the
+(a value longer than 60 characters cut), from the nearest readable neighbour (not the cache
+itself; the first by name of equally near ones), in a message whose every part is checked,
+with the differences past six counted; factors are compared by dotted path. On a GPU, the
 Triton kernels of a warm start come out of the artifacts (Inductor's Triton bundle).
 One module-scoped cold compile of a 2-layer toy (3 pieces, 3 distinct structures: first, middle,
 last) is shared; fresh processes (``compile_cache_worker.py``) do the warm starts. About three
@@ -28,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pieceworks.core.cache_miss import differences, explain_miss
+from pieceworks.core.cache_miss import differences, explain_miss, flatten
 from pieceworks.core.compile_cache import KEY_FACTORS_FILE
 from tests.core.compile_cache_worker import run_toy
 from tests.core.test_compile_cache import HelperModel, compiled_backend, eager_config, load_helper
@@ -301,3 +303,50 @@ def test_a_value_is_shown_whole_up_to_sixty_characters_and_cut_beyond():
         f"a: '{whole}' -> 1",
         f"b: '{cut[:56]}... -> 1",
     ]
+
+
+def test_the_miss_message_in_full_with_the_differences_past_six_counted(tmp_path):
+    old = {"config": {f"field_{i}": i for i in range(8)}, "gone": 1}
+    new = {"config": {f"field_{i}": i + 1 for i in range(7)}, "added": {"x": True}}
+    write_neighbour(cache_dir_of(tmp_path, "old"), old)
+    reason = explain_miss(str(cache_dir_of(tmp_path, "new")), new)
+    # 2 + 7 + 1 + 1 = 10 factors differ: added, 7 changed fields, one removed field, gone.
+    assert reason == (
+        f"the nearest cache, {cache_dir_of(tmp_path, 'old')}, differs in 10 factor(s): "
+        "added.x: added; config.field_0: 0 -> 1; config.field_1: 1 -> 2; config.field_2: 2 -> 3; "
+        "config.field_3: 3 -> 4; config.field_4: 4 -> 5; and 4 more"
+    )
+
+
+def test_six_differences_are_all_shown(tmp_path):
+    old = {"config": {f"field_{i}": i for i in range(6)}}
+    write_neighbour(cache_dir_of(tmp_path, "old"), old)
+    new = {"config": {f"field_{i}": -i - 1 for i in range(6)}}
+    reason = explain_miss(str(cache_dir_of(tmp_path, "new")), new)
+    assert reason.endswith("config.field_5: 5 -> -6")
+    assert "more" not in reason
+
+
+def test_the_cache_itself_and_ties_do_not_change_the_nearest(tmp_path):
+    # The cache's own factors file is no neighbour; of two equally near, the first by name wins.
+    write_neighbour(cache_dir_of(tmp_path, "new"), FACTORS)
+    write_neighbour(cache_dir_of(tmp_path, "b"), {**FACTORS, "env": {"PIECEWORKS_X": "0"}})
+    write_neighbour(cache_dir_of(tmp_path, "c"), {**FACTORS, "env": {"PIECEWORKS_X": "2"}})
+    reason = explain_miss(str(cache_dir_of(tmp_path, "new")), FACTORS)
+    assert reason == (
+        f"the nearest cache, {cache_dir_of(tmp_path, 'b')}, differs in 1 factor(s): "
+        "env.PIECEWORKS_X: '0' -> '1'"
+    )
+
+
+def test_a_first_compile_names_the_model_and_the_root(tmp_path):
+    reason = explain_miss(str(cache_dir_of(tmp_path, "new")), FACTORS)
+    root = tmp_path / "torch_compile_cache"
+    assert reason == f"no other compile cache of model under {root} (a first compile)"
+
+
+def test_factors_are_compared_by_dotted_path_empty_dicts_as_values():
+    assert flatten({"a": {"b": 1, "c": {}}, "d": [1]}) == {"a.b": 1, "a.c": {}, "d": [1]}
+    assert flatten(3) == {"": 3}
+    assert differences({"a": {"b": 1}, "gone": 2}, {"a": {"b": 1}}) == ["gone: removed"]
+    assert differences({"a": {}}, {"a": {"b": 1}}) == ["a: removed", "a.b: added"]

@@ -5,12 +5,18 @@ inside a graph (``graph_backend``: auto-functionalization v1, as pieces compile)
 wrapped in ``auto_functionalized``; after the pass the wrapper is gone, the raw op is called on
 the original buffer, and neither a clone nor a write-back copy is left. Where a later node still
 reads the buffer's old value the wrapper must stay; ops pieceworks did not register stay too. An op
-that also returns a tensor runs in place and its node keeps the result's value (``meta["val"]``).
+that also returns a tensor runs in place and its node keeps the result's value (``meta["val"]``);
+one with two results keeps both as items of the in-place call. An old value read through a view
+keeps the wrapper too. Each call counts its rewrites and logs the count at debug level; a reader
+of the wrapper that is not an item is refused, naming both nodes.
 Run: pytest tests/core/passes/test_fix_functionalization.py
 """
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -21,6 +27,7 @@ from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPas
 from tests.core.passes.graph_backend import op_counts, run_with_passes
 
 WRAPPER, RAW_OP = "auto_functionalized", "passes_toy.scale_into.default"
+LOGGER = "pieceworks.core.passes.fix_functionalization"
 COPIES = ("aten.clone.default", "aten.copy_.default", "aten.copy.default")
 passes_toy_lib = Library("passes_toy", "FRAGMENT")
 
@@ -169,3 +176,83 @@ def test_an_op_with_a_result_runs_in_place_and_its_node_keeps_the_results_value(
     assert isinstance(call.meta["val"], torch.Tensor) and call.meta["val"].shape == (8,)
     torch.testing.assert_close(out, x * 2 + 1)
     torch.testing.assert_close(total, x.sum(0))
+
+
+def test_the_rewrites_are_counted_and_logged(caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    fix = FixFunctionalizationPass()
+    fix(_traced(read_old_value_after=False).graph)
+    assert fix.num_rewrites == 1
+    fix(_traced(read_old_value_after=True).graph)
+    assert fix.num_rewrites == 0  # the last call's count
+    messages = [
+        r.getMessage() for r in {id(r): r for r in caplog.records if r.name == LOGGER}.values()
+    ]
+    assert messages == [
+        "fix functionalization: 1 ops made in place",
+        "fix functionalization: 0 ops made in place",
+    ]
+
+
+def test_an_old_value_read_through_a_view_keeps_the_wrapper():
+    op = scale_into_op().default
+
+    def graph(x, buffer):
+        flat = buffer.view(-1)
+        result = auto_functionalized(op, x=x, out=buffer)
+        return result[1], flat + 1  # the view still holds the old value
+
+    gm = make_fx(graph, tracing_mode="symbolic")(torch.randn(5, 8), torch.zeros(5, 8))
+    fix = FixFunctionalizationPass()
+    fix(gm.graph)
+    assert (fix.num_rewrites, op_counts(gm.graph)[WRAPPER]) == (0, 1)
+
+
+def test_a_user_other_than_an_item_is_refused_by_name():
+    gm = _traced(read_old_value_after=False)
+    (wrapper,) = [node for node in gm.graph.nodes if node.target is auto_functionalized]
+    with gm.graph.inserting_after(wrapper):
+        whole = gm.graph.call_function(len, (wrapper,))
+    with pytest.raises(AssertionError) as refused:
+        FixFunctionalizationPass()(gm.graph)
+    assert str(refused.value) == f"unexpected user {whole.name} of {wrapper.name}"
+
+
+def _split_into(x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out.copy_(x * 2)
+    return x.sum(0), x.amax(0)
+
+
+def _split_into_fake(x: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape[1:]), x.new_empty(x.shape[1:])
+
+
+def test_an_op_with_two_results_keeps_both_and_the_buffer_s_readers_read_the_buffer():
+    op = direct_register_custom_op(
+        "split_into",
+        _split_into,
+        mutates_args=["out"],
+        fake_impl=_split_into_fake,
+        target_lib=passes_toy_lib,
+    ).default
+
+    def graph(x, buffer):
+        total, peak, new_buffer = auto_functionalized(op, x=x, out=buffer)
+        return total, peak, new_buffer * 3
+
+    gm = make_fx(graph, tracing_mode="symbolic")(torch.randn(5, 8), torch.zeros(5, 8))
+    fix = FixFunctionalizationPass()
+    fix(gm.graph)
+    gm.recompile()
+    assert fix.num_rewrites == 1 and op_counts(gm.graph)[WRAPPER] == 0
+    (call,) = [node for node in gm.graph.nodes if node.target is op]
+    assert isinstance(call.meta["val"], tuple) and len(call.meta["val"]) == 2
+    items = sorted(user.args[1] for user in call.users)
+    assert items == [0, 1]
+    x, buffer = torch.randn(5, 8), torch.zeros(5, 8)
+    total, peak, tripled = gm(x, buffer)
+    torch.testing.assert_close(total, x.sum(0))
+    torch.testing.assert_close(peak, x.amax(0))
+    torch.testing.assert_close(buffer, x * 2)  # written in place
+    torch.testing.assert_close(tripled, x * 6)

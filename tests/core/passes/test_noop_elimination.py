@@ -4,11 +4,14 @@ Each test traces a small function whose token dimension is symbolic (``graph_bac
 the view and slice ops before and after ``NoOpEliminationPass`` and checks the outputs against
 eager. Shapes that are equal only for some token counts must be left alone, and the pass must
 never add a guard on the token count. On a hand-built graph, views of a ``reshape`` fold into a
-``reshape`` of the base (it may have to copy), and each fold is counted.
+``reshape`` of the base (it may have to copy), and each fold is counted; each call logs its
+count at debug level.
 Run: pytest tests/core/passes/test_noop_elimination.py
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -134,3 +137,19 @@ def test_views_of_a_reshape_become_one_reshape_of_the_base_and_each_fold_counts(
     transposed = torch.randn(16, 4).t()  # not contiguous: a view of it to (-1, 2, 8) fails
     out = torch.fx.GraphModule(torch.nn.Module(), graph)(transposed)
     torch.testing.assert_close(out, transposed.reshape(-1, 2, 8))
+
+
+def test_each_call_logs_its_rewrites_at_debug(caplog, monkeypatch):
+    logger = "pieceworks.core.passes.noop_elimination"
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.DEBUG, logger=logger)
+    elimination = NoOpEliminationPass()
+    run_with_passes(lambda x: x.reshape(-1, 16) + 1, [tokens()], [elimination])
+    assert elimination.num_rewrites == 1
+    run_with_passes(lambda x: x + 2, [tokens()], [elimination])
+    assert elimination.num_rewrites == 0
+    records = {id(r): r for r in caplog.records if r.name == logger}.values()
+    assert [r.getMessage() for r in records] == [
+        "no-op elimination: 1 rewrites",
+        "no-op elimination: 0 rewrites",
+    ]

@@ -3,11 +3,14 @@
 The uuid identifies the code a compile ran: it must change when a pass's source changes or the
 ``PassConfig`` changes, stay equal otherwise, and reach pieceworks' compile-cache key through
 the Inductor adaptor's hash factors, under the factor names the cache's files and messages show.
+A sequence runs its passes in order and reports the sum of its passes' rewrites of its last call;
+the manager's factors name its config, its joint passes and each pass.
 Run: pytest tests/core/passes/test_pass_manager.py
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import platform
 import sys
@@ -22,8 +25,9 @@ from pieceworks.core.compiler_interface import EagerAdaptor, InductorAdaptor, ma
 from pieceworks.core.config import CompilationConfig, PassConfig
 from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
+from pieceworks.core.passes.inductor_pass import InductorPass
 from pieceworks.core.passes.noop_elimination import NoOpEliminationPass
-from pieceworks.core.passes.pass_manager import PostGradPassManager
+from pieceworks.core.passes.pass_manager import PassSequence, PostGradPassManager
 from pieceworks.platforms import current_platform
 from pieceworks.utils import hash_factors
 
@@ -177,3 +181,45 @@ def test_each_compilers_key_factors_by_name():
 @pytest.mark.parametrize("backend,cls", [("eager", EagerAdaptor), ("inductor", InductorAdaptor)])
 def test_make_compiler(backend, cls):
     assert isinstance(make_compiler(backend, PassConfig()), cls)
+
+
+class CountingPass(InductorPass):
+    """Appends its name to the graph's record and reports ``count`` rewrites."""
+
+    def __init__(self, name: str, count: int, seen: list[str]) -> None:
+        super().__init__()
+        self.name, self.count, self.seen = name, count, seen
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.seen.append(self.name)
+        self.num_rewrites = self.count
+
+    def config_factors(self) -> dict:
+        return {"name": self.name}
+
+
+def test_a_sequence_runs_its_passes_in_order_and_counts_the_last_call_s_rewrites():
+    seen: list[str] = []
+    first, second = CountingPass("first", 2, seen), CountingPass("second", 3, seen)
+    sequence = PassSequence([first, second])
+    assert sequence.num_rewrites == 0  # before any call
+    sequence(torch.fx.Graph())
+    assert (seen, sequence.num_rewrites) == (["first", "second"], 5)
+    first.count = 0
+    sequence(torch.fx.Graph())
+    assert sequence.num_rewrites == 3
+    assert sequence.config_factors() == {"passes": [first.uuid(), second.uuid()]}
+    assert PassSequence([second, first]).uuid() != sequence.uuid()  # the order is part of it
+
+
+def test_the_manager_s_factors_name_its_config_its_joint_passes_and_each_pass():
+    config = PassConfig(enable_noop=False, enable_fusion=False)
+    manager = PostGradPassManager(config)
+    assert manager.config_factors() == {
+        "pass_config": dataclasses.asdict(config),
+        "joint": None,
+        "passes": [graph_pass.uuid() for graph_pass in manager.passes],
+    }
+    assert PostGradPassManager(PassConfig(enable_attn_quant_fusion=False)).uuid() != (
+        PostGradPassManager(PassConfig()).uuid()
+    )
