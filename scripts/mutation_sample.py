@@ -1,17 +1,19 @@
-"""A uniform random sample of the mutants of the core modules that no mutation run has tested.
+"""A uniform random sample of the mutants of the modules that no mutation run has tested.
 
 Reads the mutant names from mutmut's ``mutants/`` (the ``.meta`` file of each mutated module,
 written by the first ``mutmut run``, e.g. ``bash scripts/mutation.sh`` with any glob), sorts the
-names of the modules below, and prints ``random.Random(SEED).sample(names, K)`` one name a line,
-in the sample's order; the population size goes to stderr. ``--seed N`` draws with another seed
+names of the core modules below, and prints ``random.Random(SEED).sample(names, K)`` one name a
+line, in the sample's order; the population size goes to stderr. ``--prefix P`` (repeatable)
+takes instead the modules whose dotted name starts with P (a package, ``pieceworks.engine``, or a
+module), less those a full run has tested (TESTED below). ``--seed N`` draws with another seed
 (default 20261203), and ``--exclude FILE`` leaves the names listed in FILE (one a line) out of
 the population before drawing. With ``--score`` it prints instead the sample's per-module counts
 from ``mutmut results`` and the judged mutants of docs/testing.md (as
 ``scripts/mutation_score.py`` reads them), and the score with its Wilson 95 % interval;
 ``--sample FILE`` scores the names listed in FILE instead of drawing them.
 docs/testing.md, "A random sample of the untested core modules", "A second sample, after the
-tests for the first" and "A third sample, after the tests for the module gaps", records the
-results.
+tests for the first", "A third sample, after the tests for the module gaps" and "A random
+sample of the untested engine modules", records the results.
 
 Usage: python scripts/mutation_sample.py [K]           (default 150; docs/mutation_sample.txt)
        bash scripts/mutation.sh $(python scripts/mutation_sample.py | sed -n 1,15p)
@@ -22,6 +24,8 @@ Usage: python scripts/mutation_sample.py [K]           (default 150; docs/mutati
        cat docs/mutation_sample.txt docs/mutation_sample_2.txt > excluded.txt
        python scripts/mutation_sample.py --seed 20261205 --exclude excluded.txt
                                                         (docs/mutation_sample_3.txt)
+       python scripts/mutation_sample.py --prefix pieceworks.engine --seed 20261206 100
+                                                        (docs/mutation_sample_engine.txt)
 """
 
 from __future__ import annotations
@@ -60,10 +64,28 @@ MODULES = (
     "triton_cache",
     "weak_ref",
 )
+# The modules of core and engine that a full run has tested (docs/testing.md, "Score"): a
+# --prefix population leaves them out.
+TESTED = (
+    "pieceworks.core.backend",
+    "pieceworks.core.cache_key",
+    "pieceworks.core.compile_cache",
+    "pieceworks.core.cuda_graph",
+    "pieceworks.core.cudagraph_dispatcher",
+    "pieceworks.core.static_graph",
+    "pieceworks.engine.block_manager",
+    "pieceworks.engine.input_buffers",
+    "pieceworks.engine.request",
+    "pieceworks.engine.sampler",
+    "pieceworks.engine.scheduler",
+)
 
 
-def population() -> list[str]:
-    """Every mutant name of MODULES in ``mutants/``, sorted."""
+def population(prefixes: list[str] | None = None) -> list[str]:
+    """Every mutant name of MODULES in ``mutants/``, or of the untested modules under
+    ``prefixes``, sorted."""
+    if prefixes:
+        return prefixed_population(prefixes)
     names = []
     core = ROOT / "mutants" / "pieceworks" / "core"
     for module in MODULES:
@@ -75,13 +97,31 @@ def population() -> list[str]:
     return sorted(names)
 
 
+def prefixed_population(prefixes: list[str]) -> list[str]:
+    """Every mutant name of the modules whose dotted name starts with a prefix, less TESTED."""
+    mutants = ROOT / "mutants"
+    names, matched = [], False
+    for meta in sorted(mutants.glob("pieceworks/**/*.py.meta")):
+        module = ".".join(meta.relative_to(mutants).with_suffix("").with_suffix("").parts)
+        if not any(module.startswith(prefix) for prefix in prefixes):
+            continue
+        matched = True
+        if module not in TESTED:
+            names.extend(json.loads(meta.read_text())["exit_code_by_key"])
+    if not matched:
+        raise SystemExit(f"no .meta of {', '.join(prefixes)} in {mutants}: run mutmut once")
+    return sorted(names)
+
+
 def read_names(path: str) -> list[str]:
     """The mutant names listed in ``path``, one a line."""
     return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def sample(k: int, seed: int = SEED, exclude: str | None = None) -> list[str]:
-    names = population()
+def sample(
+    k: int, seed: int = SEED, exclude: str | None = None, prefixes: list[str] | None = None
+) -> list[str]:
+    names = population(prefixes)
     if exclude is not None:
         excluded = set(read_names(exclude))
         missing = excluded.difference(names)
@@ -138,9 +178,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=SEED, help=f"default {SEED}")
     parser.add_argument("--exclude", metavar="FILE", help="names left out of the population")
     parser.add_argument("--sample", metavar="FILE", help="the names to score, instead of a draw")
+    parser.add_argument(
+        "--prefix",
+        action="append",
+        help="draw from the untested modules under this package or module (repeatable)",
+    )
     parser.add_argument("--score", action="store_true", help="print the sample's score")
     args = parser.parse_args()
-    names = read_names(args.sample) if args.sample else sample(args.k, args.seed, args.exclude)
+    if args.sample:
+        names = read_names(args.sample)
+    else:
+        names = sample(args.k, args.seed, args.exclude, args.prefix)
     if args.score:
         score(names)
     else:

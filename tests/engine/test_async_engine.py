@@ -2,10 +2,11 @@
 
 Proves: ``generate`` sends one ``add`` and yields its request's deltas in order; deltas that
 piled up while the caller was busy come as one merged delta (tokens and log-probabilities
-concatenated, the last one's finish reason); a caller that leaves early sends ``abort``; past
-``max_num_seqs + max_waiting_requests`` live requests ``reserve`` raises ``QueueFullError``; when
-the engine reports a failure every live request gets an ``engine_failed`` delta, later requests
-``EngineDeadError``, and no command is sent any more; ``stats`` follows the last message.
+concatenated, the last one's finish reason, error and failure flag); a caller that leaves early
+sends ``abort``; past ``max_num_seqs + max_waiting_requests`` live requests ``reserve`` raises
+``QueueFullError`` saying why; when the engine reports a failure every live request gets an
+``engine_failed`` delta with no tokens, later requests ``EngineDeadError``, and no command is
+sent any more; ``stats`` follows the last message.
 Run: pytest tests/engine/test_async_engine.py
 """
 
@@ -79,6 +80,18 @@ def test_deltas_in_order_and_merged_when_the_caller_fell_behind():
     assert len(client.commands) == 1  # finished: nothing to abort
 
 
+def test_a_merged_delta_ends_as_the_later_one():
+    merged = delta("r", [1], 1, logprobs=["a"]).merge(
+        delta("r", [2], 2, error="prompt too long", finish_reason="abort", engine_failed=True)
+    )
+    assert (merged.new_token_ids, merged.num_output_tokens, merged.logprobs) == ([1, 2], 2, ["a"])
+    assert (merged.error, merged.finish_reason, merged.engine_failed) == (
+        "prompt too long",
+        "abort",
+        True,
+    )
+
+
 def test_leaving_early_aborts_and_the_queue_is_bounded():
     async def run():
         client = FakeClient()
@@ -87,8 +100,12 @@ def test_leaving_early_aborts_and_the_queue_is_bounded():
         streams = [engine.generate([1], PARAMS, f"r{i}") for i in range(2)]
         firsts = [asyncio.ensure_future(anext(s)) for s in streams]
         await asyncio.sleep(0)
-        with pytest.raises(QueueFullError, match="retry later"):
+        with pytest.raises(QueueFullError) as full:
             engine.reserve(1)
+        assert str(full.value) == (
+            "2 requests are live and at most 2 are accepted (max_num_seqs running + "
+            "max_waiting_requests queued); retry later"
+        )
         client.on_outputs(EngineCoreOutputs([delta("r0", [5], 1), delta("r1", [6], 1)], None))
         await asyncio.gather(*firsts)
         await streams[0].aclose()  # the caller went away
@@ -118,5 +135,6 @@ def test_an_engine_failure_reaches_every_live_request_and_every_later_one():
 
     failed, engine, client, sent = asyncio.run(run())
     assert all(d.engine_failed and d.finished and "signal 9" in d.error for d in failed)
+    assert all(d.new_token_ids == [] and d.num_output_tokens == 0 for d in failed)
     assert not engine.is_running
     assert len(client.commands) == sent  # nothing is sent to a dead engine

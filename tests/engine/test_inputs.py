@@ -3,7 +3,8 @@
 ``parse_prompts`` accepts vLLM's prompt forms and refuses the rest with a message naming the
 prompt; through ``LLM.generate`` a bad prompt anywhere in a batch (a token outside the vocabulary,
 a prompt longer than ``max_model_len``) raises with nothing queued, and the next call returns
-only its own results in as many steps as it needs itself; an interrupted call aborts its requests.
+only its own results in as many steps as it needs itself; an interrupted call aborts its requests,
+and a finished stream leaves no output behind; ``chat`` takes one conversation or a list of them.
 Run: pytest tests/engine/test_inputs.py
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from pieceworks.engine.inputs import PromptError, parse_prompts, sampling_params_for
-from pieceworks.engine.llm import LLM
+from pieceworks.engine.llm import LLM, _conversations
 from pieceworks.engine.sampling_params import SamplingParams
 
 VOCAB = 256  # llama-tiny
@@ -34,6 +35,16 @@ def test_vllm_prompt_forms_are_accepted():
     assert [p.token_ids for p in parse_prompts({"prompt_token_ids": [7]})] == [[7]]
     assert [p.token_ids for p in parse_prompts("e", encode=encode)] == [[101]]
     assert parse_prompts([]) == []
+    assert [p.token_ids for p in parse_prompts([[0, VOCAB - 1]], vocab_size=VOCAB)] == [[0, 255]]
+
+
+def test_chat_takes_one_conversation_or_a_list_of_them():
+    first, second = [{"role": "user", "content": "hi"}], [{"role": "user", "content": "bye"}]
+    assert _conversations(first) == [first]
+    assert _conversations([first, second]) == [first, second]
+    for bad in ([], [first, []], ["hi"]):
+        with pytest.raises(ValueError, match="messages must be a conversation"):
+            _conversations(bad)
 
 
 @pytest.mark.parametrize(
@@ -45,6 +56,7 @@ def test_vllm_prompt_forms_are_accepted():
         ([[1, True]], "prompt 0: token ids must be ints; position 1 holds True (bool)"),
         ([[1, 2], [3, 4], [300]], "prompt 2: token id 300 at position 0 is outside"),
         ([[1], [-1]], "prompt 1: token id -1 at position 0 is outside this model's vocabulary"),
+        ([[VOCAB - 1], [VOCAB]], f"prompt 1: token id {VOCAB} at position 0 is outside"),
         ([[1], []], "prompt 1 is empty; pass at least one token"),
         ([[1], ""], "prompt 1 is an empty string"),
         ([{"prompt_token_ids": []}], "prompt 0 is empty"),
@@ -110,6 +122,15 @@ def test_a_bad_prompt_queues_nothing_and_the_next_call_runs_alone(llm, bad_promp
 def test_prompt_forms_give_the_same_tokens(llm):
     by_list, by_dict = llm.generate([[9, 8, 7], {"prompt_token_ids": [9, 8, 7]}], GREEDY)
     assert by_list.outputs[0].token_ids == by_dict.outputs[0].token_ids
+
+
+def test_a_finished_stream_keeps_no_output_behind(llm):
+    deltas = list(llm.stream([[1, 2, 3], [4, 5]], GREEDY))
+    request_ids = {delta.request_id for delta in deltas}
+    assert len(request_ids) == 2 and sum(d.finish_reason is not None for d in deltas) == 2
+    for request_id in request_ids:
+        with pytest.raises(KeyError):
+            llm.processor.get_output(request_id)  # forgotten once the stream ended
 
 
 def test_an_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):

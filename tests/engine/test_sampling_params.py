@@ -1,5 +1,6 @@
 """``SamplingParams``' text fields: vLLM's forms are accepted and normalised, bad values are
-rejected with a message naming the field.
+rejected with a message naming the field; stop token id 0 is a valid id; each of ``n``
+completions gets ``n=1`` and its own seed.
 
 Run: ``pytest tests/engine/test_sampling_params.py -q``.
 """
@@ -10,6 +11,10 @@ import pytest
 
 from pieceworks.engine.output_processor import _completion_params
 from pieceworks.engine.sampling_params import SamplingParams
+
+
+def test_stop_token_id_zero_is_accepted():
+    assert 0 in SamplingParams(stop_token_ids=[0]).stop_token_ids  # token 0 is a valid id
 
 
 def test_stop_string_or_list_becomes_a_tuple():
@@ -44,6 +49,7 @@ def test_completion_params_of_n():
     assert [c.prompt_logprobs for c in children] == [2, None, None]
     unseeded = _completion_params(SamplingParams(n=2), 1)
     assert unseeded.seed is None
+    assert _completion_params(SamplingParams(n=2, seed=3), 1) == SamplingParams(seed=4)
     assert _completion_params(SamplingParams(), 0) == SamplingParams()
 
 

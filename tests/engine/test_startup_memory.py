@@ -125,6 +125,7 @@ def test_out_of_memory_in_capture_names_the_settings(
     message = str(raised.value)
     assert "gpu_memory_utilization (now 0.9)" in message
     assert "max_num_seqs, now 4" in message and "cudagraph_capture_sizes" in message
+    assert message.endswith("or run without graphs (cudagraph_mode=NONE).")
 
 
 def test_other_errors_in_capture_are_not_called_out_of_memory(

@@ -1,0 +1,50 @@
+"""``build_engine_config``: engine arguments it does not know are refused before anything loads.
+
+Proves: the message names each unknown argument and lists every known one, so a misspelt
+argument (``max_num_seq``) shows its right spelling; each known argument reaches its field of the
+engine config.
+Run: pytest tests/engine/test_arg_utils.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pieceworks.engine.arg_utils import EngineArgs, build_engine_config
+
+
+def test_an_unknown_engine_argument_is_refused_with_every_known_one():
+    known = sorted(field.name for field in dataclasses.fields(EngineArgs))
+    with pytest.raises(TypeError) as error:
+        build_engine_config("llama-tiny", None, max_num_seq=4, dtyp="float32")
+    assert str(error.value) == f"unknown engine argument(s) ['dtyp', 'max_num_seq']; known: {known}"
+    assert "max_num_seqs" in known and "dtype" in known
+
+
+def test_each_engine_argument_reaches_its_config_field():
+    config = build_engine_config(
+        "llama-tiny",
+        None,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=3,
+        max_num_batched_tokens=32,
+        seed=5,
+        block_size=8,
+        gpu_memory_utilization=0.5,
+        num_gpu_blocks_override=7,
+        kv_cache_memory_bytes=1 << 20,
+        tokenizer="tokenizer-dir",
+        async_scheduling=False,
+        num_scheduler_steps=2,
+    )
+    model, cache, scheduler = config.model_config, config.cache_config, config.scheduler_config
+    assert (model.dtype, model.max_model_len, model.seed) == (torch.float32, 64, 5)
+    assert model.tokenizer == "tokenizer-dir"
+    assert (cache.block_size, cache.gpu_memory_utilization) == (8, 0.5)
+    assert (cache.num_gpu_blocks_override, cache.kv_cache_memory_bytes) == (7, 1 << 20)
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (3, 32)
+    assert (scheduler.async_scheduling, scheduler.num_scheduler_steps) == (False, 2)

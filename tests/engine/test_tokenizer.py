@@ -1,0 +1,125 @@
+"""The byte-level BPE tokenizer built from GGUF ``tokenizer.*`` metadata, on a hand-written
+metadata dict (no file is read, nothing is downloaded).
+
+Proves: merges apply and text splits as ``tokenizer.ggml.pre`` says (no prefix space); a token
+spelled in the byte alphabet keeps its spelling and one spelled in raw text is respelled in it;
+control tokens match whole and are skipped by ``skip_special_tokens``, user-defined ones match
+whole and stay text; the bos, eos and unk tokens come from their ``*_token_id`` keys; a chat
+prompt is rendered by the template and encoded without a second BOS; a vocabulary that is not
+byte-level BPE goes to transformers' converter with the file's directory and name; ``LLM``
+uses the tokenizer its ``tokenizer`` argument names (here a preset, which has none of its own).
+Run: pytest tests/engine/test_tokenizer.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pieceworks.engine import tokenizer as tokenizer_module
+from pieceworks.engine.tokenizer import apply_chat_template, bytes_to_unicode, gguf_tokenizer
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ALPHABET = list(bytes_to_unicode().values())
+EVERY_CHARACTER = "".join(ALPHABET)  # a token spelled with the whole byte alphabet
+TOKENS = [*SPECIALS, *ALPHABET, "he", "ll", "hell", "<think>", " the", EVERY_CHARACTER]
+# llama.cpp's token types: 3 control, 1 normal, 4 user-defined.
+TOKEN_TYPES = [3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS))
+TOKEN_TYPES[TOKENS.index("<think>")] = 4
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+METADATA = {
+    "ggml.model": "gpt2",
+    "ggml.pre": "smollm",
+    "ggml.tokens": TOKENS,
+    "ggml.token_type": TOKEN_TYPES,
+    "ggml.merges": ["h e", "l l", "he ll"],
+    "ggml.bos_token_id": 1,
+    "ggml.eos_token_id": 2,
+    "ggml.unknown_token_id": 0,
+    "ggml.add_bos_token": True,
+    "chat_template": CHAT_TEMPLATE,
+}
+
+
+def ids(text: str) -> list[int]:
+    """The byte tokens of ``text``, one a byte (no merge applies)."""
+    return [TOKENS.index(bytes_to_unicode()[byte]) for byte in text.encode()]
+
+
+@pytest.fixture
+def tokenizer(monkeypatch):
+    from transformers import AutoTokenizer
+
+    def no_converter(*args, **kwargs):
+        raise AssertionError("a byte-level BPE vocabulary is built here, not by transformers")
+
+    monkeypatch.setattr(tokenizer_module, "gguf_tokenizer_metadata", lambda path: METADATA)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_converter)
+    built = gguf_tokenizer("models/tiny.gguf")
+    monkeypatch.undo()
+    return built
+
+
+def test_merges_and_the_split_without_a_prefix_space(tokenizer):
+    hell, bos = TOKENS.index("hell"), TOKENS.index("<|im_start|>")
+    assert tokenizer.encode("hello 12") == [bos, hell, *ids("o"), *ids(" "), *ids("12")]
+    assert tokenizer.decode(tokenizer.encode("hello 12"), skip_special_tokens=True) == "hello 12"
+
+
+def test_tokens_keep_or_take_the_byte_alphabet_spelling(tokenizer):
+    vocab = tokenizer.get_vocab()
+    assert vocab[EVERY_CHARACTER] == TOKENS.index(EVERY_CHARACTER)  # already in the alphabet
+    assert vocab["Ġthe"] == TOKENS.index(" the")  # raw text, respelled byte by byte
+    assert vocab["hell"] == TOKENS.index("hell")
+
+
+def test_control_and_user_defined_tokens_match_whole(tokenizer):
+    think, im_end = TOKENS.index("<think>"), TOKENS.index("<|im_end|>")
+    token_ids = tokenizer.encode("<think>he<|im_end|>", add_special_tokens=False)
+    assert token_ids == [think, TOKENS.index("he"), im_end]
+    assert tokenizer.decode(token_ids, skip_special_tokens=True) == "<think>he"
+
+
+def test_special_tokens_come_from_their_id_keys(tokenizer):
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert tokenizer.unk_token == "<|endoftext|>"
+    assert tokenizer.pad_token is None  # no ggml.padding_token_id
+
+
+def test_a_chat_prompt_is_encoded_without_a_second_bos(tokenizer):
+    im_start, im_end = TOKENS.index("<|im_start|>"), TOKENS.index("<|im_end|>")
+    prompt = apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}])
+    assert prompt == [
+        im_start, *ids("user\nhi"), im_end, *ids("\n"), im_start, *ids("assistant\n")
+    ]  # fmt: skip
+
+
+def test_another_vocabulary_goes_to_the_transformers_converter(monkeypatch):
+    from transformers import AutoTokenizer
+
+    calls = []
+    monkeypatch.setattr(
+        tokenizer_module,
+        "gguf_tokenizer_metadata",
+        lambda path: {**METADATA, "ggml.model": "llama"},
+    )
+    monkeypatch.setattr(
+        AutoTokenizer, "from_pretrained", lambda *args, **kwargs: calls.append((args, kwargs))
+    )
+    gguf_tokenizer("models/tiny.gguf")
+    assert calls == [(("models",), {"gguf_file": "tiny.gguf"})]
+
+
+def test_llm_takes_the_tokenizer_of_its_tokenizer_argument(tokenizer, tmp_path):
+    from pieceworks.engine.llm import LLM
+
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM("llama-tiny", compilation_config={"level": 0}, max_num_seqs=2,
+              tokenizer=str(tmp_path))  # fmt: skip
+    assert llm.tokenizer.get_vocab() == tokenizer.get_vocab()
+    assert llm.tokenizer.chat_template == CHAT_TEMPLATE
