@@ -20,12 +20,19 @@ from pieceworks.core.triton_cache import use_pieceworks_triton_cache
 from pieceworks.engine.llm import LLM
 
 
+def unset(monkeypatch, name: str) -> None:
+    """Unset ``name`` for the test and restore it after, also when the code under test sets it
+    (``delenv`` of an unset variable records nothing to restore)."""
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
+
+
 def config_with_cache(cache_dir) -> EngineConfig:
     return EngineConfig(compilation_config=CompilationConfig(cache_dir=str(cache_dir)))
 
 
 def test_unset_points_triton_under_the_cache_root(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    unset(monkeypatch, "TRITON_CACHE_DIR")
     monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
     path = use_pieceworks_triton_cache(config_with_cache(tmp_path))
     assert path == os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
@@ -38,14 +45,14 @@ def test_a_directory_the_user_set_is_kept(tmp_path, monkeypatch):
 
 
 def test_a_disabled_compile_cache_leaves_triton_alone(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    unset(monkeypatch, "TRITON_CACHE_DIR")
     monkeypatch.setenv("PIECEWORKS_DISABLE_COMPILE_CACHE", "1")
     assert use_pieceworks_triton_cache(config_with_cache(tmp_path)) is None
     assert "TRITON_CACHE_DIR" not in os.environ
 
 
 def test_building_an_engine_sets_it_before_the_model_loads(tmp_path, monkeypatch):
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    unset(monkeypatch, "TRITON_CACHE_DIR")
     monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
     llm = LLM("llama-tiny", enforce_eager=True, compilation_config={"cache_dir": str(tmp_path)})
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
@@ -53,8 +60,7 @@ def test_building_an_engine_sets_it_before_the_model_loads(tmp_path, monkeypatch
 
 
 def test_the_directory_is_logged_at_debug(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored after the test, then unset
-    monkeypatch.delenv("TRITON_CACHE_DIR")
+    unset(monkeypatch, "TRITON_CACHE_DIR")
     monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
     monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
     caplog.set_level(logging.DEBUG, logger="pieceworks.core.triton_cache")
@@ -64,8 +70,7 @@ def test_the_directory_is_logged_at_debug(tmp_path, monkeypatch, caplog):
 
 
 def test_without_a_configured_directory_the_cache_root_is_used(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # restored after the test, then unset
-    monkeypatch.delenv("TRITON_CACHE_DIR")
+    unset(monkeypatch, "TRITON_CACHE_DIR")
     monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)
     monkeypatch.setenv("PIECEWORKS_CACHE_ROOT", str(tmp_path / "root"))
     path = use_pieceworks_triton_cache(EngineConfig())
