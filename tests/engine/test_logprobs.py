@@ -49,3 +49,36 @@ def test_prompt_logprobs_in_chunks_equal_one_pass():
     for chunked, whole in zip(values, once):
         assert chunked.rank == whole.rank and chunked.top_ids == whole.top_ids
         assert abs(chunked.logprob - whole.logprob) < 1e-5
+
+
+def test_every_row_asking_gets_its_values_and_a_slice_keeps_its_rows():
+    logits = torch.tensor([[0.0, 1.0, 1.0, -1.0], [2.0, 0.0, 0.0, 0.0]])
+    params = [SamplingParams(logprobs=2), SamplingParams(logprobs=1)]
+    rows, values = logprobs.sample_logprobs(logits, params, torch.tensor([2, 3]))
+    assert rows == [0, 1]
+    reference = logits.log_softmax(dim=-1)
+    first, second = values.tolist()
+    assert first.rank == 1  # tied with token 1: only strictly more likely tokens count
+    assert second.rank == 2
+    assert first.logprob == reference[0, 2].item() and second.logprob == reference[1, 3].item()
+    assert sorted(first.top_ids) == [1, 2] and len(second.top_ids) == 1
+    assert first.top_logprobs == reference[0, first.top_ids].tolist()
+    assert second.top_ids == [0] and second.top_logprobs == [reference[1, 0].item()]
+    (sliced,) = values.slice(1, 2).tolist()
+    assert sliced == second
+    assert values.slice(0, 1).num_top == [2]
+
+
+def test_a_chunk_that_asked_fewer_is_padded_with_zeros_and_cut_back():
+    num_rows = logprobs.PROMPT_LOGPROBS_CHUNK + 1
+    hidden = torch.eye(num_rows, 6)
+    targets = torch.zeros(num_rows, dtype=torch.long)
+    num_top = [1] * logprobs.PROMPT_LOGPROBS_CHUNK + [3]
+    values = logprobs.prompt_logprobs(hidden, lambda h: h * 1.0, targets, num_top)
+    assert values.top_ids.shape == (num_rows, 3)
+    assert values.top_ids[0, 1:].tolist() == [0, 0]
+    assert values.top_logprobs[0, 1:].tolist() == [0.0, 0.0]
+    rows = values.tolist()
+    assert len(rows[0].top_ids) == 1 and len(rows[-1].top_ids) == 3
+    assert rows[0].top_ids == [0] and rows[0].rank == 1  # row 0's one-hot favours token 0
+    assert logprobs._pad_columns(values.top_ids, 3) is values.top_ids

@@ -65,3 +65,75 @@ def test_completion_params_of_n():
 def test_values_of_the_wrong_type_are_refused_with_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**fields)
+
+
+LOGPROBS_HINT = (
+    "must be None or an integer >= 0 (how many top log-probabilities to return per token; 0: "
+    "only the chosen token's)"
+)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"temperature": "1"}, "temperature='1' must be a number"),
+        ({"temperature": True}, "temperature=True must be a number"),
+        ({"top_p": None}, "top_p=None must be a number"),
+        (
+            {"temperature": -0.5},
+            "temperature=-0.5 must be a finite number >= 0 (0 means greedy decoding)",
+        ),
+        (
+            {"temperature": float("inf")},
+            "temperature=inf must be a finite number >= 0 (0 means greedy decoding)",
+        ),
+        ({"top_p": 0.0}, "top_p=0.0 must be in (0, 1]; use 1.0 to disable top-p"),
+        ({"top_p": 1.5}, "top_p=1.5 must be in (0, 1]; use 1.0 to disable top-p"),
+        ({"top_k": -2}, "top_k=-2 must be an integer >= 1, or 0 / -1 to disable top-k"),
+        ({"top_k": 2.0}, "top_k=2.0 must be an integer >= 1, or 0 / -1 to disable top-k"),
+        ({"seed": 1.5}, "seed=1.5 must be an integer or None"),
+        ({"max_tokens": 0}, "max_tokens=0 must be an integer >= 1"),
+        ({"max_tokens": 2.0}, "max_tokens=2.0 must be an integer >= 1"),
+        (
+            {"stop_token_ids": [3, -1, True]},
+            "stop_token_ids must be non-negative integers; got [-1, True]",
+        ),
+        ({"stop_token_ids": [2.0]}, "stop_token_ids must be non-negative integers; got [2.0]"),
+        ({"stop": ["a", "", 3]}, "stop must be non-empty strings; got ['', 3]"),
+        ({"n": 0}, "n=0 must be an integer >= 1 (completions per prompt)"),
+        ({"n": True}, "n=True must be an integer >= 1 (completions per prompt)"),
+        ({"n": 2.0}, "n=2.0 must be an integer >= 1 (completions per prompt)"),
+        ({"logprobs": -1}, f"logprobs=-1 {LOGPROBS_HINT}"),
+        ({"logprobs": True}, f"logprobs=True {LOGPROBS_HINT}"),
+        ({"prompt_logprobs": 1.0}, f"prompt_logprobs=1.0 {LOGPROBS_HINT}"),
+        ({"skip_special_tokens": 1}, "skip_special_tokens=1 must be a bool"),
+    ],
+)
+def test_every_refusal_message_in_full(fields, message):
+    with pytest.raises(ValueError) as error:
+        SamplingParams(**fields)
+    assert str(error.value) == message
+
+
+def test_the_edges_of_each_range_are_accepted_and_the_properties_follow():
+    edge = SamplingParams(
+        temperature=0.0, top_p=1.0, top_k=-1, max_tokens=1, seed=0, n=1, logprobs=0,
+        prompt_logprobs=0, skip_special_tokens=False, stop_token_ids=[0, 5],
+    )  # fmt: skip
+    assert edge.is_greedy and not edge.uses_top_k and not edge.uses_top_p
+    assert edge.stop_token_ids == (0, 5)
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=1e-5).is_greedy
+    assert SamplingParams(top_k=1).uses_top_k and not SamplingParams(top_k=0).uses_top_k
+    assert SamplingParams(top_p=0.999).uses_top_p
+    assert SamplingParams(top_p=1e-9).top_p == 1e-9
+    assert SamplingParams(temperature=3).temperature == 3
+    defaults = SamplingParams()
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (
+        1.0, 1.0, 0, 16,
+    )  # fmt: skip
+    assert (defaults.seed, defaults.stop_token_ids, defaults.stop, defaults.n) == (None, (), (), 1)
+    assert (defaults.logprobs, defaults.prompt_logprobs, defaults.skip_special_tokens) == (
+        None, None, True,
+    )  # fmt: skip
+    assert defaults.ignore_eos is False
