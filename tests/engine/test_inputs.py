@@ -152,3 +152,84 @@ def test_an_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):
     results = llm.generate([[7, 8]], GREEDY)
     assert [r.prompt_token_ids for r in results] == [[7, 8]]
     assert _steps(llm) - steps <= 4
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        (
+            [1, 2],
+            "prompts=[1, 2] is a flat list of token ids; generate takes a list of prompts: pass "
+            '[[1, 2]] (one prompt of token ids) or [{"prompt_token_ids": [1, 2]}]',
+        ),
+        (
+            (1, 2),
+            "prompts=(1, 2) is a flat list of token ids; generate takes a list of prompts: pass "
+            '[[1, 2]] (one prompt of token ids) or [{"prompt_token_ids": [1, 2]}]',
+        ),
+        (
+            7,
+            "prompts must be a string, a list of token ids in a list, a dict with 'prompt' or "
+            "'prompt_token_ids', or a list of these; got int",
+        ),
+        ([[1], "x" * 70], None),  # text without a tokenizer: see below
+        ([[1], 5], "prompt 1: token ids must be a list of ints, not 5"),
+        ([[1], b"ab"], "prompt 1: token ids must be a list of ints, not b'ab'"),
+        (
+            [[1], set(range(30))],
+            "prompt 1: token ids must be a list of ints, not "
+            "{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 1...",
+        ),
+        ([[1], []], "prompt 1 is empty; pass at least one token"),
+        ([[1], [1, "a"]], "prompt 1: token ids must be ints; position 1 holds 'a' (str)"),
+        (
+            [[1, VOCAB]],
+            f"prompt 0: token id {VOCAB} at position 1 is outside this model's vocabulary "
+            f"[0, {VOCAB})",
+        ),
+        ([{"prompt": 3}], "prompt 0: 'prompt' must be a string, not 3"),
+        ([{"prompt": ""}], "prompt 0 is an empty string; pass some text"),
+        (
+            [{"prompt": "a", "extra": 1}],
+            "prompt 0: a dict prompt takes exactly one of 'prompt' (text) or "
+            "'prompt_token_ids'; got keys ['extra', 'prompt']",
+        ),
+        (
+            [{}],
+            "prompt 0: a dict prompt takes exactly one of 'prompt' (text) or "
+            "'prompt_token_ids'; got keys []",
+        ),
+    ],
+)
+def test_every_prompt_refusal_message_in_full(prompts, message):
+    with pytest.raises(PromptError) as error:
+        parse_prompts(prompts, encode=None, vocab_size=VOCAB)
+    if message is None:
+        message = (
+            "prompt 1 is text, which needs a tokenizer; this model has none (presets have random "
+            "weights): pass token ids instead"
+        )
+    assert str(error.value) == message
+
+
+def test_every_sampling_params_refusal_message_in_full():
+    with pytest.raises(PromptError) as error:
+        sampling_params_for({"temperature": 0}, 1)
+    assert str(error.value) == (
+        "sampling_params must be a SamplingParams or a list of them (one per prompt), not dict"
+    )
+    with pytest.raises(PromptError) as error:
+        sampling_params_for([GREEDY, GREEDY, 3], 3)
+    assert str(error.value) == "sampling_params[2] is a int, not a SamplingParams"
+    with pytest.raises(PromptError) as error:
+        sampling_params_for((GREEDY, GREEDY), 3)
+    assert str(error.value) == "2 SamplingParams for 3 prompts; pass one, or one per prompt"
+    assert sampling_params_for((GREEDY, SamplingParams()), 2) == [GREEDY, SamplingParams()]
+    assert sampling_params_for(GREEDY, 0) == []
+
+
+def test_accepted_forms_keep_their_text_and_ids():
+    parsed = parse_prompts(({"prompt": "hi"}, (1, 2)), encode=encode, vocab_size=None)
+    assert [(p.text, p.token_ids) for p in parsed] == [("hi", [104, 105]), (None, [1, 2])]
+    assert parse_prompts([[10**6]], vocab_size=None)[0].token_ids == [10**6]  # no vocabulary
+    assert parse_prompts({"prompt": "a"}, encode=encode)[0].text == "a"
