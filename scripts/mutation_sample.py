@@ -12,8 +12,9 @@ from ``mutmut results`` and the judged mutants of docs/testing.md (as
 ``scripts/mutation_score.py`` reads them), and the score with its Wilson 95 % interval;
 ``--sample FILE`` scores the names listed in FILE instead of drawing them.
 docs/testing.md, "A random sample of the untested core modules", "A second sample, after the
-tests for the first", "A third sample, after the tests for the module gaps" and "A random
-sample of the untested engine modules", records the results.
+tests for the first", "A third sample, after the tests for the module gaps", "A random
+sample of the untested engine modules" and "A second engine sample, after the tests for the
+engine's gaps", records the results.
 
 Usage: python scripts/mutation_sample.py [K]           (default 150; docs/mutation_sample.txt)
        bash scripts/mutation.sh $(python scripts/mutation_sample.py | sed -n 1,15p)
@@ -26,6 +27,8 @@ Usage: python scripts/mutation_sample.py [K]           (default 150; docs/mutati
                                                         (docs/mutation_sample_3.txt)
        python scripts/mutation_sample.py --prefix pieceworks.engine --seed 20261206 100
                                                         (docs/mutation_sample_engine.txt)
+       python scripts/mutation_sample.py --prefix pieceworks.engine --seed 20261207 \
+           --exclude docs/mutation_sample_engine.txt 60  (docs/mutation_sample_engine_2.txt)
 """
 
 from __future__ import annotations
