@@ -2,13 +2,13 @@
 
 Reads the mutant names from mutmut's ``mutants/`` (the ``.meta`` file of each mutated module,
 written by the first ``mutmut run``, e.g. ``bash scripts/mutation.sh`` with any glob), sorts the
-names of the core modules below, and prints ``random.Random(SEED).sample(names, K)`` one name a
-line, in the sample's order; the population size goes to stderr. ``--prefix P`` (repeatable)
-takes instead the modules whose dotted name starts with P (a package, ``pieceworks.engine``, or a
-module), less those a full run has tested (TESTED below). ``--seed N`` draws with another seed
-(default 20261203), and ``--exclude FILE`` leaves the names listed in FILE (one a line) out of
-the population before drawing. With ``--score`` it prints instead the sample's per-module counts
-from ``mutmut results`` and the judged mutants of docs/testing.md (as
+names of the modules of ``pieceworks.core`` that no full run has tested (all but TESTED below),
+and prints ``random.Random(SEED).sample(names, K)`` one name a line, in the sample's order; the
+population size goes to stderr. ``--prefix P`` (repeatable) takes instead the untested modules
+whose dotted name starts with P (a package, ``pieceworks.engine``, or a module). ``--seed N``
+draws with another seed (default 20261203), and ``--exclude FILE`` leaves the names listed in
+FILE (one a line) out of the population before drawing. With ``--score`` it prints instead the
+sample's per-module counts from ``mutmut results`` and the judged mutants of docs/testing.md (as
 ``scripts/mutation_score.py`` reads them), and the score with its Wilson 95 % interval;
 ``--sample FILE`` scores the names listed in FILE instead of drawing them.
 docs/testing.md, "A random sample of the untested core modules", "A second sample, after the
@@ -44,31 +44,8 @@ from pathlib import Path
 SEED = 20261203
 K = 150
 ROOT = Path(__file__).parents[1]
-# The modules of pieceworks/core that no run had tested (docs/testing.md, "Not tested").
-MODULES = (
-    "trace_once",
-    "piecewise_backend",
-    "split",
-    "config",
-    "warm_start",
-    "traced_graph_cache",
-    "graph_call",
-    "compiler_manager",
-    "passes/*",
-    "artifact_key",
-    "breakable_graph",
-    "cache_miss",
-    "compiler_interface",
-    "counters",
-    "custom_op",
-    "decorators",
-    "forward_context",
-    "static_inputs",
-    "triton_cache",
-    "weak_ref",
-)
-# The modules of core and engine that a full run has tested (docs/testing.md, "Score"): a
-# --prefix population leaves them out.
+# The modules of core and engine that a full run has tested (docs/testing.md, "Score"): every
+# population leaves them out.
 TESTED = (
     "pieceworks.core.backend",
     "pieceworks.core.cache_key",
@@ -85,19 +62,8 @@ TESTED = (
 
 
 def population(prefixes: list[str] | None = None) -> list[str]:
-    """Every mutant name of MODULES in ``mutants/``, or of the untested modules under
-    ``prefixes``, sorted."""
-    if prefixes:
-        return prefixed_population(prefixes)
-    names = []
-    core = ROOT / "mutants" / "pieceworks" / "core"
-    for module in MODULES:
-        metas = sorted(core.glob(f"{module}.py.meta"))
-        if not metas:
-            raise SystemExit(f"no {core}/{module}.py.meta: run mutmut once to generate mutants/")
-        for meta in metas:
-            names.extend(json.loads(meta.read_text())["exit_code_by_key"])
-    return sorted(names)
+    """Every mutant name of the untested modules under ``prefixes`` (by default core's), sorted."""
+    return prefixed_population(prefixes or ["pieceworks.core"])
 
 
 def prefixed_population(prefixes: list[str]) -> list[str]:
