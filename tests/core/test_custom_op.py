@@ -140,12 +140,13 @@ def test_a_dynamic_op_during_a_capture_goes_through_the_capture_guard(monkeypatc
 
     monkeypatch.setattr(breakable_graph, "active_capture", object())
     monkeypatch.setattr(breakable_graph, "run_dynamic_op", run_dynamic_op)
-    x, out = torch.ones(2), torch.zeros(2)
+    device = current_platform().device()
+    x, out = torch.ones(2, device=device), torch.zeros(2, device=device)
     negate(x, out)
     ((name, op_func, args, kwargs),) = seen
     assert (name, op_func, kwargs) == ("pieceworks_test_custom_op::negate_into", _negate_into, {})
     assert args[0] is x and args[1] is out
-    assert torch.equal(out, torch.zeros(2))  # the guard decides; here it ran nothing
+    assert torch.equal(out, torch.zeros_like(out))  # the guard decides; here it ran nothing
     monkeypatch.setattr(breakable_graph, "active_capture", None)
     negate(x, out)
     assert torch.equal(out, -x) and len(seen) == 1
