@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from collections.abc import Collection
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
@@ -46,22 +47,33 @@ def traced_source_files(forward_code: CodeType | None = None) -> list[str] | Non
     return sorted(path for path in files if os.path.isfile(path))  # drops "<string>", "<eval...>"
 
 
-def module_relative_paths() -> dict[str, str]:
-    """Real path of every imported module's file -> its path inside its package."""
-    paths = {}
+def module_files() -> list[tuple[str, str]]:
+    """(file as imported, path inside its package) of every imported module with a ``.py`` file."""
+    files = []
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
         if not isinstance(file, str) or not file.endswith(".py"):
             continue
         stem = name.replace(".", "/")
         relative = f"{stem}/__init__.py" if file.endswith("__init__.py") else f"{stem}.py"
-        paths[os.path.realpath(file)] = relative
-    return paths
+        files.append((file, relative))
+    return files
+
+
+def module_relative_paths(file_names: Collection[str] | None = None) -> dict[str, str]:
+    """Real path of every imported module's file -> its path inside its package; with
+    ``file_names``, only the files of those base names (resolving a real path is a few system
+    calls per module, and a process has imported thousands)."""
+    return {
+        os.path.realpath(file): relative
+        for file, relative in module_files()
+        if file_names is None or os.path.basename(file) in file_names
+    }
 
 
 def hash_source_files(paths: list[str]) -> dict[str, str]:
     """Package-relative path (absolute outside any module) -> SHA-256 of the file's contents."""
-    relative_paths = module_relative_paths()
+    relative_paths = module_relative_paths({os.path.basename(path) for path in paths})
     digests = {}
     for path in paths:
         with open(path, "rb") as file:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
-from pieceworks.core.cache_key import module_relative_paths
+from pieceworks.core.cache_key import module_files
 from pieceworks.core.cache_miss import differences, explain_miss
 from pieceworks.core.compile_cache import KEY_FACTORS_FILE, sha256_of, write_atomic
 from pieceworks.core.compiler_interface import triton_version
@@ -134,10 +134,11 @@ def _registered_submodule(module: torch.nn.Module, target: str) -> torch.nn.Modu
 
 def resolve_traced_files(relative_paths: list[str]) -> list[str] | str:
     """This process's file of each package-relative path; a reason when one has none."""
-    by_relative = {relative: real for real, relative in module_relative_paths().items()}
+    by_relative = {relative: file for file, relative in module_files()}
     files = []
     for path in relative_paths:
-        real = by_relative.get(path, path if os.path.isabs(path) else None)
+        file = by_relative.get(path, path if os.path.isabs(path) else None)
+        real = None if file is None else os.path.realpath(file)
         if real is None or not os.path.isfile(real):
             return f"traced file {path} is not imported in this process"
         files.append(real)
