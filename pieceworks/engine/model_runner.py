@@ -30,7 +30,7 @@ from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
 from pieceworks.core.decorators import static_graph_wrappers
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
 from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphSet, StaticGraphWrapperBase
-from pieceworks.core.triton_cache import use_pieceworks_triton_cache
+from pieceworks.core.triton_cache import use_pieceworks_triton_cache, use_torch_ptxas
 from pieceworks.engine.block_manager import cdiv
 from pieceworks.engine.input_buffers import InputBuffers, StepShape
 from pieceworks.engine.kv_cache import (
@@ -66,7 +66,8 @@ class ModelRunner:
         self.config = config
         self.platform = current_platform()
         self.device = self.platform.device(config.parallel_config.local_rank or 0)
-        use_pieceworks_triton_cache(config)  # before any kernel compiles
+        use_pieceworks_triton_cache(config)  # both before any kernel compiles
+        use_torch_ptxas()
         start = time.perf_counter()
         self.model: Any = get_model(config, self.device).requires_grad_(False)
         self.load_seconds = time.perf_counter() - start

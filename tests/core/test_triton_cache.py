@@ -6,6 +6,9 @@ pieceworks' own kernels with the rest of its cache; a directory the user set is 
 compile cache disabled Triton keeps its own default; without a configured cache directory the
 root is ``PIECEWORKS_CACHE_ROOT``; the directory chosen is logged at debug level. ``bench
 startup`` leaves the variable unset in its runs so the warm run keeps the cold run's binaries.
+``TRITON_PTXAS_PATH`` is pointed at torch's own executable ``bin/ptxas`` (Inductor's choice,
+which keys every binary) unless the user set it or torch has none, and both are set before the
+engine loads its model.
 Run: pytest tests/core/test_triton_cache.py
 """
 
@@ -16,7 +19,7 @@ import os
 
 from pieceworks.config import EngineConfig
 from pieceworks.core.config import CompilationConfig
-from pieceworks.core.triton_cache import use_pieceworks_triton_cache
+from pieceworks.core.triton_cache import use_pieceworks_triton_cache, use_torch_ptxas
 from pieceworks.engine.llm import LLM
 
 
@@ -75,3 +78,60 @@ def test_without_a_configured_directory_the_cache_root_is_used(tmp_path, monkeyp
     monkeypatch.setenv("PIECEWORKS_CACHE_ROOT", str(tmp_path / "root"))
     path = use_pieceworks_triton_cache(EngineConfig())
     assert path == os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "root" / "triton")
+
+
+def fake_torch_dir(tmp_path, mode: int = 0o755):
+    """A directory laid out as torch's, with a ``bin/ptxas`` of file mode ``mode``."""
+    ptxas = tmp_path / "torch" / "bin" / "ptxas"
+    ptxas.parent.mkdir(parents=True)
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(mode)
+    return str(tmp_path / "torch"), str(ptxas)
+
+
+def test_triton_assembles_with_torch_s_ptxas(tmp_path, monkeypatch):
+    unset(monkeypatch, "TRITON_PTXAS_PATH")
+    torch_dir, ptxas = fake_torch_dir(tmp_path)
+    assert use_torch_ptxas(torch_dir) == os.environ["TRITON_PTXAS_PATH"] == ptxas
+
+
+def test_a_ptxas_the_user_set_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/cuda/bin/ptxas")
+    torch_dir, _ = fake_torch_dir(tmp_path)
+    assert use_torch_ptxas(torch_dir) is None
+    assert os.environ["TRITON_PTXAS_PATH"] == "/opt/cuda/bin/ptxas"
+
+
+def test_a_torch_without_an_executable_ptxas_changes_nothing(tmp_path, monkeypatch):
+    unset(monkeypatch, "TRITON_PTXAS_PATH")
+    assert use_torch_ptxas(str(tmp_path / "no-torch")) is None  # CPU and ROCm builds
+    torch_dir, _ = fake_torch_dir(tmp_path, mode=0o644)
+    assert use_torch_ptxas(torch_dir) is None
+    assert "TRITON_PTXAS_PATH" not in os.environ
+
+
+def test_the_installed_torch_s_ptxas_is_the_default(tmp_path, monkeypatch):
+    import torch
+
+    unset(monkeypatch, "TRITON_PTXAS_PATH")
+    torch_dir, ptxas = fake_torch_dir(tmp_path)
+    monkeypatch.setattr(torch, "__file__", os.path.join(torch_dir, "__init__.py"))
+    assert use_torch_ptxas() == ptxas
+
+
+def test_building_an_engine_sets_both_before_the_model_loads(tmp_path, monkeypatch):
+    from pieceworks.engine import model_runner
+
+    calls = []
+    monkeypatch.setattr(model_runner, "use_torch_ptxas", lambda: calls.append("ptxas"))
+    monkeypatch.setattr(
+        model_runner, "use_pieceworks_triton_cache", lambda config: calls.append("cache")
+    )
+    load = model_runner.get_model
+    monkeypatch.setattr(
+        model_runner, "get_model", lambda *args: (calls.append("model"), load(*args))[1]
+    )
+    LLM(
+        "llama-tiny", enforce_eager=True, compilation_config={"cache_dir": str(tmp_path)}
+    ).shutdown()
+    assert calls == ["cache", "ptxas", "model"]
