@@ -57,6 +57,7 @@ def profile_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         compilation_config=compilation_for_mode(mode, args.compilation_config),
         max_num_seqs=max(args.batch_size, 8),
         quantization=args.quantization,
+        num_scheduler_steps=args.num_scheduler_steps,
     )
     engine = llm.engine
     rng = random.Random(0)
@@ -67,14 +68,16 @@ def profile_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     engine.step_seconds.clear()
     while not engine.step_seconds or not engine.step_seconds[-1][0]:  # until decode-only steps
         engine.step()
-    for _ in range(args.steps):
+    calls = max(1, args.steps // args.num_scheduler_steps)  # each call runs K decode steps
+    for _ in range(calls):
         engine.step()
-    trace_path = Path(args.out_dir) / f"trace_{mode}_b{args.batch_size}.json"
+    k = f"_k{args.num_scheduler_steps}" if args.num_scheduler_steps > 1 else ""
+    trace_path = Path(args.out_dir) / f"trace_{mode}_b{args.batch_size}{k}.json"
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     engine.step_seconds.clear()
     with torch.profiler.profile(activities=activities) as profiler:
         start = time.perf_counter()
-        for _ in range(args.steps):
+        for _ in range(calls):
             engine.step()
         wall = time.perf_counter() - start
     profiler.export_chrome_trace(str(trace_path))
@@ -90,10 +93,11 @@ def profile_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         by_kind[kernel_kind(event["name"])] += event["dur"]
         by_name[event["name"]][0] += event["dur"]
         by_name[event["name"]][1] += 1
-    steps = args.steps
+    steps = len(engine.step_seconds)  # decode steps run, K per call
     step_ms = [s * 1e3 for _, _, s in engine.step_seconds]
     result = {
         "mode": mode,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "wall_ms_per_step": wall * 1e3 / steps,
         "engine_step_ms": sorted(step_ms)[len(step_ms) // 2] if step_ms else None,
         "device_busy_ms_per_step": busy_us / 1e3 / steps,
@@ -141,6 +145,9 @@ def main() -> None:
     parser.add_argument("--modes", default="piecewise,full_and_piecewise")
     parser.add_argument("--quantization", default=None)
     parser.add_argument(
+        "--num-scheduler-steps", type=int, default=1, help="decode steps per host round trip (K)"
+    )
+    parser.add_argument(
         "--compilation-config", type=json.loads, default=None, help="CompilationConfig fields"
     )
     parser.add_argument("--out-dir", default="prof")
@@ -156,7 +163,8 @@ def main() -> None:
         "torch": torch.__version__,
         "results": results,
     }
-    out = Path(args.out_dir) / f"profile_{args.model}_b{args.batch_size}.json"
+    k = f"_k{args.num_scheduler_steps}" if args.num_scheduler_steps > 1 else ""
+    out = Path(args.out_dir) / f"profile_{args.model}_b{args.batch_size}{k}.json"
     out.write_text(json.dumps(report, indent=2))
 
 
