@@ -4,7 +4,9 @@ Proves: ``generate`` returns one ``RequestOutput`` per prompt in prompt order, e
 parameters' token count, the prompt ids and no text; ``stream`` yields deltas whose ids are
 those of the prompts in order and whose tokens concatenate to ``generate``'s; closing a stream
 early aborts what is left, so the engine is idle and the next call runs alone; a call
-interrupted by an error aborts its requests; the bad-conversation message is given in full.
+interrupted by an error aborts its requests; the bad-conversation message is given in full;
+a preset has no tokenizer, so text prompts and chat are refused with the whole message and
+nothing is queued.
 llama-tiny at level 0 on CPU, float32.
 Run: pytest tests/engine/test_llm.py
 """
@@ -92,3 +94,23 @@ def test_a_bad_conversation_is_refused_with_the_whole_message():
     conversation = ({"role": "user", "content": "hi"},)
     assert _conversations(conversation) == [list(conversation)]
     assert _conversations([list(conversation), list(conversation)]) == [list(conversation)] * 2
+
+
+def test_without_a_tokenizer_text_and_chat_are_refused_with_the_whole_message(llm):
+    assert llm.tokenizer is None and llm.processor.tokenizer is None
+    for prompt, where in (("hello", "prompt 0"), ({"prompt": "hello"}, "prompt 1")):
+        with pytest.raises(ValueError) as error:
+            llm.generate([PROMPTS[0], prompt] if where == "prompt 1" else [prompt], greedy(1))
+        assert str(error.value) == (
+            f"{where} is text, which needs a tokenizer; this model has none (presets have "
+            "random weights): pass token ids instead"
+        )
+    with pytest.raises(ValueError) as error:
+        llm.chat([{"role": "user", "content": "hi"}], greedy(1))
+    assert str(error.value) == (
+        "chat needs a tokenizer with a chat template; this model has no tokenizer (presets have "
+        "random weights): use a model directory or GGUF file with one"
+    )
+    assert not llm.engine.scheduler.has_unfinished_requests() and not llm.processor._prompts
+    [output] = llm.generate([{"prompt_token_ids": PROMPTS[1]}], greedy(2))
+    assert output.prompt_token_ids == PROMPTS[1] and output.outputs[0].text is None

@@ -4,10 +4,15 @@ metadata dict (no file is read, nothing is downloaded).
 Proves: merges apply and text splits as ``tokenizer.ggml.pre`` says (no prefix space); a token
 spelled in the byte alphabet keeps its spelling and one spelled in raw text is respelled in it;
 control tokens match whole and are skipped by ``skip_special_tokens``, user-defined ones match
-whole and stay text; the bos, eos and unk tokens come from their ``*_token_id`` keys; a chat
-prompt is rendered by the template and encoded without a second BOS; a vocabulary that is not
-byte-level BPE goes to transformers' converter with the file's directory and name; ``LLM``
-uses the tokenizer its ``tokenizer`` argument names (here a preset, which has none of its own).
+whole and stay text; the bos, eos, unk and pad tokens come from their ``*_token_id`` keys and
+an id outside the vocabulary is ignored; the bos token is prepended (once per sequence of a
+pair) only when ``add_bos_token`` is true and there is one; a chat prompt is rendered by the
+template and encoded without a second BOS; a given template wins over the tokenizer's, the
+generation prompt can be left out, and chat without a tokenizer, or without any template, is
+refused with the whole message; an invalid template is jinja's syntax error; a GGUF file without
+a vocabulary is refused with the whole message; a vocabulary that is not byte-level BPE goes to
+transformers' converter with the file's directory and name; ``LLM`` uses the tokenizer its
+``tokenizer`` argument names (here a preset, which has none of its own).
 Run: pytest tests/engine/test_tokenizer.py
 """
 
@@ -51,18 +56,23 @@ def ids(text: str) -> list[int]:
     return [TOKENS.index(bytes_to_unicode()[byte]) for byte in text.encode()]
 
 
-@pytest.fixture
-def tokenizer(monkeypatch):
+def build(monkeypatch, metadata: dict):
+    """The tokenizer of ``metadata``; transformers' converter must not be reached."""
     from transformers import AutoTokenizer
 
     def no_converter(*args, **kwargs):
         raise AssertionError("a byte-level BPE vocabulary is built here, not by transformers")
 
-    monkeypatch.setattr(tokenizer_module, "gguf_tokenizer_metadata", lambda path: METADATA)
+    monkeypatch.setattr(tokenizer_module, "gguf_tokenizer_metadata", lambda path: metadata)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_converter)
     built = gguf_tokenizer("models/tiny.gguf")
     monkeypatch.undo()
     return built
+
+
+@pytest.fixture
+def tokenizer(monkeypatch):
+    return build(monkeypatch, METADATA)
 
 
 def test_merges_and_the_split_without_a_prefix_space(tokenizer):
@@ -97,6 +107,86 @@ def test_a_chat_prompt_is_encoded_without_a_second_bos(tokenizer):
     assert prompt == [
         im_start, *ids("user\nhi"), im_end, *ids("\n"), im_start, *ids("assistant\n")
     ]  # fmt: skip
+
+
+def test_special_token_ids_outside_the_vocabulary_are_ignored(monkeypatch):
+    last = len(TOKENS) - 1
+    ids_out_of_range = {"ggml.bos_token_id": len(TOKENS), "ggml.eos_token_id": -1,
+                        "ggml.padding_token_id": last}  # fmt: skip
+    built = build(monkeypatch, {**METADATA, **ids_out_of_range})
+    assert (built.bos_token, built.eos_token) == (None, None)
+    assert built.pad_token == TOKENS[last] and built.pad_token_id == last
+    # add_bos_token without a bos token in the vocabulary: nothing is prepended
+    assert built.encode("he") == [TOKENS.index("he")]
+
+
+def test_the_bos_token_is_prepended_only_when_add_bos_token_says(monkeypatch, tokenizer):
+    he, ll, bos = TOKENS.index("he"), TOKENS.index("ll"), TOKENS.index("<|im_start|>")
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (bos, TOKENS.index("<|im_end|>"))
+    assert tokenizer.encode("he") == [bos, he]
+    assert tokenizer.encode("he", "ll") == [bos, he, bos, ll]  # a pair: one bos before each
+    assert tokenizer.encode("he", add_special_tokens=False) == [he]
+    for add_bos in ({"ggml.add_bos_token": False}, {}):
+        metadata = {key: value for key, value in METADATA.items() if key != "ggml.add_bos_token"}
+        built = build(monkeypatch, {**metadata, **add_bos})
+        assert built.bos_token_id == bos and built.encode("he") == [he]
+
+
+def test_chat_without_a_tokenizer_is_refused_with_the_whole_message():
+    with pytest.raises(ValueError) as error:
+        apply_chat_template(None, [{"role": "user", "content": "hi"}])
+    assert str(error.value) == (
+        "chat needs a tokenizer with a chat template; this model has no tokenizer (presets have "
+        "random weights): use a model directory or GGUF file with one"
+    )
+
+
+def test_a_tokenizer_without_a_template_needs_one_given(monkeypatch):
+    without = {key: value for key, value in METADATA.items() if key != "chat_template"}
+    built = build(monkeypatch, without)
+    assert built.chat_template is None
+    conversation = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError) as error:
+        apply_chat_template(built, conversation)
+    assert str(error.value) == (
+        "this model's tokenizer has no chat template; pass chat_template=<jinja text> or use "
+        "generate() with plain prompts"
+    )
+    im_start = TOKENS.index("<|im_start|>")
+    prompt = apply_chat_template(built, conversation, chat_template=CHAT_TEMPLATE)
+    assert prompt == [im_start, *ids("user\nhi"), TOKENS.index("<|im_end|>"), *ids("\n"),
+                      im_start, *ids("assistant\n")]  # fmt: skip
+
+
+def test_a_given_template_wins_and_the_generation_prompt_can_be_left_out(tokenizer):
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    own = "{% for m in messages %}{{ m['content'] }};{% endfor %}"
+    own += "{% if add_generation_prompt %}>{% endif %}"
+    assert apply_chat_template(tokenizer, conversation, own) == ids("hi;ok;>")
+    no_prompt = apply_chat_template(tokenizer, conversation, own, add_generation_prompt=False)
+    assert no_prompt == ids("hi;ok;")
+    im_start, im_end = TOKENS.index("<|im_start|>"), TOKENS.index("<|im_end|>")
+    prompt = apply_chat_template(tokenizer, conversation, add_generation_prompt=False)
+    assert prompt == [im_start, *ids("user\nhi"), im_end, *ids("\n"),
+                      im_start, *ids("assistant\nok"), im_end, *ids("\n")]  # fmt: skip
+
+
+def test_an_invalid_template_is_refused_by_jinja(tokenizer):
+    from jinja2 import TemplateSyntaxError
+
+    unclosed = "{% for m in messages %}{{ m['content'] }}"
+    with pytest.raises(TemplateSyntaxError, match="Unexpected end of template"):
+        apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}], unclosed)
+
+
+def test_a_gguf_file_without_a_vocabulary_is_refused_with_the_whole_message(monkeypatch):
+    monkeypatch.setattr(tokenizer_module, "gguf_tokenizer_metadata", lambda path: {"ggml.pre": ""})
+    with pytest.raises(ValueError) as error:
+        gguf_tokenizer("models/tiny.gguf")
+    assert str(error.value) == (
+        "models/tiny.gguf: the GGUF file has no tokenizer (no tokenizer.ggml.tokens metadata); "
+        "pass token-id prompts, or a tokenizer with tokenizer=<HF dir or .gguf file>"
+    )
 
 
 def test_another_vocabulary_goes_to_the_transformers_converter(monkeypatch):
