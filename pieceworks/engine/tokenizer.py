@@ -79,6 +79,11 @@ def apply_chat_template(
             "chat needs a tokenizer with a chat template; this model has no tokenizer "
             "(presets have random weights): use a model directory or GGUF file with one"
         )
+    if chat_template is not None and not chat_template.strip():
+        raise ValueError(
+            "chat_template is empty; pass the Jinja text of a template, or leave it out to use "
+            "the tokenizer's own"
+        )
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "this model's tokenizer has no chat template; pass chat_template=<jinja text> "

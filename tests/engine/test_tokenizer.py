@@ -158,6 +158,17 @@ def test_a_tokenizer_without_a_template_needs_one_given(monkeypatch):
                       im_start, *ids("assistant\n")]  # fmt: skip
 
 
+@pytest.mark.parametrize("template", ["", "  \n"])
+def test_an_empty_template_is_refused_rather_than_rendering_an_empty_prompt(monkeypatch, template):
+    built = build(monkeypatch, METADATA)  # its own template would render; the empty one wins
+    with pytest.raises(ValueError) as error:
+        apply_chat_template(built, [{"role": "user", "content": "hi"}], chat_template=template)
+    assert str(error.value) == (
+        "chat_template is empty; pass the Jinja text of a template, or leave it out to use the "
+        "tokenizer's own"
+    )
+
+
 def test_a_given_template_wins_and_the_generation_prompt_can_be_left_out(tokenizer):
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
     own = "{% for m in messages %}{{ m['content'] }};{% endfor %}"
