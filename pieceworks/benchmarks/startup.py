@@ -10,6 +10,8 @@ a warm start, gets an empty Inductor cache again, so what it loads comes from pi
 alone (``reuse_inductor_cache`` keeps Inductor's as well). The phases, in the order start-up
 runs them:
 
+    config_s           resolve the engine's configuration (``build_engine_config``: the model's
+                       config, the platform, the compilation settings)
     weight_load_s      build the model and load its weights
     dynamo_trace_s     Dynamo tracing ``forward`` (first call until the graph reaches the backend);
                        0 on a warm start that loaded the stored graph instead
@@ -18,9 +20,12 @@ runs them:
     compile_or_load_s  split the graph, compile or load every piece, wrap the pieces (a warm start:
                        load every piece of the stored graph, wrap them)
     profile_run_s      the rest of the first forward (the profiling run that sizes the KV cache)
+    kv_cache_s         allocating and zeroing the KV cache once it is sized
     kernel_warmup_s    the uncaptured warm-up of every capture shape (kernels compile here)
     capture_s          recording the static graphs
-    other_s            the rest of engine construction (config, buffers, KV cache allocation)
+    tokenizer_s        loading the tokenizer (0 for a preset, which has none)
+    other_s            the rest of engine construction (the runner's buffers and sampler, the
+                       placeholder cache of the profiling run, the scheduler, synchronisations)
     first_step_s       one request of ``input_len`` tokens per batch row: prefill, one decode step
 
 ``engine_s`` is construction alone and ``total_s`` construction plus the first step.
@@ -39,13 +44,16 @@ from pathlib import Path
 from typing import Any
 
 ENGINE_PHASES = (
+    "config_s",
     "weight_load_s",
     "dynamo_trace_s",
     "graph_load_s",
     "compile_or_load_s",
     "profile_run_s",
+    "kv_cache_s",
     "kernel_warmup_s",
     "capture_s",
+    "tokenizer_s",
 )
 PHASES = (*ENGINE_PHASES, "other_s", "first_step_s")
 COUNTERS = (
@@ -59,7 +67,8 @@ COUNTERS = (
 
 
 def engine_phases(llm: Any, engine_seconds: float) -> dict[str, float]:
-    """The phases of an engine built in ``engine_seconds``, from what its runner recorded."""
+    """The phases of an engine built in ``engine_seconds``, from what ``llm`` and its runner
+    recorded."""
     from pieceworks.core.trace_once import trace_once_compilers
 
     runner = llm.engine.runner
@@ -68,13 +77,16 @@ def engine_phases(llm: Any, engine_seconds: float) -> dict[str, float]:
     graph_load = sum(compiler.graph_load_seconds for compiler in compilers)
     compile_or_load = sum(compiler.compile_seconds for compiler in compilers)
     phases = {
+        "config_s": llm.config_seconds,
         "weight_load_s": runner.load_seconds,
         "dynamo_trace_s": trace,
         "graph_load_s": graph_load,
         "compile_or_load_s": compile_or_load,
         "profile_run_s": max(runner.compile_seconds - trace - graph_load - compile_or_load, 0.0),
+        "kv_cache_s": runner.kv_cache_seconds,
         "kernel_warmup_s": runner.warmup_seconds,
         "capture_s": runner.capture_seconds,
+        "tokenizer_s": llm.tokenizer_seconds,
     }
     phases["other_s"] = max(engine_seconds - sum(phases.values()), 0.0)
     return phases

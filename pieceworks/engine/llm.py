@@ -12,6 +12,7 @@ chat template to conversations first.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,9 +36,13 @@ Conversation = list[dict[str, Any]]
 
 class LLM:
     def __init__(self, model: str, compilation_config: Any = None, **engine_args: Any) -> None:
+        start = time.perf_counter()
         self.config = build_engine_config(model, compilation_config, **engine_args)
+        self.config_seconds = time.perf_counter() - start  # start-up's phases: bench startup
         self.engine = LLMEngine(self.config)
+        start = time.perf_counter()
         self.tokenizer = load_tokenizer(model, engine_args.get("tokenizer"))
+        self.tokenizer_seconds = time.perf_counter() - start
         self.processor = OutputProcessor(self.engine, self.tokenizer)
 
     def generate(

@@ -112,6 +112,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator | None] = {}
         self.num_blocks = 0
         self.compile_seconds = 0.0
+        self.kv_cache_seconds = 0.0  # allocating (and zeroing) the KV cache once it is sized
         self.capture_seconds = 0.0  # recording only; the warm-ups before it are warmup_seconds
         self.warmup_seconds = 0.0
         self.graph_memory_bytes = 0
@@ -183,7 +184,10 @@ class ModelRunner:
                 self.config, spec, free, total, peak, self.graph_memory_estimate_bytes
             )
         )
+        start = time.perf_counter()
         allocate_kv_cache(spec, self.num_blocks, self.device)
+        self.platform.synchronize()
+        self.kv_cache_seconds = time.perf_counter() - start
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB); first forward (compile) %.1f s",
             self.num_blocks,

@@ -26,7 +26,7 @@ def test_bench_startup_reports_each_phase_cold_and_warm(tmp_path, capsys):
     )  # fmt: skip
     assert status == 0
     table = capsys.readouterr().out
-    assert "dynamo_trace | graph_load | compile_or_load" in table
+    assert "config | weight_load | dynamo_trace | graph_load | compile_or_load" in table
     payload = json.loads(out.read_text())
     assert {"device", "versions", "commit", "date"} <= payload.keys()
     rows = payload["results"]
@@ -34,7 +34,13 @@ def test_bench_startup_reports_each_phase_cold_and_warm(tmp_path, capsys):
     for row in rows:
         assert row["status"] == "ok"
         assert all(row[phase] >= 0 for phase in PHASES)
-        for phase in ("weight_load_s", "compile_or_load_s", "first_step_s"):
+        for phase in (
+            "config_s",
+            "weight_load_s",
+            "compile_or_load_s",
+            "kv_cache_s",
+            "first_step_s",
+        ):
             assert row[phase] > 0, phase
         assert sum(row[phase] for phase in PHASES) == pytest.approx(row["total_s"], abs=1e-6)
         assert row["process_s"] > row["total_s"]  # the process also imported torch
@@ -46,3 +52,39 @@ def test_bench_startup_reports_each_phase_cold_and_warm(tmp_path, capsys):
     assert warm["counters"]["num_dynamo_traces"] == 0  # the stored graph, not a trace
     assert warm["counters"]["num_traced_graphs_loaded"] == 1
     assert warm["dynamo_trace_s"] == 0 and warm["graph_load_s"] > 0
+
+
+def test_each_phase_comes_from_what_the_engine_recorded(monkeypatch):
+    from types import SimpleNamespace
+
+    from pieceworks.benchmarks import startup
+    from pieceworks.core import trace_once
+
+    compilers = [
+        SimpleNamespace(trace_seconds=0.5, graph_load_seconds=0.0, compile_seconds=2.0),
+        SimpleNamespace(trace_seconds=0.25, graph_load_seconds=0.125, compile_seconds=1.0),
+    ]
+    monkeypatch.setattr(trace_once, "trace_once_compilers", lambda model: compilers)
+    runner = SimpleNamespace(
+        model=None,
+        load_seconds=3.0,
+        compile_seconds=5.0,
+        kv_cache_seconds=0.75,
+        warmup_seconds=1.5,
+        capture_seconds=0.375,
+    )
+    engine = SimpleNamespace(runner=runner)
+    llm = SimpleNamespace(engine=engine, config_seconds=0.625, tokenizer_seconds=0.0625)
+    assert startup.engine_phases(llm, engine_seconds=20.0) == {
+        "config_s": 0.625,
+        "weight_load_s": 3.0,
+        "dynamo_trace_s": 0.75,
+        "graph_load_s": 0.125,
+        "compile_or_load_s": 3.0,
+        "profile_run_s": 5.0 - 0.75 - 0.125 - 3.0,  # the first forward less what it traced,
+        "kv_cache_s": 0.75,  # loaded and compiled
+        "kernel_warmup_s": 1.5,
+        "capture_s": 0.375,
+        "tokenizer_s": 0.0625,
+        "other_s": 20.0 - (0.625 + 3.0 + 5.0 + 0.75 + 1.5 + 0.375 + 0.0625),
+    }
