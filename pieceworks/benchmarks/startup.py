@@ -28,7 +28,9 @@ runs them:
                        placeholder cache of the profiling run, the scheduler, synchronisations)
     first_step_s       one request of ``input_len`` tokens per batch row: prefill, one decode step
 
-``engine_s`` is construction alone and ``total_s`` construction plus the first step.
+``engine_s`` is construction alone and ``total_s`` construction plus the first step. Each row
+also counts the entries the run added to Triton's cache directory (``triton_cache_entries_added``):
+one per kernel Triton compiled, so a warm start that adds any compiled kernels again.
 """
 
 from __future__ import annotations
@@ -157,6 +159,8 @@ def run_startup(
     timeout_s: float = 1800.0,
 ) -> list[dict[str, Any]]:
     """The cold row, then the warm row, each from a fresh process (see the module docstring)."""
+    from pieceworks.core.triton_cache import TRITON_CACHE_SUBDIR
+
     rows = []
     with tempfile.TemporaryDirectory(prefix="pieceworks-startup-") as work_dir:
         root = Path(work_dir)
@@ -170,22 +174,33 @@ def run_startup(
         environment = {
             k: v for k, v in os.environ.items() if k != "PIECEWORKS_DISABLE_COMPILE_CACHE"
         }
+        triton_dir = root / "pieceworks" / TRITON_CACHE_SUBDIR
         for run in ("cold", "warm"):
             compiler_caches = "cold" if reuse_inductor_cache else run
             environment["TORCHINDUCTOR_CACHE_DIR"] = str(root / f"inductor-{compiler_caches}")
             # Triton's binaries live under pieceworks' cache (``core/triton_cache.py``): kept
             # with it for the warm run, empty for the cold one.
             environment.pop("TRITON_CACHE_DIR", None)
+            before = triton_cache_entries(triton_dir)
             result = run_fresh_process(spec, environment, root / f"{run}.json", timeout_s)
-            rows.append({"run": run, **result})
+            added = triton_cache_entries(triton_dir) - before
+            rows.append({"run": run, **result, "triton_cache_entries_added": added})
     return rows
+
+
+def triton_cache_entries(directory: Path) -> int:
+    """How many entries Triton's cache directory holds: one directory per compiled kernel (and
+    one per helper module Triton's driver builds), so a warm start that adds any compiled again."""
+    if not directory.is_dir():
+        return 0
+    return sum(1 for entry in directory.iterdir() if entry.is_dir())
 
 
 def format_startup_table(rows: list[dict[str, Any]]) -> str:
     """One line per run: each phase, construction, total, and what was traced, compiled, loaded."""
     names = [phase.removesuffix("_s") for phase in PHASES]
     header = ["run", *names, "engine", "total", "traces", "graph_loads", "compiles", "loads"]
-    header.append("captures")
+    header += ["captures", "triton"]
     lines = [" | ".join(header)]
     for row in rows:
         if row.get("status") != "ok":
@@ -197,10 +212,12 @@ def format_startup_table(rows: list[dict[str, Any]]) -> str:
         cells += [
             str(counters[name]) for name in COUNTERS if name != "num_compiled_artifacts_saved"
         ]
+        cells.append(str(row.get("triton_cache_entries_added", "-")))
         lines.append(" | ".join(cells))
     lines.append("(seconds; traces, graph_loads, compiles, loads, captures: Dynamo traces, traced")
     lines.append(" graphs loaded instead, Inductor compiles, artifacts loaded from the compile")
-    lines.append(" cache, graphs captured)")
+    lines.append(" cache, graphs captured; triton: entries the run added to Triton's cache, one")
+    lines.append(" per kernel compiled)")
     return "\n".join(lines)
 
 

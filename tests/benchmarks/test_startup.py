@@ -27,6 +27,7 @@ def test_bench_startup_reports_each_phase_cold_and_warm(tmp_path, capsys):
     assert status == 0
     table = capsys.readouterr().out
     assert "config | weight_load | dynamo_trace | graph_load | compile_or_load" in table
+    assert "| loads | captures | triton" in table
     payload = json.loads(out.read_text())
     assert {"device", "versions", "commit", "date"} <= payload.keys()
     rows = payload["results"]
@@ -45,6 +46,7 @@ def test_bench_startup_reports_each_phase_cold_and_warm(tmp_path, capsys):
         assert sum(row[phase] for phase in PHASES) == pytest.approx(row["total_s"], abs=1e-6)
         assert row["process_s"] > row["total_s"]  # the process also imported torch
         assert row["counters"]["num_inductor_compiles"] == 0  # the eager backend
+        assert row["triton_cache_entries_added"] == 0  # no Triton kernel runs on the CPU
     cold, warm = rows
     assert cold["counters"]["num_dynamo_traces"] == 1
     assert cold["counters"]["num_traced_graphs_loaded"] == 0
@@ -88,3 +90,14 @@ def test_each_phase_comes_from_what_the_engine_recorded(monkeypatch):
         "tokenizer_s": 0.0625,
         "other_s": 20.0 - (0.625 + 3.0 + 5.0 + 0.75 + 1.5 + 0.375 + 0.0625),
     }
+
+
+def test_triton_cache_entries_count_one_per_compiled_kernel(tmp_path):
+    from pieceworks.benchmarks.startup import triton_cache_entries
+
+    assert triton_cache_entries(tmp_path / "absent") == 0  # before Triton made its directory
+    for key in ("KEYA", "KEYB"):
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "_gemv_kernel.cubin").write_bytes(b"")
+    (tmp_path / "lock").write_text("")  # a file, not an entry
+    assert triton_cache_entries(tmp_path) == 2
