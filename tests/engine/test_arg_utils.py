@@ -2,7 +2,8 @@
 
 Proves: the message names each unknown argument and lists every known one, so a misspelt
 argument (``max_num_seq``) shows its right spelling; each known argument reaches its field of the
-engine config.
+engine config; a tensor-parallel size that does not divide the model's heads is refused with the
+model's name before any rank starts.
 Run: pytest tests/engine/test_arg_utils.py
 """
 
@@ -48,3 +49,14 @@ def test_each_engine_argument_reaches_its_config_field():
     assert (cache.num_gpu_blocks_override, cache.kv_cache_memory_bytes) == (7, 1 << 20)
     assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (3, 32)
     assert (scheduler.async_scheduling, scheduler.num_scheduler_steps) == (False, 2)
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused():
+    from pieceworks.models.config_checks import ModelConfigError
+
+    with pytest.raises(ModelConfigError) as error:
+        build_engine_config("llama-tiny", None, tensor_parallel_size=3)
+    assert str(error.value) == (
+        "preset 'llama-tiny': num_attention_heads=4 is not divisible by tensor_parallel_size=3; "
+        "pick a tensor_parallel_size that divides it"
+    )

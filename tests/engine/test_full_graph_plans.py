@@ -6,7 +6,8 @@ the real token and sequence counts, and a mixed batch is padded and runs PIECEWI
 layout; with FULL every batch replays the general FULL graph in its captured layout (up to
 ``max_num_seqs`` sequences, the query bound the capture size); with FULL_DECODE_ONLY a mixed
 batch runs without graphs, unpadded; a batch past the largest capture size runs without graphs
-in every mode; the decode steps of a real generation take the FULL plan.
+in every mode; the decode steps of a real generation take the FULL plan and run their forward
+under it; level 0 says at INFO that its piece graphs are captured breakable.
 llama-tiny at level 0 (breakable graphs for PIECEWISE) on the simgraph example platform,
 capture sizes 1, 2, 4, 8, max_num_seqs 4.
 Run: pytest tests/engine/test_full_graph_plans.py
@@ -77,13 +78,25 @@ def test_full_decode_only_runs_mixed_batches_unpadded(llm_for):
     assert runner._plan(3, 2, 2, False) == (StepShape(3, 3, 2, 2, 2), NONE, None)
 
 
-def test_the_decode_steps_of_a_generation_take_the_full_plan(llm_for):
+def test_the_decode_steps_of_a_generation_take_the_full_plan(llm_for, monkeypatch):
+    from pieceworks.engine import model_runner
+
     llm = llm_for("FULL_AND_PIECEWISE")
     runner = llm.engine.runner
     runner._plans.clear()
+    contexts = []  # (graph mode, descriptor) each forward ran under
+    set_forward_context = model_runner.set_forward_context
+
+    def recording(*args, **kwargs):
+        contexts.append((kwargs.get("cudagraph_runtime_mode"), kwargs.get("batch_descriptor")))
+        return set_forward_context(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "set_forward_context", recording)
     prompts = [[3, 14, 15], [92, 65], [35, 89, 79, 32]]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3, 3]
+    # the prefill without graphs, then both decode steps replaying the FULL graph of size 4
+    assert contexts == [(NONE, None), *[(FULL, BatchDescriptor(4, True))] * 2]
     # one prefill of 3 + 2 + 4 tokens (past the largest capture size), then decodes of 3
     assert set(runner._plans) == {(9, 3, 4, False), (3, 3, 1, True)}
     assert runner._plans[(3, 3, 1, True)] == (
@@ -91,3 +104,20 @@ def test_the_decode_steps_of_a_generation_take_the_full_plan(llm_for):
         FULL,
         BatchDescriptor(4, True),
     )
+
+
+def test_level_0_says_its_piece_graphs_are_captured_breakable(monkeypatch, caplog):
+    import logging
+
+    simgraph = pytest.importorskip("pieceworks_simgraph.platform")
+    monkeypatch.setattr(platforms, "_current", simgraph.SimGraphPlatform())
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="pieceworks.engine.model_runner")
+    compilation = {"level": 0, "cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2]}
+    LLM("llama-tiny", compilation_config=compilation, dtype="float32", max_num_seqs=2).shutdown()
+    said = {
+        (r.levelno, r.getMessage())
+        for r in caplog.records
+        if r.name == "pieceworks.engine.model_runner" and "breakable" in r.getMessage()
+    }
+    assert said == {(logging.INFO, "level 0: PIECEWISE graphs captured breakable (no compile)")}

@@ -155,6 +155,7 @@ def test_an_engine_over_the_multiproc_executor_broadcasts_each_step(
     assert isinstance(executor, MultiprocExecutor) and executor.processes == []
     assert executor.init_method.startswith("tcp://127.0.0.1:")
     assert parallel_state.get_tp_group().world_size == 1
+    assert executor.group is parallel_state.get_tp_group()  # the group every step goes over
     assert _no_torchrun_and_no_atexit.registered == [executor.shutdown]
     group = executor.group = RecordingGroup(executor.group)
     first = llm.generate(PROMPTS[:1], GREEDY)
@@ -413,3 +414,86 @@ def test_the_worker_loop_releases_then_runs_each_step_until_stop(monkeypatch):
         ("execute_async", "step 2"),
     ]
     assert messages == [("never", [])] and received == [(None, 0)] * 3
+
+
+class Exited(Exception):
+    """``os._exit`` in a test: the status it was called with, instead of leaving the process."""
+
+
+class ErrorQueue:
+    """The spawn context's error queue as ``run_worker`` uses it: what was put, and in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def put(self, item):
+        self.calls.append(("put", item))
+
+    def close(self):
+        self.calls.append(("close",))
+
+    def join_thread(self):
+        self.calls.append(("join_thread",))
+
+
+def _worker_process(monkeypatch, start_rank, serve):
+    """``run_worker``'s surroundings stubbed: no platform switch, no process group, ``os._exit``
+    raising ``Exited``, this ``start_rank`` and ``serve``; the worker's error records."""
+    import logging
+
+    def exit_(status):
+        raise Exited(status)
+
+    monkeypatch.setattr(worker, "use_platform", lambda cls: None)
+    monkeypatch.setattr(parallel_state, "init_distributed_environment", lambda *a, **k: None)
+    monkeypatch.setattr(worker, "start_rank", start_rank)
+    monkeypatch.setattr(worker, "serve", serve)
+    monkeypatch.setattr(worker.os, "_exit", exit_)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    worker.logger.addHandler(handler)  # the caller removes it
+    return records, handler
+
+
+def test_a_worker_that_fails_while_serving_says_which_rank_and_exits_with_status_1(monkeypatch):
+    def serve(runner):
+        raise RuntimeError("the device fell over")
+
+    records, handler = _worker_process(monkeypatch, lambda config, cls: "runner", serve)
+    config = with_rank(build_engine_config("llama-tiny", None, tensor_parallel_size=2), 1, 1)
+    try:
+        with pytest.raises(Exited) as exited:
+            worker.run_worker(config, "tcp://127.0.0.1:1", ErrorQueue(), None, None)
+    finally:
+        worker.logger.removeHandler(handler)
+    assert exited.value.args == (1,)
+    ((record,),) = [[r for r in records if r.levelname == "ERROR"]]
+    message = record.getMessage()
+    assert message.startswith("tensor-parallel rank 1 failed:\nTraceback (most recent call last):")
+    assert message.endswith("RuntimeError: the device fell over\n")
+
+
+def test_a_worker_that_fails_at_start_up_reports_to_rank_0_then_exits(monkeypatch):
+    def start_rank(config, cls):
+        raise ValueError("num_attention_heads=4 is not divisible by tensor_parallel_size=3")
+
+    records, handler = _worker_process(monkeypatch, start_rank, lambda runner: None)
+    config = with_rank(build_engine_config("llama-tiny", None, tensor_parallel_size=2), 1, 1)
+    errors = ErrorQueue()
+    try:
+        with pytest.raises(Exited) as exited:
+            worker.run_worker(config, "tcp://127.0.0.1:1", errors, None, None)
+    finally:
+        worker.logger.removeHandler(handler)
+    assert exited.value.args == (1,)
+    (put, close, join) = errors.calls
+    assert put[0] == "put" and put[1][0] == 1
+    assert put[1][1].endswith(
+        "ValueError: num_attention_heads=4 is not divisible by tensor_parallel_size=3\n"
+    )
+    assert (close, join) == (("close",), ("join_thread",))  # the report is out before the exit
+    assert [r.getMessage() for r in records if r.levelname == "ERROR"] == [
+        "tensor-parallel rank 1 failed at start-up: num_attention_heads=4 is not divisible by "
+        "tensor_parallel_size=3"
+    ]

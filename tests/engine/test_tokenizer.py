@@ -95,6 +95,17 @@ def test_control_and_user_defined_tokens_match_whole(tokenizer):
     assert tokenizer.decode(token_ids, skip_special_tokens=True) == "<think>he"
 
 
+def test_a_control_token_that_names_no_special_role_still_matches_whole(monkeypatch):
+    # <|tool|> is neither BOS, EOS, UNK nor PAD: only its control type makes it one token.
+    tokens, types = [*TOKENS, "<|tool|>"], [*TOKEN_TYPES, 3]
+    built = build(monkeypatch, {**METADATA, "ggml.tokens": tokens, "ggml.token_type": types})
+    he, tool = TOKENS.index("he"), tokens.index("<|tool|>")
+    token_ids = built.encode("he<|tool|>he", add_special_tokens=False)
+    assert token_ids == [he, tool, he]
+    assert built.decode(token_ids) == "he<|tool|>he"
+    assert built.decode(token_ids, skip_special_tokens=True) == "hehe"
+
+
 def test_special_tokens_come_from_their_id_keys(tokenizer):
     assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
     assert tokenizer.unk_token == "<|endoftext|>"
