@@ -216,6 +216,16 @@ def test_traced_files_resolve_to_this_process_s_files_or_a_reason(tmp_path):
         )
 
 
+def test_a_relative_path_is_never_read_from_the_working_directory(tmp_path, monkeypatch):
+    # A file of that name beside the process is not the module this process imported.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "never_imported.py").write_text("x = 1\n")
+    assert resolve_traced_files(["pkg/never_imported.py"]) == (
+        "traced file pkg/never_imported.py is not imported in this process"
+    )
+
+
 def test_the_portable_graph_holds_the_registered_piece_not_the_instance_s_shadow():
     inner_graph = torch.fx.Graph()
     y = inner_graph.placeholder("y")

@@ -42,6 +42,7 @@ def test_unset_points_triton_under_the_cache_root(tmp_path, monkeypatch):
 
 
 def test_a_directory_the_user_set_is_kept(tmp_path, monkeypatch):
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE", raising=False)  # the cache on
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     assert use_pieceworks_triton_cache(config_with_cache(tmp_path)) is None
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
@@ -89,10 +90,18 @@ def fake_torch_dir(tmp_path, mode: int = 0o755):
     return str(tmp_path / "torch"), str(ptxas)
 
 
-def test_triton_assembles_with_torch_s_ptxas(tmp_path, monkeypatch):
+def test_triton_assembles_with_torch_s_ptxas_and_says_so_at_debug(tmp_path, monkeypatch, caplog):
     unset(monkeypatch, "TRITON_PTXAS_PATH")
+    monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
+    caplog.set_level(logging.DEBUG, logger="pieceworks.core.triton_cache")
     torch_dir, ptxas = fake_torch_dir(tmp_path)
     assert use_torch_ptxas(torch_dir) == os.environ["TRITON_PTXAS_PATH"] == ptxas
+    logged = {
+        (r.levelno, r.getMessage())
+        for r in caplog.records
+        if r.name == "pieceworks.core.triton_cache"
+    }
+    assert logged == {(logging.DEBUG, f"Triton assembles with torch's ptxas: {ptxas}")}
 
 
 def test_a_ptxas_the_user_set_is_kept(tmp_path, monkeypatch):
