@@ -17,7 +17,9 @@ broadcast that fails names the worker that failed; ``torchrun`` with another wor
 ranks than devices, are refused with their messages; a torchrun rank other than 0 serves rank
 0's steps and leaves; ``_spawn_workers`` starts ranks 1..N-1 with their own rank and device;
 ``_stop_workers`` terminates a worker that does not stop; a dead worker without a report is named;
-the worker loop releases, then runs, each step until ``STOP``.
+the worker loop releases, then runs, each step until ``STOP``; a worker that fails while serving
+logs its rank and the traceback and exits with status 1, and one that fails at start-up puts
+(rank, traceback) on rank 0's queue, flushes it and exits with status 1.
 Run: pytest tests/engine/test_multiproc_executor.py
 """
 
