@@ -19,17 +19,13 @@ from pieceworks.engine import tokenizer as tokenizer_module
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.tokenizer import bytes_to_unicode, gguf_tokenizer
+from tests.engine.test_tokenizer import CHAT_TEMPLATE, SPECIALS
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Every byte but 0, 1 and 2 (never in these texts): 256 tokens, llama-tiny's vocabulary.
 TOKENS = [*SPECIALS, *(bytes_to_unicode()[byte] for byte in range(3, 256))]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 METADATA = {
     "ggml.model": "gpt2",
     "ggml.pre": "smollm",
