@@ -30,7 +30,7 @@ runs them:
 
 ``engine_s`` is construction alone and ``total_s`` construction plus the first step. Each row
 also counts the entries the run added to Triton's cache directory (``triton_cache_entries_added``):
-one per kernel Triton compiled, so a warm start that adds any compiled kernels again.
+one per kernel Triton compiled, so a warm start that adds any has compiled kernels again.
 """
 
 from __future__ import annotations
@@ -190,7 +190,8 @@ def run_startup(
 
 def triton_cache_entries(directory: Path) -> int:
     """How many entries Triton's cache directory holds: one directory per compiled kernel (and
-    one per helper module Triton's driver builds), so a warm start that adds any compiled again."""
+    one per helper module Triton's driver builds), so a warm start that adds any has compiled
+    kernels again."""
     if not directory.is_dir():
         return 0
     return sum(1 for entry in directory.iterdir() if entry.is_dir())
