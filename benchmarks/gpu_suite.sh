@@ -91,6 +91,17 @@ serve() {  # name, model, serve flags...: start the server, load it at concurren
   kill -INT "$pid"; wait "$pid" 2>/dev/null
 }
 
+compile_bytecode() {  # compile the installed Python sources once, as pip does when it installs
+  # them: the H200 image sets PYTHONDONTWRITEBYTECODE and ships torch without .pyc, so every
+  # fresh process would compile every module it imports again (seconds of each start-up). The
+  # bytecode goes under PYTHONPYCACHEPREFIX, which imports read; a file that fails is skipped.
+  local dirs
+  dirs=$(python3 -c "import os, torch, transformers, sympy; print(' '.join(sorted({os.path.dirname(os.__file__), *(os.path.dirname(os.path.dirname(m.__file__)) for m in (torch, transformers, sympy))})))")  # the standard library and site-packages
+  # shellcheck disable=SC2086  # the directories are words
+  python3 -m compileall -q -j 0 $dirs pieceworks >/dev/null 2>&1 || true
+  python3 -c "from pieceworks.benchmarks.startup import torch_bytecode_cached as c; print('torch bytecode:', c()); exit(not c())"
+}
+
 startup() {  # name, bench startup flags...: cold and warm start-up, each in a fresh process
   local name=$1; shift
   step "startup_$name" python3 -m pieceworks.entrypoints.cli bench startup "$@" \
@@ -136,7 +147,9 @@ for name in $steps; do
            serve smollm2_inproc "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 --engine-in-process
            serve llama8b llama-3.1-8b --max-num-seqs 64 ;;
     throughput) step throughput python3 -m pieceworks.entrypoints.cli bench throughput --model "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 --num-prompts 512 --input-len 128 --output-len 128 --output-json "$OUT/throughput_smollm2.json" ;;
-    startup) startup llama8b --model llama-3.1-8b --batch-size 1
+    startup) export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pw_pycache}
+             step bytecode compile_bytecode
+             startup llama8b --model llama-3.1-8b --batch-size 1
              startup llama125m --model llama-125m --batch-size 1
              startup smollm2_135m --model "$(smollm2_model)" --batch-size 1 ;;
     tests) step tests python3 -m pytest -m "gpu or platform_agnostic" tests -q -p no:cacheprovider ;;

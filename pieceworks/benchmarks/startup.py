@@ -30,12 +30,18 @@ runs them:
 
 ``engine_s`` is construction alone and ``total_s`` construction plus the first step. Each row
 also counts the entries the run added to Triton's cache directory (``triton_cache_entries_added``):
-one per kernel Triton compiled, so a warm start that adds any has compiled kernels again.
+one per kernel Triton compiled, so a warm start that adds any has compiled kernels again, and
+records whether torch's modules had compiled bytecode (``python_bytecode``): a ``.pyc`` beside the
+source or under ``sys.pycache_prefix``. Without one, as where ``PYTHONDONTWRITEBYTECODE`` is set
+over an installation that never compiled its sources, every process compiles the source of every
+module it imports (seconds, seen in ``config`` and ``compile_or_load``, which import Dynamo and
+Inductor), and the table says so under its rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -94,6 +100,15 @@ def engine_phases(llm: Any, engine_seconds: float) -> dict[str, float]:
     return phases
 
 
+def torch_bytecode_cached() -> bool:
+    """Whether torch's Python modules have compiled bytecode to import (checked on one module
+    that start-up imports, without importing it)."""
+    import torch
+
+    source = os.path.join(os.path.dirname(torch.__file__), "_inductor", "compile_fx.py")
+    return os.path.exists(importlib.util.cache_from_source(source))
+
+
 def measure_startup(
     model: str,
     batch_size: int,
@@ -106,6 +121,7 @@ def measure_startup(
     from pieceworks.engine.llm import LLM
     from pieceworks.engine.sampling_params import SamplingParams
 
+    python_bytecode = torch_bytecode_cached()
     before = compilation_counter.clone()
     start = time.perf_counter()
     llm = LLM(model, compilation_config=compilation, **engine_args)
@@ -129,6 +145,7 @@ def measure_startup(
         "graph_memory_gib": runner.graph_memory_bytes / 1024**3,
         "graph_memory_estimate_gib": runner.graph_memory_estimate_bytes / 1024**3,
         "counters": counters,
+        "python_bytecode": python_bytecode,
     }
 
 
@@ -219,6 +236,17 @@ def format_startup_table(rows: list[dict[str, Any]]) -> str:
     lines.append(" graphs loaded instead, Inductor compiles, artifacts loaded from the compile")
     lines.append(" cache, graphs captured; triton: entries the run added to Triton's cache, one")
     lines.append(" per kernel compiled)")
+    without_bytecode = [
+        row["run"] for row in rows if row.get("status") == "ok" and not row["python_bytecode"]
+    ]
+    if without_bytecode:
+        lines.append(
+            f"warning: the {' and '.join(without_bytecode)} run found no compiled bytecode for"
+            " torch's modules, so it compiled their Python source on import (seconds in config"
+            " and compile_or_load). Compile them once, e.g. `python -m compileall <site-packages>`,"
+            " or point PYTHONPYCACHEPREFIX at a writable directory and unset"
+            " PYTHONDONTWRITEBYTECODE."
+        )
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ written beside the artifacts as ``cache_key_factors.json``. Storage is ``compile
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -71,15 +72,25 @@ def module_relative_paths(file_names: Collection[str] | None = None) -> dict[str
     }
 
 
+def file_digest(path: str) -> str:
+    """SHA-256 of the file's contents, read once per process while its size and modification
+    time stay the same (every compile of a start-up hashes the same pass and model files). An
+    edit that keeps the size within one tick of the file system's clock goes unseen until the
+    next process."""
+    status = os.stat(path)
+    return _file_digest(os.path.realpath(path), status.st_mtime_ns, status.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+    with open(path, "rb") as file:
+        return hashlib.sha256(file.read()).hexdigest()
+
+
 def hash_source_files(paths: list[str]) -> dict[str, str]:
     """Package-relative path (absolute outside any module) -> SHA-256 of the file's contents."""
     relative_paths = module_relative_paths({os.path.basename(path) for path in paths})
-    digests = {}
-    for path in paths:
-        with open(path, "rb") as file:
-            digest = hashlib.sha256(file.read()).hexdigest()
-        digests[relative_paths.get(os.path.realpath(path), path)] = digest
-    return digests
+    return {relative_paths.get(os.path.realpath(path), path): file_digest(path) for path in paths}
 
 
 def cache_key_factors(

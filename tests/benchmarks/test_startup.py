@@ -4,17 +4,19 @@ Runs the CLI on llama-tiny at level 3 with the eager backend (Dynamo traces and 
 nothing is compiled or captured on the CPU), so the trace and backend phases are real and short.
 Proves: two rows (cold, warm) whose phases are all present, non-negative and add up to the total;
 the cold run traces once and the warm one loads the stored graph instead (its trace phase 0, its
-graph-load phase and counter set); the JSON and the table written.
+graph-load phase and counter set); the JSON and the table written; a run whose torch modules had
+no compiled bytecode is named under the table.
 Run: pytest tests/benchmarks/test_startup.py
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from pieceworks.benchmarks.startup import PHASES
+from pieceworks.benchmarks.startup import COUNTERS, PHASES
 from pieceworks.entrypoints.cli import main
 
 
@@ -47,6 +49,7 @@ def test_bench_startup_reports_each_phase_cold_and_warm(tmp_path, capsys):
         assert row["process_s"] > row["total_s"]  # the process also imported torch
         assert row["counters"]["num_inductor_compiles"] == 0  # the eager backend
         assert row["triton_cache_entries_added"] == 0  # no Triton kernel runs on the CPU
+        assert isinstance(row["python_bytecode"], bool)
     cold, warm = rows
     assert cold["counters"]["num_dynamo_traces"] == 1
     assert cold["counters"]["num_traced_graphs_loaded"] == 0
@@ -101,3 +104,31 @@ def test_triton_cache_entries_count_one_per_compiled_kernel(tmp_path):
         (tmp_path / key / "_gemv_kernel.cubin").write_bytes(b"")
     (tmp_path / "lock").write_text("")  # a file, not an entry
     assert triton_cache_entries(tmp_path) == 2
+
+
+def test_a_run_without_torch_bytecode_is_named_under_the_table(tmp_path, monkeypatch):
+    import importlib.util
+    import os
+    import sys
+
+    import torch
+
+    from pieceworks.benchmarks.startup import format_startup_table, torch_bytecode_cached
+
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path))  # where imports look for .pyc
+    assert not torch_bytecode_cached()
+    source = os.path.join(os.path.dirname(torch.__file__), "_inductor", "compile_fx.py")
+    compiled = Path(importlib.util.cache_from_source(source))
+    assert compiled.is_relative_to(tmp_path)
+    compiled.parent.mkdir(parents=True)
+    compiled.write_bytes(b"")
+    assert torch_bytecode_cached()
+
+    row = {name: 1.0 for name in PHASES} | {"engine_s": 1.0, "total_s": 1.0, "status": "ok"}
+    row["counters"] = dict.fromkeys(COUNTERS, 0)
+    rows = [row | {"run": "cold", "python_bytecode": True}]
+    assert "warning" not in format_startup_table(rows)
+    rows.append(row | {"run": "warm", "python_bytecode": False})
+    warning = format_startup_table(rows).splitlines()[-1]
+    assert warning.startswith("warning: the warm run found no compiled bytecode")
+    assert "compileall" in warning

@@ -27,6 +27,7 @@ from pieceworks.config import EngineConfig, ParallelConfig
 from pieceworks.core.cache_key import (
     cache_directory,
     cache_key_factors,
+    file_digest,
     hash_source_files,
     module_relative_paths,
     traced_source_files,
@@ -78,6 +79,23 @@ def test_traced_files_are_named_inside_their_package_and_keyed_by_content(tmp_pa
     assert paths[os.path.realpath(module)] == "pieceworks/core/cache_key.py"
     assert paths[os.path.realpath(package_init)] == "pieceworks/core/__init__.py"
     assert all(relative.endswith(".py") for relative in paths.values())
+
+
+def test_a_file_is_read_once_until_it_changes(tmp_path, monkeypatch):
+    source = tmp_path / "pass.py"
+    source.write_text("x = 1\n")
+    reads = []
+    real_open = open
+    monkeypatch.setattr(
+        "builtins.open", lambda path, *a, **k: (reads.append(path), real_open(path, *a, **k))[1]
+    )
+    assert file_digest(str(source)) == file_digest(str(source)) == _sha256(source)
+    assert len(reads) == 1
+    source.write_text("x = 22\n")  # a new size (and modification time): read again
+    assert file_digest(str(source)) == _sha256(source)
+    assert len(reads) == 2
+    assert hash_source_files([str(source)]) == {str(source): _sha256(source)}
+    assert len(reads) == 2
 
 
 def _forward(x):

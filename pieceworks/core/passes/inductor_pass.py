@@ -15,7 +15,7 @@ from typing import Any
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from pieceworks.core.cache_key import hash_source_files
+from pieceworks.core.cache_key import file_digest
 from pieceworks.utils import hash_factors
 
 
@@ -40,7 +40,7 @@ class InductorPass(CustomGraphPass):
         return hash_factors(
             {
                 "pass": type(self).__qualname__,
-                "sources": list(hash_source_files(self.source_files()).values()),
+                "sources": [file_digest(path) for path in self.source_files()],
                 "config": self.config_factors(),
             }
         )
