@@ -81,7 +81,7 @@ def file_digest(path: str) -> str:
     return _file_digest(os.path.realpath(path), status.st_mtime_ns, status.st_size)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _file_digest(path: str, mtime_ns: int, size: int) -> str:
     with open(path, "rb") as file:
         return hashlib.sha256(file.read()).hexdigest()
