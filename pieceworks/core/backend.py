@@ -38,6 +38,7 @@ from pieceworks.core.graph_call import source_name
 from pieceworks.core.passes.gemv_fusion import fuse_epilogues
 from pieceworks.core.piecewise_backend import PiecewiseBackend
 from pieceworks.core.split import split_graph
+from pieceworks.core.splitting_call import bind_splitting_calls
 from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphWrapperBase
 from pieceworks.core.static_inputs import StaticInputCopier, dynamic_input_indices
 from pieceworks.core.traced_graph_cache import TracedGraphDamaged
@@ -232,6 +233,8 @@ class PiecewiseCompileBackend:
         return runnable
 
     def _runnable(self, split_gm: torch.fx.GraphModule) -> Callable[..., Any]:
+        bound = bind_splitting_calls(split_gm)
+        logger.debug("%d splitting submodules call their op directly", bound)
         if self.config.compilation_config.cudagraph_copy_inputs:
             return StaticInputCopier(split_gm, self.dynamic_input_indices)
         return split_gm

@@ -28,6 +28,8 @@ from pieceworks.core.config import LIBRARY_NAMESPACE
 pieceworks_lib = Library(LIBRARY_NAMESPACE, "FRAGMENT")
 _registered: set[tuple[str, str]] = set()
 _dynamic_ops: set[str] = set()  # "<ns>::<name>" of the ops registered with dynamic=True
+# "<ns>::<name>" -> (the function registered as its implementation, the dispatch key)
+_implementations: dict[str, tuple[Callable[..., Any], str]] = {}
 
 
 def _guarded(name: str, op_func: Callable[..., Any]) -> Callable[..., Any]:
@@ -67,7 +69,9 @@ def direct_register_custom_op(
         schema = torch.library.infer_schema(op_func, mutates_args=mutates_args)
         lib.define(op_name + schema)
         qualname = f"{lib.ns}::{op_name}"
-        lib.impl(op_name, _guarded(qualname, op_func) if dynamic else op_func, dispatch_key)
+        implementation = _guarded(qualname, op_func) if dynamic else op_func
+        lib.impl(op_name, implementation, dispatch_key)
+        _implementations[qualname] = (implementation, dispatch_key)
         if dynamic:
             _dynamic_ops.add(qualname)
         if fake_impl is not None:
@@ -79,6 +83,18 @@ def direct_register_custom_op(
 def is_registered_custom_op(op: torch._ops.OpOverload) -> bool:
     """Whether ``op`` was registered through ``direct_register_custom_op`` (in any namespace)."""
     return (op.namespace, op._schema.name.split("::")[-1]) in _registered
+
+
+def registered_implementation(qualname: str) -> Callable[..., Any] | None:
+    """The Python function the dispatcher runs for ``"<ns>::<name>"`` on the current platform,
+    when the op was registered here under the platform's dispatch key; else None (another
+    platform's key, or an op registered elsewhere)."""
+    from pieceworks.platforms import current_platform
+
+    registered = _implementations.get(qualname)
+    if registered is None or registered[1] != current_platform().dispatch_key:
+        return None
+    return registered[0]
 
 
 def is_dynamic_op(qualname: str) -> bool:
