@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     PIECEWORKS_DIST_TIMEOUT_S: float
     PIECEWORKS_SMALL_M_GEMV: bool | None
     PIECEWORKS_PDL: bool | None
+    PIECEWORKS_BOUND_TRITON_LAUNCH: bool
+    PIECEWORKS_PRECOMPILE_KERNELS: bool
 
 
 def _optional_str(name: str) -> Callable[[], str | None]:
@@ -31,6 +33,11 @@ def _optional_str(name: str) -> Callable[[], str | None]:
 
 def _flag(name: str) -> Callable[[], bool]:
     return lambda: os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _flag_on_by_default(name: str) -> Callable[[], bool]:
+    """Unset or empty: on; else a flag as ``_flag`` reads it."""
+    return lambda: _flag(name)() if os.environ.get(name, "").strip() else True
 
 
 def _optional_flag(name: str) -> Callable[[], bool | None]:
@@ -78,6 +85,14 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # it (NVIDIA Hopper and newer): 1 or unset on, 0 off (PDL_BY_DEFAULT in
     # pieceworks/kernels/programmatic_launch.py; what it changes: docs/performance.md).
     "PIECEWORKS_PDL": _optional_flag("PIECEWORKS_PDL"),
+    # A launch that pieceworks repeats with the same shapes (the attention layer's, once per
+    # shape) calls the Triton binary its first launch compiled, skipping Triton's per-call
+    # argument binding (pieceworks/kernels/bound_launch.py): unset or 1 on, 0 off.
+    "PIECEWORKS_BOUND_TRITON_LAUNCH": _flag_on_by_default("PIECEWORKS_BOUND_TRITON_LAUNCH"),
+    # Before the profiling run, compile every pieceworks Triton kernel the start-up will launch,
+    # in a pool of threads, instead of one after another at first launch
+    # (pieceworks/kernels/precompile.py): unset or 1 on, 0 off.
+    "PIECEWORKS_PRECOMPILE_KERNELS": _flag_on_by_default("PIECEWORKS_PRECOMPILE_KERNELS"),
 }
 
 # Variables whose value changes the code pieceworks compiles; they enter the compile-cache hash.

@@ -25,14 +25,25 @@ from typing import Any
 
 import torch
 
+from pieceworks.kernels import precompile
 from pieceworks.kernels.nvidia_pdl import pdl_start
 from pieceworks.kernels.programmatic_launch import programmatic_launch_enabled
 from pieceworks.platforms import current_platform
 from pieceworks.platforms.capability import TRITON
 
-__all__ = ["INTERPRETED", "launch_options", "pdl_start", "programmatic_launch"]
+__all__ = ["INTERPRETED", "launch", "launch_options", "pdl_start", "programmatic_launch"]
 
 INTERPRETED = type(pdl_start).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1
+
+
+def launch(kernel: Any, grid: Any, *args: Any, **options: Any) -> Any:
+    """``kernel[grid](*args, **options)``: every pieceworks kernel launches through here. Inside
+    ``precompile.precompiling`` it queues the kernel's compile instead and runs nothing (None);
+    else it returns what Triton's launch returns (the compiled kernel)."""
+    if precompile.is_active():
+        precompile.queue(kernel, grid, args, options)
+        return None
+    return kernel[grid](*args, **options)
 
 
 def programmatic_launch(device: torch.device) -> bool:

@@ -28,6 +28,7 @@ from pieceworks.core.norm_quant import (
 )
 from pieceworks.kernels import triton_launch
 from pieceworks.kernels.activation.torch_activation import silu_and_mul
+from pieceworks.kernels.triton_launch import launch
 from pieceworks.kernels.triton_rounding import round_to_e4m3
 
 _FP8_MAX = tl.constexpr(KERNEL_FP8_MAX)
@@ -74,7 +75,9 @@ def silu_and_mul_epilogue(gate_up: torch.Tensor, out_scale: torch.Tensor | None)
     if num_tokens == 0:
         return out
     block = 1024
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(out_features, block))](
+    launch(
+        _silu_and_mul_kernel,
+        (num_tokens, triton.cdiv(out_features, block)),
         gate_up,
         out,
         out_scale if out_scale is not None else gate_up,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.kernels.attention.launch import KernelLaunch
+from pieceworks.kernels.kernel_launch import KernelLaunch
 
 
 def store_kv_cache_torch(

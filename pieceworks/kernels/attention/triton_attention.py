@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, KERNEL_FP8_MAX, static_scaled_fp8_quant
-from pieceworks.kernels.attention.launch import KernelLaunch
 from pieceworks.kernels.attention.workspace import DecodeWorkspace
+from pieceworks.kernels.kernel_launch import KernelLaunch
 from pieceworks.kernels.triton_launch import launch_options, pdl_start, programmatic_launch
 from pieceworks.kernels.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
 

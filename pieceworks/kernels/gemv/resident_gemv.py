@@ -49,7 +49,7 @@ from pieceworks.kernels import triton_launch
 from pieceworks.kernels.gemv import triton_gemv_config
 from pieceworks.kernels.gemv.triton_gemv import launch_gemv
 from pieceworks.kernels.gemv.triton_gemv_config import RopeEpilogue
-from pieceworks.kernels.triton_launch import launch_options, programmatic_launch
+from pieceworks.kernels.triton_launch import launch, launch_options, programmatic_launch
 from pieceworks.kernels.triton_rounding import TRITON_DTYPES
 from pieceworks.logger import init_logger
 from pieceworks.platforms import current_platform
@@ -465,7 +465,9 @@ def launch_resident_gemv(
     block_columns = BLOCK_N // 2 if rope is not None else BLOCK_N
     positions, cos_sin = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
     pdl = programmatic_launch(x.device)
-    _resident_gemv_kernel[(triton.cdiv(out_features, block_columns),)](
+    launch(
+        _resident_gemv_kernel,
+        (triton.cdiv(out_features, block_columns),),
         x,
         weight,
         out,

@@ -70,7 +70,7 @@ from pieceworks.kernels.gemv.triton_gemv_config import (
     rope_config,
 )
 from pieceworks.kernels.nvidia_pdl import gdc_launch_dependents, gdc_wait
-from pieceworks.kernels.triton_launch import launch_options, programmatic_launch
+from pieceworks.kernels.triton_launch import launch, launch_options, programmatic_launch
 from pieceworks.kernels.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
 
 __all__ = [  # the configuration names are re-exported: callers and tests import them from here
@@ -271,7 +271,9 @@ def launch_gemv(
     out = torch.empty(out_shape, dtype=store_dtype, device=x.device)
     x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED
     positions, cos_sin = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
-    _gemv_kernel[grid](
+    launch(
+        _gemv_kernel,
+        grid,
         x,
         weight,
         out,

@@ -37,6 +37,7 @@ from pieceworks.kernels.gemv.triton_gemv import (
     uses_kernel,
 )
 from pieceworks.kernels.rope.torch_rotary import rotate_leading_heads
+from pieceworks.kernels.triton_launch import launch
 from pieceworks.kernels.triton_rounding import round_to
 
 ROTATE_BLOCK_TOKENS = 16  # tokens per program of the in-place rotation
@@ -96,7 +97,9 @@ def rotate_qk_heads(
             positions, qkv, cos_sin_cache, head_size, num_rotary_heads, is_neox_style=True
         )
     grid = (triton.cdiv(num_tokens, ROTATE_BLOCK_TOKENS), num_rotary_heads)
-    _rotate_qk_heads_kernel[grid](
+    launch(
+        _rotate_qk_heads_kernel,
+        grid,
         qkv,
         positions.contiguous(),
         cos_sin_cache,

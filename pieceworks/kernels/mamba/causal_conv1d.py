@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pieceworks.kernels.triton_launch import launch
+
 # Tile sizes measured best on an H200 at Bamba-9B shapes (conv_dim 8448, 2k-8k token prefills).
 _BLOCK_TOKENS = 32
 _BLOCK_CHANNELS = 128
@@ -154,7 +156,7 @@ def causal_conv1d_varlen(
         return out
     bias = conv_bias if conv_bias is not None else conv_weight  # placeholder pointer when absent
     grid = (triton.cdiv(num_tokens, _BLOCK_TOKENS), triton.cdiv(conv_dim, _BLOCK_CHANNELS))
-    _causal_conv1d_varlen_kernel[grid](
+    launch(_causal_conv1d_varlen_kernel, grid,
         xBC, conv_weight, bias, conv_state, out,
         query_start_loc, state_indices, has_initial_state,
         num_tokens, num_seqs, conv_dim,
@@ -171,7 +173,7 @@ def _write_back_conv_state(xBC, conv_state, query_start_loc, state_indices, has_
     """Second launch: runs after every conv read of the old cache has completed."""
     conv_dim, width = xBC.shape[1], conv_state.shape[2] + 1
     grid = (state_indices.shape[0], triton.cdiv(conv_dim, _BLOCK_CHANNELS))
-    _conv_state_writeback_kernel[grid](
+    launch(_conv_state_writeback_kernel, grid,
         xBC, conv_state, query_start_loc, state_indices, has_initial_state,
         conv_dim, xBC.stride(0), xBC.stride(1), *conv_state.stride(),
         KERNEL_WIDTH=width, BLOCK_K=triton.next_power_of_2(max(width - 1, 1)),
@@ -238,7 +240,7 @@ def causal_conv1d_update(
     if num_seqs == 0:
         return out
     grid = (num_seqs, triton.cdiv(conv_dim, _BLOCK_CHANNELS))
-    _causal_conv1d_update_kernel[grid](
+    launch(_causal_conv1d_update_kernel, grid,
         x, conv_state, weight, bias if bias is not None else weight, out, state_indices, conv_dim,
         x.stride(0), x.stride(1), *conv_state.stride(), weight.stride(0), weight.stride(1),
         out.stride(0), out.stride(1),

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pieceworks.kernels.triton_launch import launch
+
 _MAX_BLOCK_HEADDIM = 16
 
 
@@ -94,7 +96,7 @@ def selective_state_update(
         return y
     block_p = min(triton.next_power_of_2(head_dim), _MAX_BLOCK_HEADDIM)
     grid = (num_seqs, num_heads, triton.cdiv(head_dim, block_p))
-    _selective_state_update_kernel[grid](
+    launch(_selective_state_update_kernel, grid,
         ssm_state, x, dt, A, B, C, D if D is not None else A,
         dt_bias if dt_bias is not None else A, y,
         state_indices, head_dim, dstate, num_heads // B.shape[1],

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.kernels.mamba.selective_state_update import discretize_dt
+from pieceworks.kernels.triton_launch import launch
 
 # Measured on an H200 at Bamba-9B shapes: 32-token chunks and a whole head (headdim 64) per
 # program. 64-token chunks were ~1.6x slower on a two-sequence 2k/8k prefill, ~5% faster on one.
@@ -148,7 +149,7 @@ def mamba_chunk_scan_varlen(
         return y
     block_p = max(16, min(triton.next_power_of_2(head_dim), _MAX_BLOCK_HEADDIM))
     grid = (num_seqs, num_heads, triton.cdiv(head_dim, block_p))
-    _chunk_scan_varlen_kernel[grid](
+    launch(_chunk_scan_varlen_kernel, grid,
         x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A, y,
         ssm_state, query_start_loc, state_indices, has_initial_state,
         head_dim, dstate, num_heads // B.shape[1], float(dt_limit[0]), float(dt_limit[1]),

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.norm_quant import KERNEL_FP8_MAX
-from pieceworks.kernels.triton_launch import launch_options, pdl_start, programmatic_launch
+from pieceworks.kernels.triton_launch import launch, launch_options, pdl_start, programmatic_launch
 from pieceworks.kernels.triton_rounding import round_to, round_to_e4m3
 
 
@@ -78,7 +78,9 @@ def _launch(
     num_rows = input.numel() // hidden_size
     block_size = triton.next_power_of_2(hidden_size)
     pdl = programmatic_launch(input.device)
-    _rms_norm_quant_kernel[(num_rows,)](
+    launch(
+        _rms_norm_quant_kernel,
+        (num_rows,),
         input,
         residual if residual is not None else input,  # unused without HAS_RESIDUAL
         weight,

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.kernels import triton_launch
+from pieceworks.kernels.kernel_launch import KernelLaunch
 
 __all__ = ["launch_row_argmax", "uses_kernel"]
 
@@ -84,26 +85,47 @@ def launch_row_argmax(logits: torch.Tensor) -> torch.Tensor:
             "the argmax kernel takes (S, V) logits with contiguous rows, not shape "
             f"{tuple(logits.shape)} with strides {logits.stride()}"
         )
-    num_rows, vocab_size = logits.shape
+    num_rows = logits.shape[0]
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
+    key = (num_rows, logits.shape[1], logits.stride(0), logits.device)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= MAX_CACHED_PLANS:
+            _plans.clear()
+        plan = _plans[key] = _plan(*key)
+    block_launch, row_launch, num_blocks = plan
+    packed = torch.empty(num_rows, num_blocks, dtype=torch.int64, device=logits.device)
+    block_launch(logits, packed)
+    row_launch(packed, out)
+    return out
+
+
+# The two launches per logits shape (rows, vocabulary, row stride, device): a decode batch size
+# each, so few; they are bound after their first launch (``kernel_launch.KernelLaunch``).
+MAX_CACHED_PLANS = 64
+_plans: dict[tuple, tuple[KernelLaunch, KernelLaunch, int]] = {}
+
+
+def _plan(
+    num_rows: int, vocab_size: int, row_stride: int, device: torch.device
+) -> tuple[KernelLaunch, KernelLaunch, int]:
     block = min(ARGMAX_BLOCK, triton.next_power_of_2(vocab_size))
     num_blocks = triton.cdiv(vocab_size, block)
-    packed = torch.empty(num_rows, num_blocks, dtype=torch.int64, device=logits.device)
-    _block_argmax_kernel[(num_rows, num_blocks)](
-        logits,
-        packed,
-        vocab_size,
-        logits.stride(0),
-        num_blocks,
-        BLOCK=block,
-        num_warps=ARGMAX_WARPS,
+    block_launch = KernelLaunch(
+        _block_argmax_kernel,
+        (num_rows, num_blocks),
+        (vocab_size, row_stride, num_blocks),
+        {"BLOCK": block, "num_warps": ARGMAX_WARPS},
     )
-    _row_argmax_kernel[(num_rows,)](
-        packed, out, num_blocks, BLOCK_BLOCKS=triton.next_power_of_2(num_blocks), num_warps=1
+    row_launch = KernelLaunch(
+        _row_argmax_kernel,
+        (num_rows,),
+        (num_blocks,),
+        {"BLOCK_BLOCKS": triton.next_power_of_2(num_blocks), "num_warps": 1},
     )
-    return out
+    return block_launch, row_launch, num_blocks
 
 
 def uses_kernel(logits: torch.Tensor) -> bool:

@@ -14,7 +14,6 @@ from pieceworks.kernels.attention.kv_cache import (
     store_kv_cache_torch,
     store_kv_cache_triton,
 )
-from pieceworks.kernels.attention.launch import KernelLaunch
 from pieceworks.kernels.attention.triton_attention import (
     DecodeLaunch,
     PagedAttentionLaunch,
@@ -23,6 +22,7 @@ from pieceworks.kernels.attention.triton_attention import (
     plan_paged_attention,
 )
 from pieceworks.kernels.attention.workspace import DecodeWorkspace
+from pieceworks.kernels.kernel_launch import KernelLaunch
 from pieceworks.models.attention.ops.reference import paged_attention_reference
 
 __all__ = [
