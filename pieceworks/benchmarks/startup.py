@@ -19,6 +19,9 @@ runs them:
                        instead of tracing; 0 when Dynamo traced
     compile_or_load_s  split the graph, compile or load every piece, wrap the pieces (a warm start:
                        load every piece of the stored graph, wrap them)
+    kernel_compile_s   pieceworks' own Triton kernels compiled ahead, in parallel: a dry forward of
+                       every warm-up shape queues them, and this waits for the pool
+                       (``kernels/precompile.py``); 0 where they compile at first launch
     profile_run_s      the rest of the first forward (the profiling run that sizes the KV cache)
     kv_cache_s         allocating and zeroing the KV cache once it is sized
     kernel_warmup_s    the uncaptured warm-up of every capture shape (kernels compile here)
@@ -57,6 +60,7 @@ ENGINE_PHASES = (
     "dynamo_trace_s",
     "graph_load_s",
     "compile_or_load_s",
+    "kernel_compile_s",
     "profile_run_s",
     "kv_cache_s",
     "kernel_warmup_s",
@@ -90,6 +94,7 @@ def engine_phases(llm: Any, engine_seconds: float) -> dict[str, float]:
         "dynamo_trace_s": trace,
         "graph_load_s": graph_load,
         "compile_or_load_s": compile_or_load,
+        "kernel_compile_s": runner.kernel_compile_seconds,
         "profile_run_s": max(runner.compile_seconds - trace - graph_load - compile_or_load, 0.0),
         "kv_cache_s": runner.kv_cache_seconds,
         "kernel_warmup_s": runner.warmup_seconds,

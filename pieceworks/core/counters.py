@@ -26,6 +26,7 @@ class CompilationCounter:
     num_eager_compiles: int = 0
     num_cudagraph_captured: int = 0  # device graphs: one per FULL capture, piece or segment
     num_breakable_segments_captured: int = 0  # segments of breakable captures (L + 1 per size)
+    num_decode_tails_captured: int = 0  # the runner's decode tails (also device graphs above)
     num_gpu_runner_capture_triggers: int = 0
     num_cache_entries_updated: int = 0
     num_compiled_artifacts_saved: int = 0

@@ -107,6 +107,11 @@ class InputBuffers:
             {f.name: _field_view(packed, f).numpy() for f in self.fields}
             for packed in self._staging
         ]
+        # Device only, never staged: the ids each step of a decode run sampled, step-major,
+        # written by the captured decode tails (``engine/decode_tail.py``).
+        self.sampled_steps = torch.zeros(
+            max_num_steps * max_num_seqs, dtype=torch.int64, device=device
+        )
         self._copy_events = [create_event(), create_event()]  # None: copies are synchronous
         self._staging_index = 1
         self.packed_host = self._staging[0]
@@ -330,6 +335,12 @@ class InputBuffers:
                 f"step {step} of a run of {num_seqs} sequences: prepare() staged slots for "
                 f"{self.num_step_slots // max(num_seqs, 1)} later steps; pass num_steps to it"
             )
+        self.advance_rows(sampled, step)
+
+    def advance_rows(self, sampled: torch.Tensor, step: int) -> None:
+        """``advance_decode`` without its check against what ``prepare`` staged: the device ops
+        alone, as a captured decode tail records them (its capture runs on a dummy step)."""
+        num_seqs = sampled.shape[0]
         self["input_ids"][:num_seqs].copy_(sampled)
         self["positions"][:num_seqs].add_(1)
         self["seq_lens"][:num_seqs].add_(1)

@@ -32,6 +32,7 @@ from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
 from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphSet, StaticGraphWrapperBase
 from pieceworks.core.triton_cache import use_pieceworks_triton_cache, use_torch_ptxas
 from pieceworks.engine.block_manager import cdiv
+from pieceworks.engine.decode_tail import DecodeTail
 from pieceworks.engine.input_buffers import InputBuffers, StepShape
 from pieceworks.engine.kv_cache import (
     GIB,
@@ -48,7 +49,9 @@ from pieceworks.engine.sampled_tokens import SampledTokens
 from pieceworks.engine.sampler import Sampler, make_generator, row_param_tensor
 from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.scheduler import SchedulerOutput
+from pieceworks.kernels import precompile
 from pieceworks.kernels.chooser import warmup_kernels
+from pieceworks.kernels.precompile import precompiling
 from pieceworks.logger import init_logger
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.sources import get_model
@@ -105,6 +108,10 @@ class ModelRunner:
         self._token_events = [self.platform.create_event() for _ in range(2)]
         self._num_steps = 0
         self._plans: dict[tuple[int, int, int, bool], Any] = {}  # batch shape -> plan()
+        # Per multi-step index: the decode tail's static-graph wrapper (none without FULL graphs),
+        # and the FULL graphs' descriptors whose steps it samples (``engine/decode_tail.py``).
+        self.decode_tails = self._build_decode_tails()
+        self.decode_tail_descriptors = self._decode_tail_descriptors()
         self.mamba_spec = mamba_cache_spec(config)
         # State slots the scheduler hands out (0: no Mamba layers, no slots).
         self.num_state_slots = self.mamba_spec.num_slots if self.mamba_spec else 0
@@ -113,6 +120,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.compile_seconds = 0.0
         self.kv_cache_seconds = 0.0  # allocating (and zeroing) the KV cache once it is sized
+        self.kernel_compile_seconds = 0.0  # pieceworks' kernels compiled ahead, in parallel
         self.capture_seconds = 0.0  # recording only; the warm-ups before it are warmup_seconds
         self.warmup_seconds = 0.0
         self.graph_memory_bytes = 0
@@ -142,6 +150,23 @@ class ModelRunner:
             self._own(forward_model)
         return forward_model
 
+    def _build_decode_tails(self) -> list[Any]:
+        """One FULL-mode wrapper per step index of a decode run, where decode steps run FULL
+        graphs on one tensor-parallel rank; empty otherwise."""
+        mode = self.compilation.cudagraph_mode
+        assert mode is not None
+        if not mode.has_full_cudagraphs() or self.config.parallel_config.tensor_parallel_size > 1:
+            return []
+        wrapper_cls = self.platform.static_graph_wrapper_cls()
+        max_num_steps = self.config.scheduler_config.num_scheduler_steps
+        tails = []
+        for step in range(max_num_steps):
+            tail = DecodeTail(self.model, self.buffers, step, advance=step < max_num_steps - 1)
+            wrapper = wrapper_cls(tail, self.config, CUDAGraphMode.FULL)
+            self._own(wrapper)
+            tails.append(wrapper)
+        return tails
+
     def _own(self, wrapper: Any) -> None:
         """Keep ``wrapper`` in this runner's set (a vendor's class that is not a
         ``StaticGraphWrapperBase`` keeps its own capture bookkeeping)."""
@@ -166,12 +191,14 @@ class ModelRunner:
                 self.mamba_spec.num_bytes / GIB,
             )
         self.platform.synchronize()
+        start = time.perf_counter()
+        self._precompile_kernels()
+        self.platform.synchronize()
         self.platform.reset_peak_memory_stats()
         allocated_before = self.platform.memory_allocated()
-        start = time.perf_counter()
-        self._dummy_forward(self.max_num_tokens)
+        self._dummy_forward(self.max_num_tokens)  # the profiling run (the first call compiles)
         self.platform.synchronize()
-        self.compile_seconds = time.perf_counter() - start
+        self.compile_seconds = time.perf_counter() - start - self.kernel_compile_seconds
         free, total = self.platform.mem_get_info()
         peak = self.platform.max_memory_allocated()
         activation_bytes_per_token = max(peak - allocated_before, 0) / self.max_num_tokens
@@ -197,6 +224,29 @@ class ModelRunner:
         )
         return self.num_blocks
 
+    def _precompile_kernels(self) -> None:
+        """Where pieceworks' kernels can be compiled ahead (``kernels/precompile.py``): the first
+        forward (Dynamo traces, the pieces compile or load) and one forward of every warm-up
+        shape as dry runs, their kernels compiling in a pool of threads meanwhile; the time
+        after the first forward is ``kernel_compile_seconds``. Elsewhere nothing runs here and
+        the profiling run is the first forward."""
+        with precompiling(self.device) as queued:
+            if not precompile.is_active():
+                return
+            self._dummy_forward(self.max_num_tokens)
+            start = time.perf_counter()
+            for descriptor in self._warm_up_shapes():
+                self._dummy_forward(descriptor.num_tokens, CUDAGraphMode.NONE, descriptor)
+        self.kernel_compile_seconds = time.perf_counter() - start
+        logger.info(
+            "compiled %d kernel launches ahead in %.2f s", queued[0], self.kernel_compile_seconds
+        )
+
+    def _warm_up_shapes(self) -> list[BatchDescriptor]:
+        """One descriptor per distinct shape the capture sizes warm up, largest first."""
+        descriptors = [descriptor for _, descriptor in self.dispatcher.capture_descriptors()]
+        return list({(d.num_tokens, d.uniform_decode): d for d in descriptors}.values())
+
     def _dummy_forward(
         self,
         num_tokens: int,
@@ -209,8 +259,26 @@ class ModelRunner:
         with set_forward_context(
             metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):
-            self.forward_model(*self.buffers.model_inputs(shape))
+            hidden_states = self.forward_model(*self.buffers.model_inputs(shape))
+            if descriptor in self.decode_tail_descriptors and mode != CUDAGraphMode.PIECEWISE:
+                # After the FULL graph (or its warm-up): each decode tail of this descriptor,
+                # reading the forward's output where the graph leaves it.
+                for tail in self.decode_tails:
+                    tail(hidden_states)
+                    compilation_counter.num_decode_tails_captured += mode == CUDAGraphMode.FULL
         self.platform.synchronize()  # the next dummy step reuses the pinned staging buffer
+
+    def _decode_tail_descriptors(self) -> set[BatchDescriptor]:
+        """The FULL graphs' descriptors that get decode tails: those of at most
+        ``max_num_seqs`` tokens (a tail samples a decode batch that fills its size)."""
+        if not self.decode_tails:
+            return set()
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        return {
+            descriptor
+            for mode, descriptor in self.dispatcher.capture_descriptors()
+            if mode == CUDAGraphMode.FULL and descriptor.num_tokens <= max_num_seqs
+        }
 
     def _profile_shape(self, num_tokens: int) -> StepShape:
         """The largest step as prefills no longer than max_model_len each."""
@@ -247,7 +315,7 @@ class ModelRunner:
         )
         try:
             start = time.perf_counter()
-            self._warm_up([descriptor for _, descriptor in descriptors])
+            self._warm_up()
             self.warmup_seconds = time.perf_counter() - start
             start = time.perf_counter()
             for mode, descriptor in tqdm(descriptors, desc="capturing graphs", leave=False):
@@ -275,10 +343,9 @@ class ModelRunner:
             self.graph_memory_estimate_bytes / GIB,
         )
 
-    def _warm_up(self, descriptors: list[BatchDescriptor]) -> None:
+    def _warm_up(self) -> None:
         """``cudagraph_num_of_warmups`` uncaptured runs of each distinct shape."""
-        shapes = {(d.num_tokens, d.uniform_decode): d for d in descriptors}
-        for descriptor in shapes.values():
+        for descriptor in self._warm_up_shapes():
             for _ in range(self.compilation.cudagraph_num_of_warmups):
                 self._dummy_forward(descriptor.num_tokens, CUDAGraphMode.NONE, descriptor)
 
@@ -353,12 +420,14 @@ class ModelRunner:
         request, in scheduled order) once the device has them, and the log-probabilities of the
         requests that asked for them."""
         step = self._prepare(output)
+        params, generators, rows = self._sampling_inputs(output)
+        if self._uses_decode_tail(output, step, params):
+            return self._finish_launch(self._run_decode_tails(step, output.num_steps), rows)
         hidden_states = self._run_model(step)
         prompt = self._prompt_logprobs(output, hidden_states)
         if self.buffers.num_logits == 0:
             return SampledTokens(None, None, prompt_logprobs=prompt)
         logits = self.model.compute_logits(self.buffers.logits_rows(hidden_states))  # (S, V)
-        params, generators, rows = self._sampling_inputs(output)
         token_ids = self.sampler.sample(logits, params, generators)
         token_ids = same_on_every_rank(token_ids)
         logprobs = sample_logprobs(logits, params, token_ids)  # None unless a request asked
@@ -367,8 +436,18 @@ class ModelRunner:
             all_token_ids = self._decode_steps(
                 step, output.num_steps, token_ids, params, generators
             )
-            token_ids = all_token_ids[-len(params) :]  # the last step's: the next step's inputs
-        self.last_sampled = token_ids
+        return self._finish_launch(all_token_ids, rows, logprobs, prompt)
+
+    def _finish_launch(
+        self,
+        all_token_ids: torch.Tensor,
+        rows: dict[str, int],
+        logprobs: tuple[list[int], TokenLogprobs] | None = None,
+        prompt: dict[str, tuple[int, TokenLogprobs]] | None = None,
+    ) -> SampledTokens:
+        """Keep the last step's ids (the next step's inputs) and start copying every step's ids
+        ``(num_steps * S,)`` to the host."""
+        self.last_sampled = all_token_ids[-len(rows) :]
         self.last_sampled_rows = rows
         self._num_steps += 1
         index = self._num_steps % 2
@@ -378,6 +457,36 @@ class ModelRunner:
         if event is not None:
             event.record()
         return SampledTokens(staging, event, logprobs=logprobs, prompt_logprobs=prompt)
+
+    def _uses_decode_tail(
+        self, output: SchedulerOutput, step: _PreparedStep, params: list[SamplingParams]
+    ) -> bool:
+        """Whether the step samples in captured decode tails: a FULL graph's step of decodes
+        only that fill its size, every row greedy, no log-probabilities asked for."""
+        descriptor = step.descriptor
+        return (
+            step.mode == CUDAGraphMode.FULL
+            and descriptor in self.decode_tail_descriptors
+            and output.is_uniform_decode
+            and descriptor.num_tokens == output.num_requests == len(params)
+            and all(param.is_greedy and param.logprobs is None for param in params)
+        )
+
+    def _run_decode_tails(self, step: _PreparedStep, num_steps: int) -> torch.Tensor:
+        """Each step of the run: its FULL graph, then the tail of its index, which samples into
+        ``sampled_steps`` and advances the buffers to the next step. Every step's ids, step 0's
+        first: (num_steps * S,), a view of ``sampled_steps``."""
+        for index in range(num_steps):
+            hidden_states = self._run_model(step)
+            with set_forward_context(
+                step.metadata,
+                self.config,
+                cudagraph_runtime_mode=CUDAGraphMode.FULL,
+                batch_descriptor=step.descriptor,
+            ):
+                self.decode_tails[index](hidden_states)
+        assert step.descriptor is not None
+        return self.buffers.sampled_steps[: num_steps * step.descriptor.num_tokens]
 
     def _decode_steps(
         self,

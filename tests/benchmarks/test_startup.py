@@ -74,6 +74,7 @@ def test_each_phase_comes_from_what_the_engine_recorded(monkeypatch):
         model=None,
         load_seconds=3.0,
         compile_seconds=5.0,
+        kernel_compile_seconds=0.25,
         kv_cache_seconds=0.75,
         warmup_seconds=1.5,
         capture_seconds=0.375,
@@ -86,12 +87,13 @@ def test_each_phase_comes_from_what_the_engine_recorded(monkeypatch):
         "dynamo_trace_s": 0.75,
         "graph_load_s": 0.125,
         "compile_or_load_s": 3.0,
+        "kernel_compile_s": 0.25,
         "profile_run_s": 5.0 - 0.75 - 0.125 - 3.0,  # the first forward less what it traced,
         "kv_cache_s": 0.75,  # loaded and compiled
         "kernel_warmup_s": 1.5,
         "capture_s": 0.375,
         "tokenizer_s": 0.0625,
-        "other_s": 20.0 - (0.625 + 3.0 + 5.0 + 0.75 + 1.5 + 0.375 + 0.0625),
+        "other_s": 20.0 - (0.625 + 3.0 + 5.0 + 0.25 + 0.75 + 1.5 + 0.375 + 0.0625),
     }
 
 
