@@ -30,6 +30,7 @@ from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
 from pieceworks.core.decorators import static_graph_wrappers
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
 from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphSet, StaticGraphWrapperBase
+from pieceworks.core.trace_once import trace_once_compilers
 from pieceworks.core.triton_cache import use_pieceworks_triton_cache, use_torch_ptxas
 from pieceworks.engine.block_manager import cdiv
 from pieceworks.engine.decode_tail import DecodeTail
@@ -226,17 +227,19 @@ class ModelRunner:
 
     def _precompile_kernels(self) -> None:
         """Where pieceworks' kernels can be compiled ahead (``kernels/precompile.py``): the first
-        forward (Dynamo traces, the pieces compile or load) and one forward of every warm-up
-        shape as dry runs, their kernels compiling in a pool of threads meanwhile; the time
-        after the first forward is ``kernel_compile_seconds``. Elsewhere nothing runs here and
-        the profiling run is the first forward."""
+        forward (Dynamo traces, the pieces compile or load) as a dry run, then, unless it loaded
+        a stored graph (a warm start, whose kernels are in the compile cache already), one dry
+        forward of every warm-up shape; their kernels compile in a pool of threads meanwhile.
+        The time after the first forward is ``kernel_compile_seconds``. Elsewhere nothing runs
+        here and the profiling run is the first forward."""
         with precompiling(self.device) as queued:
             if not precompile.is_active():
                 return
             self._dummy_forward(self.max_num_tokens)
             start = time.perf_counter()
-            for descriptor in self._warm_up_shapes():
-                self._dummy_forward(descriptor.num_tokens, CUDAGraphMode.NONE, descriptor)
+            if not any(c.graph_load_seconds for c in trace_once_compilers(self.model)):
+                for descriptor in self._warm_up_shapes():
+                    self._dummy_forward(descriptor.num_tokens, CUDAGraphMode.NONE, descriptor)
         self.kernel_compile_seconds = time.perf_counter() - start
         logger.info(
             "compiled %d kernel launches ahead in %.2f s", queued[0], self.kernel_compile_seconds
