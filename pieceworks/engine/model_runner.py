@@ -9,8 +9,15 @@ uniform decode batch) then runs the same graph again ``num_steps - 1`` times, ea
 ``InputBuffers.advance_decode`` has fed the sampled ids back as input ids and moved positions,
 lengths and slots on by one on the device (the slots staged by ``prepare``); the ids of all its
 steps go to the host in one copy.
+A FULL decode step whose batch fills its graph's size, all greedy, samples in captured decode
+tails instead (``engine/decode_tail.py``): each step is its FULL graph and its tail, which also
+advances the buffers to the next step of the run.
 ``execute_async`` returns at once with a ``SampledTokens`` handle; its ``tolist()`` is the step's
 one host sync, which async scheduling defers until the next step is launched.
+Start-up (``initialize_kv_cache``, ``capture_model``): the first forward compiles; where
+pieceworks' kernels run compiled, it and one forward of every warm-up shape run dry first, so
+the kernels compile in parallel (``kernels/precompile.py``); then the profiling run sizes the KV
+cache, every shape warms up and every graph is captured.
 """
 
 from __future__ import annotations
