@@ -2,9 +2,9 @@
 
 A launch's grid, strides, sizes, constexprs and warp counts follow from shapes alone, and working
 them out (plus the shape checks) costs more host time than the launch itself. A caller that sees
-the same shapes again (the attention layer, once per shape signature) builds a ``KernelLaunch``
-once and then passes only the tensors, which may be different tensors on every call as long as
-they have the shapes and strides the launch was built from.
+the same shapes again (the attention layer once per shape signature, the argmax once per logits
+shape) builds a ``KernelLaunch`` once and then passes only the tensors, which may be different
+tensors on every call as long as they have the shapes and strides the launch was built from.
 """
 
 from __future__ import annotations

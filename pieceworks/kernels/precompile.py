@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+from pieceworks.logger import init_logger
+
+logger = init_logger(__name__)
+
 MAX_WORKERS = 32
 _queued: list[int] | None = None  # while precompiling: [launches queued]
 
@@ -39,9 +43,16 @@ def is_active() -> bool:
 
 
 def queue(kernel: Any, grid: Any, args: tuple, options: dict[str, Any]) -> None:
-    """Queue the compile of ``kernel[grid](*args, **options)`` (inside ``precompiling``)."""
+    """Queue the compile of ``kernel[grid](*args, **options)`` (inside ``precompiling``). A
+    kernel Triton cannot warm up this way is left to compile at its first launch, which raises
+    there if it must."""
     assert _queued is not None, "queue() outside precompiling()"
-    kernel.warmup(*args, grid=grid, **options)
+    try:
+        kernel.warmup(*args, grid=grid, **options)
+    except Exception as error:
+        name = getattr(kernel, "__name__", type(kernel).__name__)
+        logger.info("%s compiles at its first launch: warming it up failed (%s)", name, error)
+        return
     _queued[0] += 1
 
 

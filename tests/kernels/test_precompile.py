@@ -126,3 +126,14 @@ def test_the_runner_compiles_ahead_on_a_cold_start_only(
     ]
     assert len(warm_inside) == 1  # the stored graph loaded: its kernels are cached
     assert len(cold_after) == len(warm_after) == 1 + 2 * 7  # profiling; warm-ups and captures
+
+
+def test_a_kernel_that_cannot_warm_up_compiles_at_its_first_launch(compiled_here):
+    class NoWarmup(StandInKernel):
+        def warmup(self, *args, grid, **options):
+            raise TypeError("no warm-up for this kind of kernel")
+
+    kernel = NoWarmup()
+    with precompile.precompiling(torch.device("cpu")) as queued:
+        assert triton_launch.launch(kernel, (1,), 3) is None  # nothing runs, nothing is queued
+    assert queued == [0] and kernel.launches == []
