@@ -275,7 +275,8 @@ class ModelRunner:
                 # reading the forward's output where the graph leaves it.
                 for tail in self.decode_tails:
                     tail(hidden_states)
-                    compilation_counter.num_decode_tails_captured += mode == CUDAGraphMode.FULL
+                if mode == CUDAGraphMode.FULL:
+                    compilation_counter.num_decode_tails_captured += len(self.decode_tails)
         self.platform.synchronize()  # the next dummy step reuses the pinned staging buffer
 
     def _decode_tail_descriptors(self) -> set[BatchDescriptor]:
@@ -485,16 +486,17 @@ class ModelRunner:
     def _run_decode_tails(self, step: _PreparedStep, num_steps: int) -> torch.Tensor:
         """Each step of the run: its FULL graph, then the tail of its index, which samples into
         ``sampled_steps`` and advances the buffers to the next step. Every step's ids, step 0's
-        first: (num_steps * S,), a view of ``sampled_steps``."""
-        for index in range(num_steps):
-            hidden_states = self._run_model(step)
-            with set_forward_context(
-                step.metadata,
-                self.config,
-                cudagraph_runtime_mode=CUDAGraphMode.FULL,
-                batch_descriptor=step.descriptor,
-            ):
-                self.decode_tails[index](hidden_states)
+        first: (num_steps * S,), a view of ``sampled_steps``. Every step runs under the same
+        forward context (the FULL graph's mode and descriptor, which select the tails' graphs)."""
+        inputs = self.buffers.model_inputs(step.shape)
+        with set_forward_context(
+            step.metadata,
+            self.config,
+            cudagraph_runtime_mode=step.mode,
+            batch_descriptor=step.descriptor,
+        ):
+            for index in range(num_steps):
+                self.decode_tails[index](self.forward_model(*inputs))
         assert step.descriptor is not None
         return self.buffers.sampled_steps[: num_steps * step.descriptor.num_tokens]
 
