@@ -47,6 +47,10 @@ class CompilerInterface:
     ) -> Callable[..., Any]:
         raise NotImplementedError
 
+    def start_workers(self) -> None:
+        """Start what this compiler compiles with in the background, ahead of its first compile
+        (called before Dynamo traces, seconds before the first piece compiles)."""
+
     def compute_hash_factors(self) -> dict[str, Any]:
         """What of this compiler changes the code it produces (enters the cache key)."""
         return {"name": self.name}
@@ -111,6 +115,21 @@ class InductorAdaptor(CompilerInterface):
             dynamic_shapes=dynamic_shapes,
             options={"config_patches": config_patches},
         )
+
+    def start_workers(self) -> None:
+        """Start Inductor's pool of compile processes. Until the pool is ready (seconds: each
+        process imports torch), Inductor compiles every kernel, and builds its launcher, on the
+        calling thread; it starts the pool at its first compile. ``torch.compile``'s own
+        ``inductor`` backend starts it when Dynamo begins; ``standalone_compile`` does not, so
+        the first pieces of a cold start compiled their kernels one by one on the main thread."""
+        try:
+            from torch._inductor.async_compile import AsyncCompile, maybe_warm_pool
+        except ImportError:  # a torch without it starts the pool at its first compile
+            return
+        maybe_warm_pool()
+        # Inductor sends the pool a no-op job at its first compile and compiles in-process
+        # until that job is back; sent now, it is back by then.
+        AsyncCompile.use_process_pool()
 
     def compute_hash_factors(self) -> dict[str, Any]:
         """torch, Triton and Python versions, the target device, Inductor's config, our passes."""

@@ -112,6 +112,8 @@ class TraceOnceCompiler:
                 self.compile_seconds = backend.backend_seconds
                 return output
             backend.record_first_call = True
+        if backend is not None:
+            backend.compiler.start_workers()  # they come up while Dynamo traces
         output = self.trace_first_call(*args, **kwargs)
         if store is not None and self.compiled_code is not None:
             assert backend is not None

@@ -13,6 +13,14 @@ shape once inside it (a dry run: no pieceworks kernel runs, so those forwards co
 meaningful and write no cache), and the real profiling run and warm-up then find each binary in
 Triton's in-process cache.
 
+A binary is not all a first launch builds: Triton also compiles a small C launcher per kernel
+signature (``driver.active.launcher_cls``, a C compiler run of about 0.1 to 0.5 s) when the
+binary is first loaded. On the 8B shape's cold start those builds were 5.7 of 22.4 s, one after
+another on the main thread (a sampled profile of ``bench startup``, H100). So once a queued
+binary is compiled, a pool thread builds its launcher too; Triton keeps the built module in its
+cache directory, where the first launch finds it. The binary itself is loaded onto the device
+at that launch, on the launching thread, as before.
+
 Where Triton has no asynchronous compile mode, where the kernels are interpreted
 (``TRITON_INTERPRET=1``) or do not run on ``device``, or with ``PIECEWORKS_PRECOMPILE_KERNELS=0``,
 the block does nothing and every kernel compiles at its first launch as before. A compile that
@@ -35,6 +43,8 @@ logger = init_logger(__name__)
 
 MAX_WORKERS = 32
 _queued: list[int] | None = None  # while precompiling: [launches queued]
+_pool: ThreadPoolExecutor | None = None  # while precompiling: the compile threads
+_launchers: set[int] = set()  # ids of the compiles whose launcher is being built
 
 
 def is_active() -> bool:
@@ -48,12 +58,36 @@ def queue(kernel: Any, grid: Any, args: tuple, options: dict[str, Any]) -> None:
     there if it must."""
     assert _queued is not None, "queue() outside precompiling()"
     try:
-        kernel.warmup(*args, grid=grid, **options)
+        compiled = kernel.warmup(*args, grid=grid, **options)
     except Exception as error:
         name = getattr(kernel, "__name__", type(kernel).__name__)
         logger.info("%s compiles at its first launch: warming it up failed (%s)", name, error)
         return
     _queued[0] += 1
+    if _pool is not None and compiled is not None and id(compiled) not in _launchers:
+        _launchers.add(id(compiled))
+        _pool.submit(build_launcher, compiled)
+
+
+def build_launcher(compiled: Any) -> None:
+    """Build the launcher of ``compiled`` (a Triton ``CompiledKernel``, or the ``FutureKernel``
+    of one still compiling, which is waited for) into Triton's cache, unless it is loaded
+    already. Nothing is raised: a launcher not built here is built at the first launch."""
+    future = getattr(compiled, "future", None)  # a FutureKernel of the asynchronous mode
+    try:
+        binary = future.result() if future is not None else compiled
+        if getattr(binary, "module", None) is not None:
+            return  # loaded: its launcher exists
+        launcher_class()(binary.src, binary.metadata)
+    except Exception as error:  # the compile failed, or this Triton builds launchers otherwise
+        logger.debug("no launcher built ahead for %r: %s", compiled, error)
+
+
+def launcher_class() -> Any:
+    """The launcher class of Triton's active driver (it builds the launcher when made)."""
+    from triton.runtime.driver import driver
+
+    return driver.active.launcher_cls
 
 
 @contextlib.contextmanager
@@ -61,7 +95,7 @@ def precompiling(device: torch.device) -> Iterator[list[int]]:
     """Queue the compile of every launch in the block, then wait for all of them. Yields a
     one-item list that holds, once the block is left, how many launches were queued (0 when
     the block did nothing, see the module docstring)."""
-    global _queued
+    global _queued, _pool
     from pieceworks import envs
     from pieceworks.kernels.triton_launch import compiled_kernels_run_on
 
@@ -83,11 +117,12 @@ def precompiling(device: torch.device) -> Iterator[list[int]]:
         ThreadPoolExecutor(workers, thread_name_prefix="pieceworks-compile") as pool,
         async_compile_mode(pool, ignore_errors=True),
     ):
-        _queued = count
+        _queued, _pool = count, pool
         try:
             yield count
         finally:
-            _queued = None
+            _queued, _pool = None, None
+            _launchers.clear()
 
 
 def _async_compile_mode() -> Any:

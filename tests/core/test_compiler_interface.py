@@ -11,7 +11,8 @@ returned, one tensor for a single-value piece and a tuple in order for a tuple p
 dynamic piece serves two sizes from one compile. The eager adaptor returns the graph itself and
 counts it; the base interface and an unknown backend refuse with messages naming the compiler
 and the choices; the Triton version is None without Triton, and Inductor's config hash follows
-Inductor's config.
+Inductor's config. Inductor's compile processes are started (and asked whether they are up)
+before Dynamo traces a model, and not when its stored graph loads instead.
 Run: pytest tests/core/test_compiler_interface.py
 """
 
@@ -193,3 +194,42 @@ def test_the_inductor_config_hash_follows_inductor_s_config():
     with torch._inductor.config.patch(max_autotune_gemm=True):
         assert compiler_interface._inductor_config_hash() != default
     assert compiler_interface._inductor_config_hash() == default
+
+
+def test_inductor_starts_its_compile_processes_and_asks_whether_they_are_up(monkeypatch):
+    import torch._inductor.async_compile as async_compile
+
+    calls = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append("start"))
+    monkeypatch.setattr(
+        async_compile.AsyncCompile, "use_process_pool", classmethod(lambda cls: calls.append("ask"))
+    )
+    InductorAdaptor().start_workers()
+    assert calls == ["start", "ask"]
+    CompilerInterface().start_workers()  # nothing to start
+    EagerAdaptor().start_workers()
+    assert calls == ["start", "ask"]
+
+
+def test_compile_workers_start_before_a_trace_and_not_for_a_stored_graph(
+    monkeypatch, graph_platform, tmp_path
+):
+    from pieceworks.benchmarks.modes import compilation_for_mode
+    from pieceworks.engine.llm import LLM
+
+    traces_when_started = []
+    monkeypatch.setattr(
+        EagerAdaptor,
+        "start_workers",
+        lambda self: traces_when_started.append(compilation_counter.num_dynamo_traces),
+    )
+    monkeypatch.setenv("PIECEWORKS_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv("PIECEWORKS_DISABLE_COMPILE_CACHE")  # the suite's default: no cache
+    compilation = compilation_for_mode("piecewise", {"backend": "eager"})
+    before = compilation_counter.num_dynamo_traces
+    LLM("llama-tiny", compilation_config=compilation, max_num_seqs=2).shutdown()
+    assert traces_when_started == [before]  # once, before the trace
+    assert compilation_counter.num_dynamo_traces == before + 1
+    LLM("llama-tiny", compilation_config=compilation, max_num_seqs=2).shutdown()
+    assert traces_when_started == [before]  # the warm start loaded the stored graph
+    assert compilation_counter.num_dynamo_traces == before + 1

@@ -4,14 +4,19 @@ Inside ``precompiling(device)`` (where the kernels run compiled) ``triton_launch
 each launch to the kernel's ``warmup`` (Triton's compile without a launch; in Triton's
 asynchronous compile mode, a pool thread compiles it) and returns None, and a ``KernelLaunch``
 neither runs nor binds; outside, or with ``PIECEWORKS_PRECOMPILE_KERNELS=0``, or where the
-kernels do not run compiled, a launch runs. The runner runs the first forward and one forward
-of every warm-up shape in the block on a cold start, only the first on a warm start (the
-kernels are in the compile cache), then the profiling run outside it. On the CPU the kernels
-are stand-ins and the platform is told it runs them compiled.
+kernels do not run compiled, a launch runs. Once a queued kernel is compiled, a pool thread
+also builds its launcher (Triton's C stub, built at a first launch otherwise). The runner runs
+the first forward and one forward of every warm-up shape in the block on a cold start, only the
+first on a warm start (the kernels are in the compile cache), then the profiling run outside
+it. On the CPU the kernels are stand-ins and the platform is told it runs them compiled.
 Run: pytest tests/kernels/test_precompile.py
 """
 
 from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -137,3 +142,47 @@ def test_a_kernel_that_cannot_warm_up_compiles_at_its_first_launch(compiled_here
     with precompile.precompiling(torch.device("cpu")) as queued:
         assert triton_launch.launch(kernel, (1,), 3) is None  # nothing runs, nothing is queued
     assert queued == [0] and kernel.launches == []
+
+
+class StandInBinary:
+    """What a compile gives: a binary whose launcher is built when it is first loaded."""
+
+    def __init__(self, module: object | None = None) -> None:
+        self.src, self.metadata, self.module = object(), object(), module
+
+
+class CompilingKernel(StandInKernel):
+    """Its warm-ups return what Triton's do, in turn: a binary, or the handle of one compiling
+    (``FutureKernel``: its ``future`` holds the binary)."""
+
+    def __init__(self, results: list) -> None:
+        super().__init__()
+        self.results = list(results)
+
+    def warmup(self, *args, grid, **options):
+        super().warmup(*args, grid=grid, **options)
+        return self.results.pop(0)
+
+
+def test_a_compiled_kernels_launcher_is_built_in_the_pool(monkeypatch, compiled_here):
+    built = []
+
+    def launcher_class():
+        return lambda src, metadata: built.append((src, threading.current_thread().name))
+
+    monkeypatch.setattr(precompile, "launcher_class", launcher_class)
+    fresh, loaded, compiled_later = StandInBinary(), StandInBinary("loaded"), StandInBinary()
+    done, failed = Future(), Future()
+    done.set_result(compiled_later)
+    failed.set_exception(RuntimeError("this compile failed"))
+    kernel = CompilingKernel(
+        [fresh, fresh, loaded, SimpleNamespace(future=done), SimpleNamespace(future=failed)]
+    )
+    with precompile.precompiling(torch.device("cpu")) as queued:
+        for _ in range(5):
+            triton_launch.launch(kernel, (1,), 3)
+    assert queued == [5]
+    # Once per binary (the twice-queued one too), not for one already loaded or a failed
+    # compile, and in the pool's threads.
+    assert sorted(id(src) for src, _ in built) == sorted([id(fresh.src), id(compiled_later.src)])
+    assert all(thread.startswith("pieceworks-compile") for _, thread in built)
