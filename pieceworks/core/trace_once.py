@@ -27,6 +27,7 @@ import contextlib
 import dis
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from types import CodeType
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,24 @@ def _decompile(code: CodeType) -> str:
         return dis.Bytecode(code).dis()
 
 
+class WeakBackend:
+    """What Dynamo is handed of a piecewise backend: a weak reference to it.
+
+    Dynamo keeps every backend it is given for the life of the process
+    (``torch._dynamo.eval_frame.cached_backends``), and a piecewise backend holds the compiled
+    pieces and their graph wrappers, which with FULL graphs hold the model, its weights and its
+    KV cache: deleting an ``LLM`` freed none of it. The ``TraceOnceCompiler`` that owns the
+    backend keeps it alive for as long as the model is."""
+
+    def __init__(self, backend: PiecewiseCompileBackend) -> None:
+        self._backend = weakref.ref(backend)
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        backend = self._backend()
+        assert backend is not None, "a piecewise backend is called only while its model lives"
+        return backend(graph, example_inputs)
+
+
 class TraceOnceCompiler:
     """The compiled entry point of one ``support_torch_compile`` module instance."""
 
@@ -64,6 +83,8 @@ class TraceOnceCompiler:
         self.level = config.compilation_config.level
         self.original_code: CodeType = type(module).forward.__code__
         self.compiled_code: CodeType | None = None
+        self.compiled_functions: dict[str, Any] = {}  # the globals compiled_code calls
+        self._no_compiled_functions: dict[str, None] = {}  # the same names, bound to None
         self.piecewise_backend: PiecewiseCompileBackend | None = None  # level 3 only
         self.warm_forward: BoundGraphCall | None = None  # level 3: the stored graph, loaded
         # Seconds of the first call, of its Dynamo trace, of reading the stored graph instead
@@ -81,7 +102,7 @@ class TraceOnceCompiler:
             self.piecewise_backend = PiecewiseCompileBackend(
                 self.config, prefix, self.original_code
             )
-            backend = self.piecewise_backend
+            backend = WeakBackend(self.piecewise_backend)
         options = compilation.inductor_compile_config or None if backend == "inductor" else None
         if self.level == CompilationLevel.DYNAMO_AS_IS:
             compilation_counter.dynamo_as_is_count += 1
@@ -152,6 +173,7 @@ class TraceOnceCompiler:
                     "torch.compile?"
                 )
             self.compiled_code = recorded[-1]
+            self._take_compiled_functions(self.compiled_code)
             # Later calls never consult Dynamo's cache; dropping this instance's entry keeps the
             # per-code cache from filling up (and pinning old models) as more instances compile.
             torch._dynamo.eval_frame.remove_from_cache(self.original_code)
@@ -189,16 +211,32 @@ class TraceOnceCompiler:
             with open(os.path.join(path, "transformed_code.py"), "w") as file:
                 file.write(_decompile(code))
 
+    def _take_compiled_functions(self, code: CodeType) -> None:
+        """Move the functions Dynamo's code calls (``__compiled_fn_<n>``, the backend's result)
+        from the globals of ``forward``'s module into this compiler, leaving None in their
+        place. Left there they would outlive the model: the module holds them, they hold the
+        compiled pieces and, with FULL graphs, the model, its weights and its KV cache, and
+        Dynamo deletes such a global only once ``code`` is freed, which this compiler, owned by
+        the model, keeps alive. ``dispatch_to_compiled_code`` puts them back for each call."""
+        module_globals = type(self.module).forward.__globals__
+        names = [name for name in code.co_names if name.startswith("__compiled_fn")]
+        self.compiled_functions = {name: module_globals[name] for name in names}
+        self._no_compiled_functions = dict.fromkeys(names)
+        module_globals.update(self._no_compiled_functions)
+
     @contextlib.contextmanager
     def dispatch_to_compiled_code(self) -> Iterator[None]:
         """Run ``forward`` as the recorded compiled bytecode for the duration of the block."""
         forward = type(self.module).forward
         assert self.compiled_code is not None
+        module_globals = forward.__globals__
+        module_globals.update(self.compiled_functions)
         forward.__code__ = self.compiled_code
         try:
             yield
         finally:
             forward.__code__ = self.original_code
+            module_globals.update(self._no_compiled_functions)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.warm_forward is not None:

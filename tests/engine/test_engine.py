@@ -111,6 +111,35 @@ def test_shutdown_releases_the_graphs_of_that_engine_only(checkpoint, graph_plat
     assert engines[1].engine.runner.release_graphs() == 3 + 3 + 4 * 3  # as counted above
 
 
+@pytest.mark.platform_agnostic
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_a_deleted_engine_frees_its_model(checkpoint, graph_platform, mode):
+    """Deleting an ``LLM`` frees its model, weights and KV cache (no shutdown needed), while an
+    engine of the same model class beside it keeps generating: neither Dynamo's backend cache
+    nor the model module's globals keep a compiled model alive."""
+    import gc
+    import weakref
+
+    from pieceworks.benchmarks.modes import compilation_for_mode
+
+    compilation = compilation_for_mode(mode, {"backend": "eager"})
+    kept, deleted = (
+        LLM(checkpoint, compilation_config=compilation, dtype="float32", max_num_seqs=4)
+        for _ in range(2)
+    )
+    expected = generate(checkpoint, "eager", prompts([4, 6]))
+    for llm in (kept, deleted, kept):  # the two engines' compiled code called in turn
+        assert [out.outputs[0].token_ids for out in llm.generate(prompts([4, 6]), GREEDY)] == (
+            expected
+        )
+    model = weakref.ref(deleted.engine.runner.model)
+    del deleted, llm
+    gc.collect()
+    assert model() is None
+    tokens = [out.outputs[0].token_ids for out in kept.generate(prompts([4, 6]), GREEDY)]
+    assert tokens == expected
+
+
 def _output(llm: LLM, lengths: list[int], computed: list[int]) -> SchedulerOutput:
     from pieceworks.engine.request import Request
 
