@@ -202,6 +202,8 @@ def performance_rows(payload: dict[str, Any]) -> list[list[str]]:
         else:
             step, ratio, busy_cell = f"failed: {r.get('error', '')}", "-", "-"
         mode = f"{r['mode']} (level {r.get('level')}, {r.get('graph_mode')})"
+        if (r.get("num_scheduler_steps") or 1) > 1:  # a row of its own beside one step per trip
+            mode += f", {r['num_scheduler_steps']} decode steps per round trip"
         rows.append([
             payload["model"], dtype, str(r["batch_size"]), mode, step, ratio, busy_cell,
             _peer_cell(peers, payload.get("skipped", [])), str(payload.get("commit", "?")),

@@ -131,3 +131,15 @@ def test_performance_table_keeps_the_newest_run_of_each_configuration():
     assert "6.400 (6.300-7.400)" in rows[0] and "gpt_fast 12.80" in rows[0]
     assert "4.000 (3.900-5.000)" in rows[1] and "gpt_fast 8.00" in rows[1]
     assert rows[0].endswith("`pieceworks bench latency --batch-size 64` |")
+
+
+def test_several_decode_steps_per_round_trip_make_rows_of_their_own():
+    one = bench_payload("2026-12-02 07:36 UTC", "aaaa", 4.0, batch_sizes=(8,))
+    eight = bench_payload("2026-12-03 14:30 UTC", "bbbb", 3.0, batch_sizes=(8,))
+    eight["results"][0]["num_scheduler_steps"] = 8
+    rows = format_performance_table([one, eight]).splitlines()[2:]
+    modes = [row.split(" | ")[3] for row in rows]
+    assert modes == [
+        "full_and_piecewise (level 3, FULL_AND_PIECEWISE)",
+        "full_and_piecewise (level 3, FULL_AND_PIECEWISE), 8 decode steps per round trip",
+    ]
