@@ -62,8 +62,8 @@ class WeakBackend:
     Dynamo keeps every backend it is given for the life of the process
     (``torch._dynamo.eval_frame.cached_backends``), and a piecewise backend holds the compiled
     pieces and their graph wrappers, which with FULL graphs hold the model, its weights and its
-    KV cache: deleting an ``LLM`` freed none of it. The ``TraceOnceCompiler`` that owns the
-    backend keeps it alive for as long as the model is."""
+    KV cache; handed the backend itself, Dynamo would keep all of that after the ``LLM`` is
+    deleted. The ``TraceOnceCompiler`` that owns the backend keeps it alive while the model is."""
 
     def __init__(self, backend: PiecewiseCompileBackend) -> None:
         self._backend = weakref.ref(backend)

@@ -14,12 +14,12 @@ meaningful and write no cache), and the real profiling run and warm-up then find
 Triton's in-process cache.
 
 A binary is not all a first launch builds: Triton also compiles a small C launcher per kernel
-signature (``driver.active.launcher_cls``, a C compiler run of about 0.1 to 0.5 s) when the
-binary is first loaded. On the 8B shape's cold start those builds were 5.7 of 22.4 s, one after
-another on the main thread (a sampled profile of ``bench startup``, H100). So once a queued
-binary is compiled, a pool thread builds its launcher too; Triton keeps the built module in its
-cache directory, where the first launch finds it. The binary itself is loaded onto the device
-at that launch, on the launching thread, as before.
+signature (``driver.active.launcher_cls``, a run of the C compiler) when the binary is first
+loaded, which left alone happens one launcher after another on the main thread (seconds of a
+cold start: ``docs/performance.md``, "Startup"). So once a queued binary is compiled, a pool
+thread builds its launcher too; Triton keeps the built module in its cache directory, where the
+first launch finds it. The binary itself is loaded onto the device at that launch, on the
+launching thread, as before.
 
 Where Triton has no asynchronous compile mode, where the kernels are interpreted
 (``TRITON_INTERPRET=1``) or do not run on ``device``, or with ``PIECEWORKS_PRECOMPILE_KERNELS=0``,
