@@ -33,6 +33,33 @@ SHAPES = {  # (N, K) of the Llama-3.1-8B linear layers at tensor-parallel size 1
     "gate_up_proj": (28672, 4096),
     "down_proj": (4096, 14336),
 }
+MODEL_SHAPES = {  # --model: the (N, K) of other models' linear layers, for the graph rows
+    "llama-3.1-8b": SHAPES,
+    "llama-3.2-1b": {
+        "qkv_proj": (3072, 2048),
+        "o_proj": (2048, 2048),
+        "gate_up_proj": (16384, 2048),
+        "down_proj": (2048, 8192),
+    },
+    "smollm2-360m": {
+        "qkv_proj": (1600, 960),
+        "o_proj": (960, 960),
+        "gate_up_proj": (5120, 960),
+        "down_proj": (960, 2560),
+    },
+    "llama-125m": {
+        "qkv_proj": (2304, 768),
+        "o_proj": (768, 768),
+        "gate_up_proj": (6144, 768),
+        "down_proj": (768, 3072),
+    },
+    "smollm2-135m": {
+        "qkv_proj": (960, 576),
+        "o_proj": (576, 576),
+        "gate_up_proj": (3072, 576),
+        "down_proj": (576, 1536),
+    },
+}
 
 FP8_TILES = [(64, 512), (32, 1024), (64, 256), (128, 256), (32, 512), (16, 1024)]
 FP8_STAGES = [3, 4, 6]
@@ -42,6 +69,13 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="path of the JSON results file")
     parser.add_argument("--num-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=["llama-3.1-8b"],
+        choices=list(MODEL_SHAPES),
+        help="whose linear layers the graph rows time",
+    )
     parser.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument(
@@ -94,8 +128,18 @@ def graph_time_us(fns: list, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * len(fns))
 
 
+def linear_then_activation(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a merged [gate; up] weight as two kernels: cuBLAS, then the
+    activation (what the gated op runs for a token count the GEMV does not take)."""
+    from pieceworks.kernels.gemv.triton_gemv import silu_and_mul_epilogue
+
+    return silu_and_mul_epilogue(F.linear(x, weight), None)
+
+
 def graph_rows(args) -> list[dict]:
-    """F.linear against the default GEMV config, in graphs of one product per layer."""
+    """F.linear against the default GEMV config, in graphs of one product per layer; for
+    gate_up also the gated GEMV (silu(gate) * up in its epilogue) against F.linear followed by
+    the activation kernel, the path of a token count the GEMV does not take."""
     from pieceworks.kernels.gemv.triton_gemv import (
         GemvConfig,
         gemv_config,
@@ -104,7 +148,8 @@ def graph_rows(args) -> list[dict]:
     )
 
     rows = []
-    for (name, (n, k)), m in itertools.product(SHAPES.items(), args.num_tokens):
+    shapes = [(model, *layer) for model in args.model for layer in MODEL_SHAPES[model].items()]
+    for (model, name, (n, k)), m in itertools.product(shapes, args.num_tokens):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weights = [
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -117,6 +162,16 @@ def graph_rows(args) -> list[dict]:
         gemv_us = graph_time_us(
             [functools.partial(launch_gemv, x, weight) for weight in weights], args.graph_replays
         )
+        gated = {}
+        if name == "gate_up_proj":
+            gated["unfused_us"] = graph_time_us(
+                [functools.partial(linear_then_activation, x, weight) for weight in weights],
+                args.graph_replays,
+            )
+            gated["gated_gemv_us"] = graph_time_us(
+                [functools.partial(launch_gemv, x, weight, gated=True) for weight in weights],
+                args.graph_replays,
+            )
         sweep = {}
         if m == 1:  # a few tiles in the graph too: the do_bench sweep's ranking may not hold
             for block_n, block_k in GRAPH_TILES:
@@ -127,15 +182,16 @@ def graph_rows(args) -> list[dict]:
                 f"{tile} {us:.1f} us" for tile, us in sweep.items()))  # fmt: skip
         error = max_relative_error(launch_gemv(x, weights[0]), F.linear(x, weights[0]))
         row = dict(
-            layer=name, n=n, k=k, m=m,
+            model=model, layer=name, n=n, k=k, m=m, weight_bytes=weight_bytes, **gated,
             config=vars(gemv_config(m, n, k, 2, max_shared_bytes(x.device))),
             linear_us=linear_us, linear_tbps=weight_bytes / linear_us / 1e6,
             gemv_us=gemv_us, gemv_tbps=weight_bytes / gemv_us / 1e6, max_rel_err=error,
             tile_sweep_us=sweep,
         )  # fmt: skip
         print(
-            f"graph {name:>12} m={m:>2} linear {linear_us:6.1f} us {row['linear_tbps']:4.2f} TB/s"
-            f" | gemv {gemv_us:6.1f} us {row['gemv_tbps']:4.2f} TB/s | rel err {error:.1e}"
+            f"graph {model} {name:>12} m={m:>2} linear {linear_us:6.1f} us"
+            f" {row['linear_tbps']:4.2f} TB/s | gemv {gemv_us:6.1f} us {row['gemv_tbps']:4.2f} TB/s"
+            f" | rel err {error:.1e}" + "".join(f" | {key} {us:.1f}" for key, us in gated.items())
         )
         rows.append(row)
         del weights
