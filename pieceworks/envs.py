@@ -76,7 +76,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Seconds a tensor-parallel rank waits in a collective (start-up rendezvous included) before
     # giving up, so that a lost rank ends the run instead of hanging it.
     "PIECEWORKS_DIST_TIMEOUT_S": lambda: float(os.environ.get("PIECEWORKS_DIST_TIMEOUT_S", "300")),
-    # Compiled graphs run unquantized linear layers with <= 16 tokens through the Triton GEMV
+    # Compiled graphs run unquantized linear layers with <= 16 tokens (64 for a weight of at most
+    # 12 MiB, triton_gemv.max_gemv_tokens) through the Triton GEMV
     # (pieceworks/kernels/gemv/triton_gemv.py) instead of cuBLAS. Unset: where the platform runs
     # pieceworks' Triton kernels (CUDA, ROCm); 0: never; 1: always.
     "PIECEWORKS_SMALL_M_GEMV": _optional_flag("PIECEWORKS_SMALL_M_GEMV"),

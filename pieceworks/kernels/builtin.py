@@ -6,13 +6,14 @@ is supported or ``custom_ops`` switches the kernel off. Names that say ``hopper`
 code (Gluon ``wgmma`` kernels) and never run on another vendor.
 
 Ops:
-- ``linear``: the decode GEMV (``gemv/triton_gemv.py``) for at most 16 tokens, else ``F.linear``;
+- ``linear``: the decode GEMV (``gemv/triton_gemv.py``) for at most 16 tokens (64 for a small
+  weight, ``max_gemv_tokens``), else ``F.linear``;
 - ``fp8_linear``: the resident-weight GEMV (``gemv/resident_gemv.py``, Hopper), the FP8 GEMV
   (both e4m3fn only: chosen for ``dtype=capability.fp8_dtype``, so not on MI300's e4m3fnuz),
   ``torch._scaled_mm`` where the device has native FP8 GEMMs, the dequantizing torch reference;
 - ``rms_norm``: the torch form (the FP8 fusion pass makes it ``norm_quant/triton_norm_quant.py``);
 - ``silu_and_mul``: the Triton epilogue kernel (``activation/triton_silu_and_mul.py``) behind the
-  gated GEMV for more than 16 tokens, or the torch form;
+  gated GEMV where it takes too many tokens for the GEMV, or the torch form;
 - ``rotary``: the qkv GEMV's rotary epilogue (``gemv/triton_gemv_rope.py``) or the torch form;
 - ``argmax``: the greedy row argmax (``sampling/triton_argmax.py``) or ``torch.argmax``.
 """

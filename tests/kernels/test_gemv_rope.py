@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE  # noqa: E402
 from pieceworks.kernels import triton_launch  # noqa: E402
-from pieceworks.kernels.gemv import triton_gemv_rope  # noqa: E402
+from pieceworks.kernels.gemv import triton_gemv, triton_gemv_rope  # noqa: E402
 from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     MAX_GEMV_TOKENS,
     GemvConfig,
@@ -247,6 +247,7 @@ def no_launch(*args, **kwargs):
 @requires_triton
 def test_rope_op_falls_back_to_the_unfused_rotation_past_16_tokens(monkeypatch):
     monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_gemv, "SMALL_WEIGHT_BYTES", 0)  # the test's weight counts as large
     monkeypatch.setattr(triton_gemv_rope, "launch_gemv", no_launch)
     num_heads, num_kv_heads, head_size = 4, 2, 32
     x, weight = operands(MAX_GEMV_TOKENS + 1, 8 * head_size, 64, torch.float32)
@@ -290,6 +291,7 @@ def test_rope_ops_never_launch_on_cpu_tensors(monkeypatch):
 
 def test_fp8_rope_op_falls_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
     monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_gemv, "SMALL_WEIGHT_BYTES", 0)  # the test's weight counts as large
     monkeypatch.setattr(fp8, "launch_gemv", no_launch)
     num_tokens, head_size = MAX_GEMV_TOKENS + 1, 32
     x_fp8, weight, x_scale, weight_scale = fp8_operands(num_tokens, 8 * head_size, 64)

@@ -50,9 +50,11 @@ from pieceworks.kernels.gemv import resident_gemv, triton_gemv, triton_gemv_rope
 from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     MAX_GEMV_TOKENS,
     MAX_KERNEL_TOKENS,
+    SMALL_WEIGHT_BYTES,
     GemvConfig,
     gemv_config,
     launch_gemv,
+    max_gemv_tokens,
     small_m_linear,
     small_m_linear_op,
 )
@@ -177,16 +179,44 @@ def test_up_to_16_tokens_run_the_kernel(kernel_on_cpu):
     torch.testing.assert_close(output, F.linear(x, weight, bias), **TOLERANCES[torch.float32])
 
 
-def test_more_than_16_tokens_fall_back_to_f_linear(monkeypatch):
+def test_past_16_tokens_a_large_weight_falls_back_to_f_linear(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("the kernel was launched for more than 16 tokens")
 
     monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_gemv, "SMALL_WEIGHT_BYTES", 0)  # the test's weight counts as large
     monkeypatch.setattr(triton_gemv, "launch_gemv", no_launch)
     x, weight = operands(MAX_GEMV_TOKENS + 1, 40, 64, torch.float32)
     assert torch.equal(small_m_linear(x, weight), F.linear(x, weight))
     with pytest.raises(AssertionError, match="launched"):  # the patch is live: 16 tokens launch
         small_m_linear(x[:MAX_GEMV_TOKENS], weight)
+
+
+@requires_triton
+def test_a_small_weight_takes_the_kernel_up_to_64_tokens(kernel_on_cpu):
+    x, weight = operands(MAX_KERNEL_TOKENS + 1, 40, 64, torch.float32)
+    output = small_m_linear(x[:MAX_KERNEL_TOKENS], weight)
+    assert kernel_on_cpu == [MAX_KERNEL_TOKENS]
+    torch.testing.assert_close(
+        output, F.linear(x[:MAX_KERNEL_TOKENS], weight), **TOLERANCES[torch.float32]
+    )
+    assert torch.equal(small_m_linear(x, weight), F.linear(x, weight))  # 65 tokens: F.linear
+    assert kernel_on_cpu == [MAX_KERNEL_TOKENS]
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "limit"),
+    [
+        ((6144, 768), torch.bfloat16, 64),  # llama-125m gate_up, 9 MiB
+        ((3072, 576), torch.bfloat16, 64),  # SmolLM2-135M gate_up
+        ((4096, 4096), torch.bfloat16, 16),  # Llama-3.1-8B o_proj, 32 MiB
+        ((4096, 4096), torch.float8_e4m3fn, 16),  # its FP8 form, 16 MiB
+        ((SMALL_WEIGHT_BYTES // 2 // 1024, 1024), torch.bfloat16, 64),  # the line itself
+        ((SMALL_WEIGHT_BYTES // 2 // 1024 + 1, 1024), torch.bfloat16, 16),  # one row past it
+    ],
+)
+def test_the_token_limit_follows_the_weight_size(shape, dtype, limit):
+    assert max_gemv_tokens(torch.empty(shape, dtype=dtype, device="meta")) == limit
 
 
 def test_cpu_tensors_never_reach_the_kernel(monkeypatch):
@@ -267,9 +297,10 @@ def test_llama_decodes_the_same_tokens_through_the_gemv(
     traced_rotations.clear()
     gemv_tokens, gemv_logits = greedy_decode(num_tokens=4, level=3)
     assert kernel_on_cpu == eager_launches  # the same launches, token count for token count
-    # 2 layers x (qkv, o, gate_up, down) per forward of <= 16 tokens; the prefill (29) has none
+    # 2 layers x (qkv, o, gate_up, down) per forward; llama-tiny's weights are small, so the
+    # prefill's 29 tokens take the kernel too (max_gemv_tokens)
     assert kernel_on_cpu and len(kernel_on_cpu) % 8 == 0
-    assert all(num_tokens <= MAX_GEMV_TOKENS for num_tokens in kernel_on_cpu)
+    assert 29 in kernel_on_cpu and max(kernel_on_cpu) <= MAX_KERNEL_TOKENS
     rope = [epilogue["rope"] for epilogue in EPILOGUES if epilogue.get("rope") is not None]
     assert len(rope) == len(EPILOGUES) // 4  # qkv: one of the 4 launches per layer
     assert all(epilogue.num_rotary_heads == 4 + 2 for epilogue in rope)  # llama-tiny's q and k
@@ -388,7 +419,8 @@ def test_fp8_gated_kernel_quantizes_like_the_unfused_layers(model_dtype, num_tok
 @requires_triton
 @pytest.mark.parametrize("quantize", [False, True])
 def test_silu_and_mul_epilogue_kernel_matches_torch(quantize, monkeypatch):
-    """The gated GEMV's epilogue alone (more than 16 tokens): one kernel, the torch values."""
+    """The gated GEMV's epilogue alone (token counts the GEMV does not take): one kernel, the
+    torch values."""
     monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
     gate_up = torch.randn(MAX_GEMV_TOKENS + 3, 2 * 1100, device=DEVICE) * 3  # 2 column blocks
     out_scale = torch.tensor(0.02, device=DEVICE) if quantize else None
@@ -406,6 +438,7 @@ def test_silu_and_mul_epilogue_kernel_matches_torch(quantize, monkeypatch):
 
 def test_fp8_ops_fall_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
     monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_gemv, "SMALL_WEIGHT_BYTES", 0)  # the test's weight counts as large
     monkeypatch.setattr(fp8, "launch_gemv", lambda *a, **k: pytest.fail("kernel launched"))
     x_fp8, weight, x_scale, weight_scale = fp8_operands(MAX_GEMV_TOKENS + 1, 2 * 24, 64)
     args = (x_fp8, weight, x_scale, weight_scale)

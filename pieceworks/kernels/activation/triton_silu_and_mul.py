@@ -1,6 +1,6 @@
 """``silu_and_mul_epilogue``: the gated GEMV's epilogue as a kernel of its own.
 
-For products the GEMV does not take (more than 16 tokens) the gated ops
+For products the GEMV does not take (more tokens than ``max_gemv_tokens``) the gated ops
 (``pieceworks::small_m_silu_and_mul_linear`` and its FP8 form) run the GEMM and then this: one
 Triton launch computing ``silu(gate) * up`` (and the static FP8 quantization of the result),
 because inside the opaque op Inductor cannot fuse the activation and eager torch would take

@@ -1,4 +1,5 @@
-"""A Triton GEMV for decode-sized linear layers: ``y = x W^T`` for 1 to 16 tokens.
+"""A Triton GEMV for decode-sized linear layers: ``y = x W^T`` for 1 to 16 tokens (64 for small
+weights).
 
 Why: on an H200, decoding the Llama-3.1-8B shape at batch 1, cuBLAS runs ``qkv_proj``,
 ``o_proj`` and ``down_proj`` as split-K kernels, each followed by a ``splitKreduce`` kernel. A
@@ -31,7 +32,8 @@ on outputs near 1, below the bfloat16 rounding of the result. Folding every inst
 float32 (``max_num_imprecise_acc=32``) is much slower, so the kernel keeps the default.
 
 ``small_m_linear`` is the entry point and the op ``pieceworks::small_m_linear``: the kernel when
-there are at most ``MAX_GEMV_TOKENS`` tokens on a GPU Triton targets, else ``F.linear``. The
+there are at most ``max_gemv_tokens(weight)`` tokens (16, or 64 for a weight of at most
+``SMALL_WEIGHT_BYTES``) on a GPU Triton targets, else ``F.linear``. The
 choice is made inside the op at run time, because the token count is symbolic when Dynamo
 traces the op (inside a static graph it is fixed per capture size). Linear layers route
 here where the kernel chooser picks the GEMV for the platform (``quantization/base.py``,
@@ -40,9 +42,10 @@ here where the kernel chooser picks the GEMV for the platform (``quantization/ba
 ``pieceworks::small_m_rope_linear`` (``triton_gemv_rope.py``) the rope form (the attention's qkv
 projection), and ``quantization/fp8.py`` registers the FP8 forms of all three. Beside this
 module: the launch configurations (``triton_gemv_config.py``), the gated epilogue as a kernel of
-its own for more than 16 tokens (``triton_silu_and_mul.py``) and programmatic dependent launch
-(``triton_launch.py``; the kernel reads its scales and rotary factors, then waits before its K
-loop, and releases the next after it, or at its start where ``releases_at_start`` says so).
+its own for the token counts the GEMV does not take (``triton_silu_and_mul.py``) and
+programmatic dependent launch (``triton_launch.py``; the kernel reads its scales and rotary
+factors, then waits before its K loop, and releases the next after it, or at its start where
+``releases_at_start`` says so).
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
     "RopeEpilogue",
     "gemv_config",
     "launch_gemv",
+    "max_gemv_tokens",
     "max_shared_bytes",
     "releases_at_start",
     "rope_config",
@@ -90,7 +94,8 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
     "uses_kernel",
 ]
 
-MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel; above it, cuBLAS
+MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel for any weight; above it, cuBLAS
+SMALL_WEIGHT_BYTES = 12 * 2**20  # a weight this small goes to the kernel up to MAX_KERNEL_TOKENS
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MAX = tl.constexpr(KERNEL_FP8_MAX)
 
@@ -326,12 +331,28 @@ def releases_at_start(num_programs: int, rope: bool, device: torch.device) -> bo
     return rope or (num_sms is not None and num_programs < num_sms)
 
 
+def max_gemv_tokens(weight: torch.Tensor) -> int:
+    """The most tokens the small-M ops give the kernel for ``weight``: ``MAX_KERNEL_TOKENS`` (64)
+    for a weight of at most ``SMALL_WEIGHT_BYTES``, else ``MAX_GEMV_TOKENS`` (16).
+
+    Why the weight's size: padded to 32 or 64 tokens the GEMV reads each token's row once per
+    program, so for the 8B shapes it is slower than cuBLAS's batch-64 kernels (42 % per layer on
+    an H200). A small weight's product is short, and there what a step spends around the product
+    decides: the GEMV is launched with programmatic dependent launch, so it starts while the
+    kernel before it ends, and it runs the gate/up activation and the rotary as its epilogue, one
+    kernel instead of two. Between the sizes of the small models' layers (llama-125m's gate_up is
+    9 MiB) and the 8B FP8 ``o_proj`` (16 MiB) the line sits where ``benchmarks/gemv_decode.py
+    --model ...`` measured the GEMV no slower than cuBLAS (``docs/performance.md``)."""
+    small = weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES
+    return MAX_KERNEL_TOKENS if small else MAX_GEMV_TOKENS
+
+
 def uses_kernel(
     x: torch.Tensor, weight: torch.Tensor, dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
 ) -> bool:
     """Whether the small-M ops run the kernel for these operands (else their fallback)."""
     return (
-        0 < x.shape[0] <= MAX_GEMV_TOKENS
+        0 < x.shape[0] <= max_gemv_tokens(weight)
         and x.dtype == weight.dtype
         and x.dtype in dtypes
         and x.stride(1) == 1

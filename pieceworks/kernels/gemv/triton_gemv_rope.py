@@ -7,13 +7,13 @@ trick), so one program holds both values of a pair and stores them rotated: one 
 decoder layer, and q and k reach memory once.
 
 What is fused: neox-style rotary on every dim of a head (``RotaryEmbedding.is_full_neox``, Llama),
-no bias, head sizes that are multiples of 16, at most ``MAX_GEMV_TOKENS`` tokens on a device the
-kernel runs on, with a cache in the output dtype. Everything else takes the fallback: the unfused
-GEMM, then the rotation (``rotate_qk_heads``): one Triton launch that rotates the q and k heads in
-place where the kernels run (inside the op Inductor cannot fuse the rotation, and as eager torch
-ops it would be about ten launches per layer at batch 64 and in prefill), else
-``rotate_leading_heads`` (the rotation ``RotaryEmbedding`` computes). The choice is made inside
-the op at run time, like ``small_m_linear``'s. ``quantization/base.py`` registers the op and
+no bias, head sizes that are multiples of 16, at most ``max_gemv_tokens(weight)`` tokens on a device
+the kernel runs on, with a cache in the output dtype. Everything else takes the fallback: the
+unfused GEMM, then the rotation (``rotate_qk_heads``): one Triton launch that rotates the q and k
+heads in place where the kernels run (inside the op Inductor cannot fuse the rotation, and as eager
+torch ops it would be about ten launches per layer at batch 64 and in prefill), else
+``rotate_leading_heads`` (the rotation ``RotaryEmbedding`` computes). The choice is made inside the
+op at run time, like ``small_m_linear``'s. ``quantization/base.py`` registers the op and
 ``quantization/fp8.py`` the FP8 form; the rope fusion pass (``core/passes/gemv_fusion.py``) puts
 them into compiled graphs in place of the qkv GEMV and the rotary op after it.
 """

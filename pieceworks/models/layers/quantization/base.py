@@ -4,7 +4,8 @@ A method owns the layer's GEMM (``apply``) and the one-time rewrite of its loade
 (``process_weights_after_loading``, called by the loader after every checkpoint tensor landed).
 Layers keep a method instance each; methods keep no per-layer state of their own beyond flags.
 The unquantized GEMM goes through ``pieceworks::small_m_linear``
-(``kernels/gemv/triton_gemv.py``), a Triton GEMV for <= 16 tokens, where the kernel chooser picks
+(``kernels/gemv/triton_gemv.py``), a Triton GEMV for <= 16 tokens (<= 64 for a weight of at
+most 12 MiB, ``max_gemv_tokens``), where the kernel chooser picks
 the GEMV for the platform (``kernels/chooser.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides this,
 read when the method is built), and an out-of-tree platform's own ``linear`` where it registered
 one. The choice is made when the method is built, so eager (level 0) and compiled calls run the

@@ -17,17 +17,17 @@ fuses it into whatever produced the activation, and where that is an RMSNorm the
 (``core/passes/fusion.py``) replaces the pair with one fused op.
 
 Where the small-M GEMV is on (``quantization/base.py``), the GEMM is the op
-``pieceworks::small_m_fp8_linear``: the Triton GEMV on FP8 operands for at most 16 tokens
-(``kernels/gemv/triton_gemv.py``), ``fp8_gemm`` above that. On Hopper, products whose weight slices
-mostly fit in shared memory (the attention's ``o_proj`` and ``qkv_proj`` at 8B widths) take the
-resident-weight GEMV instead, which copies its weights before it waits for the kernel before
-(``kernels/gemv/resident_gemv.py``). In compiled graphs the fusion passes
-(``core/passes/gemv_fusion.py``) make the MLP's gate/up projection
+``pieceworks::small_m_fp8_linear``: the Triton GEMV on FP8 operands for at most 16 tokens (64 for a
+weight of at most 12 MiB; ``kernels/gemv/triton_gemv.py``), ``fp8_gemm`` above that. On Hopper,
+products whose weight slices mostly fit in shared memory (the attention's ``o_proj`` and
+``qkv_proj`` at 8B widths) take the resident-weight GEMV instead, which copies its weights before it
+waits for the kernel before (``kernels/gemv/resident_gemv.py``). In compiled graphs the fusion
+passes (``core/passes/gemv_fusion.py``) make the MLP's gate/up projection
 ``pieceworks::small_m_fp8_silu_and_mul``: the GEMV with ``silu(gate) * up`` and the down
 projection's static quantization as its epilogue, so it hands ``down_proj`` FP8 values and the
 activation costs no kernel of its own; and the attention's qkv projection
-``pieceworks::small_m_fp8_rope_linear``: the GEMV with the rotary embedding of the q and k heads
-as its epilogue (``kernels/gemv/triton_gemv_rope.py``; the resident GEMV's rotary form where it
+``pieceworks::small_m_fp8_rope_linear``: the GEMV with the rotary embedding of the q and k heads as
+its epilogue (``kernels/gemv/triton_gemv_rope.py``; the resident GEMV's rotary form where it
 applies). ``apply`` takes an input that is already FP8 as quantized with the layer's own
 ``input_scale``.
 """
