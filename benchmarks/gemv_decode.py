@@ -1,11 +1,13 @@
-"""Micro-benchmark: the small-M Triton GEMV against F.linear (cuBLAS) on the Llama-3.1-8B shapes.
+"""Micro-benchmark: the small-M Triton GEMV against F.linear (cuBLAS) on decode shapes.
 
 Two measurements. The one that decides (``graph``): per shape and token count, 32 distinct
 weights (one per layer, so nothing stays in L2) multiplied in turn inside one CUDA graph, the
 graph replayed; time per product, as a decode step's graph runs them. The kernel's default
-config (``gemv_config``) against ``F.linear``, also at 32 and 64 tokens (``small_m_linear`` routes
-at most 16 today; the question for 64 is whether the GEMV beats cuBLAS's batch-64 kernels, which
-run at about 84% of the copy bandwidth). Then, with ``--sweep`` (slow): for each weight
+config (``gemv_config``) against ``F.linear``, also at 32 and 64 tokens (``small_m_linear``
+routes up to 64 only for small weights, ``max_gemv_tokens``; the 8B shapes' batch-64 products
+are cuBLAS's, at about 84% of the copy bandwidth), for the Llama-3.1-8B layers or, with
+``--model``, those of other models; gate_up also as the gated GEMV against cuBLAS followed by
+the activation kernel. Then, with ``--sweep`` (slow): for each weight
 (N, K) of an 8B layer and each token count M, times ``F.linear`` and ``launch_gemv`` with the
 default launch config and a sweep of others (median of ``triton.testing.do_bench``, L2 flushed
 before every run: the flush's write-backs make every time longer than in a graph, so compare

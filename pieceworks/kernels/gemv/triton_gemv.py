@@ -95,7 +95,7 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
 ]
 
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel for any weight; above it, cuBLAS
-SMALL_WEIGHT_BYTES = 12 * 2**20  # a weight this small goes to the kernel up to MAX_KERNEL_TOKENS
+SMALL_WEIGHT_BYTES = 12 * 2**20  # up to this size a weight takes the kernel to MAX_KERNEL_TOKENS
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FP8_MAX = tl.constexpr(KERNEL_FP8_MAX)
 
@@ -335,14 +335,18 @@ def max_gemv_tokens(weight: torch.Tensor) -> int:
     """The most tokens the small-M ops give the kernel for ``weight``: ``MAX_KERNEL_TOKENS`` (64)
     for a weight of at most ``SMALL_WEIGHT_BYTES``, else ``MAX_GEMV_TOKENS`` (16).
 
-    Why the weight's size: padded to 32 or 64 tokens the GEMV reads each token's row once per
-    program, so for the 8B shapes it is slower than cuBLAS's batch-64 kernels (42 % per layer on
-    an H200). A small weight's product is short, and there what a step spends around the product
-    decides: the GEMV is launched with programmatic dependent launch, so it starts while the
-    kernel before it ends, and it runs the gate/up activation and the rotary as its epilogue, one
-    kernel instead of two. Between the sizes of the small models' layers (llama-125m's gate_up is
-    9 MiB) and the 8B FP8 ``o_proj`` (16 MiB) the line sits where ``benchmarks/gemv_decode.py
-    --model ...`` measured the GEMV no slower than cuBLAS (``docs/performance.md``)."""
+    Why the weight's size: padded to 32 or 64 tokens the GEMV reads each token's row of x once
+    per program, so where the weight is large it is slower than cuBLAS's batch-64 kernels (the
+    8B and 1B ``down_proj`` 2 and 2.5x, an 8B layer 42 % on an H200). Where the weight is small
+    the product is short and what lies around it decides: the GEMV starts while the kernel before
+    it ends (programmatic dependent launch, which cuBLAS takes no part in) and runs the gate/up
+    activation and the rotary as its epilogues, one kernel instead of two. On an H100 that made
+    a batch-64 decode step of llama-125m 12 % and of the SmolLM2-135M shape 20 % faster, although
+    in isolation the GEMV at 64 tokens ran their ``down_proj`` up to 22 % slower than cuBLAS
+    (``docs/performance.md``, ``benchmarks/gemv_decode.py --model``). The line lies above those
+    models' largest projection (llama-125m's gate_up, 9 MiB) and below the smallest 8B one (the
+    FP8 ``o_proj``, 16 MiB), so the 8B shapes keep cuBLAS above 16 tokens.
+    """
     small = weight.numel() * weight.element_size() <= SMALL_WEIGHT_BYTES
     return MAX_KERNEL_TOKENS if small else MAX_GEMV_TOKENS
 
