@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pieceworks.benchmarks.modes import compilation_for_mode  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
-from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.platforms import current_platform  # noqa: E402
+from pieceworks.sampling_params import SamplingParams  # noqa: E402
 
 
 def prefill_logits_and_tokens(

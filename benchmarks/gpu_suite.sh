@@ -49,7 +49,7 @@ bench() {  # name, bench latency flags...: JSON and plot named after the step
 }
 
 smollm2_model() {  # the smollm2-135m-random preset, or an HF directory of that shape
-  if python3 -c "from pieceworks.models.presets import is_preset; exit(not is_preset('smollm2-135m-random'))"; then
+  if python3 -c "from pieceworks.models.loading.presets import is_preset; exit(not is_preset('smollm2-135m-random'))"; then
     echo smollm2-135m-random
     return
   fi
@@ -59,7 +59,7 @@ import sys
 
 import torch
 
-from pieceworks.models.presets import get_preset, random_hf_checkpoint
+from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint
 
 shape = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
          "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,

@@ -23,13 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pieceworks.config import EngineConfig  # noqa: E402
 from pieceworks.core.forward_context import set_forward_context  # noqa: E402
-from pieceworks.engine.input_buffers import InputBuffers, StepShape  # noqa: E402
-from pieceworks.engine.request import Request  # noqa: E402
-from pieceworks.engine.scheduler import ScheduledRequest  # noqa: E402
 from pieceworks.kernels.attention import kv_cache, triton_attention  # noqa: E402
 from pieceworks.models.attention.backends import TritonAttentionBackend  # noqa: E402
 from pieceworks.models.attention.layer import Attention  # noqa: E402
 from pieceworks.models.attention.metadata import AttentionMetadata  # noqa: E402
+from pieceworks.scheduler.request import Request  # noqa: E402
+from pieceworks.scheduler.scheduler import ScheduledRequest  # noqa: E402
+from pieceworks.worker.input_buffers import InputBuffers, StepShape  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, MAX_MODEL_LEN = 32, 8, 128, 16, 8192
 

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pieceworks.benchmarks.device_busy import union_length  # noqa: E402
 from pieceworks.benchmarks.modes import compilation_for_mode  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
-from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.platforms import current_platform  # noqa: E402
+from pieceworks.sampling_params import SamplingParams  # noqa: E402
 
 
 def kernel_kind(name: str) -> str:

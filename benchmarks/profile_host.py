@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pieceworks.benchmarks.modes import compilation_for_mode  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
-from pieceworks.engine.sampled_tokens import SampledTokens  # noqa: E402
-from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
-from pieceworks.models.presets import get_preset, is_preset, random_hf_checkpoint  # noqa: E402
+from pieceworks.models.loading.presets import get_preset, is_preset, random_hf_checkpoint  # noqa: E402
 from pieceworks.platforms import current_platform  # noqa: E402
+from pieceworks.sampling_params import SamplingParams  # noqa: E402
+from pieceworks.worker.sampled_tokens import SampledTokens  # noqa: E402
 
 PHASES = (
     "schedule",

@@ -29,8 +29,8 @@ import torch
 
 from pieceworks.benchmarks.baselines import StaticCacheDecoder
 from pieceworks.benchmarks.device_busy import profile_device_busy
-from pieceworks.benchmarks.gpt_fast_loop import GptFastDecoder, GptFastLlama
-from pieceworks.models.presets import get_preset
+from pieceworks.benchmarks.peers.gpt_fast import GptFastDecoder, GptFastLlama
+from pieceworks.models.loading.presets import get_preset
 
 
 def _random_(model: torch.nn.Module) -> None:

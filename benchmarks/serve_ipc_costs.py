@@ -72,7 +72,7 @@ def time_pipe(batch_size: int, num_steps: int) -> dict[str, float]:
 def time_detokenize(batch_size: int, num_steps: int) -> dict[str, float] | None:
     from pieceworks.engine.tokenizer import load_tokenizer
     from pieceworks.entrypoints.serve.text import TextStream
-    from pieceworks.models.sources import SMOLLM2_NAME, is_smollm2_installed
+    from pieceworks.models.loading.sources import SMOLLM2_NAME, is_smollm2_installed
 
     if not is_smollm2_installed():
         return None

@@ -10,7 +10,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "pieceworks.engine.llm", "SamplingParams": "pieceworks.engine.sampling_params"}
+_LAZY = {"LLM": "pieceworks.engine.llm", "SamplingParams": "pieceworks.sampling_params"}
 
 
 def __getattr__(name: str) -> Any:

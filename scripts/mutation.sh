@@ -3,7 +3,7 @@
 # ops, the fast CPU tests as the oracle (configuration: [tool.mutmut] in pyproject.toml). Not in
 # CI: a full run takes hours on a small machine. Results accumulate in mutants/ (git-ignored), so
 # a run can be split by module and resumed; docs/testing.md records the last score.
-# Usage: bash scripts/mutation.sh [mutant-name globs]   e.g. 'pieceworks.engine.sampler.*'
+# Usage: bash scripts/mutation.sh [mutant-name globs]   e.g. 'pieceworks.worker.sampler.*'
 #        MUTATION_JOBS=4 bash scripts/mutation.sh        (parallel test processes, default 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -48,16 +48,16 @@ ROOT = Path(__file__).parents[1]
 # population leaves them out.
 TESTED = (
     "pieceworks.core.backend",
-    "pieceworks.core.cache_key",
-    "pieceworks.core.compile_cache",
+    "pieceworks.core.cache.cache_key",
+    "pieceworks.core.cache.compile_cache",
     "pieceworks.core.cuda_graph",
     "pieceworks.core.cudagraph_dispatcher",
     "pieceworks.core.static_graph",
-    "pieceworks.engine.block_manager",
-    "pieceworks.engine.input_buffers",
-    "pieceworks.engine.request",
-    "pieceworks.engine.sampler",
-    "pieceworks.engine.scheduler",
+    "pieceworks.scheduler.block_manager",
+    "pieceworks.worker.input_buffers",
+    "pieceworks.scheduler.request",
+    "pieceworks.worker.sampler",
+    "pieceworks.scheduler.scheduler",
 )
 
 

@@ -23,7 +23,7 @@ JUDGED_FILE = Path(__file__).parents[1] / "docs" / "testing.md"
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}
 VERDICTS = ("equivalent", "time", "gpu")
 JUDGED_ROW = re.compile(r"^\| `(?P<name>pieceworks\.[^`]+)` \| (?P<verdict>\w+) \| .+ \|$")
-# "pieceworks.core.cache_key.x_cache_directory__mutmut_3" -> "pieceworks.core.cache_key"
+# "pieceworks.core.cache.cache_key.x_cache_directory__mutmut_3" -> "pieceworks.core.cache.cache_key"
 MODULE = re.compile(r"^(?P<module>.+?)\.x(?:ǁ|_)")
 
 
@@ -100,7 +100,7 @@ def main() -> None:
 
 
 def module_path(module: str) -> str:
-    """``pieceworks.core.cache_key`` -> ``core/cache_key.py``; a package -> its ``__init__.py``."""
+    """``pieceworks.core.cache.cache_key`` -> ``core/cache/cache_key.py``; a package -> its ``__init__.py``."""
     path = Path(*module.split("."))
     file = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     return str(file.relative_to("pieceworks"))

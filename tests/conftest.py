@@ -2,7 +2,7 @@
 
 The compile cache is off for the whole session and its root is a temporary directory: no test
 reads ``~/.cache`` or depends on what an earlier run left there. The compile-cache tests
-(``tests/core/test_compile_cache.py``) turn it on.
+(``tests/core/cache/test_compile_cache.py``) turn it on.
 
 Run everything on CPU: ``pytest tests``. GPU tests (``@pytest.mark.gpu``) are skipped unless a
 CUDA/ROCm device is visible; on a GPU machine run ``pytest -m gpu tests``.

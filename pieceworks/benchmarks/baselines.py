@@ -62,19 +62,19 @@ from pieceworks.benchmarks.device_busy import (
     profile_device_busy,
     with_idle_share,
 )
-from pieceworks.benchmarks.gpt_fast_loop import (
+from pieceworks.benchmarks.latency import _COUNTERS, LatencyCase, _prompts, _stats
+from pieceworks.benchmarks.peers.gpt_fast import (
     GptFastDecoder,
     GptFastLlama,
     causal_block_mask,
     decode_mask,
 )
-from pieceworks.benchmarks.latency import _COUNTERS, LatencyCase, _prompts, _stats
 from pieceworks.benchmarks.step_timing import timed_steps
 from pieceworks.config import ModelConfig, resolve_dtype
 from pieceworks.engine.arg_utils import build_engine_config, resolve_hf_config
 from pieceworks.logger import init_logger
-from pieceworks.models.loader import WeightLoadingError, is_ignored_tensor
-from pieceworks.models.sources import checkpoint_weights
+from pieceworks.models.loading.loader import WeightLoadingError, is_ignored_tensor
+from pieceworks.models.loading.sources import checkpoint_weights
 from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)

@@ -33,9 +33,9 @@ from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import piecewise_backends
 from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.logger import init_logger
 from pieceworks.platforms import current_platform
+from pieceworks.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
@@ -104,7 +104,7 @@ def decode_bytes(llm: LLM, case: LatencyCase) -> int:
 
 
 def _attention_layers(runner: Any) -> list[Any]:
-    from pieceworks.engine.kv_cache import attention_layers
+    from pieceworks.worker.kv_cache import attention_layers
 
     return attention_layers(runner.config)
 

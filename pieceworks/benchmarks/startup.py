@@ -4,7 +4,7 @@ and warm, split into phases (after ``vllm bench startup``).
 Each run is a fresh process (``python -m pieceworks.benchmarks.startup``, ``main`` below), so
 nothing an earlier run compiled or imported is in memory. Caches live under one temporary
 directory: the cold run starts with pieceworks' compile cache (``CompilationConfig.cache_dir``,
-which also holds Triton's kernel binaries: ``core/triton_cache.py``) and Inductor's
+which also holds Triton's kernel binaries: ``core/cache/triton_cache.py``) and Inductor's
 (``TORCHINDUCTOR_CACHE_DIR``) empty; the warm run reuses pieceworks' cache and, as SPEC §6 defines
 a warm start, gets an empty Inductor cache again, so what it loads comes from pieceworks' cache
 alone (``reuse_inductor_cache`` keeps Inductor's as well). The phases, in the order start-up
@@ -124,7 +124,7 @@ def measure_startup(
     """Build the engine, run one step of ``batch_size`` prompts, and time each phase."""
     from pieceworks.core.counters import compilation_counter
     from pieceworks.engine.llm import LLM
-    from pieceworks.engine.sampling_params import SamplingParams
+    from pieceworks.sampling_params import SamplingParams
 
     python_bytecode = torch_bytecode_cached()
     before = compilation_counter.clone()
@@ -181,7 +181,7 @@ def run_startup(
     timeout_s: float = 1800.0,
 ) -> list[dict[str, Any]]:
     """The cold row, then the warm row, each from a fresh process (see the module docstring)."""
-    from pieceworks.core.triton_cache import TRITON_CACHE_SUBDIR
+    from pieceworks.core.cache.triton_cache import TRITON_CACHE_SUBDIR
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="pieceworks-startup-") as work_dir:
@@ -200,7 +200,7 @@ def run_startup(
         for run in ("cold", "warm"):
             compiler_caches = "cold" if reuse_inductor_cache else run
             environment["TORCHINDUCTOR_CACHE_DIR"] = str(root / f"inductor-{compiler_caches}")
-            # Triton's binaries live under pieceworks' cache (``core/triton_cache.py``): kept
+            # Triton's binaries live under pieceworks' cache (``core/cache/triton_cache.py``): kept
             # with it for the warm run, empty for the cold one.
             environment.pop("TRITON_CACHE_DIR", None)
             before = triton_cache_entries(triton_dir)

@@ -27,7 +27,7 @@ def measure_throughput(
 ) -> dict[str, Any]:
     """Build the engine, warm it up, time one ``generate`` over ``num_prompts`` prompts."""
     from pieceworks.engine.llm import LLM
-    from pieceworks.engine.sampling_params import SamplingParams
+    from pieceworks.sampling_params import SamplingParams
 
     llm = LLM(model, compilation_config=compilation_config, **engine_args)
     vocab_size = int(llm.config.model_config.hf_config.get("vocab_size") or 256)

@@ -26,10 +26,10 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from pieceworks.core.artifact_key import artifact_key
-from pieceworks.core.cache_key import cache_directory, cache_key_factors, traced_source_files
-from pieceworks.core.cache_miss import explain_miss
-from pieceworks.core.compile_cache import CompileCache
+from pieceworks.core.cache.artifact_key import artifact_key
+from pieceworks.core.cache.cache_key import cache_directory, cache_key_factors, traced_source_files
+from pieceworks.core.cache.cache_miss import explain_miss
+from pieceworks.core.cache.compile_cache import CompileCache
 from pieceworks.core.compiler_interface import make_compiler
 from pieceworks.core.compiler_manager import CompilerManager, entry_name
 from pieceworks.core.config import CUDAGraphMode
@@ -41,7 +41,7 @@ from pieceworks.core.split import split_graph
 from pieceworks.core.splitting_call import bind_splitting_calls
 from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphWrapperBase
 from pieceworks.core.static_inputs import StaticInputCopier, dynamic_input_indices
-from pieceworks.core.traced_graph_cache import TracedGraphDamaged
+from pieceworks.core.warm_start.traced_graph_store import TracedGraphDamaged
 from pieceworks.logger import init_logger
 from pieceworks.platforms import current_platform
 

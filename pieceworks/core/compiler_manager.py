@@ -19,8 +19,8 @@ from typing import Any
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from pieceworks.core.artifact_key import artifact_key
-from pieceworks.core.compile_cache import CompileCache
+from pieceworks.core.cache.artifact_key import artifact_key
+from pieceworks.core.cache.compile_cache import CompileCache
 from pieceworks.core.compiler_interface import CompilerInterface
 from pieceworks.core.counters import compilation_counter
 from pieceworks.logger import init_logger

@@ -37,7 +37,11 @@ import torch
 from pieceworks.core.backend import PiecewiseCompileBackend, dump_dir
 from pieceworks.core.config import CompilationLevel, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
-from pieceworks.core.warm_start import load_traced_graph, save_traced_graph, traced_graph_store
+from pieceworks.core.warm_start.rebuild import (
+    load_traced_graph,
+    save_traced_graph,
+    traced_graph_store,
+)
 from pieceworks.logger import init_logger
 
 if TYPE_CHECKING:

@@ -19,9 +19,9 @@ from pieceworks.config import (
 )
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.kernels.programmatic_launch import inductor_launch_options
-from pieceworks.models.config_checks import check_hf_config, check_tensor_parallel
-from pieceworks.models.presets import is_preset
-from pieceworks.models.sources import model_hf_config
+from pieceworks.models.loading.config_checks import check_hf_config, check_tensor_parallel
+from pieceworks.models.loading.presets import is_preset
+from pieceworks.models.loading.sources import model_hf_config
 
 
 @dataclasses.dataclass

@@ -40,8 +40,8 @@ from pieceworks.engine.core import (
     run_engine_loop,
 )
 from pieceworks.engine.llm_engine import LLMEngine
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.logger import init_logger
+from pieceworks.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 

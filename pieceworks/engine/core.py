@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pieceworks.engine.llm_engine import LLMEngine
-from pieceworks.engine.request import Request
+from pieceworks.scheduler.request import Request
 
 # How long the idle engine loop waits for a command before it looks again.
 IDLE_POLL_SECONDS = 0.5

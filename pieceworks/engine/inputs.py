@@ -23,7 +23,7 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 

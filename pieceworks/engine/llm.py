@@ -26,8 +26,8 @@ from pieceworks.engine.output_processor import (
     OutputProcessor,
     RequestOutput,
 )
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.tokenizer import apply_chat_template, load_tokenizer
+from pieceworks.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionDelta", "CompletionOutput", "Logprob", "RequestOutput"]
 

@@ -16,12 +16,12 @@ import itertools
 import time
 
 from pieceworks.config import EngineConfig
-from pieceworks.engine.executor import make_executor
-from pieceworks.engine.request import Request, RequestStatus
-from pieceworks.engine.sampled_tokens import SampledTokens
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.engine.scheduler import Scheduler, SchedulerOutput
 from pieceworks.logger import init_logger
+from pieceworks.sampling_params import SamplingParams
+from pieceworks.scheduler.request import Request, RequestStatus
+from pieceworks.scheduler.scheduler import Scheduler, SchedulerOutput
+from pieceworks.worker.executor import make_executor
+from pieceworks.worker.sampled_tokens import SampledTokens
 
 logger = init_logger(__name__)
 

@@ -22,9 +22,8 @@ from typing import Any
 
 from pieceworks.engine.detokenizer import IncrementalDetokenizer
 from pieceworks.engine.llm_engine import LLMEngine
-from pieceworks.engine.logprobs import TokenLogprob
-from pieceworks.engine.request import Request
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
+from pieceworks.scheduler.request import Request, TokenLogprob
 
 
 @dataclasses.dataclass(frozen=True)

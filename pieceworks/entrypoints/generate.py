@@ -45,7 +45,7 @@ def early_token_ids(args: argparse.Namespace) -> list[list[int]] | None:
     """The prompts as token ids, parsed before the model is built where that is already known
     (``--token-ids``, or a preset, which has no tokenizer); None when they may be text. Empty
     prompts are refused either way."""
-    from pieceworks.models.presets import is_preset
+    from pieceworks.models.loading.presets import is_preset
 
     texts = [check_text(prompt, index) for index, prompt in enumerate(args.prompts)]
     if not (args.token_ids or is_preset(args.model)):

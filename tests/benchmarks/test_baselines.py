@@ -18,8 +18,8 @@ import torch
 
 from pieceworks.benchmarks.latency import _COUNTERS, LatencyCase, _prompts, decode_bytes
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.models.presets import get_preset, random_hf_checkpoint
+from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint
+from pieceworks.sampling_params import SamplingParams
 
 pytest.importorskip("transformers")
 
@@ -37,7 +37,7 @@ from pieceworks.benchmarks.baselines import (  # noqa: E402
     measure_hf_eager,
     measure_static_cache_compiled,
 )
-from pieceworks.benchmarks.gpt_fast_loop import GptFastDecoder  # noqa: E402
+from pieceworks.benchmarks.peers.gpt_fast import GptFastDecoder  # noqa: E402
 
 NUM_COMPARED = 4  # greedy tokens compared per prompt (near-ties of random weights come later)
 BANDWIDTH = 1e9  # bytes/s: any number; floors are compared, not judged

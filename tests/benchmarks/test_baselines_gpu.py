@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pieceworks.benchmarks.latency import LatencyCase
-from pieceworks.models.presets import get_preset, random_hf_checkpoint
+from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint
 
 pytest.importorskip("transformers")
 

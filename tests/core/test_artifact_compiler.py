@@ -36,7 +36,7 @@ from pieceworks.core.compiler_interface import EagerAdaptor
 from pieceworks.core.config import CompilationConfig, CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import piecewise_backends
-from tests.core.compile_cache_worker import assert_same_outputs, run_toy
+from tests.core.cache.compile_cache_worker import assert_same_outputs, run_toy
 from tests.core.test_piecewise import build, run
 from tests.core.toy_model import SILLY_OP
 

@@ -37,7 +37,7 @@ from pieceworks.core.decorators import (
 from pieceworks.core.forward_context import get_forward_context, set_forward_context
 from pieceworks.core.trace_once import trace_once_compilers
 from pieceworks.platforms import current_platform
-from tests.core.compile_cache_worker import toy_config
+from tests.core.cache.compile_cache_worker import toy_config
 from tests.core.toy_model import SILLY_OP, ShapeBranchModel, ToyModel
 
 pytestmark = pytest.mark.platform_agnostic

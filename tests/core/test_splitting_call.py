@@ -22,7 +22,7 @@ from pieceworks.core import custom_op
 from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.forward_context import BatchDescriptor
 from pieceworks.core.splitting_call import SplittingCall, bind_splitting_calls, splitting_call
-from pieceworks.core.traced_graph_cache import portable_graph_module
+from pieceworks.core.warm_start.traced_graph_store import portable_graph_module
 from tests.core.test_piecewise import build, capture_all, device, make_config, run
 from tests.core.toy_model import silly_attention_op, silly_calls
 

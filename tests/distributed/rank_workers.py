@@ -21,8 +21,8 @@ from pieceworks.config import (
     SchedulerConfig,
 )
 from pieceworks.core.counters import compilation_counter
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.models.loader import load_hf_config
+from pieceworks.models.loading.loader import load_hf_config
+from pieceworks.sampling_params import SamplingParams
 
 MAX_NUM_SEQS = 4
 NUM_BLOCKS = 32  # fixed, so every rank's scheduler sees the same cache (no memory probing)
@@ -50,8 +50,8 @@ def engine_config(
 
 def cache_shapes(config: EngineConfig) -> dict[str, list[tuple[int, ...]]]:
     """Per layer: the key cache's and the Mamba conv and SSM states' shapes, as bound."""
-    from pieceworks.engine.kv_cache import attention_layers
-    from pieceworks.engine.mamba_cache import mamba_layers
+    from pieceworks.worker.kv_cache import attention_layers
+    from pieceworks.worker.mamba_cache import mamba_layers
 
     kv = [tuple(layer.bound_kv_cache()[0].shape) for layer in attention_layers(config)]
     states = [layer.mamba_cache for layer in mamba_layers(config)]

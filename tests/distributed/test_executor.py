@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from pieceworks.benchmarks.modes import compilation_for_mode
-from pieceworks.engine.executor import MultiprocExecutor
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.model_runner import ModelRunner
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.models.presets import get_preset, random_hf_checkpoint
+from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint
+from pieceworks.sampling_params import SamplingParams
+from pieceworks.worker.executor import MultiprocExecutor
+from pieceworks.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -100,7 +100,7 @@ def test_failing_worker_ends_start_up_with_its_error(checkpoints):
 
 def test_more_ranks_than_devices_is_a_clear_error(monkeypatch):
     from pieceworks import platforms
-    from pieceworks.engine.executor import check_device_index
+    from pieceworks.worker.executor import check_device_index
 
     class OneDevice:
         name = "onedevice"

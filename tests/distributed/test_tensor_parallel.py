@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from pieceworks.models.presets import get_preset, random_hf_checkpoint
+from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint
 from tests.distributed.rank_workers import (
     MAX_NUM_SEQS,
     NUM_BLOCKS,

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import torch
 
-from pieceworks.engine.executor import free_tcp_init_method
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.models.presets import random_hf_checkpoint
+from pieceworks.models.loading.presets import random_hf_checkpoint
+from pieceworks.sampling_params import SamplingParams
+from pieceworks.worker.executor import free_tcp_init_method
 
 SCRIPT = """
 import json, sys
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
 llm = LLM(sys.argv[1], compilation_config={"level": 0}, dtype="float32", max_num_seqs=4,
           tensor_parallel_size=2)
 params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -59,7 +59,7 @@ def greedy_tokens(model: str, tp: int, dtype: str) -> tuple[list[list[int]], tor
     """Greedy tokens of three prompts and the first step's logits, FULL_AND_PIECEWISE."""
     from pieceworks.benchmarks.modes import compilation_for_mode
     from pieceworks.engine.llm import LLM
-    from pieceworks.engine.sampling_params import SamplingParams
+    from pieceworks.sampling_params import SamplingParams
     from tests.models.test_fp8 import record_logits
 
     llm = LLM(model, compilation_config=compilation_for_mode("full_and_piecewise"),

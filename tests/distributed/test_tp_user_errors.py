@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pieceworks.engine.llm import LLM
-from pieceworks.models.loader import WeightLoadingError, save_hf_directory
-from pieceworks.models.presets import get_preset, random_hf_weights
+from pieceworks.models.loading.loader import WeightLoadingError, save_hf_directory
+from pieceworks.models.loading.presets import get_preset, random_hf_weights
 
 NORM = "model.norm.weight"
 

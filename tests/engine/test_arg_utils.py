@@ -52,7 +52,7 @@ def test_each_engine_argument_reaches_its_config_field():
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused():
-    from pieceworks.models.config_checks import ModelConfigError
+    from pieceworks.models.loading.config_checks import ModelConfigError
 
     with pytest.raises(ModelConfigError) as error:
         build_engine_config("llama-tiny", None, tensor_parallel_size=3)

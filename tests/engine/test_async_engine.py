@@ -18,7 +18,7 @@ import pytest
 
 from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from pieceworks.engine.core import EngineCoreOutputs, EngineStats, RequestDelta
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
 

@@ -18,8 +18,8 @@ import torch
 from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.models.presets import get_preset, random_hf_checkpoint
+from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint
+from pieceworks.sampling_params import SamplingParams
 
 NUM_ATTENTION, NUM_MAMBA = 2, 3
 HF_CONFIG = {**get_preset("bamba-tiny"), "num_hidden_layers": 5, "attn_layer_indices": [1, 3]}
@@ -145,7 +145,7 @@ def test_model_without_attention_layers_reuses_slots_cleanly(tmp_path):
 
 
 def test_state_cache_that_does_not_fit_is_a_clear_error(checkpoint):
-    from pieceworks.engine.mamba_cache import allocate_mamba_cache
+    from pieceworks.worker.mamba_cache import allocate_mamba_cache
 
     spec = make_llm(checkpoint, "eager").engine.runner.mamba_spec
     assert spec is not None and spec.num_slots == MAX_NUM_SEQS + 1

@@ -19,8 +19,8 @@ import torch
 from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.platforms import current_platform
+from pieceworks.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 NUM_COMPARED_TOKENS = 4

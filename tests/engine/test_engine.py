@@ -15,9 +15,9 @@ import torch
 from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pieceworks.models.presets import random_hf_checkpoint
+from pieceworks.models.loading.presets import random_hf_checkpoint
+from pieceworks.sampling_params import SamplingParams
+from pieceworks.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -141,7 +141,7 @@ def test_a_deleted_engine_frees_its_model(checkpoint, graph_platform, mode):
 
 
 def _output(llm: LLM, lengths: list[int], computed: list[int]) -> SchedulerOutput:
-    from pieceworks.engine.request import Request
+    from pieceworks.scheduler.request import Request
 
     scheduled = []
     for i, (n, done) in enumerate(zip(lengths, computed)):

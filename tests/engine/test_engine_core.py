@@ -17,7 +17,7 @@ import pytest
 
 from pieceworks.engine.core import EngineCore, EngineCoreOutputs, run_engine_loop
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)

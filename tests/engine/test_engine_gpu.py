@@ -21,8 +21,8 @@ import torch
 
 from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.platforms import current_platform
+from pieceworks.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 NUM_COMPARED_TOKENS = 4  # bf16 near-ties in a random-weight model may flip later tokens

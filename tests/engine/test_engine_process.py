@@ -44,8 +44,8 @@ from pieceworks.engine.core_process import (
     run_engine_loop_until_eof,
 )
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.models.sources import ModelSourceError
+from pieceworks.models.loading.sources import ModelSourceError
+from pieceworks.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)

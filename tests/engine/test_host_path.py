@@ -31,9 +31,9 @@ import torch
 from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.output_processor import OutputProcessor
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.models.loader import save_hf_directory
-from pieceworks.models.presets import get_preset, random_hf_weights
+from pieceworks.models.loading.loader import save_hf_directory
+from pieceworks.models.loading.presets import get_preset, random_hf_weights
+from pieceworks.sampling_params import SamplingParams
 
 ABORTED = "e"
 ABORT_STEP = 5

@@ -23,7 +23,7 @@ from pieceworks.engine.async_engine import (
     QueueFullError,
 )
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)

@@ -14,7 +14,7 @@ import pytest
 
 from pieceworks.engine.inputs import PromptError, parse_prompts, sampling_params_for
 from pieceworks.engine.llm import LLM, _conversations
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
 
 VOCAB = 256  # llama-tiny
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

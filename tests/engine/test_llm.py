@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from pieceworks.engine.llm import LLM, _conversations
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
 
 PROMPTS = [[3, 14, 15], [92, 65], [35, 89, 79, 32]]
 

@@ -17,8 +17,8 @@ import pytest
 
 from pieceworks.engine import tokenizer as tokenizer_module
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.tokenizer import bytes_to_unicode, gguf_tokenizer
+from pieceworks.sampling_params import SamplingParams
 from tests.engine.test_tokenizer import CHAT_TEMPLATE, SPECIALS
 
 pytest.importorskip("tokenizers")

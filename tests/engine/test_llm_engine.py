@@ -16,7 +16,7 @@ import pytest
 
 from pieceworks.engine.core import EngineCore, EngineStats
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
 
 LONG = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

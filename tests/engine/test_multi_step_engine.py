@@ -25,8 +25,8 @@ import pytest
 from pieceworks.engine.async_engine import AsyncLLMEngine, InprocEngineClient
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.output_processor import OutputProcessor
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.engine.scheduler import SchedulerOutput
+from pieceworks.sampling_params import SamplingParams
+from pieceworks.scheduler.scheduler import SchedulerOutput
 from tests.engine.test_host_path import (
     ABORTED,
     NUM_BLOCKS,

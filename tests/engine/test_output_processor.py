@@ -19,7 +19,7 @@ import pytest
 
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.output_processor import CompletionDelta, Logprob, OutputProcessor
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
 
 PROMPT = [3, 14, 15, 92, 65]
 

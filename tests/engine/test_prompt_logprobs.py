@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.models.presets import random_hf_checkpoint
+from pieceworks.models.loading.presets import random_hf_checkpoint
+from pieceworks.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 TOP = 2

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from pieceworks.engine.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams
 from tests import smollm2
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

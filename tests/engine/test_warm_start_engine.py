@@ -1,9 +1,10 @@
 """A warm engine start in a fresh process traces nothing and answers as the traced start did.
 
 llama-tiny and bamba-tiny at level 3 with the eager backend (the warm path is the same for
-Inductor, whose artifacts ``tests/core/test_warm_start.py`` covers): a cold process traces once
-and stores the split graph; a second process, same cache root, loads it (``num_dynamo_traces`` 0,
-no graph reaches the backend) and its greedy tokens and logprobs equal the cold ones exactly. On
+Inductor, whose artifacts ``tests/core/warm_start/test_warm_start.py`` covers): a cold process
+traces once and stores the split graph; a second process, same cache root, loads it
+(``num_dynamo_traces`` 0, no graph reaches the backend) and its greedy tokens and logprobs equal
+the cold ones exactly. On
 the CPU platform (no static graphs), and llama-tiny once more on the simgraph platform with
 FULL_AND_PIECEWISE, where the loaded pieces sit in static-graph wrappers and are captured and
 replayed. About a minute on 2 CPU cores.

@@ -24,7 +24,7 @@ def run_engine(
     """Build the engine, answer ``PROMPTS`` greedily, return tokens, logprobs and counters."""
     from pieceworks.core.counters import compilation_counter
     from pieceworks.engine.llm import LLM
-    from pieceworks.engine.sampling_params import SamplingParams
+    from pieceworks.sampling_params import SamplingParams
 
     compilation: dict[str, Any] = {"level": 3, "backend": backend, "cache_dir": cache_root}
     if cudagraph_mode is not None:

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from pieceworks.entrypoints.cli import main
-from pieceworks.models.loader import save_hf_directory
-from pieceworks.models.presets import get_preset, random_hf_weights
+from pieceworks.models.loading.loader import save_hf_directory
+from pieceworks.models.loading.presets import get_preset, random_hf_weights
 
 HF_CONFIG = {**get_preset("llama-tiny"), "torch_dtype": "float32"}
 
@@ -190,7 +190,7 @@ def test_tensor_parallel_size_that_cannot_split_the_heads(capsys, monkeypatch):
     def no_ranks(*args, **kwargs):
         raise AssertionError("ranks were started")
 
-    monkeypatch.setattr("pieceworks.engine.executor.MultiprocExecutor.__init__", no_ranks)
+    monkeypatch.setattr("pieceworks.worker.executor.MultiprocExecutor.__init__", no_ranks)
     argv = ["generate", "--model", "llama-tiny", "--tensor-parallel-size", "3", "1,2"]
     expect_error(capsys, argv, "num_attention_heads=4 is not divisible by tensor_parallel_size=3")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from pieceworks.entrypoints import run
-from pieceworks.models import sources
+from pieceworks.models.loading import sources
 
 
 def test_without_the_trained_model_it_says_how_to_get_it(monkeypatch, capsys):

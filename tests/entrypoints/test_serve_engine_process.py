@@ -30,9 +30,9 @@ httpx = pytest.importorskip("httpx")
 
 from pieceworks.engine.core_process import EngineSpec  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
-from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.entrypoints.cli import main  # noqa: E402
-from pieceworks.models.presets import get_preset, random_hf_checkpoint  # noqa: E402
+from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint  # noqa: E402
+from pieceworks.sampling_params import SamplingParams  # noqa: E402
 from tests.entrypoints.server import (  # noqa: E402
     is_gone,
     parent_pid,

@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx")
 
 from pieceworks.engine.core_process import EngineSpec  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
-from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
+from pieceworks.sampling_params import SamplingParams  # noqa: E402
 from tests.entrypoints.server import running_server  # noqa: E402
 
 MODEL = "llama-tiny"

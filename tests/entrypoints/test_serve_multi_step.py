@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from pieceworks.engine.llm import LLM  # noqa: E402
-from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
+from pieceworks.sampling_params import SamplingParams  # noqa: E402
 from tests.entrypoints.server import running_server  # noqa: E402
 
 MODEL = "llama-tiny"

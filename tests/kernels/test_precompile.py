@@ -49,7 +49,7 @@ def compiled_here(monkeypatch):
 
     monkeypatch.setattr(launch_module, "compiled_kernels_run_on", lambda device: True)
     global REAL_DUMMY_FORWARD
-    from pieceworks.engine.model_runner import ModelRunner
+    from pieceworks.worker.model_runner import ModelRunner
 
     REAL_DUMMY_FORWARD = REAL_DUMMY_FORWARD or ModelRunner._dummy_forward
 
@@ -83,7 +83,7 @@ def test_switched_off_or_not_compiled_here_the_block_does_nothing(monkeypatch, c
 
 def dry_runs(monkeypatch, llm_factory) -> tuple[list, list]:
     """Build an engine, recording the forwards run inside ``precompiling`` and after it."""
-    from pieceworks.engine import model_runner
+    from pieceworks.worker import model_runner
 
     inside, after = [], []
     real = REAL_DUMMY_FORWARD

@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pieceworks.engine import sampler as sampler_module
-from pieceworks.engine.sampler import Sampler, chunked_argmax
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.kernels.sampling import triton_argmax
+from pieceworks.sampling_params import SamplingParams
+from pieceworks.worker import sampler as sampler_module
+from pieceworks.worker.sampler import Sampler, chunked_argmax
 from tests.kernels.test_triton_gemv import DEVICE, ON_GPU, requires_triton
 
 pytestmark = requires_triton

@@ -44,7 +44,6 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from pieceworks import envs  # noqa: E402
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
-from pieceworks.engine.sampling_params import SamplingParams  # noqa: E402
 from pieceworks.kernels import triton_launch  # noqa: E402
 from pieceworks.kernels.gemv import resident_gemv, triton_gemv, triton_gemv_rope  # noqa: E402
 from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
@@ -61,6 +60,7 @@ from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
 from pieceworks.models.layers.activation import silu_and_mul  # noqa: E402
 from pieceworks.models.layers.quantization import fp8  # noqa: E402
 from pieceworks.platforms import current_platform  # noqa: E402
+from pieceworks.sampling_params import SamplingParams  # noqa: E402
 
 INTERPRETED = isinstance(triton_gemv._gemv_kernel, InterpretedFunction)
 ON_GPU = not INTERPRETED and torch.cuda.is_available()

@@ -19,8 +19,8 @@ import torch
 
 from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.platforms import current_platform
+from pieceworks.sampling_params import SamplingParams
 from tests.models.float32_gpu_runs import RUNS, float32_llm
 
 pytestmark = pytest.mark.gpu

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.models.loader import save_hf_directory
-from pieceworks.models.presets import get_preset, random_hf_weights
+from pieceworks.models.loading.loader import save_hf_directory
+from pieceworks.models.loading.presets import get_preset, random_hf_weights
 from pieceworks.platforms import current_platform
+from pieceworks.sampling_params import SamplingParams
 from tests.models.test_llama_hf import assert_close_to_hf, hf_last_logits
 
 transformers = pytest.importorskip("transformers")

@@ -35,7 +35,6 @@ from pieceworks.core.norm_quant import (
     rms_norm_static_fp8_quant_reference,
 )
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.attention.layer import Attention
 from pieceworks.models.attention.ops import DecodeLaunch
 from pieceworks.models.layers.linear import QKVParallelLinear
@@ -45,8 +44,9 @@ from pieceworks.models.layers.quantization.fp8 import (
     fp8_gemm,
     quantize_weight_per_tensor,
 )
-from pieceworks.models.presets import get_preset
+from pieceworks.models.loading.presets import get_preset
 from pieceworks.platforms import current_platform
+from pieceworks.sampling_params import SamplingParams
 
 MAX_RELATIVE_RMS_ERROR = 0.08  # see the module docstring
 PROMPT_LENGTHS = (3, 9, 17)
@@ -307,7 +307,7 @@ def perturbed_prefill_logits(path: str, quantization: str | None, noise: float) 
 
 
 def test_fp8_amplifies_gemm_rounding_differences(tmp_path):
-    from pieceworks.models.presets import random_hf_checkpoint
+    from pieceworks.models.loading.presets import random_hf_checkpoint
 
     hf_config = get_preset("llama-3.1-8b")
     widths = {"hidden_size": 1024, "intermediate_size": 3584, "num_attention_heads": 8}

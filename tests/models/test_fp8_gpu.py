@@ -25,11 +25,11 @@ from pieceworks.core.norm_quant import (
     rms_norm_static_fp8_quant_reference,
 )
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.models.layers.quantization.fp8 import fp8_gemm, quantize_weight_per_tensor
-from pieceworks.models.presets import get_preset, random_hf_checkpoint
+from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint
 from pieceworks.platforms import current_platform
 from pieceworks.platforms.capability import FP8_GEMM
+from pieceworks.sampling_params import SamplingParams
 from tests.models.test_fp8 import (
     assert_fp8_close,
     record_logits,

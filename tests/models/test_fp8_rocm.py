@@ -23,11 +23,11 @@ import torch
 from pieceworks import platforms
 from pieceworks.core.decorators import piecewise_backends
 from pieceworks.core.norm_quant import fp8_dtype, fp8_max, static_scaled_fp8_quant
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.kernels import chooser
 from pieceworks.models.layers.quantization.fp8 import Fp8LinearMethod, quantize_weight_per_tensor
 from pieceworks.platforms.capability import FP8_GEMM, amd_capability
 from pieceworks.platforms.cpu import CpuPlatform
+from pieceworks.sampling_params import SamplingParams
 from tests.models.test_fp8 import MAX_RELATIVE_RMS_ERROR, prefill_logits, relative_rms
 
 MI300 = amd_capability("gfx942:sramecc+:xnack-", num_compute_units=304)

@@ -21,9 +21,9 @@ import torch
 from pieceworks.core.decorators import piecewise_backends
 from pieceworks.core.passes.gemv_fusion import op_name
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.kernels import chooser
 from pieceworks.kernels.chooser import register_kernel, unregister_kernel
+from pieceworks.sampling_params import SamplingParams
 from tests.models.test_fp8 import PROMPT_LENGTHS, record_logits
 
 NUM_LAYERS = 2  # llama-tiny

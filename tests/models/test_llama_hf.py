@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
-from pieceworks.models.presets import get_preset, random_hf_checkpoint
+from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint
+from pieceworks.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pieceworks.models import loader, presets, registry, sources
+from pieceworks.models import registry
 from pieceworks.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -34,6 +34,7 @@ from pieceworks.models.layers import (
     silu_and_mul,
 )
 from pieceworks.models.layers.rotary_embedding import get_rope_parameters
+from pieceworks.models.loading import loader, presets, sources
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import piecewise_backends
 from pieceworks.engine.llm import LLM
-from pieceworks.models.presets import get_preset, random_hf_checkpoint
+from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint
 from tests.models.test_bamba_hf import make_hf_model
 from tests.models.test_llama_hf import run_and_compare
 
@@ -153,7 +153,7 @@ def test_cache_key_self_check_stays_quiet_across_shapes(tmp_path_factory, monkey
     tiny, _ = _llama_checkpoint(tmp_path_factory, "tiny")
     wide, _ = _llama_checkpoint(tmp_path_factory, "wide")
     warnings = _Records()
-    cache_log = logging.getLogger("pieceworks.core.compile_cache")
+    cache_log = logging.getLogger("pieceworks.core.cache.compile_cache")
     cache_log.addHandler(warnings)
     try:
         _build(tiny, "inductor")

@@ -18,10 +18,10 @@ import torch
 
 from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.engine.tokenizer import load_tokenizer
-from pieceworks.models import gguf_loader, sources
-from pieceworks.models.presets import get_preset
+from pieceworks.models.loading import gguf_loader, sources
+from pieceworks.models.loading.presets import get_preset
+from pieceworks.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")

@@ -18,10 +18,10 @@ from pieceworks import platforms
 from pieceworks.config import EngineConfig
 from pieceworks.core.config import CompilationConfig, CUDAGraphMode
 from pieceworks.engine.llm import LLM
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.kernels import chooser
-from pieceworks.models.presets import random_hf_checkpoint
+from pieceworks.models.loading.presets import random_hf_checkpoint
 from pieceworks.platforms.cpu import CpuPlatform
+from pieceworks.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 7], [100, 3]]

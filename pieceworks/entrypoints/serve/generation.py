@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.entrypoints.serve.errors import bad_request
 from pieceworks.entrypoints.serve.metrics import ServerMetrics
 from pieceworks.entrypoints.serve.text import TextStream
+from pieceworks.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

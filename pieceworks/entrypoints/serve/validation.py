@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from pieceworks.engine.inputs import PromptError, check_token_ids
-from pieceworks.engine.sampling_params import SamplingParams
 from pieceworks.entrypoints.serve.errors import bad_request
 from pieceworks.entrypoints.serve.protocol import SamplingFields
+from pieceworks.sampling_params import SamplingParams
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pieceworks.config import EngineConfig
-from pieceworks.core.cache_key import cache_key_factors
+from pieceworks.core.cache.cache_key import cache_key_factors
 from pieceworks.core.compiler_interface import EagerAdaptor, InductorAdaptor, make_compiler
 from pieceworks.core.config import CompilationConfig, PassConfig
 from pieceworks.core.passes.fix_functionalization import FixFunctionalizationPass

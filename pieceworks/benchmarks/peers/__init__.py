@@ -1,0 +1,1 @@
+"""The peers ``bench latency --compare`` measures pieceworks against, one loop per file."""

@@ -1,0 +1,2 @@
+"""Warm starts without a trace: the traced split graph stored on disk, and the forward rebuilt
+from it."""

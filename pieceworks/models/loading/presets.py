@@ -1,0 +1,375 @@
+"""Named model shapes (HF config.json dicts) and random weights for them, without transformers.
+
+A preset is what the benchmarks and the default job run when no checkpoint is at hand:
+``get_preset("llama-3.1-8b")`` is the real model's config.json; ``random_hf_weights`` yields
+random tensors under the HF names and shapes that config implies, so a model loads them through
+the same ``load_weights`` path as a real checkpoint, and ``random_hf_checkpoint`` saves them as an
+HF directory (which HF transformers can load too). Adding an architecture means one
+``*_weight_specs`` function in ``_WEIGHT_SPECS``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from pieceworks.models.loading.loader import save_hf_directory
+
+INIT_STD = 0.02  # weights ~ N(0, 0.02): logits of a random model stay O(1)
+NORM_NOISE_STD = 0.1  # norm weights ~ 1 + N(0, 0.1): a norm that ignored its weight would show
+
+
+def _llama_config(**overrides: Any) -> dict[str, Any]:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "initializer_range": INIT_STD,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+    config.update(overrides)
+    return config
+
+
+def _bamba_config(**overrides: Any) -> dict[str, Any]:
+    config = {
+        "architectures": ["BambaForCausalLM"],
+        "model_type": "bamba",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "hidden_act": "silu",
+        "initializer_range": INIT_STD,
+        "mamba_chunk_size": 256,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": False,
+        "mlp_bias": False,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,  # Bamba rotates half of each head (attn_rotary_emb = 64)
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+    config.update(overrides)
+    return config
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Two layers of everything, for tests: GQA (4 query heads, 2 kv heads) and tied embeddings.
+    "llama-tiny": _llama_config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+    # The GPT-3/OPT-125M shape as a Llama (the seed's benchmark model).
+    "llama-125m": _llama_config(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        head_dim=64,
+        vocab_size=50272,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+    # SmolLM2-135M-Instruct's shape (the trained model is ``smollm2-135m``, see
+    # models/loading/sources.py): the GPU benchmarks' model, as the GGUF file is not carried to
+    # the GPU machine.
+    "smollm2-135m-random": _llama_config(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
+    # meta-llama/Llama-3.1-8B config.json.
+    "llama-3.1-8b": _llama_config(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
+        rope_theta=500000.0,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        tie_word_embeddings=False,
+    ),
+    # Four layers, attention at layer 2, the rest Mamba2, for tests.
+    "bamba-tiny": _bamba_config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        attn_layer_indices=[2],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=32,
+        vocab_size=256,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    ),
+    # ibm-ai-platform/Bamba-9B shape (from the issue and HF BambaConfig; checked against the
+    # transformers class, not against the hub's config.json, which could not be fetched here).
+    "bamba-9b": _bamba_config(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        attn_layer_indices=[9, 18, 27],
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        mamba_n_heads=128,
+        mamba_d_head=64,
+        mamba_d_state=128,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        vocab_size=128256,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def get_preset(name: str) -> dict[str, Any]:
+    """A fresh copy of the preset's config.json dict; unknown names list the known ones."""
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown model preset {name!r}; presets: {', '.join(preset_names())} "
+            "(or pass a directory in HF format)"
+        )
+    return copy.deepcopy(PRESETS[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# HF weight names and shapes, per architecture
+
+
+class WeightSpec(NamedTuple):
+    """One checkpoint tensor: its shape and how a random one is drawn (see ``_random_tensor``)."""
+
+    shape: tuple[int, ...]
+    init: str = "normal"  # "normal" | "norm" | "ones" | "a_log"
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _attention_specs(config: dict[str, Any], prefix: str) -> dict[str, WeightSpec]:
+    """HF ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (+ biases with ``attention_bias``)."""
+    hidden, head_dim = config["hidden_size"], _head_dim(config)
+    q_size = config["num_attention_heads"] * head_dim
+    kv_size = config.get("num_key_value_heads", config["num_attention_heads"]) * head_dim
+    out = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+    specs = {f"{prefix}.{name}.weight": WeightSpec((size, hidden)) for name, size in out.items()}
+    specs[f"{prefix}.o_proj.weight"] = WeightSpec((hidden, q_size))
+    if config.get("attention_bias"):
+        specs.update({f"{prefix}.{name}.bias": WeightSpec((size,)) for name, size in out.items()})
+        specs[f"{prefix}.o_proj.bias"] = WeightSpec((hidden,))
+    return specs
+
+
+def _mlp_specs(config: dict[str, Any], prefix: str) -> dict[str, WeightSpec]:
+    """HF ``gate_proj``/``up_proj``/``down_proj`` (+ biases with ``mlp_bias``)."""
+    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    specs = {
+        f"{prefix}.gate_proj.weight": WeightSpec((intermediate, hidden)),
+        f"{prefix}.up_proj.weight": WeightSpec((intermediate, hidden)),
+        f"{prefix}.down_proj.weight": WeightSpec((hidden, intermediate)),
+    }
+    if config.get("mlp_bias"):
+        specs[f"{prefix}.gate_proj.bias"] = WeightSpec((intermediate,))
+        specs[f"{prefix}.up_proj.bias"] = WeightSpec((intermediate,))
+        specs[f"{prefix}.down_proj.bias"] = WeightSpec((hidden,))
+    return specs
+
+
+def _embedding_specs(config: dict[str, Any], final_norm: str) -> dict[str, WeightSpec]:
+    """Embedding, final norm and (untied) LM head."""
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    specs = {
+        "model.embed_tokens.weight": WeightSpec((vocab, hidden)),
+        f"model.{final_norm}.weight": WeightSpec((hidden,), "norm"),
+    }
+    if not config.get("tie_word_embeddings", False):
+        specs["lm_head.weight"] = WeightSpec((vocab, hidden))
+    return specs
+
+
+def llama_weight_specs(config: dict[str, Any]) -> dict[str, WeightSpec]:
+    """Every tensor of an HF ``LlamaForCausalLM`` checkpoint."""
+    hidden = config["hidden_size"]
+    specs: dict[str, WeightSpec] = {}
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        specs[f"{prefix}.input_layernorm.weight"] = WeightSpec((hidden,), "norm")
+        specs.update(_attention_specs(config, f"{prefix}.self_attn"))
+        specs[f"{prefix}.post_attention_layernorm.weight"] = WeightSpec((hidden,), "norm")
+        specs.update(_mlp_specs(config, f"{prefix}.mlp"))
+    return {**_embedding_specs(config, "norm"), **specs}
+
+
+def _mamba_specs(config: dict[str, Any], prefix: str) -> dict[str, WeightSpec]:
+    """HF ``BambaMixer``: in_proj -> (gate z, conv input xBC, dt), conv1d, SSM params, out_proj."""
+    hidden, num_heads = config["hidden_size"], config["mamba_n_heads"]
+    intermediate = config.get("mamba_expand", 2) * hidden
+    conv_dim = intermediate + 2 * config["mamba_n_groups"] * config["mamba_d_state"]
+    specs = {
+        f"{prefix}.in_proj.weight": WeightSpec((intermediate + conv_dim + num_heads, hidden)),
+        f"{prefix}.conv1d.weight": WeightSpec((conv_dim, 1, config["mamba_d_conv"])),
+        f"{prefix}.dt_bias": WeightSpec((num_heads,), "ones"),
+        f"{prefix}.A_log": WeightSpec((num_heads,), "a_log"),
+        f"{prefix}.D": WeightSpec((num_heads,), "ones"),
+        f"{prefix}.norm.weight": WeightSpec((intermediate,), "norm"),
+        f"{prefix}.out_proj.weight": WeightSpec((hidden, intermediate)),
+    }
+    if config.get("mamba_conv_bias", True):
+        specs[f"{prefix}.conv1d.bias"] = WeightSpec((conv_dim,))
+    if config.get("mamba_proj_bias", False):
+        specs[f"{prefix}.in_proj.bias"] = WeightSpec((intermediate + conv_dim + num_heads,))
+        specs[f"{prefix}.out_proj.bias"] = WeightSpec((hidden,))
+    return specs
+
+
+def bamba_weight_specs(config: dict[str, Any]) -> dict[str, WeightSpec]:
+    """Every tensor of an HF ``BambaForCausalLM`` checkpoint."""
+    hidden = config["hidden_size"]
+    attention_layers = set(config.get("attn_layer_indices") or [])
+    specs: dict[str, WeightSpec] = {}
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        specs[f"{prefix}.input_layernorm.weight"] = WeightSpec((hidden,), "norm")
+        if layer in attention_layers:
+            specs.update(_attention_specs(config, f"{prefix}.self_attn"))
+        else:
+            specs.update(_mamba_specs(config, f"{prefix}.mamba"))
+        specs[f"{prefix}.pre_ff_layernorm.weight"] = WeightSpec((hidden,), "norm")
+        specs.update(_mlp_specs(config, f"{prefix}.feed_forward"))
+    return {**_embedding_specs(config, "final_layernorm"), **specs}
+
+
+_WEIGHT_SPECS: dict[str, Callable[[dict[str, Any]], dict[str, WeightSpec]]] = {
+    "LlamaForCausalLM": llama_weight_specs,
+    "BambaForCausalLM": bamba_weight_specs,
+}
+
+
+def hf_weight_specs(hf_config: dict[str, Any]) -> dict[str, WeightSpec]:
+    """HF checkpoint names -> ``WeightSpec`` for the config's architecture."""
+    architectures = hf_config.get("architectures") or []
+    for architecture in architectures:
+        if architecture in _WEIGHT_SPECS:
+            return _WEIGHT_SPECS[architecture](hf_config)
+    raise ValueError(
+        f"no random-weight recipe for architectures {architectures}; known: "
+        f"{', '.join(sorted(_WEIGHT_SPECS))}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Random weights
+
+
+def _random_tensor(
+    spec: WeightSpec, generator: torch.Generator, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    if spec.init == "ones":
+        return torch.ones(spec.shape, dtype=dtype, device=device)
+    if spec.init == "a_log":  # Mamba2's A = -exp(A_log) = -(1 .. num_heads)
+        return torch.arange(1, spec.shape[0] + 1, device=device).log().to(dtype)
+    noise = torch.randn(spec.shape, generator=generator, dtype=dtype, device=device)
+    if spec.init == "norm":
+        return noise.mul_(NORM_NOISE_STD).add_(1.0)
+    if spec.init != "normal":
+        raise ValueError(f"unknown WeightSpec init {spec.init!r}")
+    return noise.mul_(INIT_STD)
+
+
+def random_hf_weights(
+    hf_config: dict[str, Any],
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, random tensor)`` one at a time (only one extra tensor alive)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, spec in hf_weight_specs(hf_config).items():
+        yield name, _random_tensor(spec, generator, dtype, device)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def random_hf_checkpoint(
+    name_or_config: str | dict[str, Any],
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Save a random-weight HF directory for a preset name or config dict; returns ``path``."""
+    hf_config = get_preset(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    hf_config = {**copy.deepcopy(hf_config), "torch_dtype": _dtype_name(dtype)}
+    state_dict = dict(random_hf_weights(hf_config, seed=seed, dtype=dtype))
+    return save_hf_directory(state_dict, hf_config, path, max_shard_bytes=max_shard_bytes)
+
+
+def num_parameters(hf_config: dict[str, Any]) -> int:
+    """Parameter count of the checkpoint the config describes (tied weights counted once)."""
+    return sum(math.prod(spec.shape) for spec in hf_weight_specs(hf_config).values())

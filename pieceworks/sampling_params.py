@@ -1,0 +1,122 @@
+"""``SamplingParams``: how one request's tokens are chosen and when its generation stops.
+
+Owns validation of the user-facing sampling knobs (vLLM's names and meanings). It does not sample:
+``pieceworks.worker.sampler`` turns a batch of these into per-row tensors once per step, the
+scheduler reads ``max_tokens``, ``stop_token_ids`` and ``ignore_eos`` to finish requests, and the
+``OutputProcessor`` reads ``n``, ``stop``, ``logprobs``, ``prompt_logprobs`` and
+``skip_special_tokens``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+
+# Temperatures below this are treated as greedy: dividing logits by them overflows (vLLM's rule).
+SAMPLING_EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping parameters for one request; one instance may be shared by many.
+
+    ``temperature`` 0 is greedy (argmax). ``top_k`` 0 or -1 disables top-k; ``top_p`` 1.0 disables
+    top-p. ``seed`` gives the request its own random generator, so the same seed yields the same
+    tokens whatever batch the request runs in. Generation stops at the model's EOS token (unless
+    ``ignore_eos``), at any of ``stop_token_ids`` (both kept in the output), or after
+    ``max_tokens`` generated tokens, or when the text contains one of the ``stop`` strings (the
+    string and what follows it are cut from ``.text``; the finish reason is "stop").
+
+    ``n`` completions are generated per prompt; with a ``seed``, completion ``i`` uses seed
+    ``seed + i``, so they differ from each other and are the same on every run. ``logprobs=k``
+    returns, per generated token, the top-k log-probabilities plus the sampled token's own;
+    ``prompt_logprobs=k`` the same per prompt token (the first is None). Both are the model's raw
+    log-probabilities (log-softmax of the logits in float32, before temperature, top-k and
+    top-p: vLLM's default "raw_logprobs"). ``skip_special_tokens`` drops special tokens from
+    ``.text``.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    stop: str | Sequence[str] = ()
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Frozen: normalise through object.__setattr__ so a list argument becomes a hashable tuple.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        self._verify_sampling()
+        self._verify_stopping()
+        self._verify_outputs()
+
+    def _verify_sampling(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name}={value!r} must be a number")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(
+                f"temperature={self.temperature} must be a finite number >= 0 "
+                "(0 means greedy decoding)"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]; use 1.0 to disable top-p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(
+                f"top_k={self.top_k!r} must be an integer >= 1, or 0 / -1 to disable top-k"
+            )
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an integer or None")
+
+    def _verify_stopping(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        bad = [
+            token
+            for token in self.stop_token_ids
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0
+        ]
+        if bad:
+            raise ValueError(f"stop_token_ids must be non-negative integers; got {bad}")
+        bad_stop = [text for text in self.stop if not isinstance(text, str) or not text]
+        if bad_stop:
+            raise ValueError(f"stop must be non-empty strings; got {bad_stop!r}")
+
+    def _verify_outputs(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n={self.n!r} must be an integer >= 1 (completions per prompt)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0
+            ):
+                raise ValueError(
+                    f"{name}={value!r} must be None or an integer >= 0 (how many top "
+                    "log-probabilities to return per token; 0: only the chosen token's)"
+                )
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens={self.skip_special_tokens!r} must be a bool")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request decodes by argmax (temperature 0 or below ``SAMPLING_EPS``)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_top_p(self) -> bool:
+        return self.top_p < 1.0
