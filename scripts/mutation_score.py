@@ -1,12 +1,13 @@
 """Per-module mutation score from mutmut's results and the list of judged mutants.
 
 Reads ``mutmut results --all true`` (run from the repository root, after ``scripts/mutation.sh``)
-and the judged survivors of docs/testing.md (its table rows ``| `<mutant>` | <verdict> | <why> |``,
-the verdict ``equivalent``, ``time`` or ``gpu``), and prints the Markdown table of
-docs/testing.md "Score": per module the mutants tested, killed (a test failed, timed out or
-crashed), judged, left, and killed over tested and over non-equivalent (equivalent and time-only
-mutants are left out of the second denominator; GPU-only ones stay in it, as survivors). Mutants
-not yet tested are counted apart; mutmut's "suspicious" counts as survived.
+and the judged survivors of docs/mutation_judged.md (its table rows
+``| `<mutant>` | <verdict> | <why> |``, the verdict ``equivalent``, ``time`` or ``gpu``), and prints
+a Markdown table (docs/testing.md, "Mutation testing"): per module the mutants tested, killed (a
+test failed, timed out or crashed), judged, left, and killed over tested and over non-equivalent
+(equivalent and time-only mutants are left out of the second denominator; GPU-only ones stay in
+it, as survivors). Mutants not yet tested are counted apart; mutmut's "suspicious" counts as
+survived.
 
 Usage: python scripts/mutation_score.py [module prefix ...]   e.g. pieceworks.platforms
 """
@@ -19,7 +20,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-JUDGED_FILE = Path(__file__).parents[1] / "docs" / "testing.md"
+JUDGED_FILE = Path(__file__).parents[1] / "docs" / "mutation_judged.md"
 KILLED = {"killed", "timeout", "segfault", "caught by type check"}
 VERDICTS = ("equivalent", "time", "gpu")
 JUDGED_ROW = re.compile(r"^\| `(?P<name>pieceworks\.[^`]+)` \| (?P<verdict>\w+) \| .+ \|$")
