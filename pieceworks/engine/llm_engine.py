@@ -18,8 +18,9 @@ import time
 from pieceworks.config import EngineConfig
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
+from pieceworks.scheduler.output import SchedulerOutput
 from pieceworks.scheduler.request import Request, RequestStatus
-from pieceworks.scheduler.scheduler import Scheduler, SchedulerOutput
+from pieceworks.scheduler.scheduler import Scheduler
 from pieceworks.worker.executor import make_executor
 from pieceworks.worker.sampled_tokens import SampledTokens
 
