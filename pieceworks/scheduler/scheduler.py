@@ -124,8 +124,9 @@ class Scheduler:
         )
         if not preempted:  # after a preemption memory is short: admit nobody new (as vLLM)
             self._schedule_waiting(scheduled, token_budget)
-        # Admission order already lists decodes first (a prompt is cut only when the budget runs
-        # out, so only the last request served can be mid-prefill); the stable sort guarantees it.
+        # Under fcfs the service order already lists decodes first (a prompt is cut only when the
+        # budget runs out, so only the last request served can be mid-prefill); under priority a
+        # request still mid-prefill may be served ahead of decodes. The stable sort guarantees it.
         if not _decodes_lead(scheduled):
             scheduled.sort(key=lambda item: not item.is_decode)
         for item in scheduled:  # the step is launched: its KV is being computed from now on

@@ -4,10 +4,11 @@ Proves: the fcfs queue admits in arrival order and puts a preempted request back
 the priority queue admits the lowest priority value first, ties by arrival, and puts a preempted
 request back at its own place; both drop an aborted request from the queue; under memory pressure
 fcfs preempts the most recently admitted running request and priority the lowest-priority one
-(largest value, latest arrival), even one admitted before the request that needs the blocks; the
-random workloads of ``test_scheduler.py`` give the reference tokens under the priority policy with
-random priorities; an unknown policy name is refused naming the field and the choices, and a
-non-zero priority under fcfs is refused naming both ways out.
+(largest value, latest arrival), even one admitted before the request that needs the blocks; a
+later higher-priority request is served ahead of those running, the batch still listing decodes
+first; the random workloads of ``test_scheduler.py`` give the reference tokens under the priority
+policy with random priorities; an unknown policy name is refused naming the field and the choices,
+and a non-zero priority under fcfs is refused naming both ways out.
 Run: pytest tests/scheduler/test_policy.py
 """
 
@@ -132,6 +133,26 @@ def test_memory_pressure_preempts_the_policys_victim(policy, priorities, victim)
     scheduled = {item.request.request_id for item in output.scheduled_requests}
     assert scheduled == set("abc") - {victim}
     assert names(scheduler.waiting) == [victim]
+
+
+def test_a_later_higher_priority_prefill_is_served_first_and_decodes_still_lead():
+    scheduler = make_scheduler("priority")
+    decoding = make_request("decoding", priority=1)
+    first_step(scheduler, [decoding])
+    urgent = Request("urgent", list(range(1, 101)), PARAMS, priority=0, arrival_time=1.0)
+    scheduler.add_request(urgent)
+    output = scheduler.schedule()  # the decode, then 63 of the 100 prompt tokens
+    assert [(item.request, item.num_new_tokens) for item in output.scheduled_requests] == [
+        (decoding, 1),
+        (urgent, 63),
+    ]
+    assert scheduler.running == [urgent, decoding]  # service order from now on
+    scheduler.update_from_output(output, [5])
+    output = scheduler.schedule()  # served in that order, listed decode first
+    assert [(item.request, item.num_new_tokens) for item in output.scheduled_requests] == [
+        (decoding, 1),
+        (urgent, 37),
+    ]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
