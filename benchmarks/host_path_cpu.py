@@ -27,8 +27,8 @@ from pieceworks.kernels.attention import kv_cache, triton_attention  # noqa: E40
 from pieceworks.models.attention.backends import TritonAttentionBackend  # noqa: E402
 from pieceworks.models.attention.layer import Attention  # noqa: E402
 from pieceworks.models.attention.metadata import AttentionMetadata  # noqa: E402
+from pieceworks.scheduler.output import ScheduledRequest  # noqa: E402
 from pieceworks.scheduler.request import Request  # noqa: E402
-from pieceworks.scheduler.scheduler import ScheduledRequest  # noqa: E402
 from pieceworks.worker.input_buffers import InputBuffers, StepShape  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, MAX_MODEL_LEN = 32, 8, 128, 16, 8192

@@ -15,6 +15,9 @@ import torch
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode, PassConfig
 from pieceworks.utils import hash_factors
 
+# ``SchedulerConfig.policy`` values: each names a policy in ``scheduler/policy.py``.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 # Architectures whose linear layers take quantization="fp8".
 FP8_ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -130,10 +133,18 @@ class SchedulerConfig:
     # Decode steps run back to back on the device per host round trip when every scheduled
     # request decodes (vLLM's ``num_scheduler_steps``; docs/engine.md "Multi-step decode").
     num_scheduler_steps: int = 1
+    # The order of the waiting queue and of preemption: "fcfs" or "priority" (vLLM's
+    # ``scheduling_policy``; docs/engine.md "Scheduling policies").
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"SchedulerConfig.policy={self.policy!r} is not a scheduling policy; choose one "
+                f"of {list(SCHEDULING_POLICIES)} (--scheduling-policy)"
+            )
         if self.num_scheduler_steps < 1:
             raise ValueError(
                 f"num_scheduler_steps={self.num_scheduler_steps} must be at least 1 "

@@ -44,6 +44,7 @@ class EngineArgs:
     tokenizer: str | None = None
     async_scheduling: bool = True
     num_scheduler_steps: int = 1
+    scheduling_policy: str = "fcfs"
 
 
 def resolve_hf_config(model: str) -> dict[str, Any]:
@@ -110,6 +111,7 @@ def build_engine_config(
             max_num_batched_tokens=min(max_batched, max(max_model_len, 1) * args.max_num_seqs),
             async_scheduling=args.async_scheduling,
             num_scheduler_steps=args.num_scheduler_steps,
+            policy=args.scheduling_policy,
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         compilation_config=_compilation(compilation_config, args.enforce_eager),

@@ -49,10 +49,12 @@ class LLM:
         self,
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results in prompt order. An interrupted call (an error,
-        Ctrl-C) aborts its own requests, so none is left queued for the next call to run."""
-        request_ids = self._add_requests(prompts, sampling_params)
+        Ctrl-C) aborts its own requests, so none is left queued for the next call to run.
+        ``priority``: one int per prompt (lower first) under ``scheduling_policy="priority"``."""
+        request_ids = self._add_requests(prompts, sampling_params, priority)
         try:
             while self.processor.has_unfinished_requests():
                 self.processor.step(stream=False)
@@ -106,7 +108,10 @@ class LLM:
         )
 
     def _add_requests(
-        self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None = None,
     ) -> list[str]:
         """Queue every prompt's completions, all or none: prompts, parameters, lengths and KV
         capacity are checked for every prompt before the first is queued."""
@@ -114,10 +119,11 @@ class LLM:
         vocab_size = self.config.model_config.hf_config.get("vocab_size")
         parsed = parse_prompts(prompts, encode=encode, vocab_size=vocab_size)
         params_list = sampling_params_for(sampling_params, len(parsed))
-        self.engine.check_requests([p.token_ids for p in parsed], params_list)
+        priorities = _priorities(priority, len(parsed))
+        self.engine.check_requests([p.token_ids for p in parsed], params_list, priorities)
         return [
-            self.processor.add_request(prompt.token_ids, params, prompt=prompt.text)
-            for prompt, params in zip(parsed, params_list)
+            self.processor.add_request(prompt.token_ids, params, prompt=prompt.text, priority=p)
+            for prompt, params, p in zip(parsed, params_list, priorities)
         ]
 
     def _abort_unfinished(self, request_ids: list[str]) -> None:
@@ -132,6 +138,19 @@ class LLM:
         """Free the captured graphs, stop tensor-parallel workers and free the process group
         (with several ranks also done at exit); no step may run afterwards."""
         self.engine.shutdown()
+
+
+def _priorities(priority: Sequence[int] | None, num_prompts: int) -> list[int]:
+    """One priority per prompt (0 each when not given); a clear error for a wrong length."""
+    if priority is None:
+        return [0] * num_prompts
+    priorities = list(priority)
+    if len(priorities) != num_prompts:
+        raise ValueError(
+            f"priority has {len(priorities)} entries for {num_prompts} prompts; pass one int "
+            "per prompt"
+        )
+    return priorities
 
 
 def _conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:

@@ -18,8 +18,9 @@ import time
 from pieceworks.config import EngineConfig
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
+from pieceworks.scheduler.output import SchedulerOutput
 from pieceworks.scheduler.request import Request, RequestStatus
-from pieceworks.scheduler.scheduler import Scheduler, SchedulerOutput
+from pieceworks.scheduler.scheduler import Scheduler
 from pieceworks.worker.executor import make_executor
 from pieceworks.worker.sampled_tokens import SampledTokens
 
@@ -60,11 +61,16 @@ class LLMEngine:
         self.step_seconds: list[tuple[bool, int, float]] = []
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> Request:
-        """Queue a request; one that can never fit raises ValueError saying why."""
+        """Queue a request; one that can never fit raises ValueError saying why. ``priority``:
+        lower is scheduled first under ``scheduling_policy="priority"`` (else it must be 0)."""
         self._check_running()
-        request = self._make_request(prompt_token_ids, params, request_id)
+        request = self._make_request(prompt_token_ids, params, request_id, priority)
         self.scheduler.add_request(request)
         return request
 
@@ -77,12 +83,19 @@ class LLMEngine:
         return requests
 
     def check_requests(
-        self, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        priorities: list[int] | None = None,
     ) -> list[Request]:
         """The requests ``add_requests`` would queue, each checked (vocabulary, length, KV
-        capacity) with the prompt's index in the error; nothing is queued."""
+        capacity, priority) with the prompt's index in the error; nothing is queued."""
         self._check_running()
-        requests = [self._make_request(ids, p, None) for ids, p in zip(prompts, params)]
+        priorities = priorities or [0] * len(prompts)
+        requests = [
+            self._make_request(ids, p, None, priority)
+            for ids, p, priority in zip(prompts, params, priorities)
+        ]
         for index, request in enumerate(requests):
             try:
                 self.scheduler.check_request(request)
@@ -91,7 +104,11 @@ class LLMEngine:
         return requests
 
     def _make_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        priority: int = 0,
     ) -> Request:
         vocab_size = self.config.model_config.hf_config.get("vocab_size")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
@@ -101,6 +118,7 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_id=self.eos_token_id,
+            priority=priority,
         )
 
     def abort_request(self, request_id: str) -> bool:

@@ -169,6 +169,7 @@ class OutputProcessor:
         params: SamplingParams,
         prompt: str | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue ``params.n`` completions of a prompt; returns the id its outputs carry."""
         request_id = request_id if request_id is not None else f"pw-{next(self._request_ids)}"
@@ -180,6 +181,7 @@ class OutputProcessor:
                 list(prompt_token_ids),
                 _completion_params(params, index),
                 request_id=request_id if params.n == 1 else f"{request_id}-{index}",
+                priority=priority,
             )
             completions.append(_Completion(request, index, request_id, self.tokenizer))
         self._prompts[request_id] = _Prompt(prompt, list(prompt_token_ids), params, completions)

@@ -20,6 +20,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--tensor-parallel-size", {"type": int, "default": None}),
     ("--seed", {"type": int, "default": None}),
     ("--num-scheduler-steps", {"type": int, "default": None}),
+    # config.SCHEDULING_POLICIES (this module imports no torch, so the names are repeated here).
+    ("--scheduling-policy", {"default": None, "choices": ["fcfs", "priority"]}),
 ]
 
 

@@ -3,13 +3,16 @@
 Owns the token bookkeeping the scheduler and the model runner share: the prompt, the generated
 tokens, how many of them already have their KV (and Mamba state) computed, and which KV blocks and
 state slot hold that cache. It does not allocate anything itself: ``BlockManager`` and
-``StateSlotManager`` fill ``block_ids`` and ``state_slot``; the scheduler moves ``status``.
+``StateSlotManager`` fill ``block_ids`` and ``state_slot``; the scheduler moves ``status``. Its
+``priority`` and ``arrival_time`` are what a scheduling policy orders it by. ``check_stop`` says
+whether a newly appended token ends it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 
 from pieceworks.sampling_params import SamplingParams
 
@@ -82,6 +85,9 @@ class Request:
     # when sampling_params.prompt_logprobs is set. The engine fills both as steps come back.
     output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=lambda: [None])
+    # The priority policy schedules lower values first, ties by arrival (scheduler/policy.py).
+    priority: int = 0
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -131,3 +137,15 @@ class Request:
         """Mark the request finished with ``status`` and set its ``finish_reason``."""
         self.status = status
         self.finish_reason = _FINISH_REASONS[status]
+
+
+def check_stop(request: Request, token_id: int) -> RequestStatus | None:
+    """Stop on EOS (unless ignore_eos) or a stop token, else on max_tokens (stops win)."""
+    params = request.sampling_params
+    if not params.ignore_eos and token_id == request.eos_token_id:
+        return RequestStatus.FINISHED_STOPPED
+    if token_id in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None

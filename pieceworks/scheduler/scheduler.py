@@ -2,13 +2,15 @@
 
 vLLM v1's shape: there are no separate prefill and decode phases. Each step every request asks to
 compute its uncomputed tokens (``Request.num_uncomputed_tokens``: the whole prompt for a new
-request, one token for a decoding one); running requests are served first in admission order, then
-waiting ones first-come first-served, until ``max_num_batched_tokens`` or ``max_num_seqs`` is
-reached. A prompt longer than the budget left is cut into chunks over several steps (chunked
-prefill). When KV blocks run out, the most recently admitted running request is preempted by
-recompute. The scheduler owns the request queues, the ``BlockManager`` and the
-``StateSlotManager``; it never touches tensors (the model runner turns a ``SchedulerOutput`` into
-input buffers) and never samples (the ``Sampler`` does; ``update_from_output`` takes its tokens).
+request, one token for a decoding one); running requests are served first, then waiting ones are
+admitted, until ``max_num_batched_tokens`` or ``max_num_seqs`` is reached. The order of both, and
+which running request is preempted by recompute when KV blocks run out, is the scheduling policy's
+(``SchedulerConfig.policy``, ``policy.py``): by default first-come first-served, preempting the
+most recently admitted. A prompt longer than the budget left is cut into chunks over several steps
+(chunked prefill). The scheduler owns the request queues, the ``BlockManager`` and the
+``StateSlotManager``; it never touches tensors (the model runner turns a ``SchedulerOutput``,
+``output.py``, into input buffers) and never samples (the ``Sampler`` does;
+``update_from_output`` takes its tokens).
 
 One step is ``output = schedule()``, run the model, ``update_from_output(output, sampled)``.
 ``schedule()`` advances the scheduled requests' ``num_computed_tokens`` and counts the token each
@@ -31,131 +33,23 @@ step order, exactly as K single steps would, dropping the tokens after a request
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
 from collections import deque
 from collections.abc import Sequence
-from typing import Final
 
 from pieceworks.config import CacheConfig, SchedulerConfig
 from pieceworks.scheduler.block_manager import BlockManager, StateSlotManager
-from pieceworks.scheduler.request import Request, RequestStatus
-
-# Stands in for a token sampled on the device that the host has not seen yet (async scheduling).
-PLACEHOLDER_TOKEN_ID: Final = -1
-
-
-@dataclasses.dataclass
-class ScheduledRequest:
-    """One request's work this step: compute ``num_new_tokens`` tokens from ``num_computed_tokens``.
-
-    Everything a model runner reads is snapshotted when scheduled (the request's own counter then
-    advances by ``num_new_tokens``). ``produces_token`` is True when the step reaches the end of
-    the request's tokens (``num_computed_tokens + num_new_tokens == request.num_tokens``): the
-    logits of its last scheduled position are sampled and the token is appended. A chunk of a
-    prompt that stops short of its end produces no token. ``is_decode``: one token on top of a
-    computed context, sampled (the shape a decode graph serves). ``new_token_ids`` are the token
-    ids this step computes; one still on the device (async scheduling) is
-    ``PLACEHOLDER_TOKEN_ID``.
-    """
-
-    request: Request
-    num_new_tokens: int
-    num_computed_tokens: int = dataclasses.field(init=False)
-    produces_token: bool = dataclasses.field(init=False)
-    is_decode: bool = dataclasses.field(init=False)
-    new_token_ids: list[int] = dataclasses.field(init=False)
-
-    def __post_init__(self) -> None:
-        request, num_new_tokens = self.request, self.num_new_tokens
-        self.num_computed_tokens = computed = request.num_computed_tokens
-        end = computed + num_new_tokens
-        self.produces_token = end == request.num_tokens
-        self.is_decode = num_new_tokens == 1 and self.produces_token and computed > 0
-        self.new_token_ids = _token_ids(request, computed, end)
-
-    def detached(self) -> ScheduledRequest:
-        """A copy for another rank: the snapshot plus a request holding only what a runner reads
-        (id, sampling parameters, blocks, state slot), not the whole token history."""
-        detached = copy.copy(self)  # the snapshot fields as they are
-        detached.request = self.request.runner_view()
-        return detached
-
-
-def _token_ids(request: Request, start: int, end: int) -> list[int]:
-    """Token ids at positions [start, end); a token still on the device is a placeholder."""
-    prompt, output = request.prompt_token_ids, request.output_token_ids
-    num_prompt_tokens = len(prompt)
-    # Slice the two lists separately: a decode must not copy the whole sequence each step.
-    if start >= num_prompt_tokens:  # a decode: generated tokens only
-        ids = output[start - num_prompt_tokens : end - num_prompt_tokens]
-    else:
-        ids = prompt[start:end] + output[: max(end - num_prompt_tokens, 0)]
-    if len(ids) < end - start:
-        ids += [PLACEHOLDER_TOKEN_ID] * (end - start - len(ids))
-    return ids
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """One step's batch: decodes first, then prefills (new, resumed or continuing chunks).
-
-    ``preempted_requests`` were evicted this step (their blocks and state slots are already free);
-    a runner that keeps per-request state drops it for them. With ``num_steps`` > 1 the batch is
-    a uniform decode run ``num_steps`` times, positions advancing by one each time, and every
-    producing request samples ``num_steps`` tokens. The counts over the batch are
-    computed once, on first use: the batch never changes after ``schedule`` returns it.
-    """
-
-    scheduled_requests: list[ScheduledRequest]
-    preempted_requests: list[Request] = dataclasses.field(default_factory=list)
-    # Decode steps run back to back (each scheduled request a decode when > 1); every field
-    # above describes the first of them.
-    num_steps: int = 1
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.scheduled_requests)
-
-    @functools.cached_property
-    def num_scheduled_tokens(self) -> int:
-        return sum(scheduled.num_new_tokens for scheduled in self.scheduled_requests)
-
-    @functools.cached_property
-    def max_query_len(self) -> int:
-        """The most tokens any request computes this step (0 for an empty step)."""
-        return max((scheduled.num_new_tokens for scheduled in self.scheduled_requests), default=0)
-
-    @functools.cached_property
-    def num_decodes(self) -> int:
-        return sum(scheduled.is_decode for scheduled in self.scheduled_requests)
-
-    @property
-    def is_uniform_decode(self) -> bool:
-        """Every scheduled request is a decode (one token each): a full decode graph can run it."""
-        return bool(self.scheduled_requests) and self.num_decodes == self.num_requests
-
-    def detached(self) -> SchedulerOutput:
-        """The step as another rank's runner needs it (see ``ScheduledRequest.detached``),
-        preempted requests included, as runner views."""
-        return SchedulerOutput(
-            [item.detached() for item in self.scheduled_requests],
-            [request.runner_view() for request in self.preempted_requests],
-            self.num_steps,
-        )
-
-    @functools.cached_property
-    def producing_requests(self) -> list[ScheduledRequest]:
-        """The scheduled requests that get a sampled token, in scheduled order."""
-        return [scheduled for scheduled in self.scheduled_requests if scheduled.produces_token]
+from pieceworks.scheduler.output import ScheduledRequest, SchedulerOutput, pair_sampled_tokens
+from pieceworks.scheduler.policy import make_scheduling_policy
+from pieceworks.scheduler.request import Request, RequestStatus, check_stop
 
 
 class Scheduler:
     """Token-budget scheduler with chunked prefill and recompute preemption.
 
-    Invariants: every accepted request eventually finishes (the oldest running request is never
-    preempted, and ``add_request`` rejects any request that could not run alone); blocks and state
+    Invariants: the running request served first is never preempted, so the batch always
+    progresses, and ``add_request`` rejects any request that could not run alone; under fcfs every
+    accepted request therefore finishes (under priority a low-priority one waits while higher
+    ones keep arriving, as in vLLM); blocks and state
     slots are held only by running requests and return on finish or preemption; preemption keeps
     generated tokens, so a resumed request recomputes prompt + generated tokens and continues.
     """
@@ -175,8 +69,9 @@ class Scheduler:
         self.block_manager = BlockManager(num_blocks, cache_config.block_size)
         # Only hybrid models (with Mamba layers) are given state slots.
         self.state_slot_manager = StateSlotManager(num_state_slots) if num_state_slots else None
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.policy = make_scheduling_policy(scheduler_config.policy)
+        self.waiting = self.policy.make_waiting_queue()
+        self.running: list[Request] = []  # in service order: the last is preempted first
         self.requests: dict[str, Request] = {}
         # Scheduled steps whose tokens have not come back yet, oldest first.
         self._pending_outputs: deque[SchedulerOutput] = deque()
@@ -188,7 +83,7 @@ class Scheduler:
         self._verify_request(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add_request(request)
 
     def check_request(self, request: Request) -> None:
         """Raise the ``ValueError`` that ``add_request`` would, queuing nothing."""
@@ -229,8 +124,9 @@ class Scheduler:
         )
         if not preempted:  # after a preemption memory is short: admit nobody new (as vLLM)
             self._schedule_waiting(scheduled, token_budget)
-        # Admission order already lists decodes first (a prompt is cut only when the budget runs
-        # out, so only the last request served can be mid-prefill); the stable sort guarantees it.
+        # Under fcfs the service order already lists decodes first (a prompt is cut only when the
+        # budget runs out, so only the last request served can be mid-prefill); under priority a
+        # request still mid-prefill may be served ahead of decodes. The stable sort guarantees it.
         if not _decodes_lead(scheduled):
             scheduled.sort(key=lambda item: not item.is_decode)
         for item in scheduled:  # the step is launched: its KV is being computed from now on
@@ -258,7 +154,7 @@ class Scheduler:
             raise RuntimeError(
                 "update_from_output() must get the oldest scheduled output not yet updated"
             )
-        tokens = _tokens_per_step(scheduler_output, sampled_token_ids)  # validate first
+        tokens = pair_sampled_tokens(scheduler_output, sampled_token_ids)  # validate first
         self._pending_outputs.popleft()
         finished = []
         for scheduled, token_id in tokens:
@@ -267,7 +163,7 @@ class Scheduler:
             if request.is_finished:
                 continue  # it stopped on an earlier step's token: this one is past its end
             request.output_token_ids.append(token_id)
-            status = _check_stop(request, token_id)
+            status = check_stop(request, token_id)
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
@@ -306,7 +202,7 @@ class Scheduler:
         token_budget: int,
         num_steps: int = 1,
     ) -> int:
-        """Serve running requests oldest first, preempting from the newest end when short;
+        """Serve running requests in service order, preempting from its end when short;
         ``num_steps`` decode steps each (``_num_decode_steps`` checked their blocks are free)."""
         index, running = 0, self.running
         while index < len(running) and token_budget > 0:
@@ -317,7 +213,7 @@ class Scheduler:
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
             num_kv_tokens = num_new_tokens + num_steps - 1  # the later steps' KV, reserved ahead
             if not self._allocate_or_preempt(request, num_kv_tokens, preempted):
-                break  # the request preempted itself: it was the newest left
+                break  # the request preempted itself: it was the last left in service order
             scheduled.append(ScheduledRequest(request, num_new_tokens))
             token_budget -= num_new_tokens
             index += 1
@@ -326,10 +222,11 @@ class Scheduler:
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, preempted: list[Request]
     ) -> bool:
-        # Victims come from the end of ``running``: always behind ``request``, so never a request
-        # already scheduled this step, and never the oldest one (which therefore always progresses).
+        # Victims come from the end of ``running`` (the policy keeps it in service order): always
+        # behind ``request``, so never a request already scheduled this step, and never the front
+        # one (which therefore always progresses).
         while not self.block_manager.allocate(request, num_new_tokens):
-            victim = self.running.pop()
+            victim = self.policy.pop_preemption_victim(self.running)
             self._preempt(victim)
             preempted.append(victim)
             if victim is request:
@@ -337,17 +234,17 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], token_budget: int) -> None:
-        """Admit waiting requests first-come first-served while budget, seats and memory last."""
+        """Admit waiting requests in the policy's order while budget, seats and memory last."""
         while self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek_request()
             if request.num_output_placeholders:
                 break  # preempted with a token still on the device: resume once it is known
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
             if not self._allocate_for_admission(request, num_new_tokens):
                 break  # no skipping ahead: the head of the queue waits for memory
-            self.waiting.popleft()
+            self.waiting.pop_request()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self.policy.add_running(self.running, request)
             scheduled.append(ScheduledRequest(request, num_new_tokens))
             token_budget -= num_new_tokens
 
@@ -367,14 +264,14 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.finish(status)
         if request in self.running:
             self.running.remove(request)
         else:  # preempted while its last token was still on the device
-            self.waiting.remove(request)
+            self.waiting.remove_request(request)
         self._free_cache(request)
         del self.requests[request.request_id]
 
@@ -389,6 +286,7 @@ class Scheduler:
             raise ValueError(f"{name} is already scheduled; give each request a unique id")
         if request.num_prompt_tokens == 0:
             raise ValueError(f"{name} has an empty prompt; pass at least one token")
+        self.policy.verify_request(request)
         num_prompt_tokens = request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
         if num_prompt_tokens + max_tokens > self.max_model_len:
@@ -421,43 +319,6 @@ def _decodes_lead(scheduled: list[ScheduledRequest]) -> bool:
     return True
 
 
-def _tokens_per_step(
-    scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
-) -> list[tuple[ScheduledRequest, int]]:
-    """Pair each token with its request: step 0's tokens first, each step in scheduled order."""
-    num_steps = scheduler_output.num_steps
-    if num_steps == 1:
-        return _tokens_per_request(scheduler_output, sampled_token_ids)
-    producing = scheduler_output.producing_requests
-    if len(sampled_token_ids) != num_steps * len(producing):
-        raise ValueError(
-            f"got {len(sampled_token_ids)} sampled tokens for {num_steps} decode steps of "
-            f"{len(producing)} requests; pass {num_steps} tokens per request, step by step"
-        )
-    num_requests = len(producing)
-    return [
-        (producing[index % num_requests], int(token))
-        for index, token in enumerate(sampled_token_ids)
-    ]
-
-
-def _tokens_per_request(
-    scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
-) -> list[tuple[ScheduledRequest, int]]:
-    """Pair each scheduled request that produces a token with its token, in scheduled order."""
-    producing = scheduler_output.producing_requests
-    if len(sampled_token_ids) == len(producing):
-        return [(scheduled, int(token)) for scheduled, token in zip(producing, sampled_token_ids)]
-    scheduled_requests = scheduler_output.scheduled_requests
-    if len(sampled_token_ids) == len(scheduled_requests):
-        pairs = zip(scheduled_requests, sampled_token_ids)
-        return [(scheduled, int(token)) for scheduled, token in pairs if scheduled.produces_token]
-    raise ValueError(
-        f"got {len(sampled_token_ids)} sampled tokens for a step of {len(scheduled_requests)} "
-        f"requests of which {len(producing)} produce a token; pass one token per producing request"
-    )
-
-
 def _reaches_max_tokens(request: Request) -> bool:
     """Its tokens on the device already make ``max_tokens``: scheduling it again would overrun."""
     return (
@@ -465,15 +326,3 @@ def _reaches_max_tokens(request: Request) -> bool:
         and request.num_output_tokens + request.num_output_placeholders
         >= request.sampling_params.max_tokens
     )
-
-
-def _check_stop(request: Request, token_id: int) -> RequestStatus | None:
-    """Stop on EOS (unless ignore_eos) or a stop token, else on max_tokens (stops win)."""
-    params = request.sampling_params
-    if not params.ignore_eos and token_id == request.eos_token_id:
-        return RequestStatus.FINISHED_STOPPED
-    if token_id in params.stop_token_ids:
-        return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= params.max_tokens:
-        return RequestStatus.FINISHED_LENGTH_CAPPED
-    return None

@@ -38,7 +38,7 @@ from typing import Any
 
 from pieceworks.config import EngineConfig
 from pieceworks.logger import init_logger
-from pieceworks.scheduler.scheduler import SchedulerOutput
+from pieceworks.scheduler.output import SchedulerOutput
 from pieceworks.worker.model_runner import ModelRunner
 from pieceworks.worker.rank import STOP, dist_timeout, free_rank, start_rank
 from pieceworks.worker.sampled_tokens import SampledTokens

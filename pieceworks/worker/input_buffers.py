@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from pieceworks.models.attention.metadata import AttentionMetadata
-from pieceworks.scheduler.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest
+from pieceworks.scheduler.output import PLACEHOLDER_TOKEN_ID, ScheduledRequest
 
 
 @dataclasses.dataclass

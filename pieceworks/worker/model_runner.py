@@ -38,7 +38,7 @@ from pieceworks.models.loading.sources import get_model
 from pieceworks.platforms import current_platform
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.block_manager import cdiv
-from pieceworks.scheduler.scheduler import SchedulerOutput
+from pieceworks.scheduler.output import SchedulerOutput
 from pieceworks.worker.decode_tail import DecodeTail
 from pieceworks.worker.input_buffers import InputBuffers, StepShape
 from pieceworks.worker.logprobs import TokenLogprobs, prompt_logprobs, sample_logprobs

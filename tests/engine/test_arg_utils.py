@@ -2,7 +2,8 @@
 
 Proves: the message names each unknown argument and lists every known one, so a misspelt
 argument (``max_num_seq``) shows its right spelling; each known argument reaches its field of the
-engine config; a tensor-parallel size that does not divide the model's heads is refused with the
+engine config (``--scheduling-policy`` through the CLI too, offering every policy the config
+knows); a tensor-parallel size that does not divide the model's heads is refused with the
 model's name before any rank starts.
 Run: pytest tests/engine/test_arg_utils.py
 """
@@ -41,6 +42,7 @@ def test_each_engine_argument_reaches_its_config_field():
         tokenizer="tokenizer-dir",
         async_scheduling=False,
         num_scheduler_steps=2,
+        scheduling_policy="priority",
     )
     model, cache, scheduler = config.model_config, config.cache_config, config.scheduler_config
     assert (model.dtype, model.max_model_len, model.seed) == (torch.float32, 64, 5)
@@ -49,6 +51,22 @@ def test_each_engine_argument_reaches_its_config_field():
     assert (cache.num_gpu_blocks_override, cache.kv_cache_memory_bytes) == (7, 1 << 20)
     assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (3, 32)
     assert (scheduler.async_scheduling, scheduler.num_scheduler_steps) == (False, 2)
+    assert scheduler.policy == "priority"
+
+
+def test_the_scheduling_policy_flag_offers_every_policy_and_reaches_the_engine_args():
+    import argparse
+
+    from pieceworks.config import SCHEDULING_POLICIES
+    from pieceworks.entrypoints.engine_args import add_engine_args, engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, "llama-tiny")
+    choices = next(a.choices for a in parser._actions if a.dest == "scheduling_policy")
+    assert tuple(choices) == SCHEDULING_POLICIES
+    args = parser.parse_args(["--scheduling-policy", "priority"])
+    assert engine_args(args)["scheduling_policy"] == "priority"
+    assert "scheduling_policy" not in engine_args(parser.parse_args([]))
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused():

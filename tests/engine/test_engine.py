@@ -17,7 +17,7 @@ from pieceworks.core.counters import compilation_counter
 from pieceworks.engine.llm import LLM
 from pieceworks.models.loading.presets import random_hf_checkpoint
 from pieceworks.sampling_params import SamplingParams
-from pieceworks.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from pieceworks.scheduler.output import ScheduledRequest, SchedulerOutput
 
 transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -26,7 +26,7 @@ from pieceworks.engine.async_engine import AsyncLLMEngine, InprocEngineClient
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.output_processor import OutputProcessor
 from pieceworks.sampling_params import SamplingParams
-from pieceworks.scheduler.scheduler import SchedulerOutput
+from pieceworks.scheduler.output import SchedulerOutput
 from tests.engine.test_host_path import (
     ABORTED,
     NUM_BLOCKS,

@@ -32,13 +32,9 @@ import pytest
 from pieceworks.config import CacheConfig, SchedulerConfig
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.block_manager import BlockManager, StateSlotManager, cdiv
+from pieceworks.scheduler.output import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from pieceworks.scheduler.request import Request, RequestStatus
-from pieceworks.scheduler.scheduler import (
-    PLACEHOLDER_TOKEN_ID,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerOutput,
-)
+from pieceworks.scheduler.scheduler import Scheduler
 
 VOCAB_SIZE = 48
 EOS_TOKEN_ID = 0

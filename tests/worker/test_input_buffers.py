@@ -31,8 +31,8 @@ from collections.abc import Mapping
 import pytest
 import torch
 
+from pieceworks.scheduler.output import PLACEHOLDER_TOKEN_ID, ScheduledRequest
 from pieceworks.scheduler.request import Request
-from pieceworks.scheduler.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest
 from pieceworks.worker import input_buffers
 from pieceworks.worker.input_buffers import MAX_COPY_GAP_BYTES, InputBuffers, StepShape
 

@@ -24,8 +24,9 @@ import pytest
 from pieceworks.config import CacheConfig, SchedulerConfig
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.block_manager import cdiv
+from pieceworks.scheduler.output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from pieceworks.scheduler.request import Request, RequestStatus
-from pieceworks.scheduler.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerOutput
+from pieceworks.scheduler.scheduler import Scheduler
 from tests.scheduler.test_scheduler import (
     EOS_TOKEN_ID,
     FakeModelRunner,
