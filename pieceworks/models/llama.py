@@ -18,7 +18,7 @@ With tensor parallelism each rank holds ``num_attention_heads / tp`` query heads
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from pieceworks.models.layers.linear import (
 from pieceworks.models.layers.quantization import Fp8Config, get_quant_config
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pieceworks.models.layers.vocab_embedding import VocabParallelEmbedding
+from pieceworks.models.loading.config_checks import with_architecture_defaults
 
 
 def _head_dim(hf_config: dict[str, Any]) -> int:
@@ -110,15 +111,15 @@ class LlamaAttention(nn.Module):
         hidden_size = hf_config["hidden_size"]
         self.head_dim = _head_dim(hf_config)
         total_num_heads = hf_config["num_attention_heads"]
-        total_num_kv_heads = hf_config.get("num_key_value_heads", total_num_heads)
-        bias = hf_config.get("attention_bias", False)
+        total_num_kv_heads = hf_config.get("num_key_value_heads") or total_num_heads
+        qkv_bias, o_proj_bias = self.projection_biases(hf_config)
         quant_config = get_quant_config(config.model_config)
         self.qkv_proj = QKVParallelLinear(
             hidden_size,
             self.head_dim,
             total_num_heads,
             total_num_kv_heads,
-            bias,
+            qkv_bias,
             prefix=f"{prefix}.qkv_proj",
             quant_config=quant_config,
         )
@@ -129,7 +130,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             total_num_heads * self.head_dim,
             hidden_size,
-            bias,
+            o_proj_bias,
             prefix=f"{prefix}.o_proj",
             quant_config=quant_config,
         )
@@ -143,6 +144,12 @@ class LlamaAttention(nn.Module):
             prefix=f"{prefix}.attn",
         )
 
+    @staticmethod
+    def projection_biases(hf_config: dict[str, Any]) -> tuple[bool, bool]:
+        """``(qkv_proj, o_proj)`` biases: Llama's ``attention_bias`` sets both."""
+        bias = bool(hf_config.get("attention_bias", False))
+        return bias, bias
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, (Hq + 2 * Hkv) * D)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -154,6 +161,9 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual stream is carried through the fused add of ``RMSNorm``."""
 
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    reads_mlp_bias: ClassVar[bool] = True  # config.json's mlp_bias (Qwen's MLPs never have one)
+
     def __init__(
         self,
         hf_config: dict[str, Any],
@@ -164,13 +174,13 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         hidden_size, eps = hf_config["hidden_size"], hf_config.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(
+        self.self_attn = self.attention_cls(
             hf_config, rotary_emb, config=config, prefix=f"{prefix}.self_attn"
         )
         self.mlp = LlamaMLP(
             hidden_size,
             hf_config["intermediate_size"],
-            hf_config.get("mlp_bias", False),
+            self.reads_mlp_bias and hf_config.get("mlp_bias", False),
             prefix=f"{prefix}.mlp",
             quant_config=get_quant_config(config.model_config),
         )
@@ -194,9 +204,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm: the part that is traced, split and captured."""
 
+    decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+
     def __init__(self, *, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
-        hf_config = config.model_config.hf_config
+        hf_config = with_architecture_defaults(config.model_config.hf_config)
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(
             hf_config["vocab_size"],
@@ -207,7 +219,7 @@ class LlamaModel(nn.Module):
         dtype = resolve_dtype(config.model_config.dtype, hf_config)  # already a torch.dtype
         rotary_emb = llama_rope(hf_config, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(
+            self.decoder_layer_cls(
                 hf_config, rotary_emb, config=config, prefix=maybe_prefix(prefix, f"layers.{i}")
             )
             for i in range(hf_config["num_hidden_layers"])

@@ -13,6 +13,8 @@ from pieceworks.utils import resolve_obj_by_qualname
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "pieceworks.models.llama.LlamaForCausalLM",
     "BambaForCausalLM": "pieceworks.models.bamba.BambaForCausalLM",
+    "Qwen2ForCausalLM": "pieceworks.models.qwen2.Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "pieceworks.models.qwen3.Qwen3ForCausalLM",
 }
 
 

@@ -234,6 +234,41 @@ def test_qkv_loaded_from_separate_tensors_equals_separate_projections() -> None:
     torch.testing.assert_close(qkv(x), expected)
 
 
+class _StandInGroup:
+    """A TP group of one process that believes it is ``rank`` of ``world_size``."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank_in_group, self.world_size = rank, world_size
+
+
+@pytest.mark.parametrize(("num_kv_heads", "kv_head_of_rank"), [(2, [0, 1]), (1, [0, 0])])
+def test_qkv_bias_shards_like_the_weight(monkeypatch, num_kv_heads, kv_head_of_rank) -> None:
+    """Each rank's bias holds its query heads and its (split or replicated) KV heads."""
+    from pieceworks.distributed import parallel_state
+
+    hidden, head_dim, num_heads, tp_size = 32, 8, 4, 2
+    biases = {
+        "q": _randn(num_heads * head_dim),
+        "k": _randn(num_kv_heads * head_dim),
+        "v": _randn(num_kv_heads * head_dim),
+    }
+    for rank in range(tp_size):
+        monkeypatch.setattr(parallel_state, "_TP", _StandInGroup(rank, tp_size))
+        qkv = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, True, prefix="qkv")
+        for shard_id, bias in biases.items():
+            qkv.weight_loader(qkv.bias, bias, shard_id)
+        q_size = num_heads // tp_size * head_dim
+        kv_start = kv_head_of_rank[rank] * head_dim
+        expected = torch.cat(
+            [
+                biases["q"][rank * q_size : (rank + 1) * q_size],
+                biases["k"][kv_start : kv_start + head_dim],
+                biases["v"][kv_start : kv_start + head_dim],
+            ]
+        )
+        assert torch.equal(qkv.bias, expected)
+
+
 def test_gate_up_loaded_from_separate_tensors_equals_hf_mlp() -> None:
     hidden, intermediate = 16, 24
     gate_proj, up_proj = (
@@ -487,7 +522,12 @@ def test_registry_names_supported_architectures() -> None:
     with pytest.raises(ValueError) as error:
         registry.get_model_class({"architectures": ["GPT2LMHeadModel"]})
     assert "BambaForCausalLM" in str(error.value) and "LlamaForCausalLM" in str(error.value)
-    assert registry.supported_architectures() == ["BambaForCausalLM", "LlamaForCausalLM"]
+    assert registry.supported_architectures() == [
+        "BambaForCausalLM",
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -149,12 +149,80 @@ BAMBA_RULES = [
     ),
 ]
 
+
+def _replace_rules(rules: list[FieldRule], *new: FieldRule, drop: tuple[str, ...] = ()) -> list:
+    """``rules`` with the same-named rules replaced by ``new`` and the ``drop`` names removed."""
+    replaced = {rule.name: rule for rule in new}
+    kept = [replaced.pop(rule.name, rule) for rule in rules if rule.name not in drop]
+    return [*kept, *replaced.values()]
+
+
+# Qwen2 and Qwen3 carry the sliding-window fields of transformers' config classes; they act only
+# with use_sliding_window true (or a 'sliding_attention' entry in layer_types), which are refused.
+_QWEN_SLIDING_WINDOW_RULES = (
+    FieldRule(
+        "use_sliding_window",
+        _neutral(False),
+        "false (sliding-window attention is not implemented; every layer attends to the whole "
+        "context)",
+        False,
+    ),
+    FieldRule(
+        "sliding_window",
+        _is_int,
+        "an integer or null (read only with use_sliding_window true, which is refused)",
+    ),
+    FieldRule("max_window_layers", _is_int, "an integer (read only with use_sliding_window true)"),
+    FieldRule(
+        "layer_types",
+        lambda value: isinstance(value, list) and all(t == "full_attention" for t in value),
+        "null or a list of 'full_attention' ('sliding_attention' is not implemented)",
+    ),
+)
+
+# HF's Qwen2 has biases on q, k and v and none on o or the MLP, whatever attention_bias and
+# mlp_bias say: it reads neither, and neither does pieceworks'.
+QWEN2_RULES = _replace_rules(
+    COMMON_RULES, *_QWEN_SLIDING_WINDOW_RULES, drop=("attention_bias", "mlp_bias")
+)
+# HF's Qwen3 reads attention_bias (q, k, v and o) but its MLP never has a bias.
+QWEN3_RULES = _replace_rules(COMMON_RULES, *_QWEN_SLIDING_WINDOW_RULES, drop=("mlp_bias",))
+
 ARCHITECTURE_RULES: dict[str, list[FieldRule]] = {
     "LlamaForCausalLM": LLAMA_RULES,
     "BambaForCausalLM": BAMBA_RULES,
+    "Qwen2ForCausalLM": QWEN2_RULES,
+    "Qwen3ForCausalLM": QWEN3_RULES,
 }
-# Bamba rotates part of each head; HF's Llama rotates all of it.
-_PARTIAL_ROTARY = {"LlamaForCausalLM": False, "BambaForCausalLM": True}
+# Bamba rotates part of each head; HF's Llama and Qwen rotate all of it.
+_PARTIAL_ROTARY = {
+    "LlamaForCausalLM": False,
+    "BambaForCausalLM": True,
+    "Qwen2ForCausalLM": False,
+    "Qwen3ForCausalLM": False,
+}
+
+# Fields whose absence transformers' config class fills with its own value, where the models'
+# generic reading of an absent field (head_dim: hidden_size / heads; num_key_value_heads: the
+# heads; max_position_embeddings: 8192) differs: that value applies, as in transformers.
+ABSENT_FIELD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Qwen2ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+    },
+}
+
+
+def with_architecture_defaults(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """``hf_config`` with its architecture's ``ABSENT_FIELD_DEFAULTS`` filled in where absent
+    (a new dict; the same one where there is nothing to fill)."""
+    architectures = hf_config.get("architectures") or []
+    supported = [name for name in architectures if name in ARCHITECTURE_RULES]
+    defaults = ABSENT_FIELD_DEFAULTS.get(supported[0], {}) if supported else {}
+    absent = {name: value for name, value in defaults.items() if name not in hf_config}
+    return {**hf_config, **absent} if absent else hf_config
 
 
 def architecture_of(hf_config: dict[str, Any], source: str) -> str:
@@ -180,6 +248,7 @@ def check_hf_config(hf_config: Any, source: str = "config.json") -> str:
             f"{source}: a model config must be a JSON object, not {type(hf_config).__name__}"
         )
     architecture = architecture_of(hf_config, source)
+    hf_config = with_architecture_defaults(hf_config)
     for rule in ARCHITECTURE_RULES[architecture]:
         _check_field(hf_config, rule, architecture, source)
     _check_heads(hf_config, source)
@@ -274,6 +343,7 @@ def check_tensor_parallel(hf_config: dict[str, Any], tp_size: int, source: str) 
     before any rank starts (the config has passed ``check_hf_config``)."""
     if not _is_int(tp_size) or tp_size <= 1:
         return
+    hf_config = with_architecture_defaults(hf_config)
     heads = hf_config["num_attention_heads"]
     checks = [
         lambda: divide(heads, tp_size, "num_attention_heads"),

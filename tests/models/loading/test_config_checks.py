@@ -1,14 +1,15 @@
 """Config fields pieceworks does not implement are refused; damaged weights are refused at load.
 
-Proves: every preset and HF transformers' default ``LlamaConfig`` / ``BambaConfig`` pass the
-check; each refused field (activation, rope types, partial rotary on Llama, sliding windows, logit
-scaling and soft-capping, quantized checkpoints, missing or mis-typed sizes) raises naming the
-field, its value and what is supported, through ``LLM`` before anything is built; accepted
-fields (biases, linear rope, ``pretraining_tp``, a non-default eps) give HF's logits; a
-tensor-parallel size the heads cannot be split over is refused before any rank starts; a weight
-with NaN or infinity, or of an integer or bool dtype, is a ``WeightLoadingError`` naming the
-tensor (the q, k and v tensors of a merged qkv parameter); ``non_finite_count`` is exact (float8
-included).
+Proves: every preset and HF transformers' default ``LlamaConfig`` / ``BambaConfig`` /
+``Qwen2Config`` / ``Qwen3Config`` pass the check; Qwen's absent fields take their config class's
+defaults and the bias fields transformers' Qwen does not read are ignored; each refused field
+(activation, rope types, partial rotary on Llama, sliding windows, logit scaling and
+soft-capping, quantized checkpoints, missing or mis-typed sizes) raises naming the field, its
+value and what is supported, through ``LLM`` before anything is built; accepted fields (biases,
+linear rope, ``pretraining_tp``, a non-default eps) give HF's logits; a tensor-parallel size the
+heads cannot be split over is refused before any rank starts; a weight with NaN or infinity, or
+of an integer or bool dtype, is a ``WeightLoadingError`` naming the tensor (the q, k and v
+tensors of a merged qkv parameter); ``non_finite_count`` is exact (float8 included).
 Run: pytest tests/models/loading/test_config_checks.py
 """
 
@@ -22,6 +23,7 @@ from pieceworks.models.loading.config_checks import (
     ModelConfigError,
     check_hf_config,
     check_tensor_parallel,
+    with_architecture_defaults,
 )
 from pieceworks.models.loading.loader import WeightLoadingError, non_finite_count, save_hf_directory
 from pieceworks.models.loading.presets import get_preset, preset_names, random_hf_weights
@@ -39,12 +41,50 @@ def test_presets_pass(name):
 
 @pytest.mark.parametrize(
     ("config_cls", "architecture"),
-    [("LlamaConfig", "LlamaForCausalLM"), ("BambaConfig", "BambaForCausalLM")],
+    [
+        ("LlamaConfig", "LlamaForCausalLM"),
+        ("BambaConfig", "BambaForCausalLM"),
+        ("Qwen2Config", "Qwen2ForCausalLM"),
+        ("Qwen3Config", "Qwen3ForCausalLM"),
+    ],
 )
 def test_hf_default_configs_pass(config_cls, architecture):
     hf_config = getattr(transformers, config_cls)().to_dict()
     hf_config["architectures"] = [architecture]
     assert check_hf_config(hf_config) == architecture
+
+
+def _qwen(architecture: str, **fields) -> dict:
+    drop = ("architectures", "model_type", "head_dim", "num_key_value_heads")
+    return {
+        **{k: v for k, v in LLAMA.items() if k not in drop},
+        "architectures": [architecture],
+        **fields,
+    }
+
+
+def test_qwen_absent_fields_take_the_config_class_defaults():
+    # transformers' Qwen2Config / Qwen3Config: 32 KV heads, 32768 positions, Qwen3 head_dim 128
+    qwen3 = with_architecture_defaults(_qwen("Qwen3ForCausalLM"))
+    assert (qwen3["head_dim"], qwen3["num_key_value_heads"]) == (128, 32)
+    assert qwen3["max_position_embeddings"] == LLAMA["max_position_embeddings"]  # present: kept
+    qwen2 = with_architecture_defaults(_qwen("Qwen2ForCausalLM"))
+    assert "head_dim" not in qwen2 and qwen2["num_key_value_heads"] == 32
+    llama = {k: v for k, v in LLAMA.items() if k != "num_key_value_heads"}
+    assert with_architecture_defaults(llama) is llama  # Llama's absent fields read as before
+    # 4 query heads cannot share 32 KV heads: refused, as HF's would fail
+    with pytest.raises(ModelConfigError, match="num_key_value_heads=32 must divide"):
+        check_hf_config(_qwen("Qwen2ForCausalLM", num_attention_heads=4))
+
+
+def test_qwen_bias_fields_transformers_does_not_read_are_ignored():
+    # HF's Qwen2 always has q/k/v biases and reads neither field; Qwen3's MLP has no bias
+    qwen2 = _qwen("Qwen2ForCausalLM", num_key_value_heads=2, attention_bias="x", mlp_bias=True)
+    assert check_hf_config(qwen2) == "Qwen2ForCausalLM"
+    qwen3 = _qwen("Qwen3ForCausalLM", head_dim=16, num_key_value_heads=2, mlp_bias=True)
+    assert check_hf_config(qwen3) == "Qwen3ForCausalLM"
+    with pytest.raises(ModelConfigError, match="attention_bias='x'"):
+        check_hf_config({**qwen3, "attention_bias": "x"})
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
