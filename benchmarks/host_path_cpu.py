@@ -1,8 +1,8 @@
-"""CPU host time of the decode path's Python: the attention layer's body and ``InputBuffers``.
+"""CPU host time of the decode path's Python: the attention layer's body and ``StepInputs``.
 
 No device is needed. The Triton kernels are replaced by stubs whose launch does nothing, so the
 attention rows time only pieceworks' own wrapper code (signature, plan lookup, argument
-marshalling) on the Triton backend, not Triton's launcher; the ``InputBuffers.prepare`` rows use
+marshalling) on the Triton backend, not Triton's launcher; the ``StepInputs.prepare`` rows use
 the CPU as the "device", so its copies are CPU memcpys, not host-to-device DMA. These numbers show
 relative changes of the Python path; device host costs are measured by
 ``benchmarks/attention_host_overhead.py`` and ``pieceworks bench latency`` on a GPU machine.
@@ -30,6 +30,7 @@ from pieceworks.models.attention.metadata import AttentionMetadata  # noqa: E402
 from pieceworks.scheduler.output import ScheduledRequest  # noqa: E402
 from pieceworks.scheduler.request import Request  # noqa: E402
 from pieceworks.worker.input_buffers import InputBuffers, StepShape  # noqa: E402
+from pieceworks.worker.step_inputs import StepInputs  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE, MAX_MODEL_LEN = 32, 8, 128, 16, 8192
 
@@ -93,6 +94,7 @@ def attention_rows(batch_size: int) -> dict[str, float]:
 
 def prepare_us(batch_size: int) -> float:
     buffers = InputBuffers(2048, 128, MAX_MODEL_LEN // BLOCK_SIZE, torch.device("cpu"), False)
+    inputs = StepInputs(buffers, BLOCK_SIZE)
     scheduled = []
     for index in range(batch_size):
         request = Request(f"r{index}", list(range(1000)), output_token_ids=[7] * 24)
@@ -100,7 +102,7 @@ def prepare_us(batch_size: int) -> float:
         request.block_ids = list(range(index * 64, index * 64 + 64))
         scheduled.append(ScheduledRequest(request, 1))
     shape = StepShape(batch_size, batch_size, batch_size, batch_size, 1)
-    return per_call_us(lambda: buffers.prepare(scheduled, shape, BLOCK_SIZE), 3000)
+    return per_call_us(lambda: inputs.prepare(scheduled, shape), 3000)
 
 
 def main() -> None:
@@ -112,7 +114,7 @@ def main() -> None:
         for name, value in attention_rows(batch_size).items():
             print(f"{name + f', decode batch {batch_size}':<44} {value:8.2f} us/call")
     for batch_size in (1, 8, 64):
-        name = f"InputBuffers.prepare, decode batch {batch_size}"
+        name = f"StepInputs.prepare, decode batch {batch_size}"
         print(f"{name:<44} {prepare_us(batch_size):8.2f} us/call", flush=True)
 
 

@@ -98,9 +98,8 @@ def instrumented(llm: LLM, clock: PhaseClock) -> Iterator[None]:
         (engine.scheduler, "schedule", "schedule"),
         (engine.scheduler, "update_from_output", "update"),
         (runner, "plan", "plan"),
-        (runner.buffers, "prepare", "prepare inputs"),
-        (runner.buffers, "fill_placeholders", "prepare inputs"),
-        (runner.buffers, "advance_decode", "prepare inputs"),
+        (runner.inputs, "prepare", "prepare inputs"),  # the placeholder fill included
+        (runner.inputs, "advance_decode", "prepare inputs"),
         (runner, "forward_model", "forward"),
         (runner.model, "compute_logits", "logits"),
         (runner.sampler, "sample", "sample"),

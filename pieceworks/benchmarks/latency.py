@@ -194,9 +194,10 @@ def _measure_engine(
         **busy,
         "startup_s": startup_seconds,
         "load_s": runner.load_seconds,
-        "compile_s": runner.compile_seconds if compilation.level else None,
-        "capture_s": runner.warmup_seconds + runner.capture_seconds,  # warm-ups, then captures
-        "graph_memory_gib": runner.graph_memory_bytes / 1024**3,
+        "compile_s": runner.profiler.compile_seconds if compilation.level else None,
+        "capture_s": runner.graphs.warmup_seconds
+        + runner.graphs.capture_seconds,  # warm-ups, then captures
+        "graph_memory_gib": runner.graphs.graph_memory_bytes / 1024**3,
         "compile_cache": compile_cache_state(runner.model),
         "epilogue_fusions": epilogue_fusions(runner.model),
         "first_output_token_ids": outputs[0].outputs[0].token_ids[:16] if outputs else [],

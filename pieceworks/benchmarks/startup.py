@@ -94,11 +94,13 @@ def engine_phases(llm: Any, engine_seconds: float) -> dict[str, float]:
         "dynamo_trace_s": trace,
         "graph_load_s": graph_load,
         "compile_or_load_s": compile_or_load,
-        "kernel_compile_s": runner.kernel_compile_seconds,
-        "profile_run_s": max(runner.compile_seconds - trace - graph_load - compile_or_load, 0.0),
-        "kv_cache_s": runner.kv_cache_seconds,
-        "kernel_warmup_s": runner.warmup_seconds,
-        "capture_s": runner.capture_seconds,
+        "kernel_compile_s": runner.profiler.kernel_compile_seconds,
+        "profile_run_s": max(
+            runner.profiler.compile_seconds - trace - graph_load - compile_or_load, 0.0
+        ),
+        "kv_cache_s": runner.profiler.kv_cache_seconds,
+        "kernel_warmup_s": runner.graphs.warmup_seconds,
+        "capture_s": runner.graphs.capture_seconds,
         "tokenizer_s": llm.tokenizer_seconds,
     }
     phases["other_s"] = max(engine_seconds - sum(phases.values()), 0.0)
@@ -147,8 +149,8 @@ def measure_startup(
         **phases,
         "engine_s": engine_seconds,
         "total_s": engine_seconds + first_step,
-        "graph_memory_gib": runner.graph_memory_bytes / 1024**3,
-        "graph_memory_estimate_gib": runner.graph_memory_estimate_bytes / 1024**3,
+        "graph_memory_gib": runner.graphs.graph_memory_bytes / 1024**3,
+        "graph_memory_estimate_gib": runner.graphs.graph_memory_estimate_bytes / 1024**3,
         "counters": counters,
         "python_bytecode": python_bytecode,
     }

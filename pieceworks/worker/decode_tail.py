@@ -2,7 +2,7 @@
 
 After the FULL graph of a uniform decode step the runner would launch, one by one from Python,
 the LM head, the two argmax kernels and, when another decode step of the same run follows, the
-advance of the input buffers to that step (``InputBuffers.advance_rows``). For a small model
+advance of the input buffers to that step (``multi_step.advance_rows``). For a small model
 each of those launches costs the host about as long as the device needs for it, so the device
 waits for the host (``docs/performance.md``, "Small models"). A ``DecodeTail`` is that work as
 one callable, which the runner wraps in the platform's static-graph wrapper (FULL mode) and
@@ -10,11 +10,11 @@ captures once per decode capture size, after that size's FULL graph, reading the
 output at the address that graph writes it to. A decode step is then two graph launches.
 
 Step ``step`` of a multi-step run has a tail of its own: it writes its ids to row ``step`` of
-``InputBuffers.sampled_steps`` and advances the buffers with the slots ``prepare`` staged for
-step ``step + 1``. The tail of the last possible step (``max_num_steps - 1``) does not advance;
+``InputBuffers.sampled_steps`` and advances the buffers with the slots ``StepInputs.prepare`` staged
+for step ``step + 1``. The tail of the last possible step (``max_num_steps - 1``) does not advance;
 a run of fewer steps advances once more after its last, which only writes buffers that the next
-``prepare`` overwrites. Each tail's row and slots are fixed at capture, so a replay depends on
-no state a failed run could leave behind.
+``prepare`` overwrites. Each tail's row and slots are fixed at capture, so a replay depends on no
+state a failed run could leave behind.
 
 The runner uses a tail only where its tokens are those of the launches it replaces
 (``ModelRunner._uses_decode_tail``): every row greedy, no log-probabilities asked for, one
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from pieceworks.worker.input_buffers import InputBuffers
+from pieceworks.worker.multi_step import advance_rows
 from pieceworks.worker.sampler import row_argmax
 
 
@@ -51,5 +52,5 @@ class DecodeTail:
         first = self.step * num_seqs
         self.buffers.sampled_steps[first : first + num_seqs].copy_(token_ids)
         if self.advance:
-            self.buffers.advance_rows(token_ids, self.step + 1)
+            advance_rows(self.buffers, token_ids, self.step + 1)
         return token_ids

@@ -1,12 +1,13 @@
 """Log-probabilities of sampled and prompt tokens: computed on the device, read on the host.
 
 ``sample_logprobs`` runs after the sampler for the rows whose request asked for ``logprobs``;
-``prompt_logprob_rows`` / ``prompt_logprobs`` give the prefill positions of requests that asked
-for ``prompt_logprobs``. Both return ``TokenLogprobs``: device tensors that stay untouched until
-the engine reads the step's tokens, so asking costs no extra host sync (the read happens with the
-step's own). Values are the model's raw log-probabilities: ``log_softmax`` of the logits in
-float32, before temperature, top-k and top-p (vLLM's default ``raw_logprobs``). Rank is vLLM's: 1
-plus the number of tokens whose log-probability is strictly higher.
+``step_prompt_logprobs`` (which rows of a step to score) and ``prompt_logprobs`` (their values) give
+the prefill positions of requests that asked for ``prompt_logprobs``. Both return ``TokenLogprobs``:
+device tensors that stay untouched until the engine reads the step's tokens, so asking costs no
+extra host sync (the read happens with the step's own). Values are the model's raw
+log-probabilities: ``log_softmax`` of the logits in float32, before temperature, top-k and top-p
+(vLLM's default ``raw_logprobs``). Rank is vLLM's: 1 plus the number of tokens whose log-probability
+is strictly higher.
 
 Nothing here runs when no request asks, so the greedy path without logprobs is unchanged.
 """
@@ -19,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from pieceworks.sampling_params import SamplingParams
+from pieceworks.scheduler.output import ScheduledRequest
 from pieceworks.scheduler.request import TokenLogprob
 
 # Rows of a prompt's logits turned into log-probabilities at once: bounds the float32 temporary
@@ -120,3 +122,43 @@ def _pad_columns(values: torch.Tensor, num_columns: int) -> torch.Tensor:
     if values.shape[1] == num_columns:
         return values
     return torch.nn.functional.pad(values, (0, num_columns - values.shape[1]))
+
+
+def step_prompt_logprobs(
+    scheduled_requests: Sequence[ScheduledRequest],
+    hidden_states: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, tuple[int, TokenLogprobs]] | None:
+    """Prompt log-probabilities of a step's prefill rows whose request asked: request id ->
+    (first prompt position scored, rows). Every rank computes the logits of the same rows
+    (the LM head gathers across ranks); only a rank holding the prompt (rank 0) scores them."""
+    rows: list[int] = []
+    targets: list[int] = []
+    num_top: list[int] = []
+    spans: dict[str, tuple[int, int, int]] = {}  # id -> (first position, first row, rows)
+    offset = 0
+    for item in scheduled_requests:
+        start, request = offset, item.request
+        offset += item.num_new_tokens
+        k = request.sampling_params.prompt_logprobs
+        if k is None or item.is_decode:
+            continue
+        prompt, computed = request.prompt_token_ids, item.num_computed_tokens
+        # Row i of the chunk (position computed + i) scores prompt token computed + i + 1;
+        # rows past the prompt (its last position, resumed generated tokens) score nothing.
+        num_scored = max(min(item.num_new_tokens, len(prompt) - 1 - computed), 0)
+        if num_scored:
+            spans[request.request_id] = (computed + 1, len(rows), num_scored)
+        scored = prompt[computed + 1 : computed + 1 + num_scored]
+        targets.extend(scored + [0] * (item.num_new_tokens - num_scored))
+        rows.extend(range(start, start + item.num_new_tokens))
+        num_top.extend([k] * item.num_new_tokens)
+    if not rows:
+        return None
+    index = torch.tensor(rows, device=hidden_states.device)
+    target_ids = torch.tensor(targets, device=hidden_states.device)
+    values = prompt_logprobs(hidden_states[index], compute_logits, target_ids, num_top)
+    return {
+        request_id: (first, values.slice(row, row + count))
+        for request_id, (first, row, count) in spans.items()
+    }

@@ -1,21 +1,22 @@
-"""``ModelRunner``: loads the model, sizes the KV cache, captures graphs, executes steps.
+"""``ModelRunner``: loads the model, owns its step inputs and graphs, executes steps.
 
-Per step: lay the scheduled requests into the persistent buffers (padded to a capture size),
-fill decode tokens still on the device from the previous step's sampled ids, ask the
-``CudagraphDispatcher`` which graph serves the batch, run the forward under
-``set_forward_context``, then compute logits and sample outside the graph, and start copying the
-sampled ids to pinned host memory. A multi-step output (``SchedulerOutput.num_steps`` > 1, a
-uniform decode batch) then runs the same graph again ``num_steps - 1`` times, each time after
-``InputBuffers.advance_decode`` has fed the sampled ids back as input ids and moved positions,
-lengths and slots on by one on the device (the slots staged by ``prepare``); the ids of all its
-steps go to the host in one copy.
+Per step: ``plan`` pads the batch to a capture size and asks the ``CudagraphDispatcher`` which
+graph serves it; ``StepInputs.prepare`` lays the scheduled requests into the persistent buffers
+and fills the decode tokens still on the device from the previous step's sampled ids; the forward
+runs under ``set_forward_context``; logits and sampling run outside the graph, and the sampled
+ids start copying to pinned host memory. A multi-step output (``SchedulerOutput.num_steps`` > 1,
+a uniform decode batch) then runs the same graph again ``num_steps - 1`` times, each time after
+``StepInputs.advance_decode`` has fed the sampled ids back as input ids and moved positions,
+lengths and slots on by one on the device (``worker/multi_step.py``); the ids of all its steps
+go to the host in one copy.
 A FULL decode step whose batch fills its graph's size, all greedy, samples in captured decode
 tails instead (``worker/decode_tail.py``): each step is its FULL graph and its tail, which also
 advances the buffers to the next step of the run.
 ``execute_async`` returns at once with a ``SampledTokens`` handle; its ``tolist()`` is the step's
 one host sync, which async scheduling defers until the next step is launched.
-Start-up (``initialize_kv_cache``, ``capture_model``: compile, size the KV cache, warm up,
-capture) is ``RunnerStartup``'s, in ``worker/runner_startup.py``, which this class inherits.
+Start-up is two calls the runner hands on: ``initialize_kv_cache`` (compile, profile, size the KV
+cache: ``KVCacheProfiler``, ``worker/kv_cache_profiler.py``) and ``capture_model`` (warm up and
+capture: ``GraphCapture``, ``worker/graph_capture.py``, which also holds the graphs).
 """
 
 from __future__ import annotations
@@ -28,35 +29,32 @@ import torch
 
 from pieceworks.config import EngineConfig
 from pieceworks.core.cache.triton_cache import use_pieceworks_triton_cache, use_torch_ptxas
-from pieceworks.core.config import CompilationLevel, CUDAGraphMode
+from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
-from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphSet
-from pieceworks.logger import init_logger
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.loading.sources import get_model
 from pieceworks.platforms import current_platform
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.block_manager import cdiv
 from pieceworks.scheduler.output import SchedulerOutput
-from pieceworks.worker.decode_tail import DecodeTail
+from pieceworks.worker.graph_capture import GraphCapture
 from pieceworks.worker.input_buffers import InputBuffers, StepShape
-from pieceworks.worker.logprobs import TokenLogprobs, prompt_logprobs, sample_logprobs
+from pieceworks.worker.kv_cache_profiler import KVCacheProfiler
+from pieceworks.worker.logprobs import TokenLogprobs, sample_logprobs, step_prompt_logprobs
 from pieceworks.worker.mamba_cache import mamba_cache_spec
-from pieceworks.worker.runner_startup import RunnerStartup
 from pieceworks.worker.sampled_tokens import SampledTokens
 from pieceworks.worker.sampler import Sampler, make_generator, row_param_tensor
-
-logger = init_logger(__name__)
+from pieceworks.worker.step_inputs import StepInputs
 
 # Step plans kept (one per batch shape: token count, requests, longest query, uniform decode)
 # before the cache starts over; decode shapes are few, prefill and mixed ones many.
 MAX_CACHED_PLANS = 4096
 
 
-class ModelRunner(RunnerStartup):
-    """Loads the model, builds its graph wrappers and decode tails, and executes steps (start-up
-    is inherited from ``RunnerStartup``). One per rank."""
+class ModelRunner:
+    """Loads the model, builds its step inputs, graphs and decode tails (``GraphCapture``), and
+    executes steps. One per rank."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -69,16 +67,13 @@ class ModelRunner(RunnerStartup):
         self.load_seconds = time.perf_counter() - start
         self.compilation = config.compilation_config
         self.dispatcher = CudagraphDispatcher(config)
-        # Every static-graph wrapper this runner built or compiled: its capture phase and graphs.
-        self.static_graphs = StaticGraphSet()
-        self.forward_model = self._wrap_for_graphs(self.model)
         scheduler_config = config.scheduler_config
         self.max_num_tokens = max(
             scheduler_config.max_num_batched_tokens, self.compilation.max_capture_size
         )
         max_model_len = config.model_config.max_model_len or 0
         self.block_size = config.cache_config.block_size
-        self.buffers = InputBuffers(
+        buffers = InputBuffers(
             self.max_num_tokens,
             scheduler_config.max_num_seqs,
             cdiv(max_model_len, self.block_size),
@@ -87,6 +82,9 @@ class ModelRunner(RunnerStartup):
             self.platform.create_event,
             max_num_steps=scheduler_config.num_scheduler_steps,
         )
+        self.inputs = StepInputs(buffers, self.block_size)
+        self.graphs = GraphCapture(self.model, config, self.platform, self.dispatcher, self.inputs)
+        self.forward_model = self.graphs.forward_model
         # The last launched step's sampled ids (device) and each request's row in them.
         self.last_sampled: torch.Tensor | None = None
         self.last_sampled_rows: dict[str, int] = {}
@@ -101,64 +99,30 @@ class ModelRunner(RunnerStartup):
         self._token_events = [self.platform.create_event() for _ in range(2)]
         self._num_steps = 0
         self._plans: dict[tuple[int, int, int, bool], Any] = {}  # batch shape -> plan()
-        # Per multi-step index: the decode tail's static-graph wrapper (none without FULL graphs),
-        # and the FULL graphs' descriptors whose steps it samples (``worker/decode_tail.py``).
-        self.decode_tails = self._build_decode_tails()
-        self.decode_tail_descriptors = self._decode_tail_descriptors()
         self.mamba_spec = mamba_cache_spec(config)
         # State slots the scheduler hands out (0: no Mamba layers, no slots).
         self.num_state_slots = self.mamba_spec.num_slots if self.mamba_spec else 0
+        self.profiler = KVCacheProfiler(
+            config, self.platform, self.device, self.graphs, self.mamba_spec, self.max_num_tokens
+        )
+        self.num_blocks = 0
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator | None] = {}
-        self.num_blocks = 0
-        self.compile_seconds = 0.0
-        self.kv_cache_seconds = 0.0  # allocating (and zeroing) the KV cache once it is sized
-        self.kernel_compile_seconds = 0.0  # pieceworks' kernels compiled ahead, in parallel
-        self.capture_seconds = 0.0  # recording only; the warm-ups before it are warmup_seconds
-        self.warmup_seconds = 0.0
-        self.graph_memory_bytes = 0
-        self.graph_memory_estimate_bytes = 0
 
-    # --- set-up ------------------------------------------------------------------------------
-    def _wrap_for_graphs(self, model: Any) -> Any:
-        """The model as the steps call it: in a FULL wrapper when the mode has FULL graphs; at
-        level 0 with PIECEWISE graphs, first in a breakable wrapper (the eager forward captured
-        as segments ended at each splitting op; level 3 wraps its pieces in the backend)."""
-        mode = self.compilation.cudagraph_mode
-        assert mode is not None  # resolved in CompilationConfig.__post_init__
-        forward_model = model
-        if mode == CUDAGraphMode.NONE:
-            return forward_model
-        wrapper_cls = self.platform.static_graph_wrapper_cls()
-        eager = self.compilation.level == CompilationLevel.NO_COMPILATION
-        if eager and mode.has_piecewise_cudagraphs():
-            options = CUDAGraphOptions(breakable=True)
-            forward_model = wrapper_cls(
-                model, self.config, CUDAGraphMode.PIECEWISE, options=options
-            )
-            self._own(forward_model)
-            logger.info("level 0: %s graphs captured breakable (no compile)", mode.name)
-        if mode.has_full_cudagraphs():
-            forward_model = wrapper_cls(forward_model, self.config, CUDAGraphMode.FULL)
-            self._own(forward_model)
-        return forward_model
+    # --- start-up ----------------------------------------------------------------------------
+    def initialize_kv_cache(self) -> int:
+        """Compile (first forward, largest size), measure its peak, allocate the KV cache; the
+        number of blocks (``KVCacheProfiler``)."""
+        self.num_blocks = self.profiler.initialize_kv_cache()
+        return self.num_blocks
 
-    def _build_decode_tails(self) -> list[Any]:
-        """One FULL-mode wrapper per step index of a decode run, where decode steps run FULL
-        graphs on one tensor-parallel rank; empty otherwise."""
-        mode = self.compilation.cudagraph_mode
-        assert mode is not None
-        if not mode.has_full_cudagraphs() or self.config.parallel_config.tensor_parallel_size > 1:
-            return []
-        wrapper_cls = self.platform.static_graph_wrapper_cls()
-        max_num_steps = self.config.scheduler_config.num_scheduler_steps
-        tails = []
-        for step in range(max_num_steps):
-            tail = DecodeTail(self.model, self.buffers, step, advance=step < max_num_steps - 1)
-            wrapper = wrapper_cls(tail, self.config, CUDAGraphMode.FULL)
-            self._own(wrapper)
-            tails.append(wrapper)
-        return tails
+    def capture_model(self) -> None:
+        """Warm every batch shape up, then capture every graph (``GraphCapture``)."""
+        self.graphs.capture_model()
+
+    def release_graphs(self) -> int:
+        """Drop every static graph this runner captured (at shutdown); how many."""
+        return self.graphs.release_graphs()
 
     # --- execution ---------------------------------------------------------------------------
     def plan(
@@ -190,7 +154,7 @@ class ModelRunner(RunnerStartup):
         if mode == CUDAGraphMode.FULL:  # the captured layout, holding the real batch
             assert descriptor is not None
             shape = dataclasses.replace(
-                self._capture_shape(descriptor), num_tokens=num_tokens, num_seqs=num_seqs
+                self.graphs.capture_shape(descriptor), num_tokens=num_tokens, num_seqs=num_seqs
             )
             return shape, mode, descriptor
         if mode == CUDAGraphMode.NONE:
@@ -211,10 +175,12 @@ class ModelRunner(RunnerStartup):
         if self._uses_decode_tail(output, step, params):
             return self._finish_launch(self._run_decode_tails(step, output.num_steps), rows)
         hidden_states = self._run_model(step)
-        prompt = self._prompt_logprobs(output, hidden_states)
-        if self.buffers.num_logits == 0:
+        prompt = step_prompt_logprobs(
+            output.scheduled_requests, hidden_states, self.model.compute_logits
+        )
+        if self.inputs.num_logits == 0:
             return SampledTokens(None, None, prompt_logprobs=prompt)
-        logits = self.model.compute_logits(self.buffers.logits_rows(hidden_states))  # (S, V)
+        logits = self.model.compute_logits(self.inputs.logits_rows(hidden_states))  # (S, V)
         token_ids = self.sampler.sample(logits, params, generators)
         token_ids = same_on_every_rank(token_ids)
         logprobs = sample_logprobs(logits, params, token_ids)  # None unless a request asked
@@ -253,7 +219,7 @@ class ModelRunner(RunnerStartup):
         descriptor = step.descriptor
         return (
             step.mode == CUDAGraphMode.FULL
-            and descriptor in self.decode_tail_descriptors
+            and descriptor in self.graphs.decode_tail_descriptors
             and output.is_uniform_decode
             and descriptor.num_tokens == output.num_requests == len(params)
             and all(param.is_greedy and param.logprobs is None for param in params)
@@ -264,7 +230,7 @@ class ModelRunner(RunnerStartup):
         ``sampled_steps`` and advances the buffers to the next step. Every step's ids, step 0's
         first: (num_steps * S,), a view of ``sampled_steps``. Every step runs under the same
         forward context (the FULL graph's mode and descriptor, which select the tails' graphs)."""
-        inputs = self.buffers.model_inputs(step.shape)
+        inputs, tails = self.inputs.model_inputs(step.shape), self.graphs.decode_tails
         with set_forward_context(
             step.metadata,
             self.config,
@@ -272,9 +238,9 @@ class ModelRunner(RunnerStartup):
             batch_descriptor=step.descriptor,
         ):
             for index in range(num_steps):
-                self.decode_tails[index](self.forward_model(*inputs))
+                tails[index](self.forward_model(*inputs))
         assert step.descriptor is not None
-        return self.buffers.sampled_steps[: num_steps * step.descriptor.num_tokens]
+        return self.inputs.buffers.sampled_steps[: num_steps * step.descriptor.num_tokens]
 
     def _decode_steps(
         self,
@@ -293,9 +259,9 @@ class ModelRunner(RunnerStartup):
         if not all(param.is_greedy for param in params):
             row_params = row_param_tensor(params, self.device)
         for index in range(1, num_steps):
-            self.buffers.advance_decode(sampled[-1], index)
+            self.inputs.advance_decode(sampled[-1], index)
             hidden_states = self._run_model(step)
-            logits = self.model.compute_logits(self.buffers.logits_rows(hidden_states))
+            logits = self.model.compute_logits(self.inputs.logits_rows(hidden_states))
             token_ids = self.sampler.sample(logits, params, generators, row_params)
             sampled.append(same_on_every_rank(token_ids))
         return torch.cat(sampled)
@@ -305,9 +271,9 @@ class ModelRunner(RunnerStartup):
         """Forward one step; the logits (S, V) of the requests that produce a token, in the LM
         head's dtype."""
         hidden_states = self.forward(output)
-        if self.buffers.num_logits == 0:
+        if self.inputs.num_logits == 0:
             return None
-        return self.model.compute_logits(self.buffers.logits_rows(hidden_states))  # (S, V)
+        return self.model.compute_logits(self.inputs.logits_rows(hidden_states))  # (S, V)
 
     def forward(self, output: SchedulerOutput) -> torch.Tensor:
         """Lay the step into the buffers and run the model; the hidden states of every row."""
@@ -316,16 +282,13 @@ class ModelRunner(RunnerStartup):
     def _prepare(self, output: SchedulerOutput) -> _PreparedStep:
         """Plan the step and lay it into the buffers, placeholder tokens filled on the device."""
         shape, mode, descriptor = self.plan(output)
-        metadata = self.buffers.prepare(
+        metadata = self.inputs.prepare(
             output.scheduled_requests,
             shape,
-            self.block_size,
             self.last_sampled_rows,
             output.num_steps,
+            self.last_sampled,
         )
-        if self.buffers.num_placeholders:  # decode tokens still on the device
-            assert self.last_sampled is not None
-            self.buffers.fill_placeholders(self.last_sampled)
         return _PreparedStep(metadata, shape, mode, descriptor)
 
     def _run_model(self, step: _PreparedStep) -> torch.Tensor:
@@ -336,46 +299,7 @@ class ModelRunner(RunnerStartup):
             cudagraph_runtime_mode=step.mode,
             batch_descriptor=step.descriptor,
         ):
-            return self.forward_model(*self.buffers.model_inputs(step.shape))
-
-    def _prompt_logprobs(
-        self, output: SchedulerOutput, hidden_states: torch.Tensor
-    ) -> dict[str, tuple[int, TokenLogprobs]] | None:
-        """Prompt log-probabilities of the step's prefill rows whose request asked: request id ->
-        (first prompt position scored, rows). Every rank computes the logits of the same rows
-        (the LM head gathers across ranks); only a rank holding the prompt (rank 0) scores them."""
-        rows: list[int] = []
-        targets: list[int] = []
-        num_top: list[int] = []
-        spans: dict[str, tuple[int, int, int]] = {}  # id -> (first position, first row, rows)
-        offset = 0
-        for item in output.scheduled_requests:
-            start, request = offset, item.request
-            offset += item.num_new_tokens
-            k = request.sampling_params.prompt_logprobs
-            if k is None or item.is_decode:
-                continue
-            prompt, computed = request.prompt_token_ids, item.num_computed_tokens
-            # Row i of the chunk (position computed + i) scores prompt token computed + i + 1;
-            # rows past the prompt (its last position, resumed generated tokens) score nothing.
-            num_scored = max(min(item.num_new_tokens, len(prompt) - 1 - computed), 0)
-            if num_scored:
-                spans[request.request_id] = (computed + 1, len(rows), num_scored)
-            scored = prompt[computed + 1 : computed + 1 + num_scored]
-            targets.extend(scored + [0] * (item.num_new_tokens - num_scored))
-            rows.extend(range(start, start + item.num_new_tokens))
-            num_top.extend([k] * item.num_new_tokens)
-        if not rows:
-            return None
-        index = torch.tensor(rows, device=hidden_states.device)
-        target_ids = torch.tensor(targets, device=hidden_states.device)
-        values = prompt_logprobs(
-            hidden_states[index], self.model.compute_logits, target_ids, num_top
-        )
-        return {
-            request_id: (first, values.slice(row, row + count))
-            for request_id, (first, row, count) in spans.items()
-        }
+            return self.forward_model(*self.inputs.model_inputs(step.shape))
 
     def _sampling_inputs(
         self, output: SchedulerOutput

@@ -175,10 +175,9 @@ def test_padding_and_dispatch(checkpoint, graph_platform):
     assert (shape.num_tokens_padded, shape.num_seqs_padded) == (4, 2)
     shape, mode, descriptor = runner.plan(_output(llm, [20], [0]))  # beyond the capture sizes
     assert (mode, descriptor, shape.num_tokens_padded) == (CUDAGraphMode.NONE, None, 20)
-    metadata = runner.buffers.prepare(
+    metadata = runner.inputs.prepare(
         _output(llm, [1, 1, 1], [4, 5, 6]).scheduled_requests,
         runner.plan(_output(llm, [1, 1, 1], [4, 5, 6]))[0],
-        16,
     )
     assert metadata.slot_mapping.tolist()[3] == -1  # the padded token is never stored
     assert metadata.seq_lens.tolist() == [5, 6, 7, 0]  # the padded sequence is empty

@@ -95,7 +95,7 @@ def tail_tokens(num_scheduler_steps: int, tails: bool, batch: list[list[int]]) -
     )
     runner = llm.engine.runner
     if not tails:
-        runner.decode_tail_descriptors = set()
+        runner.graphs.decode_tail_descriptors = set()
     runs = []
     run_tails = runner._run_decode_tails
     runner._run_decode_tails = lambda step, n: runs.append(n) or run_tails(step, n)

@@ -7,7 +7,7 @@ cache that forces preemption, a stop token, a stop string, an abort mid-run, var
 ``max_tokens``) runs through ``OutputProcessor`` streaming three ways:
 
 - the engine as it is;
-- the reference: the same engine with ``InputBuffers.reset_staged()`` before every step, so
+- the reference: the same engine with ``StepInputs.reset_staged()`` before every step, so
   every field of every step is written in full, as a fresh buffer would be;
 - the engine with async scheduling off.
 
@@ -159,7 +159,7 @@ def test_incremental_buffers_match_full_rewrite_step_for_step(checkpoint, graph_
     llm.engine.scheduler.schedule = lambda: outputs.append(schedule()) or outputs[-1]
     fast = run(llm, arrivals, lambda: None)
     assert sum(len(output.preempted_requests) for output in outputs) > 0
-    reference = run(llm, arrivals, llm.engine.runner.buffers.reset_staged)
+    reference = run(llm, arrivals, llm.engine.runner.inputs.reset_staged)
     assert fast == reference
     final = results(fast)
     assert final["b"][2] == "stop" and len(final["b"][0]) < 16  # the stop string

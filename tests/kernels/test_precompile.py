@@ -49,9 +49,9 @@ def compiled_here(monkeypatch):
 
     monkeypatch.setattr(launch_module, "compiled_kernels_run_on", lambda device: True)
     global REAL_DUMMY_FORWARD
-    from pieceworks.worker.model_runner import ModelRunner
+    from pieceworks.worker.graph_capture import GraphCapture
 
-    REAL_DUMMY_FORWARD = REAL_DUMMY_FORWARD or ModelRunner._dummy_forward
+    REAL_DUMMY_FORWARD = REAL_DUMMY_FORWARD or GraphCapture.dummy_forward
 
 
 def test_a_launch_inside_queues_its_compile_and_runs_nothing(compiled_here):
@@ -83,7 +83,7 @@ def test_switched_off_or_not_compiled_here_the_block_does_nothing(monkeypatch, c
 
 def dry_runs(monkeypatch, llm_factory) -> tuple[list, list]:
     """Build an engine, recording the forwards run inside ``precompiling`` and after it."""
-    from pieceworks.worker import model_runner
+    from pieceworks.worker import graph_capture
 
     inside, after = [], []
     real = REAL_DUMMY_FORWARD
@@ -94,7 +94,7 @@ def dry_runs(monkeypatch, llm_factory) -> tuple[list, list]:
             return real(self, num_tokens)
         return real(self, num_tokens, mode, descriptor)
 
-    monkeypatch.setattr(model_runner.ModelRunner, "_dummy_forward", spy)
+    monkeypatch.setattr(graph_capture.GraphCapture, "dummy_forward", spy)
     llm_factory()
     return inside, after
 

@@ -90,13 +90,13 @@ def test_decode_tails_give_the_launches_tokens_step_for_step(
     checkpoint, graph_platform, mode, num_scheduler_steps, async_scheduling
 ):
     without = make_llm(checkpoint, mode, async_scheduling, num_scheduler_steps)
-    without.engine.runner.decode_tail_descriptors = set()  # every step samples by launches
+    without.engine.runner.graphs.decode_tail_descriptors = set()  # every step samples by launches
     arrivals = greedy_workload(*stops(without))
     reference = run(without, arrivals, lambda: None)
     without.shutdown()
 
     llm = make_llm(checkpoint, mode, async_scheduling, num_scheduler_steps)
-    sizes = {d.num_tokens for d in llm.engine.runner.decode_tail_descriptors}
+    sizes = {d.num_tokens for d in llm.engine.runner.graphs.decode_tail_descriptors}
     assert sizes == {1, 2, 4}  # the FULL graphs of at most 4 tokens (the seats)
     runs = tail_runs(llm)
     with compilation_counter.expect(num_decode_tails_captured=0, num_cudagraph_captured=0):

@@ -112,12 +112,12 @@ def test_level_0_says_its_piece_graphs_are_captured_breakable(monkeypatch, caplo
     simgraph = pytest.importorskip("pieceworks_simgraph.platform")
     monkeypatch.setattr(platforms, "_current", simgraph.SimGraphPlatform())
     monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
-    caplog.set_level(logging.INFO, logger="pieceworks.worker.model_runner")
+    caplog.set_level(logging.INFO, logger="pieceworks.worker.graph_capture")
     compilation = {"level": 0, "cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2]}
     LLM("llama-tiny", compilation_config=compilation, dtype="float32", max_num_seqs=2).shutdown()
     said = {
         (r.levelno, r.getMessage())
         for r in caplog.records
-        if r.name == "pieceworks.worker.model_runner" and "breakable" in r.getMessage()
+        if r.name == "pieceworks.worker.graph_capture" and "breakable" in r.getMessage()
     }
     assert said == {(logging.INFO, "level 0: PIECEWISE graphs captured breakable (no compile)")}

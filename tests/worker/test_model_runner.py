@@ -41,7 +41,7 @@ def llm():
 def test_set_up_fields(llm):
     runner = llm.engine.runner
     assert all(not p.requires_grad for p in runner.model.parameters())
-    assert runner.load_seconds > 0.0 and runner.compile_seconds > 0.0
+    assert runner.load_seconds > 0.0 and runner.profiler.compile_seconds > 0.0
     assert runner.max_num_tokens == max(100, runner.compilation.max_capture_size)
     assert runner.mamba_spec is None and runner.num_state_slots == 0
     assert runner.block_size == 16
@@ -57,12 +57,12 @@ def test_set_up_fields(llm):
 def test_profile_and_capture_layouts(llm):
     runner = llm.engine.runner
     # 200 tokens as prefills of at most 64: 4 sequences (max_num_seqs) of up to 50
-    assert runner._profile_shape(200) == StepShape(200, 200, 4, 4, 50)
-    assert runner._profile_shape(100) == StepShape(100, 100, 2, 2, 50)
-    assert runner._profile_shape(10) == StepShape(10, 10, 1, 1, 10)
-    assert runner._capture_shape(BatchDescriptor(8, True)) == StepShape(8, 8, 8, 8, 1)
-    assert runner._capture_shape(BatchDescriptor(8, False)) == StepShape(8, 8, 4, 4, 8)
-    assert runner._capture_shape(BatchDescriptor(2, False)) == StepShape(2, 2, 2, 2, 2)
+    assert runner.graphs.profile_shape(200) == StepShape(200, 200, 4, 4, 50)
+    assert runner.graphs.profile_shape(100) == StepShape(100, 100, 2, 2, 50)
+    assert runner.graphs.profile_shape(10) == StepShape(10, 10, 1, 1, 10)
+    assert runner.graphs.capture_shape(BatchDescriptor(8, True)) == StepShape(8, 8, 8, 8, 1)
+    assert runner.graphs.capture_shape(BatchDescriptor(8, False)) == StepShape(8, 8, 4, 4, 8)
+    assert runner.graphs.capture_shape(BatchDescriptor(2, False)) == StepShape(2, 2, 2, 2, 2)
 
 
 def test_without_graphs_a_step_is_not_padded_and_each_plan_is_kept(llm):
@@ -88,12 +88,12 @@ def test_without_graphs_a_step_is_not_padded_and_each_plan_is_kept(llm):
 
 def test_out_of_memory_in_capture_message_in_full(llm):
     runner = llm.engine.runner
-    estimate = runner.graph_memory_estimate_bytes
+    estimate = runner.graphs.graph_memory_estimate_bytes
     try:
-        runner.graph_memory_estimate_bytes = GIB * 3 // 2
-        message = runner._capture_oom_message(7)
+        runner.graphs.graph_memory_estimate_bytes = GIB * 3 // 2
+        message = runner.graphs.capture_oom_message(7)
     finally:
-        runner.graph_memory_estimate_bytes = estimate
+        runner.graphs.graph_memory_estimate_bytes = estimate
     assert message == (
         "out of device memory while capturing 7 graph shapes (1.50 GiB was estimated for their "
         "graphs and held back from the KV cache). Lower gpu_memory_utilization (now 0.9) to "

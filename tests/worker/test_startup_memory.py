@@ -15,6 +15,7 @@ from pieceworks.core.config import CUDAGraphMode
 from pieceworks.engine.llm import LLM
 from pieceworks.models.loading.presets import random_hf_checkpoint
 from pieceworks.platforms.cpu import DEFAULT_KV_CACHE_MEMORY_BYTES, CpuPlatform
+from pieceworks.worker.graph_capture import GraphCapture
 from pieceworks.worker.kv_cache import (
     GRAPH_OVERHEAD_BYTES,
     KVCacheSpec,
@@ -22,7 +23,6 @@ from pieceworks.worker.kv_cache import (
     estimate_graph_memory,
     num_graphs_to_capture,
 )
-from pieceworks.worker.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -84,20 +84,20 @@ def test_graph_memory_is_estimated_before_sizing(checkpoint, graph_platform):
     # Capture sizes 1, 2, 4, 8: FULL graphs for 1, 2, 4 and PIECEWISE for all four sizes, of
     # llama-tiny's 2 + 1 capturable pieces: 3 + 4 * 3 graphs.
     num_graphs = 3 + 4 * 3
-    assert runner.graph_memory_estimate_bytes >= num_graphs * GRAPH_OVERHEAD_BYTES
-    assert runner.warmup_seconds > 0 and runner.capture_seconds > 0
+    assert runner.graphs.graph_memory_estimate_bytes >= num_graphs * GRAPH_OVERHEAD_BYTES
+    assert runner.graphs.warmup_seconds > 0 and runner.graphs.capture_seconds > 0
 
 
 def test_every_warm_up_runs_before_the_first_capture(checkpoint, graph_platform, monkeypatch):
     modes: list[CUDAGraphMode] = []
-    dummy_forward = ModelRunner._dummy_forward
+    dummy_forward = GraphCapture.dummy_forward
 
     def recording(self, num_tokens, mode=CUDAGraphMode.NONE, descriptor=None):
         if descriptor is not None:
             modes.append(mode)
         return dummy_forward(self, num_tokens, mode, descriptor)
 
-    monkeypatch.setattr(ModelRunner, "_dummy_forward", recording)
+    monkeypatch.setattr(GraphCapture, "dummy_forward", recording)
     graph_engine(checkpoint)
     first_capture = next(i for i, mode in enumerate(modes) if mode != CUDAGraphMode.NONE)
     assert first_capture == 7  # one warm-up per shape: 3 uniform decode + 4 mixed
@@ -112,14 +112,14 @@ def test_every_warm_up_runs_before_the_first_capture(checkpoint, graph_platform,
 def test_out_of_memory_in_capture_names_the_settings(
     checkpoint, graph_platform, monkeypatch, error
 ):
-    dummy_forward = ModelRunner._dummy_forward
+    dummy_forward = GraphCapture.dummy_forward
 
     def out_of_memory_in_capture(self, num_tokens, mode=CUDAGraphMode.NONE, descriptor=None):
         if mode != CUDAGraphMode.NONE:
             raise error
         return dummy_forward(self, num_tokens, mode, descriptor)
 
-    monkeypatch.setattr(ModelRunner, "_dummy_forward", out_of_memory_in_capture)
+    monkeypatch.setattr(GraphCapture, "dummy_forward", out_of_memory_in_capture)
     with pytest.raises(RuntimeError, match="while capturing") as raised:
         graph_engine(checkpoint)
     message = str(raised.value)
@@ -131,13 +131,13 @@ def test_out_of_memory_in_capture_names_the_settings(
 def test_other_errors_in_capture_are_not_called_out_of_memory(
     checkpoint, graph_platform, monkeypatch
 ):
-    dummy_forward = ModelRunner._dummy_forward
+    dummy_forward = GraphCapture.dummy_forward
 
     def failing_capture(self, num_tokens, mode=CUDAGraphMode.NONE, descriptor=None):
         if mode != CUDAGraphMode.NONE:
             raise RuntimeError("simulated: an unrelated capture failure")
         return dummy_forward(self, num_tokens, mode, descriptor)
 
-    monkeypatch.setattr(ModelRunner, "_dummy_forward", failing_capture)
+    monkeypatch.setattr(GraphCapture, "dummy_forward", failing_capture)
     with pytest.raises(RuntimeError, match="an unrelated capture failure"):
         graph_engine(checkpoint)
