@@ -16,8 +16,11 @@ from typing import Any
 
 from pieceworks.sampling_params import SamplingParams
 
+# Commands pickle as their constructor arguments (``__reduce__``): less than half the time of a
+# dataclass's default reduction, on every request's way into the engine process.
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class AddRequest:
     """Queue a request; one the engine refuses comes back as a ``RequestDelta`` with ``error``."""
 
@@ -25,25 +28,37 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (AddRequest, (self.request_id, self.prompt_token_ids, self.params))
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class AbortRequest:
     """Finish a request now with reason "abort" (its caller went away); unknown ids: a no-op."""
 
     request_id: str
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (AbortRequest, (self.request_id,))
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StopRequest:
     """Finish a request now with reason "stop" (its text reached a stop string); unknown ids: a
     no-op."""
 
     request_id: str
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (StopRequest, (self.request_id,))
 
-@dataclasses.dataclass(frozen=True)
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Shutdown:
     """End the loop: abort what is still live and send its last outputs."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (Shutdown, ())
 
 
 EngineCommand = AddRequest | AbortRequest | StopRequest | Shutdown
