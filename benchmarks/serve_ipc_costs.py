@@ -22,7 +22,7 @@ import pickle
 import statistics
 import time
 
-from pieceworks.engine.core import EngineCoreOutputs, EngineStats, RequestDelta
+from pieceworks.engine.messages import EngineCoreOutputs, EngineStats, RequestDelta
 
 
 def step_outputs(batch_size: int, step: int) -> EngineCoreOutputs:

@@ -1,15 +1,16 @@
 """``AsyncLLMEngine``: one engine loop serving every live request of an asyncio program.
 
-The front end lives on the event loop: ``generate`` sends an ``add`` command and yields the
-request's ``RequestDelta``s from an ``asyncio.Queue`` of its own; ``abort`` and ``stop`` send
-their commands. The engine loop (``engine/core.py``: take commands, step while any request is
+The front end lives on the event loop: ``generate`` sends an ``AddRequest`` and yields the
+request's ``RequestDelta``s from an ``asyncio.Queue`` of its own; ``abort`` and ``stop`` send an
+``AbortRequest`` and a ``StopRequest`` (``engine/messages.py``). The engine loop
+(``EngineCoreLoop``, ``engine/core_loop.py``: take commands, step while any request is
 unfinished, one ``EngineCoreOutputs`` per turn carrying every request's new tokens and the
-stats) runs behind an ``EngineClient``:
+stats) runs behind an ``EngineClient`` (``engine/core_client.py``):
 
-- ``EngineProcessClient`` (``engine/core_process.py``, what ``pieceworks serve`` uses): the
-  engine in a process of its own, so its per-step host work never shares an interpreter lock
+- ``EngineProcessClient`` (what ``pieceworks serve`` uses): the engine in a process of its own
+  (``engine/core_process.py``), so its per-step host work never shares an interpreter lock
   with HTTP parsing, streaming and detokenization;
-- ``InprocEngineClient`` (here): the engine in a thread of this process (tests, debugging,
+- ``InprocEngineClient``: the engine in a thread of this process (tests, debugging,
   ``pieceworks serve --engine-in-process``).
 
 Either way each turn's outputs reach ``_dispatch`` on the event loop, which puts each delta
@@ -25,37 +26,22 @@ later one ``EngineDeadError``. This module knows nothing of HTTP or text: it mov
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from collections.abc import AsyncIterator
 
-from pieceworks.engine.core import (
-    Command,
-    EngineCore,
+from pieceworks.engine.core_client import EngineClient
+from pieceworks.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineCommand,
     EngineCoreOutputs,
-    EngineStats,
     RequestDelta,
-    run_engine_loop,
+    StopRequest,
 )
-from pieceworks.engine.llm_engine import LLMEngine
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
-
-__all__ = [
-    "AsyncLLMEngine",
-    "EngineClient",
-    "EngineDeadError",
-    "EngineStats",
-    "InprocEngineClient",
-    "QueueFullError",
-    "RequestDelta",
-]
-
-OutputsHandler = Callable[[EngineCoreOutputs], None]
 
 
 class QueueFullError(RuntimeError):
@@ -64,77 +50,6 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served any more."""
-
-
-class EngineClient(Protocol):
-    """How the front end reaches an engine loop. ``start`` and ``send`` run on the event loop;
-    ``on_outputs`` is called on ``loop``, once per engine turn, in order."""
-
-    max_num_seqs: int
-    initial_stats: EngineStats
-
-    def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OutputsHandler) -> None: ...
-
-    def send(self, command: Command) -> None: ...
-
-    def is_alive(self) -> bool: ...
-
-    def shutdown(self, timeout: float | None) -> None: ...
-
-
-class InprocEngineClient:
-    """The engine loop on a thread of this process, fed through a thread-safe queue."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.core = EngineCore(engine)
-        self.max_num_seqs = engine.config.scheduler_config.max_num_seqs
-        self.initial_stats = self.core.stats()
-        self._commands: queue.Queue[Command] = queue.Queue()
-        self._thread: threading.Thread | None = None
-
-    def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OutputsHandler) -> None:
-        def send(outputs: EngineCoreOutputs) -> None:
-            try:
-                loop.call_soon_threadsafe(on_outputs, outputs)
-            except RuntimeError:  # that event loop is closed: nobody is listening any more
-                pass
-
-        def run() -> None:
-            try:
-                run_engine_loop(self.core, self._receive, send)
-            except BaseException as error:  # the loop is dead: tell the front end why
-                logger.exception("engine loop stopped on an error")
-                send(EngineCoreOutputs([], None, failure=f"the engine failed: {error!r}"))
-
-        self._thread = threading.Thread(target=run, name="pieceworks-engine", daemon=True)
-        self._thread.start()
-
-    def _receive(self, timeout: float) -> list[Command]:
-        try:
-            commands = [
-                self._commands.get(timeout=timeout) if timeout else self._commands.get_nowait()
-            ]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def send(self, command: Command) -> None:
-        self._commands.put(command)
-
-    def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def shutdown(self, timeout: float | None) -> None:
-        """Stop the loop (requests still live are aborted), then free the engine."""
-        self._commands.put(("shutdown",))
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self.engine.shutdown()
 
 
 class AsyncLLMEngine:
@@ -204,7 +119,7 @@ class AsyncLLMEngine:
             if self.error is not None:
                 sink.put_nowait(_failed(request_id, self.error))
             else:
-                self.client.send(("add", request_id, list(prompt_token_ids), params))
+                self.client.send(AddRequest(request_id, list(prompt_token_ids), params))
             while not finished:
                 delta = await sink.get()
                 while not delta.finished and not sink.empty():  # the caller fell behind
@@ -219,12 +134,12 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request on the engine's next turn (unknown or finished ids are ignored)."""
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
     def stop(self, request_id: str) -> None:
         """Finish a request with reason "stop" on the engine's next turn (its text reached a
         stop string), freeing its cache; unknown or finished ids are ignored."""
-        self._send(("stop", request_id))
+        self._send(StopRequest(request_id))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine loop (callers drain first; what is still live is aborted) and free
@@ -233,7 +148,7 @@ class AsyncLLMEngine:
             self._stopped = True
             self.client.shutdown(timeout)
 
-    def _send(self, command: Command) -> None:
+    def _send(self, command: EngineCommand) -> None:
         if self.error is None and not self._stopped:
             self.client.send(command)
 

@@ -1,229 +1,224 @@
-"""``EngineCore``: the serving engine loop's work, free of threads, processes and asyncio.
+"""``EngineCore``: the step loop joining the scheduler, the executor and the sampler.
 
-The core owns an ``LLMEngine`` and turns commands into engine calls and engine steps into
-messages. Commands are tuples: ``("add", request_id, prompt_token_ids, params)``, ``("abort",
-request_id)``, ``("stop", request_id)`` and ``("shutdown",)``. After each turn of the loop the
-core hands back one ``EngineCoreOutputs``: every request's new tokens of that turn (one
-``RequestDelta`` each, with its log-probabilities and finish reason), the engine's refusals of
-new requests, and the ``EngineStats`` snapshot, coalesced into one message however many requests
-are live. ``run_engine_loop`` is the loop itself; where it runs (a thread of the server, or the
-engine process of ``engine/core_process.py``) only changes how commands arrive and outputs
-leave. The front end (``engine/async_engine.py``) dispatches the deltas to each request's queue.
-This module moves token ids; text is the front end's business.
+As in vLLM, the engine core is the inner loop that owns the scheduler and the executor; ``LLM``
+(``engine/llm.py``) drives it directly, and the server reaches it through ``EngineCoreLoop``
+(``engine/core_loop.py``) on a thread or in the engine process (``engine/core_process.py``).
+
+``add_request`` validates and queues; ``step`` schedules one batch, launches it, and feeds sampled
+tokens back; finished requests come back from ``step``. With ``async_scheduling`` (the default)
+``step`` launches its batch and then waits for the previous step's tokens, so the host schedules
+and prepares step N+1 while the device still runs step N; the tokens of a step, and the requests
+it finishes, then come back from the next ``step`` call. With ``num_scheduler_steps`` K > 1 a
+batch of decodes only is one multi-step output: one ``step`` call launches K decode steps and
+later reads their K tokens per request at once (the scheduler applies them in step order).
+Start-up (load, compile, KV cache, capture) happens in the constructor and is timed for the report.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import Any
+import itertools
+import time
 
-from pieceworks.engine.llm_engine import LLMEngine
-from pieceworks.scheduler.request import Request
+from pieceworks.config import EngineConfig
+from pieceworks.logger import init_logger
+from pieceworks.sampling_params import SamplingParams
+from pieceworks.scheduler.output import SchedulerOutput
+from pieceworks.scheduler.request import Request, RequestStatus
+from pieceworks.scheduler.scheduler import Scheduler
+from pieceworks.worker.executor import make_executor
+from pieceworks.worker.sampled_tokens import SampledTokens
 
-# How long the idle engine loop waits for a command before it looks again.
-IDLE_POLL_SECONDS = 0.5
+logger = init_logger(__name__)
 
-Command = tuple[Any, ...]
-
-
-@dataclasses.dataclass
-class RequestDelta:
-    """What one engine step added to a request: its new token ids, and how it ended if it did.
-
-    ``error`` is set (and nothing else) when the engine refused the request when it was added,
-    with the engine's reason, e.g. a prompt that can never fit the KV cache; or, with
-    ``engine_failed``, when the engine loop died under it.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    num_output_tokens: int
-    finish_reason: str | None = None
-    error: str | None = None
-    logprobs: list[Any] | None = None  # one entry per new token, when the request asked
-    engine_failed: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    def merge(self, later: RequestDelta) -> RequestDelta:
-        """This delta followed by ``later`` of the same request, as one delta."""
-        logprobs = None
-        if self.logprobs is not None or later.logprobs is not None:
-            logprobs = [*(self.logprobs or []), *(later.logprobs or [])]
-        return RequestDelta(
-            self.request_id,
-            self.new_token_ids + later.new_token_ids,
-            later.num_output_tokens,
-            later.finish_reason,
-            later.error,
-            logprobs,
-            later.engine_failed,
-        )
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # Pickled as constructor arguments: a third less time than a dataclass's state dict, on
-        # the message that carries every live request's delta each step.
-        return (
-            RequestDelta,
-            (self.request_id, self.new_token_ids, self.num_output_tokens, self.finish_reason,
-             self.error, self.logprobs, self.engine_failed),
-        )  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine loop, published after every turn for the front end to read."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    num_steps: int = 0
-    num_aborted: int = 0  # requests aborted while unfinished (callers that went away)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Share of KV blocks held by requests, in [0, 1]."""
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
-
-
-@dataclasses.dataclass
-class EngineCoreOutputs:
-    """One turn of the engine loop: the deltas of every request that changed, and the stats.
-
-    ``failure`` is set on the last message of an engine that died: the reason every live
-    request (and every later one) fails with.
-    """
-
-    deltas: list[RequestDelta]
-    stats: EngineStats | None
-    failure: str | None = None
+# Step timings an engine keeps (``EngineCore.step_seconds``): far more than one benchmark run's
+# decode steps, a few MiB at most.
+MAX_STEP_TIMINGS = 65_536
 
 
 class EngineCore:
-    """Applies commands to ``engine`` and collects what each turn changed, per request."""
+    """Queues requests, schedules one batch per ``step``, runs it on the executor and feeds the
+    sampled tokens back to the scheduler; ``shutdown`` frees the graphs and the workers."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._requests: dict[str, Request] = {}  # live requests by id
-        self._num_sent: dict[str, int] = {}  # output tokens already handed out, per request
-        self._deltas: list[RequestDelta] = []
-        self._num_steps = 0
-        self._num_aborted = 0
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = make_executor(config)
+        self.runner = self.executor.runner  # this process's (rank 0's) runner
+        num_blocks = self.runner.num_blocks
+        max_model_len = config.model_config.max_model_len
+        assert max_model_len is not None
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config,
+            max_model_len,
+            num_blocks,
+            num_state_slots=self.runner.num_state_slots,  # Mamba state slots (hybrid models)
+            async_scheduling=config.scheduler_config.async_scheduling,
+        )
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # The launched step whose tokens have not been read yet (async scheduling).
+        self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
+        self.eos_token_id = config.model_config.hf_config.get("eos_token_id")
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = self.eos_token_id[0]
+        self._request_ids = itertools.count()
+        self._shut_down = False
+        # (uniform decode?, number of requests, wall seconds) of each recent decode step (a
+        # multi-step call adds one entry per step, each its share of the call's time): at most
+        # MAX_STEP_TIMINGS, the oldest half dropped when full (an engine serving for days).
+        self.step_seconds: list[tuple[bool, int, float]] = []
 
-    def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished_requests()
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Queue a request; one that can never fit raises ValueError saying why. ``priority``:
+        lower is scheduled first under ``scheduling_policy="priority"`` (else it must be 0)."""
+        self._check_running()
+        request = self._make_request(prompt_token_ids, params, request_id, priority)
+        self.scheduler.add_request(request)
+        return request
 
-    def apply(self, command: Command) -> None:
-        """Apply one ``add``, ``abort`` or ``stop`` command (unknown or finished ids are no-ops)."""
-        kind = command[0]
-        if kind == "add":
-            self._add(*command[1:])
-        elif kind == "abort":
-            if self.engine.abort_request(command[1]):
-                self._num_aborted += 1
-                self._collect()
-        elif kind == "stop":
-            if self.engine.stop_request(command[1]):
-                self._collect()
-        else:
-            raise ValueError(f"unknown engine command {kind!r}")
+    def add_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
+        """Queue several requests, all or none: every one is checked (vocabulary, length, KV
+        capacity) before the first is queued, so a refused one leaves the engine as it was."""
+        requests = self.check_requests(prompts, params)
+        for request in requests:
+            self.scheduler.add_request(request)
+        return requests
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
-        try:
-            request = self.engine.add_request(prompt_token_ids, params, request_id)
-        except ValueError as error:  # the request can never run: tell its caller why
-            self._deltas.append(RequestDelta(request_id, [], 0, error=str(error)))
-            return
-        self._requests[request_id] = request
-        self._num_sent[request_id] = 0
+    def check_requests(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        priorities: list[int] | None = None,
+    ) -> list[Request]:
+        """The requests ``add_requests`` would queue, each checked (vocabulary, length, KV
+        capacity, priority) with the prompt's index in the error; nothing is queued."""
+        self._check_running()
+        priorities = priorities or [0] * len(prompts)
+        requests = [
+            self._make_request(ids, p, None, priority)
+            for ids, p, priority in zip(prompts, params, priorities)
+        ]
+        for index, request in enumerate(requests):
+            try:
+                self.scheduler.check_request(request)
+            except ValueError as error:
+                raise ValueError(f"prompt {index}: {error}") from None
+        return requests
 
-    def step(self) -> None:
-        """Run one engine step and collect every request's new tokens."""
-        self.engine.step()
-        self._num_steps += 1
-        self._collect()
-
-    def abort_all(self) -> None:
-        """Abort every live request (the loop is shutting down)."""
-        for request_id in list(self._requests):
-            self.apply(("abort", request_id))
-
-    def _collect(self) -> None:
-        """A delta for each live request that gained tokens or finished; forget finished ones."""
-        finished = []
-        for request_id, request in self._requests.items():
-            num_sent = self._num_sent[request_id]
-            num_tokens = len(request.output_token_ids)
-            if num_tokens == num_sent and not request.is_finished:
-                continue
-            self._deltas.append(
-                RequestDelta(
-                    request_id,
-                    request.output_token_ids[num_sent:num_tokens],
-                    num_tokens,
-                    request.finish_reason,
-                    logprobs=_new_logprobs(request, num_sent, num_tokens),
-                )
-            )
-            self._num_sent[request_id] = num_tokens
-            if request.is_finished:
-                finished.append(request_id)
-        for request_id in finished:
-            del self._requests[request_id], self._num_sent[request_id]
-
-    def take_outputs(self) -> EngineCoreOutputs:
-        """The deltas collected since the last call, with the current stats."""
-        deltas, self._deltas = self._deltas, []
-        return EngineCoreOutputs(deltas, self.stats())
-
-    def stats(self) -> EngineStats:
-        scheduler = self.engine.scheduler
-        blocks = scheduler.block_manager
-        return EngineStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_blocks=blocks.num_blocks,
-            num_free_blocks=blocks.num_free_blocks,
-            num_steps=self._num_steps,
-            num_aborted=self._num_aborted,
+    def _make_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        priority: int = 0,
+    ) -> Request:
+        vocab_size = self.config.model_config.hf_config.get("vocab_size")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
+        return Request(
+            request_id=request_id or str(next(self._request_ids)),
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            priority=priority,
         )
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a queued or running request now, with ``finish_reason`` "abort", freeing its KV
+        blocks and state slot; False if no unfinished request has that id."""
+        self._check_running()
+        aborted = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        for request in aborted:
+            self.executor.release(request.request_id)
+        return bool(aborted)
 
-def run_engine_loop(
-    core: EngineCore,
-    receive: Callable[[float], list[Command]],
-    send: Callable[[EngineCoreOutputs], None],
-) -> None:
-    """Serve commands until ``("shutdown",)``: apply what arrived, step while any request is
-    unfinished, and send one ``EngineCoreOutputs`` per turn in which anything happened.
+    def stop_request(self, request_id: str) -> bool:
+        """Finish a request now with ``finish_reason`` "stop" (its text reached a stop string),
+        freeing its cache as ``abort_request`` does; False if no unfinished request has that id."""
+        self._check_running()
+        stopped = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
+        for request in stopped:
+            self.executor.release(request.request_id)
+        return bool(stopped)
 
-    ``receive(timeout)`` returns the commands that arrived, waiting up to ``timeout`` seconds
-    for the first (0 while requests run: a step never waits for a command). On shutdown the
-    requests still live are aborted and their final deltas sent.
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    def step(self) -> list[Request]:
+        """Launch one scheduled batch; return the requests whose last token has come back."""
+        self._check_running()
+        start = time.perf_counter()
+        output = self.scheduler.schedule()
+        if not output.scheduled_requests:
+            return self._finish_in_flight()  # nothing new to launch: only drain
+        sampled = self.executor.execute_async(output)
+        finished = self._finish_in_flight()
+        self._in_flight = (output, sampled)
+        if not self.async_scheduling:
+            finished += self._finish_in_flight()
+        step_seconds = self.step_seconds
+        if len(step_seconds) >= MAX_STEP_TIMINGS:
+            del step_seconds[: MAX_STEP_TIMINGS // 2]
+        seconds_per_step = (time.perf_counter() - start) / output.num_steps
+        timing = (output.is_uniform_decode, output.num_requests, seconds_per_step)
+        step_seconds.extend([timing] * output.num_steps)
+        return finished
+
+    def _finish_in_flight(self) -> list[Request]:
+        """Wait for the launched step's tokens (the host sync) and hand them to the scheduler."""
+        if self._in_flight is None:
+            return []
+        output, sampled = self._in_flight
+        self._in_flight = None
+        token_ids = sampled.tolist()
+        _record_logprobs(output, sampled)
+        finished = self.scheduler.update_from_output(output, token_ids)
+        for request in finished:
+            self.executor.release(request.request_id)
+        return finished
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._shut_down
+
+    def _check_running(self) -> None:
+        if self._shut_down:
+            raise RuntimeError(
+                "this engine was shut down (its graphs and workers are freed); build a new LLM"
+            )
+
+    def shutdown(self) -> None:
+        """Free the captured graphs; stop tensor-parallel workers and free the process group."""
+        self._shut_down = True
+        self.executor.shutdown()
+
+
+def _record_logprobs(output: SchedulerOutput, sampled: SampledTokens) -> None:
+    """Append a step's log-probabilities to the requests that asked, before its tokens are.
+
+    A sampled token's entry goes only where ``update_from_output`` will append the token (its
+    request is not finished yet). Prompt entries continue where the request's list ends, so a
+    prefill recomputed after a preemption adds nothing twice.
     """
-    while True:
-        timeout = 0.0 if core.has_unfinished_requests() else IDLE_POLL_SECONDS
-        commands = receive(timeout)
-        for command in commands:
-            if command[0] == "shutdown":
-                core.abort_all()
-                send(core.take_outputs())
-                return
-            core.apply(command)
-        stepped = core.has_unfinished_requests()
-        if stepped:
-            core.step()
-        if commands or stepped:
-            send(core.take_outputs())
-
-
-def _new_logprobs(request: Request, start: int, end: int) -> list[Any] | None:
-    """The engine's log-probability entries of output tokens [start, end) when the request set
-    ``SamplingParams.logprobs``: one per token, appended with the token."""
-    if request.sampling_params.logprobs is None:
-        return None
-    return list(request.output_logprobs[start:end])
+    if sampled.logprobs is None and sampled.prompt_logprobs is None:
+        return  # nobody asked: nothing per request
+    by_row = sampled.logprobs_by_row()
+    for row, scheduled in enumerate(output.producing_requests):
+        if row in by_row and not scheduled.request.is_finished:
+            scheduled.request.output_logprobs.append(by_row[row])
+    prompt_rows = sampled.prompt_logprobs_by_request()
+    if not prompt_rows:
+        return
+    for scheduled in output.scheduled_requests:
+        request = scheduled.request
+        if request.request_id not in prompt_rows:
+            continue
+        first, values = prompt_rows[request.request_id]
+        have = len(request.prompt_logprobs)
+        if first <= have:
+            request.prompt_logprobs.extend(values[have - first :])

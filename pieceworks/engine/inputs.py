@@ -13,7 +13,7 @@ reads its first argument as a sequence of prompts, so each int would be a prompt
 which is never what was meant; the message says to wrap it. Token ids must be ints (not floats or
 bools) inside the model's vocabulary; empty prompts are refused. ``sampling_params_for`` checks
 the sampling parameters the same way. Lengths against ``max_model_len`` and the KV cache are the
-engine's to check (``LLMEngine.add_requests``), also before queuing.
+engine's to check (``EngineCore.add_requests``), also before queuing.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Prompts are lists of token ids, strings when the model has a tokenizer, or vLLM'
 before any request is queued (``engine/inputs.py``), so an error leaves the engine as it was.
 Results come back one per prompt, in prompt order, as ``RequestOutput`` with
 ``outputs[i].token_ids``, ``.text`` (with a tokenizer), ``.logprobs`` and ``.finish_reason``
-(``output_processor``).
+(``output_processor``). ``LLM`` drives its ``EngineCore`` (``engine/core.py``) directly, in this
+process.
 ``stream`` yields each completion's new text as it decodes; ``chat`` applies the tokenizer's
 chat template to conversations first.
 """
@@ -17,8 +18,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pieceworks.engine.arg_utils import build_engine_config
+from pieceworks.engine.core import EngineCore
 from pieceworks.engine.inputs import parse_prompts, sampling_params_for
-from pieceworks.engine.llm_engine import LLMEngine
 from pieceworks.engine.output_processor import (
     CompletionDelta,
     CompletionOutput,
@@ -39,7 +40,7 @@ class LLM:
         start = time.perf_counter()
         self.config = build_engine_config(model, compilation_config, **engine_args)
         self.config_seconds = time.perf_counter() - start  # start-up's phases: bench startup
-        self.engine = LLMEngine(self.config)
+        self.engine = EngineCore(self.config)
         start = time.perf_counter()
         self.tokenizer = load_tokenizer(model, engine_args.get("tokenizer"))
         self.tokenizer_seconds = time.perf_counter() - start

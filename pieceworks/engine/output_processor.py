@@ -1,11 +1,11 @@
 """``OutputProcessor``: engine steps turned into text, streaming deltas and vLLM-shaped outputs.
 
-It sits between a caller's loop and ``LLMEngine``: ``add_request`` queues a prompt as ``n``
+It sits between a caller's loop and ``EngineCore``: ``add_request`` queues a prompt as ``n``
 engine requests (one per completion), ``step`` runs one engine step and returns a
 ``CompletionDelta`` for every completion that got new tokens or text (or finished), and
 ``get_output`` builds the cumulative ``RequestOutput`` (text, token ids, logprobs, prompt
 logprobs). Each completion has an ``IncrementalDetokenizer``; when its text reaches a stop string
-the processor finishes the engine request at once (``LLMEngine.stop_request``), so its KV blocks
+the processor finishes the engine request at once (``EngineCore.stop_request``), so its KV blocks
 free on that step. ``LLM.generate``, ``LLM.stream`` and the chat command run this loop; a server
 runs the same loop and routes the deltas to its clients by ``request_id``.
 
@@ -20,8 +20,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from pieceworks.engine.core import EngineCore
 from pieceworks.engine.detokenizer import IncrementalDetokenizer
-from pieceworks.engine.llm_engine import LLMEngine
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.request import Request, TokenLogprob
 
@@ -116,7 +116,7 @@ class _Completion:
             return last
         return None
 
-    def advance(self, engine: LLMEngine) -> CompletionDelta | None:
+    def advance(self, engine: EngineCore) -> CompletionDelta | None:
         """Read the request's new tokens, detokenize them, stop it on a stop string (dropping
         the tokens after the one that completed it: a multi-step run samples several at once)."""
         new_token_ids = self.request.output_token_ids[self.num_seen_tokens :]
@@ -152,7 +152,7 @@ class _Prompt:
 class OutputProcessor:
     """Requests in, text out: see the module docstring for the loop it runs."""
 
-    def __init__(self, engine: LLMEngine, tokenizer: Any = None) -> None:
+    def __init__(self, engine: EngineCore, tokenizer: Any = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self._prompts: dict[str, _Prompt] = {}

@@ -1,6 +1,6 @@
 """What each rank of the tensor-parallel tests runs: build engines, generate, report back.
 
-Every rank builds its own in-process ``LLMEngine`` with ``ParallelConfig(tensor_parallel_size,
+Every rank builds its own in-process ``EngineCore`` with ``ParallelConfig(tensor_parallel_size,
 rank)``; the scheduler is deterministic, so the ranks schedule the same steps and meet in the same
 collectives without any broadcast. ``generate`` records the float32 logits of every step by
 wrapping the model's ``compute_logits`` (which gathers the vocabulary on every rank).
@@ -73,9 +73,9 @@ def generate(
     torch's default generator seeded with it once the engine is built."""
     import torch
 
-    from pieceworks.engine.llm_engine import LLMEngine
+    from pieceworks.engine.core import EngineCore
 
-    engine = LLMEngine(config)
+    engine = EngineCore(config)
     model = engine.runner.model
     compute_logits = model.compute_logits
     step_logits: list[np.ndarray] = []

@@ -1,12 +1,12 @@
 """``AsyncLLMEngine``, the asyncio front end, over a fake engine client (no engine, no model).
 
-Proves: ``generate`` sends one ``add`` and yields its request's deltas in order; deltas that
+Proves: ``generate`` sends one ``AddRequest`` and yields its request's deltas in order; deltas that
 piled up while the caller was busy come as one merged delta (tokens and log-probabilities
 concatenated, the last one's finish reason, error and failure flag); a caller that leaves early
-sends ``abort``; past ``max_num_seqs + max_waiting_requests`` live requests ``reserve`` raises
-``QueueFullError`` saying why; when the engine reports a failure every live request gets an
-``engine_failed`` delta with no tokens, later requests ``EngineDeadError``, and no command is
-sent any more; ``stats`` follows the last message.
+sends an ``AbortRequest``; past ``max_num_seqs + max_waiting_requests`` live requests
+``reserve`` raises ``QueueFullError`` saying why; when the engine reports a failure every live
+request gets an ``engine_failed`` delta with no tokens, later requests ``EngineDeadError``, and
+no command is sent any more; ``stats`` follows the last message.
 Run: pytest tests/engine/test_async_engine.py
 """
 
@@ -17,7 +17,14 @@ import asyncio
 import pytest
 
 from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
-from pieceworks.engine.core import EngineCoreOutputs, EngineStats, RequestDelta
+from pieceworks.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineCommand,
+    EngineCoreOutputs,
+    EngineStats,
+    RequestDelta,
+)
 from pieceworks.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8)
@@ -30,13 +37,13 @@ class FakeClient:
     initial_stats = EngineStats(num_blocks=10, num_free_blocks=10)
 
     def __init__(self) -> None:
-        self.commands: list[tuple] = []
+        self.commands: list[EngineCommand] = []
         self.alive = True
 
     def start(self, loop, on_outputs) -> None:
         self.on_outputs = on_outputs
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: EngineCommand) -> None:
         self.commands.append(command)
 
     def is_alive(self) -> bool:
@@ -58,7 +65,7 @@ def test_deltas_in_order_and_merged_when_the_caller_fell_behind():
         stream = engine.generate([1, 2], PARAMS, "r")
         first = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0)
-        assert client.commands == [("add", "r", [1, 2], PARAMS)]
+        assert client.commands == [AddRequest("r", [1, 2], PARAMS)]
         client.on_outputs(EngineCoreOutputs([delta("r", [7], 1, logprobs=["a"])], None))
         got = [await first]
         # Three steps arrive before the caller reads again: one delta comes out.
@@ -113,7 +120,7 @@ def test_leaving_early_aborts_and_the_queue_is_bounded():
         return client
 
     client = asyncio.run(run())
-    assert ("abort", "r0") in client.commands
+    assert AbortRequest("r0") in client.commands
 
 
 def test_an_engine_failure_reaches_every_live_request_and_every_later_one():

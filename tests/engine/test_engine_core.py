@@ -1,27 +1,26 @@
-"""``EngineCore`` and ``run_engine_loop``: commands in, one coalesced message per turn out.
+"""``EngineCore`` and ``EngineCoreLoop`` as a caller sees them, step by step.
 
-Proves: each turn of the loop sends one ``EngineCoreOutputs`` carrying at most one delta per
-request, and a request's deltas, in order, are exactly the offline ``LLM.generate`` greedy
-tokens; a request that can never fit is refused with the engine's reason in the turn it was
-added; ``abort`` ends a request with "abort" and counts it; ``shutdown`` aborts what is still
-live and ends the loop; a step that raises ends the loop with that error; the messages survive
-pickling unchanged (they cross the pipe to the server). llama-tiny at level 0 on CPU.
+Proves: every decode step leaves one ``step_seconds`` entry ``(uniform decode?, number of
+requests, seconds)``; ``abort_request`` and ``stop_request`` finish a request with "abort" or
+"stop", free its KV blocks and say whether an unfinished request had that id; the engine's
+refusals name the vocabulary and the prompt's index in full, and a shut-down engine refuses
+every call with its message; ``EngineCoreLoop`` turns a ``StopRequest`` into a delta finished
+with "stop", refuses a message it does not know by its repr, and its ``EngineStats`` count the
+running and waiting requests, the blocks and the aborts. llama-tiny at level 0 on CPU, float32.
 Run: pytest tests/engine/test_engine_core.py
 """
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 
-from pieceworks.engine.core import EngineCore, EngineCoreOutputs, run_engine_loop
+from pieceworks.engine.core_loop import EngineCoreLoop
 from pieceworks.engine.llm import LLM
+from pieceworks.engine.messages import AbortRequest, AddRequest, EngineStats, StopRequest
 from pieceworks.sampling_params import SamplingParams
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-LONG = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
-PROMPTS = {"a": [3, 14, 15, 92], "b": [65, 35]}
+LONG = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -29,67 +28,128 @@ def llm():
     return LLM("llama-tiny", compilation_config={"level": 0}, dtype="float32", max_num_seqs=4)
 
 
-def serve(core: EngineCore, script: list[list[tuple]]) -> list[EngineCoreOutputs]:
-    """Run the loop with ``script[i]`` as the commands of turn i (none once it runs out; a
-    shutdown after 40 turns); return every message it sent."""
-    sent: list[EngineCoreOutputs] = []
-    turns = iter(script)
-
-    def receive(timeout: float) -> list[tuple]:
-        commands = next(turns, [])
-        return commands if len(sent) < 40 else [*commands, ("shutdown",)]
-
-    run_engine_loop(core, receive, sent.append)
-    return sent
+def run_to_end(engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
-def test_one_message_per_turn_with_every_request_and_the_offline_tokens(llm):
-    offline = [out.outputs[0].token_ids for out in llm.generate([PROMPTS["a"]], GREEDY)]
-    too_long = [7] * 3000  # more than llama-tiny's context: refused when added
-    script = [
-        [("add", "a", PROMPTS["a"], GREEDY), ("add", "b", PROMPTS["b"], LONG)],
-        [("add", "c", too_long, GREEDY)],
-        *[[]] * 8,  # "a" runs to its end (async scheduling: a step's tokens come a turn later)
-        [("abort", "b")],
-        *[[]] * 4,  # idle turns: nothing to send
-        [("shutdown",)],
-    ]
-    sent = serve(EngineCore(llm.engine), script)
-    assert len(sent) < len(script)  # idle turns send nothing
-    steps = [message.stats.num_steps for message in sent if message.stats is not None]
-    assert all(b - a in (0, 1) for a, b in zip(steps, steps[1:]))  # a message for every step
-    for message in sent:
-        ids = [delta.request_id for delta in message.deltas]
-        assert len(ids) == len(set(ids))  # coalesced: one delta per request per turn
-    deltas = [delta for message in sent for delta in message.deltas]
-    by_request = {rid: [d for d in deltas if d.request_id == rid] for rid in "abc"}
-    assert [t for d in by_request["a"] for t in d.new_token_ids] == offline[0]
-    assert by_request["a"][-1].finish_reason == "length"
-    (refusal,) = by_request["c"]
-    assert refusal.error is not None and "3000" in refusal.error and refusal.finished
-    assert refusal in sent[1].deltas  # in the turn it was added
-    assert by_request["b"][-1].finish_reason == "abort"
-    assert sent[-1].stats is not None and sent[-1].stats.num_aborted == 1
-    assert sent[-1].stats.num_free_blocks == sent[-1].stats.num_blocks
-    assert all(pickle.loads(pickle.dumps(message)) == message for message in sent)
+def test_every_step_records_its_kind_its_requests_and_its_time(llm):
+    engine = llm.engine
+    run_to_end(engine)
+    engine.step_seconds.clear()
+    engine.add_request([3, 14, 15], SHORT)
+    engine.add_request([9, 2], SHORT)
+    run_to_end(engine)
+    entries = engine.step_seconds
+    assert entries, "no step recorded"
+    for uniform, num_requests, seconds in entries:
+        assert isinstance(uniform, bool)
+        assert num_requests == 2
+        assert 0.0 < seconds < 60.0
+    assert entries[0][0] is False  # the prefill
+    assert any(uniform for uniform, _, _ in entries)  # the decode steps
 
 
-def test_shutdown_aborts_what_is_live(llm):
-    script = [[("add", "x", PROMPTS["a"], LONG)], [], [("shutdown",)]]
-    sent = serve(EngineCore(llm.engine), script)
-    assert sent[-1].deltas[-1].request_id == "x"
-    assert sent[-1].deltas[-1].finish_reason == "abort"
-    assert not llm.engine.scheduler.has_unfinished_requests()
+def test_abort_and_stop_finish_a_request_and_free_its_blocks(llm):
+    engine = llm.engine
+    run_to_end(engine)
+    blocks = engine.scheduler.block_manager
+    free = blocks.num_free_blocks
+    aborted = engine.add_request([1, 2, 3], LONG)
+    stopped = engine.add_request([4, 5, 6], LONG)
+    engine.step()
+    engine.step()
+    assert blocks.num_free_blocks < free
+    assert engine.abort_request(aborted.request_id) is True
+    assert aborted.finish_reason == "abort" and aborted.is_finished
+    assert engine.abort_request(aborted.request_id) is False  # already finished
+    assert engine.stop_request(stopped.request_id) is True
+    assert stopped.finish_reason == "stop" and stopped.is_finished
+    assert engine.stop_request(stopped.request_id) is False
+    assert engine.abort_request("no such id") is False
+    assert engine.stop_request("no such id") is False
+    run_to_end(engine)
+    assert not engine.has_unfinished_requests()
+    assert blocks.num_free_blocks == free
+    assert len(aborted.output_token_ids) < 50 and len(stopped.output_token_ids) < 50
 
 
-def test_a_step_that_raises_ends_the_loop_with_its_error(llm, monkeypatch):
-    def broken_step():
-        raise RuntimeError("device lost")
+def test_refusals_name_the_vocabulary_and_the_prompt(llm):
+    engine = llm.engine
+    run_to_end(engine)
+    with pytest.raises(ValueError) as error:
+        engine.add_request([1, 256], SHORT)
+    assert str(error.value) == "prompt token ids must be in [0, 256) for this model"
+    with pytest.raises(ValueError) as error:
+        engine.add_requests([[1], [2], [-1]], [SHORT] * 3)
+    assert str(error.value) == "prompt token ids must be in [0, 256) for this model"
+    with pytest.raises(ValueError) as error:
+        engine.add_requests([[1], [7] * 3000], [SHORT] * 2)
+    assert str(error.value).startswith("prompt 1: ")
+    assert not engine.has_unfinished_requests()  # nothing queued
+    checked = engine.check_requests([[1, 2], [3]], [SHORT, LONG])
+    assert [r.prompt_token_ids for r in checked] == [[1, 2], [3]]
+    assert [r.sampling_params for r in checked] == [SHORT, LONG]
+    assert not engine.has_unfinished_requests()
+    named = engine.add_request([5], SHORT, request_id="mine")
+    assert named.request_id == "mine"
+    assert named.eos_token_id == engine.eos_token_id
+    run_to_end(engine)
+    assert named.output_token_ids and named.finish_reason == "length"
 
-    monkeypatch.setattr(llm.engine, "step", broken_step)
-    core = EngineCore(llm.engine)
-    try:
-        with pytest.raises(RuntimeError, match="device lost"):
-            serve(core, [[("add", "y", PROMPTS["b"], GREEDY)]])
-    finally:
-        core.apply(("abort", "y"))  # the module's engine serves the next test
+
+def test_core_stop_command_and_stats(llm):
+    engine = llm.engine
+    run_to_end(engine)
+    core = EngineCoreLoop(engine)
+    assert core.stats() == EngineStats(
+        num_running=0,
+        num_waiting=0,
+        num_blocks=engine.scheduler.block_manager.num_blocks,
+        num_free_blocks=engine.scheduler.block_manager.num_blocks,
+        num_steps=0,
+        num_aborted=0,
+    )
+    core.apply(AddRequest("s", [1, 2, 3], LONG))
+    core.apply(AddRequest("a", [4, 5], LONG))
+    assert core.stats().num_waiting == 2
+    core.step()
+    core.step()
+    stats = core.stats()
+    assert stats.num_running == 2 and stats.num_waiting == 0 and stats.num_steps == 2
+    assert stats.num_free_blocks < stats.num_blocks
+    assert 0.0 < stats.kv_cache_usage <= 1.0
+    core.take_outputs()
+    core.apply(StopRequest("s"))
+    core.apply(AbortRequest("a"))
+    core.apply(StopRequest("gone"))  # an unknown id: a no-op
+    outputs = core.take_outputs()
+    finished = {delta.request_id: delta.finish_reason for delta in outputs.deltas}
+    assert finished == {"s": "stop", "a": "abort"}
+    assert outputs.stats.num_aborted == 1  # a stop is not an abort
+    assert outputs.stats.num_running == 0
+    with pytest.raises(ValueError) as error:
+        core.apply("bogus")  # type: ignore[arg-type]
+    assert str(error.value) == "unknown engine command 'bogus'"
+    run_to_end(engine)
+    assert EngineStats().kv_cache_usage == 0.0
+    assert EngineStats(num_blocks=4, num_free_blocks=1).kv_cache_usage == 0.75
+
+
+def test_a_shut_down_engine_refuses_every_call():
+    llm = LLM("llama-tiny", compilation_config={"level": 0}, dtype="float32", max_model_len=64)
+    engine = llm.engine
+    assert engine.is_shut_down is False
+    engine.shutdown()
+    assert engine.is_shut_down is True
+    message = "this engine was shut down (its graphs and workers are freed); build a new LLM"
+    for call in (
+        lambda: engine.add_request([1], SHORT),
+        lambda: engine.add_requests([[1]], [SHORT]),
+        lambda: engine.abort_request("0"),
+        lambda: engine.stop_request("0"),
+        engine.step,
+    ):
+        with pytest.raises(RuntimeError) as error:
+            call()
+        assert str(error.value) == message

@@ -4,7 +4,7 @@
 ``Process`` is a stand-in that runs the target on a thread, with its own copies of the pipe ends
 (as a spawned child has) that it closes when the target returns (as a child's exit does), and
 ``core_process.signal`` is a recorder (only the main thread may set handlers). Everything else
-is real: pipes, pickling and framing, ``EngineCore`` over llama-tiny at level 0 on CPU, float32.
+is real: pipes, pickling and framing, ``EngineCoreLoop`` over llama-tiny at level 0 on CPU, float32.
 
 Proves: the engine process ignores SIGINT and catches SIGTERM without effect; it builds the
 ``EngineSpec``'s engine and reports its ``EngineInfo`` (pid, limits, KV capacity, stats); commands
@@ -13,7 +13,7 @@ callback, and a request streams the offline greedy tokens; a refused prompt come
 delta; ``shutdown`` ends the loop, aborts a live request (its KV blocks come back), shuts the
 engine down, kills nothing and closes both pipes, once; an engine spec that fails is raised in the
 client as its own error over the ``RemoteTraceback``; a child that dies while starting is reported
-with its exit status; a command the loop cannot apply fails the engine with that error, the loop
+with its exit status; a message the loop cannot apply fails the engine with that error, the loop
 shuts the engine down and exits with status 1, and the client then reports the death; the parent
 watch exits only while the engine is still being built; an engine loop whose command pipe ends
 aborts its live requests; a send to a server that went away is dropped; ``shutdown`` writes the
@@ -35,15 +35,12 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from pieceworks.engine import core_process
-from pieceworks.engine.core import EngineCore, EngineCoreOutputs
-from pieceworks.engine.core_process import (
-    EngineProcessClient,
-    EngineSpec,
-    RemoteTraceback,
-    run_engine_loop_until_eof,
-)
+from pieceworks.engine import core_client, core_process
+from pieceworks.engine.core_client import EngineProcessClient, RemoteTraceback
+from pieceworks.engine.core_loop import EngineCoreLoop
+from pieceworks.engine.core_process import EngineSpec, run_busy_loop_until_eof
 from pieceworks.engine.llm import LLM
+from pieceworks.engine.messages import AddRequest, EngineCoreOutputs, Shutdown
 from pieceworks.models.loading.sources import ModelSourceError
 from pieceworks.sampling_params import SamplingParams
 
@@ -130,7 +127,7 @@ def threads(monkeypatch):
         return types.SimpleNamespace(Pipe=real.Pipe, Process=ThreadProcess)
 
     recorder = SignalRecorder()
-    monkeypatch.setattr(core_process.multiprocessing, "get_context", get_context)
+    monkeypatch.setattr(core_client.multiprocessing, "get_context", get_context)
     monkeypatch.setattr(core_process, "signal", recorder)
     ThreadProcess.started = []
     yield recorder
@@ -213,8 +210,8 @@ def test_the_engine_process_serves_requests_and_shuts_down(threads, engines, off
     outputs = serve(
         client,
         lambda messages: finished("a")(messages) and finished("big")(messages),
-        commands_before=[("add", "a", PROMPT, GREEDY)],
-        commands_after=[("add", "big", too_big, GREEDY)],
+        commands_before=[AddRequest("a", PROMPT, GREEDY)],
+        commands_after=[AddRequest("big", too_big, GREEDY)],
     )
     assert [t for d in outputs.deltas("a") for t in d.new_token_ids] == offline
     assert outputs.deltas("a")[-1].finish_reason == "length"
@@ -231,7 +228,7 @@ def test_the_engine_process_serves_requests_and_shuts_down(threads, engines, off
 
 def test_a_live_request_is_aborted_when_the_server_shuts_down(threads, engines):
     client = EngineProcessClient(SPEC)
-    outputs = serve(client, lambda m: any(x.deltas for x in m), [("add", "long", PROMPT, LONG)])
+    outputs = serve(client, lambda m: any(x.deltas for x in m), [AddRequest("long", PROMPT, LONG)])
     assert outputs.deltas("long")[0].new_token_ids
     client.shutdown(timeout=10)
     (engine,) = engines
@@ -258,7 +255,7 @@ def test_a_child_that_dies_while_starting_is_reported_with_its_status(threads, m
     def dies(spec, commands, outputs):
         raise SystemExit(3)
 
-    monkeypatch.setattr(core_process, "run_engine_core", dies)
+    monkeypatch.setattr(core_client, "run_engine_core", dies)
     with pytest.raises(RuntimeError) as error:
         EngineProcessClient(SPEC)
     assert str(error.value) == (
@@ -280,7 +277,7 @@ def test_the_death_names_the_exit_code(exitcode, how):
 
 def test_a_command_the_loop_cannot_apply_fails_the_engine(threads, engines):
     client = EngineProcessClient(SPEC)
-    outputs = serve(client, lambda m: len(m) >= 2 and m[-1].failure is not None, [("bogus",)])
+    outputs = serve(client, lambda m: len(m) >= 2 and m[-1].failure is not None, ["bogus"])
     failures = [m.failure for m in outputs.messages]
     assert failures == [
         "the engine failed: ValueError(\"unknown engine command 'bogus'\")",
@@ -323,11 +320,11 @@ def test_the_parent_watch_exits_only_while_the_engine_is_being_built(monkeypatch
 
 def test_an_engine_loop_whose_command_pipe_ends_aborts_its_requests(llm):
     commands, server_end = multiprocessing.Pipe(duplex=False)
-    server_end.send([("add", "a", PROMPT, LONG)])
-    server_end.send([("add", "b", PROMPT, LONG)])
+    server_end.send([AddRequest("a", PROMPT, LONG)])
+    server_end.send([AddRequest("b", PROMPT, LONG)])
     server_end.close()  # the server went away
     sent: list[EngineCoreOutputs] = []
-    run_engine_loop_until_eof(EngineCore(llm.engine), commands, sent.append)
+    run_busy_loop_until_eof(EngineCoreLoop(llm.engine), commands, sent.append)
     (last,) = sent
     assert [(d.request_id, d.finish_reason, d.new_token_ids) for d in last.deltas] == [
         ("a", "abort", []),
@@ -341,7 +338,7 @@ def test_an_engine_loop_whose_command_pipe_ends_aborts_its_requests(llm):
 def test_outputs_arrive_whole_and_a_send_after_the_server_left_is_dropped(llm):
     server_end, engine_end = multiprocessing.Pipe(duplex=False)
     send = core_process._sender(engine_end)
-    message = EngineCore(llm.engine).take_outputs()
+    message = EngineCoreLoop(llm.engine).take_outputs()
     send(message)
     assert server_end.recv() == message
     server_end.close()
@@ -374,13 +371,13 @@ def test_shutdown_sends_what_is_queued_then_kills_an_engine_that_does_not_stop()
     client.process = HungProcess()
     client._loop, client._pending, client._unsent = None, [], bytearray()
     client._closed, client._ready = False, True
-    client.send(("add", "a", PROMPT, GREEDY))  # no loop yet: queued
+    client.send(AddRequest("a", PROMPT, GREEDY))  # no loop yet: queued
     engine_outputs.send_bytes(b"a last output, dropped")
     start = time.monotonic()
     client.shutdown(timeout=0.2)
     assert time.monotonic() - start >= 0.2
     assert client.process.calls == [("kill",), ("join", 5)]
-    assert engine_commands.recv() == [("add", "a", PROMPT, GREEDY), ("shutdown",)]
+    assert engine_commands.recv() == [AddRequest("a", PROMPT, GREEDY), Shutdown()]
     assert client._commands.closed and client._outputs.closed
     engine_commands.close()
     engine_outputs.close()
@@ -390,7 +387,7 @@ def test_one_read_dispatches_at_most_max_messages_per_read():
     client = EngineProcessClient.__new__(EngineProcessClient)
     client._outputs, engine_outputs = multiprocessing.Pipe(duplex=False)
     send = core_process._sender(engine_outputs)
-    for num_steps in range(core_process.MAX_MESSAGES_PER_READ + 4):
+    for num_steps in range(core_client.MAX_MESSAGES_PER_READ + 4):
         send(EngineCoreOutputs([], None, failure=str(num_steps)))
     dispatched: list[EngineCoreOutputs] = []
     client._read(dispatched.append)

@@ -16,12 +16,8 @@ import asyncio
 
 import pytest
 
-from pieceworks.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    InprocEngineClient,
-    QueueFullError,
-)
+from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from pieceworks.engine.core_client import InprocEngineClient
 from pieceworks.engine.llm import LLM
 from pieceworks.sampling_params import SamplingParams
 
@@ -86,7 +82,7 @@ def test_a_step_that_raises_fails_the_live_request_and_every_later_one(monkeypat
     def broken_step() -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(client.core, "step", broken_step)
+    monkeypatch.setattr(client.core_loop, "step", broken_step)
     engine = AsyncLLMEngine(client)
 
     async def main():

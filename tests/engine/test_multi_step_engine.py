@@ -22,7 +22,8 @@ import asyncio
 
 import pytest
 
-from pieceworks.engine.async_engine import AsyncLLMEngine, InprocEngineClient
+from pieceworks.engine.async_engine import AsyncLLMEngine
+from pieceworks.engine.core_client import InprocEngineClient
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.output_processor import OutputProcessor
 from pieceworks.sampling_params import SamplingParams

@@ -117,7 +117,7 @@ def drive(
     aborts: dict[int, list[str]] | None = None,
     max_calls: int = 20_000,
 ) -> list[SchedulerOutput]:
-    """schedule → fake runner → update until all finish, as ``LLMEngine.step`` does; requests
+    """schedule → fake runner → update until all finish, as ``EngineCore.step`` does; requests
     arrive (and are aborted) before the numbered ``schedule()`` call. The launched outputs."""
     runner, aborts = MultiStepFakeRunner(scheduler), aborts or {}
     outputs: list[SchedulerOutput] = []

@@ -33,7 +33,7 @@ import pytest
 
 from pieceworks import platforms
 from pieceworks.distributed import parallel_state
-from pieceworks.engine import llm_engine
+from pieceworks.engine import core as engine_core
 from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.engine.llm import LLM
 from pieceworks.sampling_params import SamplingParams
@@ -152,7 +152,7 @@ def test_make_executor_spawns_only_for_several_ranks_without_a_distributed_envir
 def test_an_engine_over_the_multiproc_executor_broadcasts_each_step(
     monkeypatch, offline, _no_torchrun_and_no_atexit
 ):
-    monkeypatch.setattr(llm_engine, "make_executor", MultiprocExecutor)
+    monkeypatch.setattr(engine_core, "make_executor", MultiprocExecutor)
     llm = LLM("llama-tiny", compilation_config={"level": 0}, **ENGINE_ARGS)
     executor = llm.engine.executor
     assert isinstance(executor, MultiprocExecutor) and executor.processes == []

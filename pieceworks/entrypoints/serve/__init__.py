@@ -24,7 +24,7 @@ from pieceworks.entrypoints.engine_args import (
 
 def build_context(llm: Any, model_name: str, max_waiting_requests: int) -> Any:
     """The ``ServingContext`` over an ``LLM``'s engine, run on a thread of this process."""
-    from pieceworks.engine.async_engine import InprocEngineClient
+    from pieceworks.engine.core_client import InprocEngineClient
 
     engine = llm.engine
     model_config = llm.config.model_config
@@ -40,7 +40,7 @@ def build_context(llm: Any, model_name: str, max_waiting_requests: int) -> Any:
 def build_process_context(spec: Any, model_name: str, max_waiting_requests: int) -> Any:
     """The ``ServingContext`` over an engine built from ``spec`` (an ``EngineSpec``) in a
     process of its own; an engine that cannot be built raises its error here."""
-    from pieceworks.engine.core_process import EngineProcessClient
+    from pieceworks.engine.core_client import EngineProcessClient
     from pieceworks.engine.tokenizer import load_tokenizer
 
     client = EngineProcessClient(spec)

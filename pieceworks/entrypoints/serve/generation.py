@@ -17,7 +17,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
+from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pieceworks.engine.messages import RequestDelta
 from pieceworks.entrypoints.serve.errors import bad_request
 from pieceworks.entrypoints.serve.metrics import ServerMetrics
 from pieceworks.entrypoints.serve.text import TextStream

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pieceworks.engine.async_engine import EngineStats
+from pieceworks.engine.messages import EngineStats
 
 _TTFT_BUCKETS = (
     0.001,

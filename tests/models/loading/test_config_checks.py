@@ -187,7 +187,7 @@ def _saved(tmp_path, hf_config, edit=None):
 
 def test_llm_refuses_an_unimplemented_activation_before_building(tmp_path, monkeypatch):
     path = _saved(tmp_path, {**LLAMA, "hidden_act": "gelu_pytorch_tanh"})
-    monkeypatch.setattr("pieceworks.engine.llm.LLMEngine", None)  # building would fail loudly
+    monkeypatch.setattr("pieceworks.engine.llm.EngineCore", None)  # building would fail loudly
     with pytest.raises(ModelConfigError, match=r"config.json: hidden_act='gelu_pytorch_tanh'"):
         LLM(path, compilation_config={"level": 0})
 

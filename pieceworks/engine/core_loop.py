@@ -1,0 +1,175 @@
+"""``EngineCoreLoop``: the serving engine loop's work, free of threads, processes and asyncio.
+
+The loop owns an ``EngineCore`` (``engine/core.py``: scheduler, executor and sampler, one
+``step`` at a time) and turns the typed commands of ``engine/messages.py`` into engine calls and
+engine steps into messages. After each turn it hands back one ``EngineCoreOutputs``: every
+request's new tokens of that turn (one ``RequestDelta`` each, with its log-probabilities and
+finish reason), the engine's refusals of new requests, and the ``EngineStats`` snapshot,
+coalesced into one message however many requests are live. ``run_busy_loop`` is the loop itself;
+where it runs (a thread of the server, ``InprocEngineClient``, or the engine process of
+``engine/core_process.py``) only changes how commands arrive and outputs leave. The front end
+(``engine/async_engine.py``) dispatches the deltas to each request's queue. This module moves
+token ids; text is the front end's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pieceworks.engine.core import EngineCore
+from pieceworks.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineCommand,
+    EngineCoreOutputs,
+    EngineStats,
+    RequestDelta,
+    Shutdown,
+    StopRequest,
+)
+from pieceworks.scheduler.request import Request
+
+# How long the idle engine loop waits for a command before it looks again.
+IDLE_POLL_SECONDS = 0.5
+
+
+class EngineCoreLoop:
+    """Applies commands to an ``EngineCore`` and collects what each turn changed, per request.
+
+    vLLM's ``EngineCoreProc`` is its engine core run in a busy loop in a process of its own; this
+    class is that busy loop without the process (the name says so): the same loop serves the
+    engine process (``engine/core_process.py``) and the in-process thread of
+    ``InprocEngineClient``, which differ only in how commands arrive and outputs leave.
+    """
+
+    def __init__(self, engine_core: EngineCore) -> None:
+        self.engine_core = engine_core
+        self._requests: dict[str, Request] = {}  # live requests by id
+        self._num_sent: dict[str, int] = {}  # output tokens already handed out, per request
+        self._deltas: list[RequestDelta] = []
+        self._num_steps = 0
+        self._num_aborted = 0
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            AddRequest: self._add,
+            AbortRequest: self._abort,
+            StopRequest: self._stop,
+        }
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def apply(self, command: EngineCommand) -> None:
+        """Apply one ``AddRequest``, ``AbortRequest`` or ``StopRequest`` (unknown or finished
+        ids are no-ops); any other message raises ValueError."""
+        handler = self._handlers.get(type(command))
+        if handler is None:
+            raise ValueError(f"unknown engine command {command!r}")
+        handler(command)
+
+    def _add(self, command: AddRequest) -> None:
+        request_id = command.request_id
+        try:
+            request = self.engine_core.add_request(
+                command.prompt_token_ids, command.params, request_id
+            )
+        except ValueError as error:  # the request can never run: tell its caller why
+            self._deltas.append(RequestDelta(request_id, [], 0, error=str(error)))
+            return
+        self._requests[request_id] = request
+        self._num_sent[request_id] = 0
+
+    def _abort(self, command: AbortRequest) -> None:
+        if self.engine_core.abort_request(command.request_id):
+            self._num_aborted += 1
+            self._collect()
+
+    def _stop(self, command: StopRequest) -> None:
+        if self.engine_core.stop_request(command.request_id):
+            self._collect()
+
+    def step(self) -> None:
+        """Run one engine step and collect every request's new tokens."""
+        self.engine_core.step()
+        self._num_steps += 1
+        self._collect()
+
+    def abort_all(self) -> None:
+        """Abort every live request (the loop is shutting down)."""
+        for request_id in list(self._requests):
+            self._abort(AbortRequest(request_id))
+
+    def _collect(self) -> None:
+        """A delta for each live request that gained tokens or finished; forget finished ones."""
+        finished = []
+        for request_id, request in self._requests.items():
+            num_sent = self._num_sent[request_id]
+            num_tokens = len(request.output_token_ids)
+            if num_tokens == num_sent and not request.is_finished:
+                continue
+            self._deltas.append(
+                RequestDelta(
+                    request_id,
+                    request.output_token_ids[num_sent:num_tokens],
+                    num_tokens,
+                    request.finish_reason,
+                    logprobs=_new_logprobs(request, num_sent, num_tokens),
+                )
+            )
+            self._num_sent[request_id] = num_tokens
+            if request.is_finished:
+                finished.append(request_id)
+        for request_id in finished:
+            del self._requests[request_id], self._num_sent[request_id]
+
+    def take_outputs(self) -> EngineCoreOutputs:
+        """The deltas collected since the last call, with the current stats."""
+        deltas, self._deltas = self._deltas, []
+        return EngineCoreOutputs(deltas, self.stats())
+
+    def stats(self) -> EngineStats:
+        scheduler = self.engine_core.scheduler
+        blocks = scheduler.block_manager
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_blocks=blocks.num_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            num_steps=self._num_steps,
+            num_aborted=self._num_aborted,
+        )
+
+    def run_busy_loop(
+        self,
+        receive: Callable[[float], list[EngineCommand]],
+        send: Callable[[EngineCoreOutputs], None],
+    ) -> None:
+        """Serve commands until ``Shutdown``: apply what arrived, step while any request is
+        unfinished, and send one ``EngineCoreOutputs`` per turn in which anything happened.
+
+        ``receive(timeout)`` returns the commands that arrived, waiting up to ``timeout`` seconds
+        for the first (0 while requests run: a step never waits for a command). On shutdown the
+        requests still live are aborted and their final deltas sent.
+        """
+        while True:
+            timeout = 0.0 if self.has_unfinished_requests() else IDLE_POLL_SECONDS
+            commands = receive(timeout)
+            for command in commands:
+                if isinstance(command, Shutdown):
+                    self.abort_all()
+                    send(self.take_outputs())
+                    return
+                self.apply(command)
+            stepped = self.has_unfinished_requests()
+            if stepped:
+                self.step()
+            if commands or stepped:
+                send(self.take_outputs())
+
+
+def _new_logprobs(request: Request, start: int, end: int) -> list[Any] | None:
+    """The engine's log-probability entries of output tokens [start, end) when the request set
+    ``SamplingParams.logprobs``: one per token, appended with the token."""
+    if request.sampling_params.logprobs is None:
+        return None
+    return list(request.output_logprobs[start:end])
