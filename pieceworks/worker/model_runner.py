@@ -32,6 +32,7 @@ from pieceworks.core.config import CompilationLevel, CUDAGraphMode
 from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
 from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphSet
+from pieceworks.kernels.chooser import KernelChooser
 from pieceworks.logger import init_logger
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.loading.sources import get_model
@@ -64,8 +65,10 @@ class ModelRunner(RunnerStartup):
         self.device = self.platform.device(config.parallel_config.local_rank or 0)
         use_pieceworks_triton_cache(config)  # both before any kernel compiles
         use_torch_ptxas()
+        # this engine's kernel choices, made once per layer as the model is built
+        self.kernels = KernelChooser.for_platform(self.platform, config.compilation_config)
         start = time.perf_counter()
-        self.model: Any = get_model(config, self.device).requires_grad_(False)
+        self.model: Any = get_model(config, self.device, self.kernels).requires_grad_(False)
         self.load_seconds = time.perf_counter() - start
         self.compilation = config.compilation_config
         self.dispatcher = CudagraphDispatcher(config)

@@ -34,7 +34,7 @@ from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
 from pieceworks.core.static_graph import StaticGraphWrapperBase
 from pieceworks.core.trace_once import trace_once_compilers
 from pieceworks.kernels import precompile
-from pieceworks.kernels.chooser import warmup_kernels
+from pieceworks.kernels.chooser import KernelChooser
 from pieceworks.kernels.precompile import precompiling
 from pieceworks.logger import init_logger
 from pieceworks.scheduler.block_manager import cdiv
@@ -74,6 +74,7 @@ class RunnerStartup:
     platform: Platform
     device: torch.device
     model: Any
+    kernels: KernelChooser  # the engine's kernel choices (``kernels/chooser.py``)
     forward_model: Any
     dispatcher: CudagraphDispatcher
     static_graphs: StaticGraphSet
@@ -239,7 +240,7 @@ class RunnerStartup:
         gc.freeze()  # objects alive now are never collected during capture: faster gc passes
         logger.debug(
             "the warm-up before capture runs the chosen Triton/Gluon kernels: %s",
-            ", ".join(f"{c.op} ({c.impl.name})" for c in warmup_kernels()) or "none",
+            ", ".join(f"{c.op} ({c.impl.name})" for c in self.kernels.warmup_kernels()) or "none",
         )
         try:
             start = time.perf_counter()

@@ -31,6 +31,8 @@ if not torch.cuda.is_available():
 
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE  # noqa: E402
 from pieceworks.kernels import triton_launch  # noqa: E402
+from pieceworks.kernels.chooser import KernelChooser  # noqa: E402
+from pieceworks.kernels.gemv import small_m_fp8 as fp8  # noqa: E402
 from pieceworks.kernels.gemv import triton_gemv, triton_gemv_rope  # noqa: E402
 from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     MAX_GEMV_TOKENS,
@@ -40,7 +42,6 @@ from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     rope_config,
 )
 from pieceworks.kernels.gemv.triton_gemv_rope import small_m_rope_linear  # noqa: E402
-from pieceworks.models.layers.quantization import fp8  # noqa: E402
 from pieceworks.models.layers.rotary_embedding import (  # noqa: E402
     RotaryEmbedding,
     get_rope,
@@ -318,9 +319,15 @@ def test_rotary_takes_the_op_form_only_for_full_neox(rotary_dim, op_form, monkey
     """With the GEMV ops on, a full neox rotary calls ``pieceworks::rotary_embedding`` (what the
     rope fusion pass folds into the qkv GEMV); a partial rotary (Bamba's) stays plain ATen. Both
     rotate q and k as ``rotate_heads`` does, bit for bit."""
+
+    def built_rope():
+        """The rotary with its form chosen by an engine on the current platform."""
+        rope = get_rope(32, rotary_dim, MAX_POSITION, 10000.0, None, True, torch.float32)
+        rope.choose_kernels(KernelChooser.for_current_platform())
+        return rope
+
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
-    rotary_emb = get_rope(32, rotary_dim, MAX_POSITION, 10000.0, None, True, torch.float32)
-    rotary_emb = rotary_emb.to(DEVICE)
+    rotary_emb = built_rope().to(DEVICE)
     assert rotary_emb.uses_op is op_form
     positions = torch.tensor([0, 7, 300], device=DEVICE)
     generator = torch.Generator().manual_seed(0)
@@ -332,4 +339,4 @@ def test_rotary_takes_the_op_form_only_for_full_neox(rotary_dim, op_form, monkey
     )
     torch.testing.assert_close(rotated_key, rotary_emb.rotate_heads(positions, key), rtol=0, atol=0)
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
-    assert not get_rope(32, rotary_dim, MAX_POSITION, 10000.0, None, True, torch.float32).uses_op
+    assert not built_rope().uses_op

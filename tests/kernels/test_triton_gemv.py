@@ -46,6 +46,7 @@ from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.kernels import triton_launch  # noqa: E402
 from pieceworks.kernels.gemv import resident_gemv, triton_gemv, triton_gemv_rope  # noqa: E402
+from pieceworks.kernels.gemv import small_m_fp8 as fp8  # noqa: E402
 from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     MAX_GEMV_TOKENS,
     MAX_KERNEL_TOKENS,
@@ -58,7 +59,6 @@ from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     small_m_linear_op,
 )
 from pieceworks.models.layers.activation import silu_and_mul  # noqa: E402
-from pieceworks.models.layers.quantization import fp8  # noqa: E402
 from pieceworks.platforms import current_platform  # noqa: E402
 from pieceworks.sampling_params import SamplingParams  # noqa: E402
 
@@ -449,22 +449,29 @@ def test_fp8_ops_fall_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
 
 
 def test_gemv_is_on_by_default_where_the_platform_runs_triton_kernels(monkeypatch):
+    from pieceworks.kernels.chooser import KernelChooser
     from pieceworks.models.layers.quantization import UnquantizedLinearMethod
     from pieceworks.platforms.capability import TRITON
     from tests.kernels.test_programmatic_launch import with_capability
+
+    def built_method() -> UnquantizedLinearMethod:
+        """A method whose kernels an engine on the current platform chose."""
+        method = UnquantizedLinearMethod()
+        method.choose_kernels(KernelChooser.for_current_platform())
+        return method
 
     monkeypatch.delenv("PIECEWORKS_SMALL_M_GEMV", raising=False)
     assert envs.PIECEWORKS_SMALL_M_GEMV is None
     platform = type(current_platform())
     with_capability(monkeypatch, platform, set())
-    assert UnquantizedLinearMethod().small_m_gemv is False
+    assert built_method().small_m_gemv is False
     with_capability(monkeypatch, platform, {TRITON})
-    assert UnquantizedLinearMethod().small_m_gemv is True
+    assert built_method().small_m_gemv is True
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
-    assert UnquantizedLinearMethod().small_m_gemv is False  # the variable wins
+    assert built_method().small_m_gemv is False  # the variable wins
     with_capability(monkeypatch, platform, set())
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
-    assert UnquantizedLinearMethod().small_m_gemv is True
+    assert built_method().small_m_gemv is True
 
 
 def test_gemv_config_follows_the_h200_sweep_and_fits_smaller_shared_memory() -> None:

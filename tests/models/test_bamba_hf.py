@@ -177,7 +177,7 @@ def test_the_kernels_a_gpu_chooses_match_hf(saved, monkeypatch):
     the GEMV with the H200's tile file, shared memory and SM count), run by Triton's interpreter
     on CPU tensors: HF's logits within 1e-4 of the scale, so on a GPU a gap to HF is the launch
     or the hardware's arithmetic, not what the kernels compute."""
-    from pieceworks.kernels import chooser, triton_launch
+    from pieceworks.kernels import triton_launch
     from pieceworks.kernels.gemv import triton_gemv, triton_gemv_config
     from pieceworks.platforms.capability import TRITON, DeviceCapability
 
@@ -204,7 +204,8 @@ def test_the_kernels_a_gpu_chooses_match_hf(saved, monkeypatch):
     )
     path, hf_model = saved
     llm = make_llm(path, 0)
-    choices = {op: choice.impl.name for op, choice in chooser.chosen_kernels().items()}
+    chosen = llm.engine.runner.kernels.chosen_kernels()
+    choices = {op: choice.impl.name for op, choice in chosen.items()}
     assert choices["linear"] == "triton_gemv" and choices["silu_and_mul"] == "triton_silu_and_mul"
     assert llm.engine.runner.model.model.layers[0].mamba.backend.name == "triton"
     prompt = prompt_maker(11)
