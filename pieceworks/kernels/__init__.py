@@ -3,9 +3,10 @@
 Families: ``gemv`` (the decode GEMV, its rotary and resident-weight forms, tile rules),
 ``activation`` (SiLU-and-mul), ``norm_quant`` (RMSNorm + static FP8 quantization), ``attention``
 (paged KV store, paged attention), ``mamba`` (causal conv1d, chunked SSD scan, state update),
-``sampling`` (greedy argmax) and ``rope`` (the rotary's torch form). Shared by all: the launch
-options (``triton_launch.py``), the programmatic-launch policy (``programmatic_launch.py``) and
-rounding that gives the same bytes on every backend (``triton_rounding.py``).
+``sampling`` (greedy argmax) and ``rope`` (the rotary's torch form). Shared by all: where the
+kernels run (``triton_device.py``), the launch options (``triton_launch.py``), the
+programmatic-launch policy (``programmatic_launch.py``) and rounding that gives the same bytes
+on every backend (``triton_rounding.py``).
 
 Which implementation each op runs is decided by the engine's ``KernelChooser`` (``chooser.py``),
 once per layer when its model is built; ``register_kernel`` (``registry.py``) is the vendor seam

@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel below is decorated
 
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE  # noqa: E402
-from pieceworks.kernels import triton_launch  # noqa: E402
+from pieceworks.kernels import triton_device  # noqa: E402
 from pieceworks.kernels.chooser import KernelChooser  # noqa: E402
 from pieceworks.kernels.gemv import small_m_fp8 as fp8  # noqa: E402
 from pieceworks.kernels.gemv import triton_gemv, triton_gemv_rope  # noqa: E402
@@ -247,7 +247,7 @@ def no_launch(*args, **kwargs):
 
 @requires_triton
 def test_rope_op_falls_back_to_the_unfused_rotation_past_16_tokens(monkeypatch):
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "SMALL_WEIGHT_BYTES", 0)  # the test's weight counts as large
     monkeypatch.setattr(triton_gemv_rope, "launch_gemv", no_launch)
     num_heads, num_kv_heads, head_size = 4, 2, 32
@@ -266,7 +266,7 @@ def test_fallback_rotation_is_one_in_place_kernel(dtype, monkeypatch):
     """Past 16 tokens the rotation runs as one Triton launch on the GEMM's result (eager torch
     ops would be about ten launches inside the opaque op): q and k heads rotated at each token's
     position, v heads untouched, rounded once like the float64 reference."""
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     num_tokens, num_heads, num_kv_heads, head_size = MAX_GEMV_TOKENS + 3, 4, 2, 32
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size).to(DEVICE, dtype)
     rotary_emb, positions = rope_operands(num_tokens, head_size, dtype)
@@ -291,7 +291,7 @@ def test_rope_ops_never_launch_on_cpu_tensors(monkeypatch):
 
 
 def test_fp8_rope_op_falls_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "SMALL_WEIGHT_BYTES", 0)  # the test's weight counts as large
     monkeypatch.setattr(fp8, "launch_gemv", no_launch)
     num_tokens, head_size = MAX_GEMV_TOKENS + 1, 32

@@ -45,7 +45,7 @@ import torch
 import triton
 
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
-from pieceworks.kernels import triton_launch
+from pieceworks.kernels import triton_device
 from pieceworks.kernels.gemv import triton_gemv_config
 from pieceworks.kernels.gemv.triton_gemv import launch_gemv
 from pieceworks.kernels.gemv.triton_gemv_config import RopeEpilogue
@@ -418,7 +418,7 @@ def uses_resident_gemv(
 ) -> bool:
     """Whether ``launch_resident_gemv`` takes these operands (else the Triton GEMV)."""
     num_tokens, in_features = x.shape
-    if gluon is None or not triton_launch.compiled_kernels_run_on(x.device):
+    if gluon is None or not triton_device.compiled_kernels_run_on(x.device):
         return False
     if (
         x.dtype != KERNEL_FP8_DTYPE

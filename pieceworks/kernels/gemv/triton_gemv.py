@@ -59,7 +59,7 @@ import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, KERNEL_FP8_MAX
-from pieceworks.kernels import triton_launch
+from pieceworks.kernels import triton_device
 from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_epilogue
 from pieceworks.kernels.gemv import triton_gemv_config
 from pieceworks.kernels.gemv.triton_gemv_config import (
@@ -303,7 +303,7 @@ def launch_gemv(
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         # Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
         # (triton-lang/triton#11584): there the kernel widens them to float32 first, exactly
-        UPCAST=triton_launch.INTERPRETED and x.dtype == torch.bfloat16,
+        UPCAST=triton_device.INTERPRETED and x.dtype == torch.bfloat16,
         SCALED=scales is not None,
         GATED=gated,
         ROPE=rope is not None,
@@ -361,7 +361,7 @@ def uses_kernel(
         and x.dtype in dtypes
         and x.stride(1) == 1
         and weight.stride(1) == 1
-        and triton_launch.kernel_runs_on(x)
+        and triton_device.kernel_runs_on(x)
     )
 
 
