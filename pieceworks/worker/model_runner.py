@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 import torch
 
 from pieceworks.config import EngineConfig
-from pieceworks.core.cache.triton_cache import use_pieceworks_triton_cache, use_torch_ptxas
 from pieceworks.core.config import CompilationLevel, CUDAGraphMode
 from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
@@ -63,8 +62,6 @@ class ModelRunner(RunnerStartup):
         self.config = config
         self.platform = current_platform()
         self.device = self.platform.device(config.parallel_config.local_rank or 0)
-        use_pieceworks_triton_cache(config)  # both before any kernel compiles
-        use_torch_ptxas()
         # this engine's kernel choices, made once per layer as the model is built
         self.kernels = KernelChooser.for_platform(self.platform, config.compilation_config)
         start = time.perf_counter()
