@@ -1,15 +1,19 @@
-"""Every ``PIECEWORKS_*`` environment variable, typed and documented, read in one place.
+"""Every environment variable pieceworks reads, typed and documented, read in one place.
 
-Variables are read lazily, each time they are asked for (``envs.PIECEWORKS_PLATFORM``), so tests can
-change them with ``monkeypatch.setenv``. Nothing here writes ``os.environ``.
-``compile_factors()`` names the variables that change compiled code: only they enter the cache hash.
-See ``docs/envs.md`` for the user-facing table.
+Its own are ``PIECEWORKS_*`` (``environment_variables``); the third-party ones it reads under their
+own names are Triton's (``TRITON_CACHE_DIR``, ``TRITON_PTXAS_PATH``) and torchrun's (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``) (``third_party_variables``). Variables are read lazily, each time
+they are asked for (``envs.PIECEWORKS_PLATFORM``), so tests can change them with
+``monkeypatch.setenv``. Importing this module writes nothing; ``export_variables`` is the one
+writer of ``os.environ``, called once per engine start-up, before any kernel compiles
+(``core/cache/triton_cache.py``). ``compile_factors()`` names the variables that change compiled
+code: only they enter the cache hash. See ``docs/envs.md`` for the user-facing table.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,6 +29,11 @@ if TYPE_CHECKING:
     PIECEWORKS_PDL: bool | None
     PIECEWORKS_BOUND_TRITON_LAUNCH: bool
     PIECEWORKS_PRECOMPILE_KERNELS: bool
+    TRITON_CACHE_DIR: str | None
+    TRITON_PTXAS_PATH: str | None
+    RANK: int | None
+    WORLD_SIZE: int | None
+    LOCAL_RANK: int | None
 
 
 def _optional_str(name: str) -> Callable[[], str | None]:
@@ -43,6 +52,11 @@ def _flag_on_by_default(name: str) -> Callable[[], bool]:
 def _optional_flag(name: str) -> Callable[[], bool | None]:
     """Unset or empty: None (the code's own default); else a flag as ``_flag`` reads it."""
     return lambda: _flag(name)() if os.environ.get(name, "").strip() else None
+
+
+def _optional_int(name: str) -> Callable[[], int | None]:
+    """Unset or empty: None; else the integer."""
+    return lambda: int(os.environ[name]) if os.environ.get(name, "").strip() else None
 
 
 def _plugins() -> list[str] | None:
@@ -96,6 +110,18 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "PIECEWORKS_PRECOMPILE_KERNELS": _flag_on_by_default("PIECEWORKS_PRECOMPILE_KERNELS"),
 }
 
+# Third-party variables read under their own names (docs/envs.md, "Other variables").
+third_party_variables: dict[str, Callable[[], Any]] = {
+    # Triton's kernel-binary directory; unset: the engine points it under the cache root.
+    "TRITON_CACHE_DIR": _optional_str("TRITON_CACHE_DIR"),
+    # The ptxas Triton assembles with; unset: the platform's choice (CUDA: torch's own).
+    "TRITON_PTXAS_PATH": _optional_str("TRITON_PTXAS_PATH"),
+    # torchrun's rank of this process, the number of ranks, and the rank on this host.
+    "RANK": _optional_int("RANK"),
+    "WORLD_SIZE": _optional_int("WORLD_SIZE"),
+    "LOCAL_RANK": _optional_int("LOCAL_RANK"),
+}
+
 # Variables whose value changes the code pieceworks compiles; they enter the compile-cache hash.
 # The platform decides dispatch keys, kernels and graph wrappers, so it is one; logging is not.
 # The small-M GEMV puts its own op into the traced graph in place of every unquantized linear;
@@ -108,11 +134,25 @@ def compile_factors() -> dict[str, Any]:
     return {name: environment_variables[name]() for name in _COMPILE_FACTORS}
 
 
+def export_variables(variables: Mapping[str, str]) -> None:
+    """Set third-party ``variables`` in this process's environment, which the processes it starts
+    inherit (Inductor's compile workers, tensor-parallel ranks). Called by engine start-up only,
+    before any kernel compiles; a variable already set is the caller's to keep."""
+    os.environ.update(variables)
+
+
+def environment() -> dict[str, str]:
+    """A copy of this process's whole environment, for a child process started with changes."""
+    return dict(os.environ)
+
+
 def __getattr__(name: str) -> Any:
     if name in environment_variables:
         return environment_variables[name]()
+    if name in third_party_variables:
+        return third_party_variables[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return list(environment_variables)
+    return [*environment_variables, *third_party_variables]

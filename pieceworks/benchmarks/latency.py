@@ -200,6 +200,7 @@ def _measure_engine(
         "graph_memory_gib": runner.graphs.graph_memory_bytes / 1024**3,
         "compile_cache": compile_cache_state(runner.model),
         "epilogue_fusions": epilogue_fusions(runner.model),
+        "kernels_chosen": runner.kernels.describe(),  # this engine's choices
         "first_output_token_ids": outputs[0].outputs[0].token_ids[:16] if outputs else [],
     }
     if bandwidth:

@@ -54,6 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pieceworks import envs
+
 ENGINE_PHASES = (
     "config_s",
     "weight_load_s",
@@ -196,7 +198,7 @@ def run_startup(
             "compilation": {**compilation, "cache_dir": str(root / "pieceworks")},
         }
         environment = {
-            k: v for k, v in os.environ.items() if k != "PIECEWORKS_DISABLE_COMPILE_CACHE"
+            k: v for k, v in envs.environment().items() if k != "PIECEWORKS_DISABLE_COMPILE_CACHE"
         }
         triton_dir = root / "pieceworks" / TRITON_CACHE_SUBDIR
         for run in ("cold", "warm"):

@@ -7,7 +7,7 @@ the layers call these very functions (``models/layers/layernorm.py``,
 cannot silently stop the fusion.
 This module also holds the fused ops' names and their torch reference semantics; the ops are
 registered, with a Triton kernel where the platform runs FP8, in
-``models/layers/quantization/norm_quant_ops.py`` (kernels belong to the models layer).
+``kernels/norm_quant/norm_quant_ops.py`` (beside their kernel).
 
 Shapes: activations ``(num_tokens, hidden_size)``; ``weight (hidden_size,)``; ``scale`` a 0-d
 float32 tensor (per-tensor scale: ``x ~= x_fp8 * scale``).

@@ -92,8 +92,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{notes}\n" if notes else "", end="")
     print("(column meanings: pieceworks run --help)")
     print(f"\n{format_compile_cache(results)}")
-    print(f"\n{describe_kernel_choices()}")
     measured = [r for r in results if r["status"] == "ok"]
+    # the kernels a measured engine chose; without one, what a default engine would choose
+    chosen = next((r["kernels_chosen"] for r in measured if "kernels_chosen" in r), None)
+    print(f"\n{chosen or describe_kernel_choices()}")
     tokens = {r["mode"]: r["first_output_token_ids"] for r in measured}
     if tokens:
         same = len({tuple(t) for t in tokens.values()}) == 1

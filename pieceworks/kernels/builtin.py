@@ -1,9 +1,9 @@
-"""pieceworks' own kernel implementations, as the chooser sees them (``chooser.py``).
+"""pieceworks' own kernel implementations, as the registry sees them (``registry.py``).
 
-Each entry says what the kernel needs; the layers that launch them read the choice when they are
-built. Every op has a native entry (its torch form, which Inductor fuses), chosen where no kernel
-is supported or ``custom_ops`` switches the kernel off. Names that say ``hopper`` are NVIDIA-only
-code (Gluon ``wgmma`` kernels) and never run on another vendor.
+Each entry says what the kernel needs; the layers that launch them read the choice when the
+model is built. Every op has a native entry (its torch form, which Inductor fuses), chosen where
+no kernel is supported or ``custom_ops`` switches the kernel off. Names that say ``hopper`` are
+NVIDIA-only code (Gluon ``wgmma`` kernels) and never run on another vendor.
 
 Ops:
 - ``linear``: the decode GEMV (``gemv/triton_gemv.py``) for at most 16 tokens (64 for a small
@@ -21,12 +21,11 @@ Ops:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
-from pieceworks.kernels.chooser import Supports, register_kernel
+from pieceworks.kernels.implementation import KernelImpl, Supports
 from pieceworks.platforms.capability import FP8_GEMM, TRITON, WARPGROUP_MMA
 
 GEMV_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -53,13 +52,16 @@ BUILTIN_KERNELS: tuple[tuple[str, str, int, Supports], ...] = (
 )
 
 
-@functools.cache
-def register_builtin_kernels() -> None:
-    """Register every built-in implementation once per process."""
-    for op, name, priority, supports in BUILTIN_KERNELS:
-        if name != "torch":
-            register_kernel(op, None, name=name, priority=priority, supports=supports, jitted=True)
-    register_kernel("fp8_linear", None, name="scaled_mm", priority=5,
-                    supports=Supports(features=frozenset({FP8_GEMM})))  # fmt: skip
+def builtin_kernels() -> list[KernelImpl]:
+    """Every built-in implementation: the jitted kernels, ``torch._scaled_mm`` for FP8, and each
+    op's native torch form."""
+    entries = [
+        KernelImpl(op, name, supports, priority=priority, jitted=True)
+        for op, name, priority, supports in BUILTIN_KERNELS
+        if name != "torch"
+    ]
+    scaled_mm = Supports(features=frozenset({FP8_GEMM}))
+    entries.append(KernelImpl("fp8_linear", "scaled_mm", scaled_mm, priority=5))
     for op in sorted({op for op, *_ in BUILTIN_KERNELS}):
-        register_kernel(op, None, name="torch", native=True)
+        entries.append(KernelImpl(op, "torch", native=True))
+    return entries

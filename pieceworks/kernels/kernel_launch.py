@@ -16,7 +16,8 @@ import torch
 
 from pieceworks.kernels import precompile
 from pieceworks.kernels.bound_launch import BoundKernel, bind, launch_hooks_set
-from pieceworks.kernels.triton_launch import INTERPRETED, launch
+from pieceworks.kernels.triton_device import INTERPRETED
+from pieceworks.kernels.triton_launch import launch
 
 
 @dataclasses.dataclass(frozen=True)

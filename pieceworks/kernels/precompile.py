@@ -97,7 +97,7 @@ def precompiling(device: torch.device) -> Iterator[list[int]]:
     the block did nothing, see the module docstring)."""
     global _queued, _pool
     from pieceworks import envs
-    from pieceworks.kernels.triton_launch import compiled_kernels_run_on
+    from pieceworks.kernels.triton_device import compiled_kernels_run_on
 
     count = [0]
     async_compile_mode = _async_compile_mode()

@@ -25,15 +25,11 @@ from typing import Any
 
 import torch
 
-from pieceworks.kernels import precompile
+from pieceworks.kernels import precompile, triton_device
 from pieceworks.kernels.nvidia_pdl import pdl_start
 from pieceworks.kernels.programmatic_launch import programmatic_launch_enabled
-from pieceworks.platforms import current_platform
-from pieceworks.platforms.capability import TRITON
 
-__all__ = ["INTERPRETED", "launch", "launch_options", "pdl_start", "programmatic_launch"]
-
-INTERPRETED = type(pdl_start).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1
+__all__ = ["launch", "launch_options", "pdl_start", "programmatic_launch"]
 
 
 def launch(kernel: Any, grid: Any, *args: Any, **options: Any) -> Any:
@@ -48,28 +44,10 @@ def launch(kernel: Any, grid: Any, *args: Any, **options: Any) -> Any:
 
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels on ``device`` are launched with PDL: where the process uses it and the
-    kernels run compiled there (``compiled_kernels_run_on``)."""
-    return compiled_kernels_run_on(device) and programmatic_launch_enabled()
+    kernels run compiled there (``triton_device.compiled_kernels_run_on``)."""
+    return triton_device.compiled_kernels_run_on(device) and programmatic_launch_enabled()
 
 
 def launch_options(pdl: bool) -> dict[str, Any]:
     """The Triton launch options that go with a kernel's ``PDL`` constexpr."""
     return {"launch_pdl": True} if pdl else {}
-
-
-def kernel_runs_on(x: torch.Tensor) -> bool:
-    """Whether ``x`` lives on the platform's device and the platform runs pieceworks' Triton
-    kernels (CUDA, ROCm)."""
-    return _platform_runs_kernels_on(x.device)
-
-
-def compiled_kernels_run_on(device: torch.device) -> bool:
-    """Whether pieceworks' Triton kernels run compiled (not interpreted) on ``device``: the
-    platform runs them and ``device`` is the platform's; what launch options and the GPU's
-    properties (``triton_gemv_config``) apply to."""
-    return not INTERPRETED and _platform_runs_kernels_on(device)
-
-
-def _platform_runs_kernels_on(device: torch.device) -> bool:
-    platform = current_platform()
-    return platform.device_capability().has(TRITON) and device.type == platform.device_type

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.kernels.triton_launch import INTERPRETED
+from pieceworks.kernels.triton_device import INTERPRETED
 
 TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _ARITHMETIC = tl.constexpr(INTERPRETED)  # the interpreter's casts do not round to nearest even

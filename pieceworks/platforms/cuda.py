@@ -1,16 +1,35 @@
-"""The CUDA platform (NVIDIA): CUDA Graphs via ``torch.cuda.CUDAGraph``, Triton kernels, NCCL."""
+"""The CUDA platform (NVIDIA): CUDA Graphs via ``torch.cuda.CUDAGraph``, Triton kernels, NCCL.
+
+Triton's key for a kernel binary holds the version of the ``ptxas`` that assembled it, and Inductor
+changes which one mid-process: the first time it compiles a Triton kernel in a process it points
+``TRITON_PTXAS_PATH`` at the ``ptxas`` torch ships (``torch/bin/ptxas``;
+``torch._inductor.runtime.compile_tasks._set_triton_ptxas_path``), where Triton would use its own.
+A cold start compiles with Inductor; a warm start only loads. On the H200 a warm start of
+``llama-125m`` compiled 25 kernels the cold start had built (pieceworks' own and 4 of Inductor's;
+4.9 s of its 13.5 s), and a second warm start compiled none: the two kinds of process keyed the
+same kernels differently, which the ``ptxas`` switch explains. So the platform makes Inductor's
+choice up front (``prepare_kernel_compiler``: ``torch_ptxas``), applied before any kernel compiles,
+and every process assembles with the same ``ptxas``. A ``TRITON_PTXAS_PATH`` the user set is kept;
+a torch without its own ``ptxas`` changes nothing. That this removes the warm start's compiles is
+still to be measured on the H200 (``docs/performance.md``, "Startup").
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 from unittest import mock
 
 import torch
 
+from pieceworks.logger import init_logger
 from pieceworks.platforms.capability import DeviceCapability, nvidia_capability
 from pieceworks.platforms.interface import Platform
+
+logger = init_logger(__name__)
 
 
 class CudaPlatform(Platform):
@@ -83,6 +102,16 @@ class CudaPlatform(Platform):
             )
             yield
 
+    def prepare_kernel_compiler(self, cache_dir: str | None) -> dict[str, str]:
+        """Triton's cache directory, and torch's own ``ptxas`` where torch ships one (module
+        docstring: every process then assembles with the ``ptxas`` Inductor would switch to)."""
+        environment = super().prepare_kernel_compiler(cache_dir)
+        ptxas = torch_ptxas()
+        if ptxas is not None:
+            environment["TRITON_PTXAS_PATH"] = ptxas
+            logger.debug("Triton assembles with torch's ptxas: %s", ptxas)
+        return environment
+
     def _probe_capability(self) -> DeviceCapability:
         major, minor = torch.cuda.get_device_capability()
         properties = torch.cuda.get_device_properties()
@@ -129,6 +158,15 @@ class CudaPlatform(Platform):
 
     def pin_memory(self) -> bool:
         return True
+
+
+def torch_ptxas(torch_dir: str | None = None) -> str | None:
+    """torch's own ``ptxas`` (``<torch_dir>/bin/ptxas``; the installed torch's by default) where
+    it is an executable file, else None (CPU and ROCm builds ship none)."""
+    if torch_dir is None:
+        torch_dir = os.path.dirname(torch.__file__)
+    ptxas = Path(torch_dir) / "bin" / "ptxas"
+    return str(ptxas) if ptxas.is_file() and os.access(ptxas, os.X_OK) else None
 
 
 def device_facts(properties: Any) -> dict[str, int | None]:

@@ -110,6 +110,14 @@ class Platform:
         """The Mamba2 kernel implementation class the models use on this platform."""
         return resolve_obj_by_qualname(self.mamba_backend_qualname)
 
+    def prepare_kernel_compiler(self, cache_dir: str | None) -> dict[str, str]:
+        """The environment this platform's kernel compiler (Triton) needs before the first kernel
+        compiles, as ``{variable: value}``: with ``cache_dir``, compiled binaries go there
+        (``TRITON_CACHE_DIR``); a platform adds its own toolchain's settings. Pure: engine
+        start-up applies the result once per process, keeping every variable the user set
+        (``core/cache/triton_cache.py``), so that Inductor's compile workers inherit it too."""
+        return {} if cache_dir is None else {"TRITON_CACHE_DIR": cache_dir}
+
     def device_capability(self) -> DeviceCapability:
         """What this platform's device is and has (vendor, architecture, compute units, shared
         memory, features, FP8 format), asked once and remembered. Kernels choose their

@@ -14,6 +14,7 @@ import torch
 
 from pieceworks.platforms.capability import DeviceCapability, amd_capability
 from pieceworks.platforms.cuda import CudaPlatform, device_facts
+from pieceworks.platforms.interface import Platform
 
 
 class RocmPlatform(CudaPlatform):
@@ -29,6 +30,10 @@ class RocmPlatform(CudaPlatform):
         if torch.version.hip is None:
             return "this torch build is not a ROCm (HIP) build"
         return "torch.cuda.is_available() is False (no visible AMD device or driver)"
+
+    def prepare_kernel_compiler(self, cache_dir: str | None) -> dict[str, str]:
+        """Triton's cache directory only: NVIDIA's ``ptxas`` has no part on AMD devices."""
+        return Platform.prepare_kernel_compiler(self, cache_dir)
 
     def _probe_capability(self) -> DeviceCapability:
         properties = torch.cuda.get_device_properties()

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import os
 import queue
 import socket
 import sys
 from typing import Any
 
+from pieceworks import envs
 from pieceworks.config import EngineConfig
+from pieceworks.core.cache.triton_cache import use_kernel_compiler_environment
 from pieceworks.logger import init_logger
 from pieceworks.scheduler.output import SchedulerOutput
 from pieceworks.worker.model_runner import ModelRunner
@@ -69,11 +70,11 @@ class UniprocExecutor:
 
 def torchrun_env() -> dict[str, int] | None:
     """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` when this process was launched by torchrun."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    rank, world_size, local_rank = envs.RANK, envs.WORLD_SIZE, envs.LOCAL_RANK
+    if rank is None or world_size is None:
         return None
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return {"rank": rank, "world_size": world_size,
-            "local_rank": int(os.environ.get("LOCAL_RANK", rank))}  # fmt: skip
+            "local_rank": rank if local_rank is None else local_rank}  # fmt: skip
 
 
 def free_tcp_init_method() -> str:
@@ -237,6 +238,7 @@ def make_executor(config: EngineConfig) -> UniprocExecutor:
     here and the other ranks in workers."""
     from pieceworks.distributed.parallel_state import model_parallel_is_initialized
 
+    use_kernel_compiler_environment(config)  # before any kernel compiles, inherited by ranks
     if config.parallel_config.tensor_parallel_size > 1 and not model_parallel_is_initialized():
         return MultiprocExecutor(config)
     return UniprocExecutor(config)

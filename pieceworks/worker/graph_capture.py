@@ -29,7 +29,7 @@ from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import static_graph_wrappers
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
 from pieceworks.core.static_graph import CUDAGraphOptions, StaticGraphSet, StaticGraphWrapperBase
-from pieceworks.kernels.chooser import warmup_kernels
+from pieceworks.kernels.chooser import KernelChooser
 from pieceworks.logger import init_logger
 from pieceworks.scheduler.block_manager import cdiv
 from pieceworks.worker.decode_tail import DecodeTail
@@ -57,8 +57,10 @@ class GraphCapture:
         platform: Platform,
         dispatcher: CudagraphDispatcher,
         inputs: StepInputs,
+        kernels: KernelChooser,
     ) -> None:
         self.model, self.config, self.platform = model, config, platform
+        self.kernels = kernels  # the engine's kernel choices: the warm-up runs the chosen ones
         self.compilation = config.compilation_config
         self.dispatcher = dispatcher
         self.inputs = inputs
@@ -196,7 +198,7 @@ class GraphCapture:
         gc.freeze()  # objects alive now are never collected during capture: faster gc passes
         logger.debug(
             "the warm-up before capture runs the chosen Triton/Gluon kernels: %s",
-            ", ".join(f"{c.op} ({c.impl.name})" for c in warmup_kernels()) or "none",
+            ", ".join(f"{c.op} ({c.impl.name})" for c in self.kernels.warmup_kernels()) or "none",
         )
         try:
             start = time.perf_counter()

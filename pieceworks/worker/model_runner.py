@@ -28,10 +28,10 @@ from typing import Any, NamedTuple
 import torch
 
 from pieceworks.config import EngineConfig
-from pieceworks.core.cache.triton_cache import use_pieceworks_triton_cache, use_torch_ptxas
 from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
+from pieceworks.kernels.chooser import KernelChooser
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.loading.sources import get_model
 from pieceworks.platforms import current_platform
@@ -60,10 +60,10 @@ class ModelRunner:
         self.config = config
         self.platform = current_platform()
         self.device = self.platform.device(config.parallel_config.local_rank or 0)
-        use_pieceworks_triton_cache(config)  # both before any kernel compiles
-        use_torch_ptxas()
+        # this engine's kernel choices, made once per layer as the model is built
+        self.kernels = KernelChooser.for_platform(self.platform, config.compilation_config)
         start = time.perf_counter()
-        self.model: Any = get_model(config, self.device).requires_grad_(False)
+        self.model: Any = get_model(config, self.device, self.kernels).requires_grad_(False)
         self.load_seconds = time.perf_counter() - start
         self.compilation = config.compilation_config
         self.dispatcher = CudagraphDispatcher(config)
@@ -83,7 +83,9 @@ class ModelRunner:
             max_num_steps=scheduler_config.num_scheduler_steps,
         )
         self.inputs = StepInputs(buffers, self.block_size)
-        self.graphs = GraphCapture(self.model, config, self.platform, self.dispatcher, self.inputs)
+        self.graphs = GraphCapture(
+            self.model, config, self.platform, self.dispatcher, self.inputs, self.kernels
+        )
         self.forward_model = self.graphs.forward_model
         # The last launched step's sampled ids (device) and each request's row in them.
         self.last_sampled: torch.Tensor | None = None

@@ -30,7 +30,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel below is decorated
 
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE  # noqa: E402
-from pieceworks.kernels import triton_launch  # noqa: E402
+from pieceworks.kernels import triton_device  # noqa: E402
+from pieceworks.kernels.chooser import KernelChooser  # noqa: E402
+from pieceworks.kernels.gemv import small_m_fp8 as fp8  # noqa: E402
 from pieceworks.kernels.gemv import triton_gemv, triton_gemv_rope  # noqa: E402
 from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     MAX_GEMV_TOKENS,
@@ -40,7 +42,6 @@ from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     rope_config,
 )
 from pieceworks.kernels.gemv.triton_gemv_rope import small_m_rope_linear  # noqa: E402
-from pieceworks.models.layers.quantization import fp8  # noqa: E402
 from pieceworks.models.layers.rotary_embedding import (  # noqa: E402
     RotaryEmbedding,
     get_rope,
@@ -246,7 +247,7 @@ def no_launch(*args, **kwargs):
 
 @requires_triton
 def test_rope_op_falls_back_to_the_unfused_rotation_past_16_tokens(monkeypatch):
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "SMALL_WEIGHT_BYTES", 0)  # the test's weight counts as large
     monkeypatch.setattr(triton_gemv_rope, "launch_gemv", no_launch)
     num_heads, num_kv_heads, head_size = 4, 2, 32
@@ -265,7 +266,7 @@ def test_fallback_rotation_is_one_in_place_kernel(dtype, monkeypatch):
     """Past 16 tokens the rotation runs as one Triton launch on the GEMM's result (eager torch
     ops would be about ten launches inside the opaque op): q and k heads rotated at each token's
     position, v heads untouched, rounded once like the float64 reference."""
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     num_tokens, num_heads, num_kv_heads, head_size = MAX_GEMV_TOKENS + 3, 4, 2, 32
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size).to(DEVICE, dtype)
     rotary_emb, positions = rope_operands(num_tokens, head_size, dtype)
@@ -290,7 +291,7 @@ def test_rope_ops_never_launch_on_cpu_tensors(monkeypatch):
 
 
 def test_fp8_rope_op_falls_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "SMALL_WEIGHT_BYTES", 0)  # the test's weight counts as large
     monkeypatch.setattr(fp8, "launch_gemv", no_launch)
     num_tokens, head_size = MAX_GEMV_TOKENS + 1, 32
@@ -318,9 +319,15 @@ def test_rotary_takes_the_op_form_only_for_full_neox(rotary_dim, op_form, monkey
     """With the GEMV ops on, a full neox rotary calls ``pieceworks::rotary_embedding`` (what the
     rope fusion pass folds into the qkv GEMV); a partial rotary (Bamba's) stays plain ATen. Both
     rotate q and k as ``rotate_heads`` does, bit for bit."""
+
+    def built_rope():
+        """The rotary with its form chosen by an engine on the current platform."""
+        rope = get_rope(32, rotary_dim, MAX_POSITION, 10000.0, None, True, torch.float32)
+        rope.choose_kernels(KernelChooser.for_current_platform())
+        return rope
+
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
-    rotary_emb = get_rope(32, rotary_dim, MAX_POSITION, 10000.0, None, True, torch.float32)
-    rotary_emb = rotary_emb.to(DEVICE)
+    rotary_emb = built_rope().to(DEVICE)
     assert rotary_emb.uses_op is op_form
     positions = torch.tensor([0, 7, 300], device=DEVICE)
     generator = torch.Generator().manual_seed(0)
@@ -332,4 +339,4 @@ def test_rotary_takes_the_op_form_only_for_full_neox(rotary_dim, op_form, monkey
     )
     torch.testing.assert_close(rotated_key, rotary_emb.rotate_heads(positions, key), rtol=0, atol=0)
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
-    assert not get_rope(32, rotary_dim, MAX_POSITION, 10000.0, None, True, torch.float32).uses_op
+    assert not built_rope().uses_op

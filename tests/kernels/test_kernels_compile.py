@@ -201,7 +201,7 @@ def record_attention() -> None:
 
 def record_linear_and_norm() -> None:
     """The GEMV's, the norm + quant's and the past-16-token epilogues' launches."""
-    from pieceworks.kernels import triton_launch
+    from pieceworks.kernels import triton_device
     from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_epilogue
     from pieceworks.kernels.gemv import triton_gemv_config
     from pieceworks.kernels.gemv.resident_gemv import launch_resident_gemv
@@ -213,7 +213,7 @@ def record_linear_and_norm() -> None:
         rms_norm_static_fp8_quant,
     )
 
-    triton_launch.kernel_runs_on = lambda x: True  # the tensors are CPU tensors; nothing runs
+    triton_device.kernel_runs_on = lambda x: True  # the tensors are CPU tensors; nothing runs
     # tiles as on an sm_90 GPU, whose shared memory bounds the GEMV's stages
     triton_gemv_config.max_shared_bytes = lambda device: MAX_SHARED_BYTES
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn

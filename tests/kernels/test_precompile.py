@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pieceworks.kernels import precompile, triton_launch
+from pieceworks.kernels import precompile, triton_device, triton_launch
 from pieceworks.kernels.kernel_launch import KernelLaunch
 
 
@@ -45,9 +45,7 @@ REAL_DUMMY_FORWARD = None
 @pytest.fixture
 def compiled_here(monkeypatch):
     """The platform 'runs pieceworks' kernels compiled' on the CPU."""
-    import pieceworks.kernels.triton_launch as launch_module
-
-    monkeypatch.setattr(launch_module, "compiled_kernels_run_on", lambda device: True)
+    monkeypatch.setattr(triton_device, "compiled_kernels_run_on", lambda device: True)
     global REAL_DUMMY_FORWARD
     from pieceworks.worker.graph_capture import GraphCapture
 
@@ -76,7 +74,7 @@ def test_switched_off_or_not_compiled_here_the_block_does_nothing(monkeypatch, c
         triton_launch.launch(kernel, (1,), 3)
     assert queued == [0] and kernel.launches and not kernel.warmups
     monkeypatch.delenv("PIECEWORKS_PRECOMPILE_KERNELS")
-    monkeypatch.setattr(triton_launch, "compiled_kernels_run_on", lambda device: False)
+    monkeypatch.setattr(triton_device, "compiled_kernels_run_on", lambda device: False)
     with precompile.precompiling(torch.device("cpu")):
         assert not precompile.is_active()
 

@@ -12,7 +12,7 @@ import torch
 
 from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.kernels import programmatic_launch as pdl
-from pieceworks.kernels import triton_launch
+from pieceworks.kernels import triton_device, triton_launch
 from pieceworks.kernels.programmatic_launch import inductor_launch_options
 from pieceworks.platforms import current_platform
 from pieceworks.platforms.capability import PROGRAMMATIC_LAUNCH, TRITON, DeviceCapability
@@ -63,7 +63,7 @@ def test_kernels_use_it_only_where_they_run_compiled(monkeypatch, platform_with_
     _decide(monkeypatch, "1")
     with_capability(monkeypatch, platform_with_pdl, {PROGRAMMATIC_LAUNCH, TRITON})
     own = torch.device(current_platform().device_type)
-    assert triton_launch.programmatic_launch(own) is not triton_launch.INTERPRETED
+    assert triton_launch.programmatic_launch(own) is not triton_device.INTERPRETED
     assert triton_launch.programmatic_launch(torch.device("meta")) is False
     with_capability(monkeypatch, platform_with_pdl, {PROGRAMMATIC_LAUNCH})
     assert triton_launch.programmatic_launch(own) is False

@@ -24,10 +24,10 @@ from pieceworks.kernels.gemv.resident_gemv import (
     copies_align,
     fp8_decode_gemv,
     launch_resident_gemv,
-    newer_copy_groups,
     resident_chunks,
     uses_resident_gemv,
 )
+from pieceworks.kernels.gemv.resident_gemv_kernel import newer_copy_groups
 from pieceworks.kernels.gemv.triton_gemv_config import RopeEpilogue
 
 
@@ -88,7 +88,7 @@ def test_the_rotary_form_copies_fewer_chunks_and_stacks_pairs(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((grid, kwargs))
 
-    monkeypatch.setattr(resident_gemv, "_resident_gemv_kernel", Recorder())
+    monkeypatch.setattr(resident_gemv.resident_gemv_kernel, "_resident_gemv_kernel", Recorder())
     monkeypatch.setattr(resident_gemv.triton_gemv_config, "max_shared_bytes", lambda d: 232448)
     monkeypatch.setattr(resident_gemv, "programmatic_launch", lambda device: True)
     x = torch.zeros(1, 4096, dtype=KERNEL_FP8_DTYPE)

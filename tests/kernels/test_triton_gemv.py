@@ -17,7 +17,7 @@ is the default exactly where the platform runs pieceworks' Triton kernels, and t
 What runs where: where no GPU is visible the kernel runs in Triton's interpreter on CPU tensors
 (this module sets TRITON_INTERPRET=1 before the kernel is imported, like
 ``test_attention_kernels.py``). The engine itself never sends CPU tensors to the kernel, so (2)'s
-routing tests and (4) declare the CPU a kernel device (``triton_launch.kernel_runs_on`` patched to
+routing tests and (4) declare the CPU a kernel device (``triton_device.kernel_runs_on`` patched to
 True): in (4) every decode step's linear layers (<= 16 tokens) then run the interpreted kernel
 inside the real engine, and the prefill step (29 tokens) runs ``F.linear``. The interpreter cannot
 multiply bfloat16 in ``tl.dot`` (triton-lang/triton#11584), so there the kernel widens bfloat16
@@ -44,8 +44,9 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from pieceworks import envs  # noqa: E402
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
-from pieceworks.kernels import triton_launch  # noqa: E402
+from pieceworks.kernels import triton_device  # noqa: E402
 from pieceworks.kernels.gemv import resident_gemv, triton_gemv, triton_gemv_rope  # noqa: E402
+from pieceworks.kernels.gemv import small_m_fp8 as fp8  # noqa: E402
 from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     MAX_GEMV_TOKENS,
     MAX_KERNEL_TOKENS,
@@ -58,7 +59,6 @@ from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     small_m_linear_op,
 )
 from pieceworks.models.layers.activation import silu_and_mul  # noqa: E402
-from pieceworks.models.layers.quantization import fp8  # noqa: E402
 from pieceworks.platforms import current_platform  # noqa: E402
 from pieceworks.sampling_params import SamplingParams  # noqa: E402
 
@@ -99,7 +99,7 @@ def kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return launch_gemv(x, weight, config, **epilogue)
 
     EPILOGUES.clear()
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "launch_gemv", counted_launch)
     monkeypatch.setattr(triton_gemv_rope, "launch_gemv", counted_launch)
     monkeypatch.setattr(fp8, "launch_gemv", counted_launch)
@@ -183,7 +183,7 @@ def test_past_16_tokens_a_large_weight_falls_back_to_f_linear(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("the kernel was launched for more than 16 tokens")
 
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "SMALL_WEIGHT_BYTES", 0)  # the test's weight counts as large
     monkeypatch.setattr(triton_gemv, "launch_gemv", no_launch)
     x, weight = operands(MAX_GEMV_TOKENS + 1, 40, 64, torch.float32)
@@ -421,7 +421,7 @@ def test_fp8_gated_kernel_quantizes_like_the_unfused_layers(model_dtype, num_tok
 def test_silu_and_mul_epilogue_kernel_matches_torch(quantize, monkeypatch):
     """The gated GEMV's epilogue alone (token counts the GEMV does not take): one kernel, the
     torch values."""
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     gate_up = torch.randn(MAX_GEMV_TOKENS + 3, 2 * 1100, device=DEVICE) * 3  # 2 column blocks
     out_scale = torch.tensor(0.02, device=DEVICE) if quantize else None
     output = triton_gemv.silu_and_mul_epilogue(gate_up, out_scale)
@@ -432,12 +432,12 @@ def test_silu_and_mul_epilogue_kernel_matches_torch(quantize, monkeypatch):
         assert output.dtype == KERNEL_FP8_DTYPE and same >= 0.99  # exp's last bit may round across
     rtol = 2**-3 if quantize else 1e-5  # quantized: one e4m3 step where the bytes differ
     torch.testing.assert_close(output.float(), expected.float(), rtol=rtol, atol=1e-5)
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: False)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: False)
     torch.testing.assert_close(triton_gemv.silu_and_mul_epilogue(gate_up, out_scale), expected)
 
 
 def test_fp8_ops_fall_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "SMALL_WEIGHT_BYTES", 0)  # the test's weight counts as large
     monkeypatch.setattr(fp8, "launch_gemv", lambda *a, **k: pytest.fail("kernel launched"))
     x_fp8, weight, x_scale, weight_scale = fp8_operands(MAX_GEMV_TOKENS + 1, 2 * 24, 64)
@@ -449,22 +449,29 @@ def test_fp8_ops_fall_back_to_the_fp8_gemm_past_16_tokens(monkeypatch):
 
 
 def test_gemv_is_on_by_default_where_the_platform_runs_triton_kernels(monkeypatch):
+    from pieceworks.kernels.chooser import KernelChooser
     from pieceworks.models.layers.quantization import UnquantizedLinearMethod
     from pieceworks.platforms.capability import TRITON
     from tests.kernels.test_programmatic_launch import with_capability
+
+    def built_method() -> UnquantizedLinearMethod:
+        """A method whose kernels an engine on the current platform chose."""
+        method = UnquantizedLinearMethod()
+        method.choose_kernels(KernelChooser.for_current_platform())
+        return method
 
     monkeypatch.delenv("PIECEWORKS_SMALL_M_GEMV", raising=False)
     assert envs.PIECEWORKS_SMALL_M_GEMV is None
     platform = type(current_platform())
     with_capability(monkeypatch, platform, set())
-    assert UnquantizedLinearMethod().small_m_gemv is False
+    assert built_method().small_m_gemv is False
     with_capability(monkeypatch, platform, {TRITON})
-    assert UnquantizedLinearMethod().small_m_gemv is True
+    assert built_method().small_m_gemv is True
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
-    assert UnquantizedLinearMethod().small_m_gemv is False  # the variable wins
+    assert built_method().small_m_gemv is False  # the variable wins
     with_capability(monkeypatch, platform, set())
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "1")
-    assert UnquantizedLinearMethod().small_m_gemv is True
+    assert built_method().small_m_gemv is True
 
 
 def test_gemv_config_follows_the_h200_sweep_and_fits_smaller_shared_memory() -> None:

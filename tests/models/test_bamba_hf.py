@@ -177,7 +177,7 @@ def test_the_kernels_a_gpu_chooses_match_hf(saved, monkeypatch):
     the GEMV with the H200's tile file, shared memory and SM count), run by Triton's interpreter
     on CPU tensors: HF's logits within 1e-4 of the scale, so on a GPU a gap to HF is the launch
     or the hardware's arithmetic, not what the kernels compute."""
-    from pieceworks.kernels import chooser, triton_launch
+    from pieceworks.kernels import triton_device
     from pieceworks.kernels.gemv import triton_gemv, triton_gemv_config
     from pieceworks.platforms.capability import TRITON, DeviceCapability
 
@@ -191,7 +191,7 @@ def test_the_kernels_a_gpu_chooses_match_hf(saved, monkeypatch):
     monkeypatch.setattr(platform, "mamba_backend_qualname", backends.format("mamba", "Mamba"))
     capability = DeviceCapability(vendor="cpu", features=frozenset({TRITON}))
     monkeypatch.setattr(platform, "device_capability", classmethod(lambda cls: capability))
-    monkeypatch.setattr(triton_launch, "kernel_runs_on", lambda x: True)
+    monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv_config, "device_name", lambda device: "NVIDIA H200")
     monkeypatch.setattr(triton_gemv_config, "max_shared_bytes", lambda device: 232448)
     monkeypatch.setattr(triton_gemv_config, "num_sms", lambda device: 132)
@@ -204,7 +204,8 @@ def test_the_kernels_a_gpu_chooses_match_hf(saved, monkeypatch):
     )
     path, hf_model = saved
     llm = make_llm(path, 0)
-    choices = {op: choice.impl.name for op, choice in chooser.chosen_kernels().items()}
+    chosen = llm.engine.runner.kernels.chosen_kernels()
+    choices = {op: choice.impl.name for op, choice in chosen.items()}
     assert choices["linear"] == "triton_gemv" and choices["silu_and_mul"] == "triton_silu_and_mul"
     assert llm.engine.runner.model.model.layers[0].mamba.backend.name == "triton"
     prompt = prompt_maker(11)

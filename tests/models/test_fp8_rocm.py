@@ -23,7 +23,7 @@ import torch
 from pieceworks import platforms
 from pieceworks.core.decorators import piecewise_backends
 from pieceworks.core.norm_quant import fp8_dtype, fp8_max, static_scaled_fp8_quant
-from pieceworks.kernels import chooser
+from pieceworks.kernels.chooser import KernelChooser
 from pieceworks.models.layers.quantization.fp8 import Fp8LinearMethod, quantize_weight_per_tensor
 from pieceworks.platforms.capability import FP8_GEMM, amd_capability
 from pieceworks.platforms.cpu import CpuPlatform
@@ -44,7 +44,6 @@ class FakeMi300Platform(CpuPlatform):
 @pytest.fixture
 def fake_mi300(monkeypatch):
     monkeypatch.setattr(platforms, "_current", FakeMi300Platform())
-    monkeypatch.setattr(chooser, "_CHOSEN", {})
     yield
 
 
@@ -55,8 +54,7 @@ def test_mi300_family_converts_e4m3fnuz_and_later_amd_e4m3fn():
 
 
 def test_the_chooser_gives_fp8_linear_scaled_mm_on_mi300():
-    choice = chooser.choose("fp8_linear", dtype=MI300.fp8_dtype, capability=MI300,
-                            platform_name="rocm")  # fmt: skip
+    choice = KernelChooser("rocm", MI300).choose("fp8_linear", dtype=MI300.fp8_dtype)
     assert choice.impl.name == "scaled_mm"
     passed = dict(choice.passed_over)
     assert passed["hopper_resident_gemv"] == "for nvidia devices, not amd"
@@ -90,7 +88,8 @@ def test_llama_fp8_on_mi300_quantizes_to_e4m3fnuz_and_stays_close(fake_mi300):
     for layer in fp8_layers:
         assert layer.weight.dtype == FNUZ, layer.prefix
         assert float(layer.weight.float().abs().max()) == 240.0, layer.prefix
-    assert chooser.chosen_kernels()["fp8_linear"].impl.name == "torch"  # no e4m3fn kernels
+    chosen = llm.engine.runner.kernels.chosen_kernels()
+    assert chosen["fp8_linear"].impl.name == "torch"  # no e4m3fn kernels
     compiled = LLM("llama-tiny", compilation_config={"level": 3, "backend": "eager"},
                    dtype="float32", max_num_seqs=4, quantization="fp8")  # fmt: skip
     compiled.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))

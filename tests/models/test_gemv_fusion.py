@@ -21,8 +21,7 @@ import torch
 from pieceworks.core.decorators import piecewise_backends
 from pieceworks.core.passes.gemv_fusion import op_name
 from pieceworks.engine.llm import LLM
-from pieceworks.kernels import chooser
-from pieceworks.kernels.chooser import register_kernel, unregister_kernel
+from pieceworks.kernels.registry import register_kernel, unregister_kernel
 from pieceworks.sampling_params import SamplingParams
 from tests.models.test_fp8 import PROMPT_LENGTHS, record_logits
 
@@ -36,9 +35,8 @@ FUSIONS_OFF = {
 
 
 @pytest.fixture
-def op_forms(monkeypatch):
+def op_forms():
     """Every layer takes pieceworks' op forms on the CPU (they fall back to torch inside)."""
-    monkeypatch.setattr(chooser, "_CHOSEN", {})
     for op in FORCED_OPS:
         register_kernel(op, None, name="op_form_on_cpu", platform="cpu", jitted=True)
     yield

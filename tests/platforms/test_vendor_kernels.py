@@ -18,7 +18,7 @@ from pieceworks import platforms
 from pieceworks.config import EngineConfig
 from pieceworks.core.config import CompilationConfig, CUDAGraphMode
 from pieceworks.engine.llm import LLM
-from pieceworks.kernels import chooser
+from pieceworks.kernels import registry
 from pieceworks.models.loading.presets import random_hf_checkpoint
 from pieceworks.platforms.cpu import CpuPlatform
 from pieceworks.sampling_params import SamplingParams
@@ -34,14 +34,17 @@ def checkpoint(tmp_path_factory) -> str:
     return str(path)
 
 
-def greedy_tokens(path: str, compilation: dict) -> list[list[int]]:
-    llm = LLM(path, compilation_config=compilation, dtype="float32", max_num_seqs=2)
+def make_llm(path: str, compilation: dict) -> LLM:
+    return LLM(path, compilation_config=compilation, dtype="float32", max_num_seqs=2)
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY)]
 
 
 @pytest.fixture(scope="module")
 def cpu_tokens(checkpoint) -> list[list[int]]:
-    return greedy_tokens(checkpoint, {"level": 0})
+    return greedy_tokens(make_llm(checkpoint, {"level": 0}))
 
 
 @pytest.mark.parametrize(
@@ -55,14 +58,15 @@ def test_simgraph_rms_norm_is_chosen_and_run(checkpoint, cpu_tokens, compilation
     monkeypatch.setattr(platforms, "_current", simgraph_platform.SimGraphPlatform())
     try:
         before = simgraph_kernels.calls["rms_norm"]
-        tokens = greedy_tokens(checkpoint, compilation)
-        choice = chooser.chosen_kernels()["rms_norm"]
+        llm = make_llm(checkpoint, compilation)
+        tokens = greedy_tokens(llm)
+        choice = llm.engine.runner.kernels.chosen_kernels()["rms_norm"]
         assert choice.impl.name == "simgraph_rms_norm"
         assert ("torch", "simgraph_rms_norm ranks higher") in choice.passed_over
         assert simgraph_kernels.calls["rms_norm"] > before  # it ran, eager or in the graph
         assert tokens == cpu_tokens
     finally:
-        chooser.unregister_kernel("rms_norm", "simgraph_rms_norm")
+        registry.unregister_kernel("rms_norm", "simgraph_rms_norm")
 
 
 class SkipsTheBaseHook(CpuPlatform):

@@ -12,59 +12,55 @@ specialisation, the Triton version and the target device, so one directory serve
 every pieceworks version. With the compile cache disabled (``PIECEWORKS_DISABLE_COMPILE_CACHE=1``)
 Triton keeps its own default.
 
-Triton's key also holds the version of the ``ptxas`` that assembles the binary, and Inductor
-changes which one mid-process: the first time it compiles a Triton kernel in a process it points
-``TRITON_PTXAS_PATH`` at the ``ptxas`` torch ships (``torch/bin/ptxas``;
-``torch._inductor.runtime.compile_tasks._set_triton_ptxas_path``), where Triton would use its own.
-A cold start compiles with Inductor; a warm start only loads. On the H200 a warm start of
-``llama-125m`` compiled 25 kernels the cold start had built (pieceworks' own and 4 of Inductor's;
-4.9 s of its 13.5 s), and a second warm start compiled none: the two kinds of process keyed the
-same kernels differently, which the ``ptxas`` switch explains. So the engine makes Inductor's
-choice up front, before any kernel compiles (``use_torch_ptxas``), and every process assembles
-with the same ``ptxas``. A ``TRITON_PTXAS_PATH`` the user set is kept; a torch without its own
-``ptxas`` (CPU and ROCm builds) changes nothing. That this removes the warm start's compiles is
-still to be measured on the H200 (``docs/performance.md``, "Startup").
+The platform adds what its toolchain needs (``Platform.prepare_kernel_compiler``: on CUDA, the
+``ptxas`` Inductor would switch to). ``kernel_compiler_environment`` computes the variables and
+reads only; ``use_kernel_compiler_environment`` sets them, once per engine start-up before any
+kernel compiles (``worker/executor.make_executor``). They are environment variables rather than
+``triton.knobs`` settings because Inductor's compile workers are processes that inherit them.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from pieceworks import envs
 from pieceworks.config import EngineConfig
 from pieceworks.logger import init_logger
+from pieceworks.platforms.interface import Platform
 
 logger = init_logger(__name__)
 
 TRITON_CACHE_SUBDIR = "triton"
 
 
-def use_pieceworks_triton_cache(config: EngineConfig) -> str | None:
-    """Point ``TRITON_CACHE_DIR`` under pieceworks' cache root unless the user set it or the
-    compile cache is disabled; the directory Triton now uses, or None when left alone."""
-    if "TRITON_CACHE_DIR" in os.environ or envs.PIECEWORKS_DISABLE_COMPILE_CACHE:
+def triton_cache_dir(config: EngineConfig) -> str | None:
+    """``triton/`` under pieceworks' cache root, or None where Triton keeps its own directory
+    (the user set ``TRITON_CACHE_DIR``, or the compile cache is disabled)."""
+    if envs.TRITON_CACHE_DIR is not None or envs.PIECEWORKS_DISABLE_COMPILE_CACHE:
         return None
     root = config.compilation_config.cache_dir or envs.PIECEWORKS_CACHE_ROOT
-    path = os.path.join(root, TRITON_CACHE_SUBDIR)
-    os.environ["TRITON_CACHE_DIR"] = path
-    logger.debug("Triton kernel binaries: %s", path)
-    return path
+    return os.path.join(root, TRITON_CACHE_SUBDIR)
 
 
-def use_torch_ptxas(torch_dir: str | None = None) -> str | None:
-    """Point ``TRITON_PTXAS_PATH`` at torch's own ``ptxas`` (``<torch_dir>/bin/ptxas``; the
-    installed torch's by default), as Inductor does when it first compiles, unless the user set
-    the variable or torch ships none; the path now used, or None when left alone."""
-    if "TRITON_PTXAS_PATH" in os.environ:
-        return None
-    if torch_dir is None:
-        import torch
+def kernel_compiler_environment(
+    config: EngineConfig, platform: Platform | None = None
+) -> dict[str, str]:
+    """The variables an engine sets before its kernels compile: what ``platform`` (the current
+    one by default) asks for with ``triton_cache_dir(config)``, less every variable the user
+    set already. Sets nothing."""
+    if platform is None:
+        from pieceworks.platforms import current_platform
 
-        torch_dir = os.path.dirname(torch.__file__)
-    ptxas = Path(torch_dir) / "bin" / "ptxas"
-    if not (ptxas.is_file() and os.access(ptxas, os.X_OK)):
-        return None
-    os.environ["TRITON_PTXAS_PATH"] = str(ptxas)
-    logger.debug("Triton assembles with torch's ptxas: %s", ptxas)
-    return str(ptxas)
+        platform = current_platform()
+    wanted = platform.prepare_kernel_compiler(triton_cache_dir(config))
+    return {name: value for name, value in wanted.items() if name not in envs.environment()}
+
+
+def use_kernel_compiler_environment(config: EngineConfig) -> dict[str, str]:
+    """Set ``kernel_compiler_environment(config)`` in this process (and the processes it starts);
+    returns what was set. Engine start-up calls it before its runner is built."""
+    environment = kernel_compiler_environment(config)
+    if "TRITON_CACHE_DIR" in environment:
+        logger.debug("Triton kernel binaries: %s", environment["TRITON_CACHE_DIR"])
+    envs.export_variables(environment)
+    return environment

@@ -14,7 +14,7 @@ The replacement calls the op through ``auto_functionalized`` (the graph is funct
 point); ``FixFunctionalizationPass`` then turns it into the in-place call on fresh buffers.
 Patterns are traced once per process for float32, bfloat16 and float16 (the casts in the
 sequence differ by dtype), with ``eps`` a wildcard. They need the fused ops registered
-(``models/layers/quantization/norm_quant_ops.py``, done when an FP8 model is built); before that
+(``kernels/norm_quant/norm_quant_ops.py``, done when an FP8 model is built); before that
 there is nothing to fuse and the pass does nothing.
 """
 

@@ -26,7 +26,7 @@ from pieceworks.core.norm_quant import (
     fp8_dtype,
     static_scaled_fp8_quant,
 )
-from pieceworks.kernels import triton_launch
+from pieceworks.kernels import triton_device
 from pieceworks.kernels.activation.torch_activation import silu_and_mul
 from pieceworks.kernels.triton_launch import launch
 from pieceworks.kernels.triton_rounding import round_to_e4m3
@@ -64,7 +64,7 @@ def silu_and_mul_epilogue(gate_up: torch.Tensor, out_scale: torch.Tensor | None)
     result is in the platform's FP8 format; the kernel writes only ``KERNEL_FP8_DTYPE``."""
     quant_dtype = fp8_dtype() if out_scale is not None else None
     kernel_writes = quant_dtype in (None, KERNEL_FP8_DTYPE)
-    if not (kernel_writes and triton_launch.kernel_runs_on(gate_up)) or gate_up.stride(1) != 1:
+    if not (kernel_writes and triton_device.kernel_runs_on(gate_up)) or gate_up.stride(1) != 1:
         activated = silu_and_mul(gate_up.float() if out_scale is not None else gate_up)
         if out_scale is None:
             return activated

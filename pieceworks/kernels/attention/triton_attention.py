@@ -34,20 +34,26 @@ replayed with new values in the same buffers. Because of that, `plan_paged_atten
 the host-side work (checks, split count, grids, strides, workspace) once per shape and return a
 launch that later calls reuse with only their tensors. Not owned here: writing the cache for
 prefill and mixed steps (`kv_cache.py`), choosing this backend over the reference (the platform),
-building the metadata (the runner), keeping launches per shape (the attention layer).
+building the metadata (the runner), keeping launches per shape (the attention layer). The jitted
+kernels themselves are in ``triton_decode_attention.py`` and ``triton_prefill_attention.py``
+(shared tiles: ``triton_attention_tiles.py``); this module plans and launches them.
 """
 
 import dataclasses
 
 import torch
 import triton
-import triton.language as tl
 
-from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, KERNEL_FP8_MAX, static_scaled_fp8_quant
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant
+from pieceworks.kernels.attention.triton_decode_attention import (
+    _decode_reduce_kernel,
+    _decode_split_kv_kernel,
+)
+from pieceworks.kernels.attention.triton_prefill_attention import _prefill_kernel
 from pieceworks.kernels.attention.workspace import DecodeWorkspace
 from pieceworks.kernels.kernel_launch import KernelLaunch
-from pieceworks.kernels.triton_launch import launch_options, pdl_start, programmatic_launch
-from pieceworks.kernels.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
+from pieceworks.kernels.triton_launch import launch_options, programmatic_launch
+from pieceworks.kernels.triton_rounding import TRITON_DTYPES
 
 # Decode split heuristic: aim for this many programs in flight (a few per SM on a large GPU) ...
 TARGET_DECODE_PROGRAMS = 512
@@ -62,299 +68,6 @@ DECODE_NUM_WARPS, DECODE_NUM_STAGES = 4, 2
 PREFILL_BLOCK_N = 64
 PREFILL_NUM_STAGES = 2
 LOG2_E = 1.4426950408889634
-# Finite stand-in for -inf as the running max: exp2(-inf - NEG_LARGE) is 0, never NaN.
-NEG_LARGE = tl.constexpr(-1.0e30)
-_FP8_MAX = tl.constexpr(KERNEL_FP8_MAX)
-
-
-@triton.jit
-def _decode_split_kv_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
-    partial_out_ptr, partial_lse_ptr,  # used only with several splits
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    key_ptr, value_ptr, slot_mapping_ptr,  # the step's new K/V; read only with STORE_KV
-    output_scale_ptr,  # read only with QUANT_OUT
-    qk_scale,  # softmax scale * log2(e): scores live in base 2
-    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_cache_block, stride_cache_offset, stride_cache_h,
-    stride_block_tables,
-    stride_k_t, stride_k_h, stride_v_t, stride_v_h,
-    NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, STORE_KV: tl.constexpr,
-    ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
-    PEEL_FIRST_TILE: tl.constexpr,
-):  # fmt: skip
-    # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
-    # Launched early (PDL), it is scheduled while q/k/v's producer may still run and reads, before
-    # its wait, only what that kernel cannot write: the metadata (the runner writes it before the
-    # step) and cache rows of earlier steps, so its first tile's K/V load during the wait.
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # The three loads are independent: issued together, not one after another's branch.
-    query_start = tl.load(query_start_loc_ptr + seq)
-    query_end = tl.load(query_start_loc_ptr + seq + 1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    if query_end == query_start:  # padded sequence
-        return
-    if split >= _used_splits(seq_len, NUM_KV_SPLITS, BLOCK_N):
-        # An empty split (the context is shorter than the splits cover) exits before its wait,
-        # writing nothing: the reduce reads only the used splits, by the same rule. Launched
-        # early, an empty split that waited would hold its place on the GPU through q/k/v's
-        # producer (at batch 1 and 1088 tokens, 47 of 64 splits per kv head are empty).
-        return
-    tokens_per_split = _tokens_per_split(seq_len, NUM_KV_SPLITS, BLOCK_N)
-    kv_start = split * tokens_per_split
-    kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
-    dims = tl.arange(0, HEAD_SIZE)
-    last = seq_len - 1  # the position of this step's token
-    # With STORE_KV this step's K/V come from the inputs, not the cache: the tiles stop before
-    # the last position, and the split holding it folds the new token in from registers and
-    # writes it to the cache at its end, for later steps; no program reads a row this launch
-    # writes.
-    cache_end = kv_end
-    if STORE_KV:
-        cache_end = tl.minimum(kv_end, last)
-    block_table = block_tables_ptr + seq * stride_block_tables
-    loop_start = kv_start
-    if PEEL_FIRST_TILE:  # (planned with PDL) the first tile loads before the wait
-        first_pos = kv_start + tl.arange(0, BLOCK_N)
-        first_mask = first_pos < cache_end
-        first_offsets = _paged_offsets(block_table, first_pos, first_mask, kv_head,
-                                       stride_cache_block, stride_cache_offset, stride_cache_h,
-                                       BLOCK_SIZE)  # fmt: skip
-        k_first = _load_tile(key_cache_ptr, first_offsets, dims, first_mask)
-        v_first = _load_tile(value_cache_ptr, first_offsets, dims, first_mask)
-        loop_start += BLOCK_N
-    output_scale = _output_scale(output_scale_ptr, QUANT_OUT)  # a parameter: before the wait
-    if PDL:  # now let the reduce be scheduled, and wait for q/k/v's producer
-        pdl_start()
-    if STORE_KV:
-        token = query_start.to(tl.int64)
-        cache_dtype = key_cache_ptr.dtype.element_ty  # attend to what later steps will read
-        k_new = tl.load(key_ptr + token * stride_k_t + kv_head * stride_k_h + dims)
-        v_new = tl.load(value_ptr + token * stride_v_t + kv_head * stride_v_h + dims)
-        k_new, v_new = k_new.to(cache_dtype), v_new.to(cache_dtype)
-
-    rows = tl.arange(0, BLOCK_H)  # one tile row per q head of the group
-    heads = kv_head * NUM_QUERIES_PER_KV + rows
-    row_mask = rows < NUM_QUERIES_PER_KV
-    q_offsets = query_start.to(tl.int64) * stride_q_t + heads[:, None] * stride_q_h + dims[None, :]
-    q = tl.load(query_ptr + q_offsets, mask=row_mask[:, None], other=0.0)  # (BLOCK_H, D)
-
-    m_i = tl.full([BLOCK_H], NEG_LARGE, tl.float32)  # running max (base-2 scores)
-    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_H, HEAD_SIZE], tl.float32)  # running sum of p @ V
-    if PEEL_FIRST_TILE:
-        m_i, l_i, acc = _attend_tile(q, k_first, v_first, first_mask, qk_scale, m_i, l_i, acc)
-    for tile_start in range(loop_start, cache_end, BLOCK_N):
-        kv_pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        kv_mask = kv_pos < cache_end
-        kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
-                                    stride_cache_offset, stride_cache_h, BLOCK_SIZE)  # fmt: skip
-        k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
-        v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
-        m_i, l_i, acc = _attend_tile(q, k, v, kv_mask, qk_scale, m_i, l_i, acc)
-
-    if STORE_KV:
-        if (kv_start <= last) & (last < kv_end):
-            # One more column of scores, the new token's, folded in as a tile of width one.
-            k_last = k_new.to(q.dtype).to(tl.float32)
-            score = tl.sum(q.to(tl.float32) * k_last[None, :], axis=1) * qk_scale  # (BLOCK_H,)
-            m_new = tl.maximum(m_i, score)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(score - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v_new.to(q.dtype).to(tl.float32)[None, :]
-            m_i = m_new
-            slot = tl.load(slot_mapping_ptr + query_start)
-            if slot >= 0:
-                cache_offsets = ((slot // BLOCK_SIZE) * stride_cache_block
-                                 + (slot % BLOCK_SIZE) * stride_cache_offset
-                                 + kv_head * stride_cache_h + dims)  # fmt: skip
-                tl.store(key_cache_ptr + cache_offsets, k_new)
-                tl.store(value_cache_ptr + cache_offsets, v_new)
-
-    # Partial result of this split, normalised; one without keys reports lse = -inf.
-    partial_out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # (BLOCK_H, D)
-    if NUM_KV_SPLITS == 1:  # the only split: its result is the output, no reduce follows
-        out_offsets = (query_start.to(tl.int64) * stride_o_t + heads[:, None] * stride_o_h
-                       + dims[None, :])  # fmt: skip
-        _store_output(output_ptr + out_offsets, partial_out, output_scale, row_mask[:, None],
-                      ROUND_DTYPE, QUANT_OUT)  # fmt: skip
-    else:  # (a constexpr branch: not compiled for one split, whose scratch is a dummy)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        workspace_row = (seq * NUM_QUERIES_PER_KV * tl.num_programs(1) + heads) * NUM_KV_SPLITS
-        workspace_row += split
-        tl.store(partial_lse_ptr + workspace_row, lse, mask=row_mask)
-        tl.store(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
-                 partial_out, mask=row_mask[:, None])  # fmt: skip
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    partial_out_ptr, partial_lse_ptr, output_ptr, query_start_loc_ptr, seq_lens_ptr,
-    output_scale_ptr,  # read only with QUANT_OUT
-    stride_o_t, stride_o_h,
-    HEAD_SIZE: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    # One program: merge the splits of sequence `seq`, q head `head` into its output row.
-    seq, head = tl.program_id(0), tl.program_id(1)
-    # The runner writes the metadata before the step runs, the split kernel never: it is read
-    # before the wait of a reduce launched early.
-    query_start = tl.load(query_start_loc_ptr + seq)
-    query_end = tl.load(query_start_loc_ptr + seq + 1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    splits = tl.arange(0, BLOCK_SPLITS)
-    dims = tl.arange(0, HEAD_SIZE)
-    workspace_row = (seq * tl.num_programs(1) + head) * NUM_KV_SPLITS + splits  # (BLOCK_SPLITS,)
-    used = splits < _used_splits(seq_len, NUM_KV_SPLITS, BLOCK_N)
-    output_scale = _output_scale(output_scale_ptr, QUANT_OUT)  # a parameter: before the wait too
-    if PDL:  # launched early: wait for the split kernel
-        pdl_start()
-    # Every used split of a real sequence wrote its row (one without keys: lse -inf, zeros), so
-    # both loads go out together; a padded sequence's rows are read and never used.
-    lse = tl.load(partial_lse_ptr + workspace_row, mask=used, other=float("-inf"))
-    partial_out = tl.load(partial_out_ptr + workspace_row[:, None] * HEAD_SIZE + dims[None, :],
-                          mask=used[:, None], other=0.0)  # fmt: skip
-    if query_end == query_start:  # padded sequence
-        return
-    is_used = lse > float("-inf")
-    lse_max = tl.max(lse, axis=0)
-    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # all splits empty: avoid -inf - -inf
-    weights = tl.where(is_used, tl.exp2(lse - lse_max), 0.0)  # (BLOCK_SPLITS,)
-    out = tl.sum(weights[:, None] * partial_out, axis=0)  # (D,)
-    out = out / tl.maximum(tl.sum(weights, axis=0), 1e-30)  # no key at all: zeros, not NaN
-    out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
-    _store_output(output_ptr + out_offsets, out, output_scale, True, ROUND_DTYPE, QUANT_OUT)
-
-
-@triton.jit
-def _tokens_per_split(seq_len, NUM_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The context slice of one split: whole tiles, as few as cover ``seq_len`` in
-    ``NUM_KV_SPLITS`` slices (0 for an empty context)."""
-    return tl.cdiv(tl.cdiv(seq_len, NUM_KV_SPLITS), BLOCK_N) * BLOCK_N
-
-
-@triton.jit
-def _used_splits(seq_len, NUM_KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """How many leading splits hold part of the context: the ones that write a partial result
-    (split 0 always writes one, an empty context's included)."""
-    tokens_per_split = tl.maximum(_tokens_per_split(seq_len, NUM_KV_SPLITS, BLOCK_N), 1)
-    return tl.maximum(tl.cdiv(seq_len, tokens_per_split), 1)
-
-
-@triton.jit
-def _output_scale(output_scale_ptr, QUANT_OUT: tl.constexpr):
-    """The FP8 output's static scale (1 without QUANT_OUT, unused)."""
-    if QUANT_OUT:
-        return tl.load(output_scale_ptr)
-    return 1.0
-
-
-@triton.jit
-def _store_output(pointers, out, output_scale, mask, ROUND_DTYPE: tl.constexpr,
-                  QUANT_OUT: tl.constexpr):  # fmt: skip
-    """Store attention results; with QUANT_OUT as static_scaled_fp8_quant of the result in the
-    model dtype, with the scale ``_output_scale`` read."""
-    if QUANT_OUT:
-        out = round_to_e4m3(round_to(out, ROUND_DTYPE) / output_scale, _FP8_MAX)
-    tl.store(pointers, out.to(pointers.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _prefill_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, output_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale,  # softmax scale * log2(e): scores live in base 2
-    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_cache_block, stride_cache_offset, stride_cache_h,
-    stride_block_tables,
-    NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    # One program: sequence `seq`, its query tokens [q_block * BLOCK_Q, +BLOCK_Q), all the q heads
-    # of kv head `kv_head`. Tile row r is query token r // NUM_QUERIES_PER_KV of the block and
-    # q head r % NUM_QUERIES_PER_KV of the group.
-    seq, q_block, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    query_start = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
-    if q_block * BLOCK_Q >= query_len:  # past this sequence's queries (or a padded sequence)
-        return
-    context_len = tl.load(seq_lens_ptr + seq) - query_len  # tokens before the first query
-
-    rows = tl.arange(0, BLOCK_M)
-    query_idx = q_block * BLOCK_Q + rows // NUM_QUERIES_PER_KV  # (BLOCK_M,) within the sequence
-    heads = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV  # (BLOCK_M,)
-    row_mask = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (query_idx < query_len)
-    tokens = (query_start + query_idx).to(tl.int64)  # (BLOCK_M,)
-    dims = tl.arange(0, HEAD_SIZE)
-    q_offsets = tokens[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :]
-    q = tl.load(query_ptr + q_offsets, mask=row_mask[:, None], other=0.0)  # (BLOCK_M, D)
-    query_pos = context_len + query_idx  # (BLOCK_M,) absolute positions
-
-    m_i = tl.full([BLOCK_M], NEG_LARGE, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_SIZE], tl.float32)
-    # Causal: the last query of this block sees keys up to its own position, no further.
-    kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, query_len)
-    block_table = block_tables_ptr + seq * stride_block_tables
-    for tile_start in range(0, kv_end, BLOCK_N):
-        kv_pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        kv_mask = kv_pos < kv_end
-        kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
-                                    stride_cache_offset, stride_cache_h, BLOCK_SIZE)  # fmt: skip
-        k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
-        visible = (kv_pos[None, :] <= query_pos[:, None]) & kv_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))  # (BLOCK_M, BLOCK_N)
-        v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
-        m_i, l_i, acc = _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
-
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row that sees no key gets zeros
-    out_offsets = tokens[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
-    tl.store(output_ptr + out_offsets, out.to(output_ptr.dtype.element_ty),
-             mask=row_mask[:, None])  # fmt: skip
-
-
-@triton.jit
-def _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
-                   stride_cache_offset, stride_cache_h, BLOCK_SIZE: tl.constexpr):  # fmt: skip
-    """Element offset of (token kv_pos, kv_head, dim 0) in the cache, via the block table."""
-    block_ids = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
-    return (
-        block_ids * stride_cache_block
-        + (kv_pos % BLOCK_SIZE) * stride_cache_offset
-        + kv_head * stride_cache_h
-    )  # (BLOCK_N,)
-
-
-@triton.jit
-def _load_tile(cache_ptr, kv_offsets, dims, kv_mask):
-    """Load a (BLOCK_N, D) K or V tile; masked rows read 0 so that 0 * garbage never makes NaN."""
-    return tl.load(
-        cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask[:, None], other=0.0
-    )
-
-
-@triton.jit
-def _attend_tile(q, k, v, kv_mask, qk_scale, m_i, l_i, acc):
-    """Fold one K/V tile (BLOCK_N, D), masked rows excluded, into the running state of q."""
-    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
-    scores = tl.where(kv_mask[None, :], scores, float("-inf"))  # (BLOCK_H, BLOCK_N)
-    return _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)
-
-
-@triton.jit
-def _online_softmax_step(scores, v, m_i, l_i, acc):
-    """Fold one tile of base-2 scores (M, N) and values (N, D) into the running (max, sum, acc)."""
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # (M,)
-    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-    p = tl.exp2(scores - m_new[:, None])  # (M, N); masked scores give exactly 0
-    l_new = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return m_new, l_new, acc
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:

@@ -40,8 +40,9 @@ here where the kernel chooser picks the GEMV for the platform (``quantization/ba
 ``kernels/chooser.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides), eager and compiled alike.
 ``pieceworks::small_m_silu_and_mul_linear`` is the gated form (the MLP's gate/up projection),
 ``pieceworks::small_m_rope_linear`` (``triton_gemv_rope.py``) the rope form (the attention's qkv
-projection), and ``quantization/fp8.py`` registers the FP8 forms of all three. Beside this
-module: the launch configurations (``triton_gemv_config.py``), the gated epilogue as a kernel of
+projection), and ``small_m_fp8.py`` registers the FP8 forms of all three. Beside this
+module: the jitted kernel (``triton_gemv_kernel.py``), the launch configurations
+(``triton_gemv_config.py``), the gated epilogue as a kernel of
 its own for the token counts the GEMV does not take (``triton_silu_and_mul.py``) and
 programmatic dependent launch (``triton_launch.py``; the kernel reads its scales and rotary
 factors, then waits before its K loop, and releases the next after it, or at its start where
@@ -55,11 +56,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
-from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, KERNEL_FP8_MAX
-from pieceworks.kernels import triton_launch
+from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
+from pieceworks.kernels import triton_device
 from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_epilogue
 from pieceworks.kernels.gemv import triton_gemv_config
 from pieceworks.kernels.gemv.triton_gemv_config import (
@@ -72,9 +72,9 @@ from pieceworks.kernels.gemv.triton_gemv_config import (
     max_shared_bytes,
     rope_config,
 )
-from pieceworks.kernels.nvidia_pdl import gdc_launch_dependents, gdc_wait
+from pieceworks.kernels.gemv.triton_gemv_kernel import _gemv_kernel
 from pieceworks.kernels.triton_launch import launch, launch_options, programmatic_launch
-from pieceworks.kernels.triton_rounding import TRITON_DTYPES, round_to, round_to_e4m3
+from pieceworks.kernels.triton_rounding import TRITON_DTYPES
 
 __all__ = [  # the configuration names are re-exported: callers and tests import them from here
     "MAX_GEMV_TOKENS",
@@ -97,146 +97,6 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel for any weight; above it, cuBLAS
 SMALL_WEIGHT_BYTES = 12 * 2**20  # up to this size a weight takes the kernel to MAX_KERNEL_TOKENS
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FP8_MAX = tl.constexpr(KERNEL_FP8_MAX)
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr,
-    weight_ptr,
-    out_ptr,
-    x_scale_ptr,
-    weight_scale_ptr,
-    out_scale_ptr,
-    positions_ptr,
-    cos_sin_ptr,
-    num_tokens,
-    out_features,
-    in_features,
-    stride_x,
-    stride_weight,
-    stride_out,
-    stride_cos_sin,
-    head_size,
-    num_rotary_heads,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    SCALED: tl.constexpr,
-    GATED: tl.constexpr,
-    ROPE: tl.constexpr,
-    ROUND_DTYPE: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
-    PDL: tl.constexpr,
-    RELEASE_AT_START: tl.constexpr,
-):
-    # GATED: the weight is [gate; up] (2 * out_features rows) and the program's tile stacks the
-    # gate rows of its BLOCK_N columns on their up rows, so one tl.dot of 2 * BLOCK_N rows (a
-    # full tensor-core tile) serves both; the accumulator is split in the epilogue.
-    # ROPE: the same stacking for the pairs (i, i + D/2) of one head of a merged qkv weight;
-    # "columns" count pairs, BLOCK_N of them per program, and BLOCK_N divides D/2.
-    if RELEASE_AT_START:  # the next kernel may be scheduled now, on SMs this GEMV leaves idle;
-        gdc_launch_dependents()  # it waits for this one (releases_at_start)
-    BLOCK_ROWS: tl.constexpr = 2 * BLOCK_N if GATED or ROPE else BLOCK_N
-    first_column = tl.program_id(0) * BLOCK_N
-    rows = tl.arange(0, BLOCK_ROWS)
-    row_columns = first_column + rows % BLOCK_N  # the output column (ROPE: pair) of each row
-    if ROPE:  # pair c of head h = c // (D/2) is weight row h * D + c % (D/2), its partner D/2 on
-        half = head_size // 2
-        head = first_column // half
-        weight_rows = row_columns + head * half + (rows // BLOCK_N) * half
-    else:
-        weight_rows = row_columns + (rows // BLOCK_N) * out_features  # up: out_features further
-    row_mask = row_columns < out_features
-    tokens = tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    token_mask = tokens < num_tokens
-    weight_ptrs = weight_ptr + weight_rows.to(tl.int64)[:, None] * stride_weight  # (ROWS, 1)
-    x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x  # (BLOCK_M, 1)
-    acc = tl.zeros((BLOCK_ROWS, BLOCK_M), dtype=tl.float32)  # (N, M): y^T = W x^T
-    # What the epilogue reads besides the product, no kernel of the step writes (parameters, the
-    # rotary cache, the positions the runner copied before the step): read before the wait, so
-    # that no load round trip follows the K loop
-    if SCALED:
-        scale = tl.load(x_scale_ptr) * tl.load(weight_scale_ptr)
-    if QUANT_OUT:
-        out_scale = tl.load(out_scale_ptr)
-    if ROPE:
-        pairs = first_column - head * half + tl.arange(0, BLOCK_N)  # within the head
-        cos, sin = _rotary_factors(
-            positions_ptr, cos_sin_ptr + pairs[:, None], stride_cos_sin, half, tokens, token_mask
-        )
-    if PDL:  # launched early, while the kernel before (x's producer) may still run
-        gdc_wait()
-    for k_start in range(0, in_features, BLOCK_K):
-        k_mask = (k_start + ks) < in_features
-        w = tl.load(
-            weight_ptrs + (k_start + ks)[None, :],
-            mask=row_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )  # (BLOCK_ROWS, BLOCK_K)
-        x = tl.load(
-            x_rows + (k_start + ks)[None, :],
-            mask=token_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )  # (BLOCK_M, BLOCK_K)
-        if UPCAST:
-            w, x = w.to(tl.float32), x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
-    if PDL and not RELEASE_AT_START:  # W is streamed: the next kernel may be scheduled now
-        gdc_launch_dependents()  # (it waits for this one)
-    if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
-        acc = acc * scale
-    if GATED:  # silu(gate) * up, from gate and up as the unfused GEMM would have stored them
-        gate, up = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
-        acc = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK_N, BLOCK_M)
-    if QUANT_OUT:  # static FP8 quantization, rounded as static_scaled_fp8_quant rounds
-        acc = round_to_e4m3(acc / out_scale, _FP8_MAX)
-    out_rows = out_ptr + tokens.to(tl.int64)[None, :] * stride_out  # (1, M)
-    if ROPE:  # x1, x2 as the unfused GEMM stores them; q and k heads rotated, v heads as they are
-        x1, x2 = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
-        if head < num_rotary_heads:
-            x1, x2 = _rotate_pairs(x1, x2, cos, sin, ROUND_DTYPE)
-        columns = head * head_size + pairs  # x2's: half further
-        mask = token_mask[None, :]
-        tl.store(out_rows + columns[:, None], x1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_rows + columns[:, None] + half, x2.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        columns = first_column + tl.arange(0, BLOCK_N)
-        mask = (columns < out_features)[:, None] & token_mask[None, :]
-        tl.store(out_rows + columns[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _stacked_halves(acc, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ROUND_DTYPE: tl.constexpr):
-    """The two stacked row blocks of ``acc`` (2 * BLOCK_N, BLOCK_M), each (BLOCK_N, BLOCK_M) and
-    rounded to ``ROUND_DTYPE`` as an unfused GEMM would have stored them."""
-    first, second = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-    return round_to(first, ROUND_DTYPE), round_to(second, ROUND_DTYPE)
-
-
-@triton.jit
-def _rotary_factors(positions_ptr, cos_sin, stride_cos_sin, half, tokens, token_mask):
-    """cos and sin (N, M) in float32 for the pairs at each token's position. ``cos_sin`` (N, 1):
-    the pairs' cos columns of the cache row 0; sin is ``half`` further. Pad tokens read no
-    position and get zeros (never stored)."""
-    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
-    cos_ptrs = cos_sin + positions[None, :] * stride_cos_sin  # (N, M)
-    cos = tl.load(cos_ptrs, mask=token_mask[None, :], other=0.0).to(tl.float32)
-    sin = tl.load(cos_ptrs + half, mask=token_mask[None, :], other=0.0).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
-def _rotate_pairs(x1, x2, cos, sin, ROUND_DTYPE: tl.constexpr):
-    """Neox rotary of the pairs ``x1, x2`` (N, M): ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 *
-    sin`` in float32, rounded once to ``ROUND_DTYPE`` (as Inductor computes the unfused
-    rotation)."""
-    rotated1 = round_to(x1 * cos - x2 * sin, ROUND_DTYPE)
-    rotated2 = round_to(x2 * cos + x1 * sin, ROUND_DTYPE)
-    return rotated1, rotated2
 
 
 def launch_gemv(
@@ -303,7 +163,7 @@ def launch_gemv(
         INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         # Triton's interpreter multiplies bfloat16 dot operands as their raw uint16 bits
         # (triton-lang/triton#11584): there the kernel widens them to float32 first, exactly
-        UPCAST=triton_launch.INTERPRETED and x.dtype == torch.bfloat16,
+        UPCAST=triton_device.INTERPRETED and x.dtype == torch.bfloat16,
         SCALED=scales is not None,
         GATED=gated,
         ROPE=rope is not None,
@@ -361,7 +221,7 @@ def uses_kernel(
         and x.dtype in dtypes
         and x.stride(1) == 1
         and weight.stride(1) == 1
-        and triton_launch.kernel_runs_on(x)
+        and triton_device.kernel_runs_on(x)
     )
 
 

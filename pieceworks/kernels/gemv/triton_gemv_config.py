@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import triton
 
-from pieceworks.kernels import triton_launch
+from pieceworks.kernels import triton_device
 
 TILES_DIR = Path(__file__).parent / "tiles"
 MAX_KERNEL_TOKENS = 64  # what the kernel takes (benchmarks measure 32 and 64 against cuBLAS)
@@ -119,7 +119,7 @@ def tuned_tiles(device_name: str) -> dict[str, dict[str, dict[str, int]]]:
 def device_name(device: torch.device) -> str | None:
     """The name of ``device``'s GPU (what names its tiles file), or None where the kernels do not
     run compiled on it."""
-    if not triton_launch.compiled_kernels_run_on(device):
+    if not triton_device.compiled_kernels_run_on(device):
         return None
     return _device_name(device.index or 0)
 
@@ -132,7 +132,7 @@ def _device_name(device_index: int) -> str:
 def max_shared_bytes(device: torch.device) -> int | None:
     """Shared memory per block on ``device``'s GPU, or None where the kernels do not run compiled
     on it."""
-    if not triton_launch.compiled_kernels_run_on(device):
+    if not triton_device.compiled_kernels_run_on(device):
         return None
     return int(_device_properties(device.index or 0)["max_shared_mem"])
 
@@ -140,7 +140,7 @@ def max_shared_bytes(device: torch.device) -> int | None:
 def num_sms(device: torch.device) -> int | None:
     """Streaming multiprocessors (compute units) of ``device``'s GPU, or None where the kernels do
     not run compiled on it."""
-    if not triton_launch.compiled_kernels_run_on(device):
+    if not triton_device.compiled_kernels_run_on(device):
         return None
     return int(_device_properties(device.index or 0)["multiprocessor_count"])
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.custom_op import direct_register_custom_op
-from pieceworks.kernels import triton_launch
+from pieceworks.kernels import triton_device
 from pieceworks.kernels.gemv.triton_gemv import (
     MIN_ROPE_BLOCK_N,
     SUPPORTED_DTYPES,
@@ -87,7 +87,7 @@ def rotate_qk_heads(
     ``rotate_leading_heads``."""
     num_tokens = qkv.shape[0]
     if (
-        not triton_launch.kernel_runs_on(qkv)
+        not triton_device.kernel_runs_on(qkv)
         or qkv.stride(1) != 1
         or cos_sin_cache.stride(1) != 1
         or cos_sin_cache.dtype != qkv.dtype  # the torch rotation casts the cache to qkv's

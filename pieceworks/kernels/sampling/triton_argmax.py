@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pieceworks.kernels import triton_launch
+from pieceworks.kernels import triton_device
 from pieceworks.kernels.kernel_launch import KernelLaunch
 
 __all__ = ["launch_row_argmax", "uses_kernel"]
@@ -135,5 +135,5 @@ def uses_kernel(logits: torch.Tensor) -> bool:
         and logits.dtype in KERNEL_DTYPES
         and logits.stride(1) == 1
         and 0 < logits.shape[1] < 2**31
-        and triton_launch.kernel_runs_on(logits)
+        and triton_device.kernel_runs_on(logits)
     )

@@ -4,8 +4,8 @@ Plain ATen, so Inductor fuses the add, the reduction and the scale into one kern
 is ``core.norm_quant.rms_norm`` / ``add_rms_norm``: the FP8 fusion pass in ``core/passes``
 pattern-matches exactly what those functions trace to, so the layer calls them rather than repeating
 them. Where an out-of-tree platform registered its own ``rms_norm`` (``kernels/chooser.py``), the
-layer calls that instead, chosen when it is built. Activations are flattened tokens: ``(num_tokens,
-hidden_size)``.
+layer calls that instead, chosen when the model is built (``choose_kernels``). Activations are
+flattened tokens: ``(num_tokens, hidden_size)``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pieceworks.core.norm_quant import add_rms_norm, rms_norm
-from pieceworks.kernels.chooser import choose
+from pieceworks.kernels.chooser import KernelChooser
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +33,11 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         # an out-of-tree platform's rms_norm(x, weight, eps), where it registered one
-        self.kernel: Callable[..., torch.Tensor] | None = choose("rms_norm").impl.fn
+        self.kernel: Callable[..., torch.Tensor] | None = None
+
+    def choose_kernels(self, kernels: KernelChooser) -> None:
+        """Take this layer's form from the engine's chooser (once, when the model is built)."""
+        self.kernel = kernels.choose("rms_norm").impl.fn
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -9,7 +9,8 @@ it. Tokens are flattened: queries are ``(num_tokens, num_heads * head_size)``. `
 q, k)`` is the op ``pieceworks::rotary_embedding`` where the chooser gives ``rotary`` its kernel
 (the qkv GEMV's rotary epilogue: the rope fusion pass, ``core/passes/gemv_fusion.py``, folds the
 op into the GEMV before it) and the rotary is neox style on every dim, else plain ATen; the
-choice is made once, when the module is built, so eager and compiled calls run the same form.
+choice is made once, when the model is built (``choose_kernels``, called by the loader with the
+engine's chooser), so eager and compiled calls run the same form.
 The rotation itself is ``rotate_heads_by_cache`` (``kernels/rope/torch_rotary.py``), a function
 of the cache alone, so that ops which receive the cache rather than the module (the qkv GEMV's
 fallback, ``kernels/gemv/triton_gemv_rope.py``) rotate with the same arithmetic.
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pieceworks.kernels.chooser import choose, uses_op_form
+from pieceworks.kernels.chooser import KernelChooser
 from pieceworks.kernels.rope.torch_rotary import (
     rotary_embedding_op,
     rotate_heads_by_cache,
@@ -119,12 +120,16 @@ class RotaryEmbedding(nn.Module):
         _rope_type(self.rope_scaling)  # reject an unsupported type at construction
         cache = self._compute_cos_sin_cache(dtype).to(torch.get_default_device())
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-        choice = choose("rotary").impl
         # an out-of-tree platform's rotary(positions, q, k, cos_sin_cache, head_size, neox)
-        self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = choice.fn
+        self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.uses_op = False  # the torch form until the engine's chooser says otherwise
+
+    def choose_kernels(self, kernels: KernelChooser) -> None:
+        """Take this layer's form from the engine's chooser (once, when the model is built)."""
+        self.kernel = kernels.choose("rotary").impl.fn
         # The kernel is the qkv GEMV's epilogue, which rotates every dim neox style: a partial
         # rotary (Bamba) stays plain ATen, which Inductor fuses with its neighbours.
-        self.uses_op = uses_op_form("rotary") and self.is_full_neox
+        self.uses_op = kernels.uses_op_form("rotary") and self.is_full_neox
         if self.uses_op:  # registered before Dynamo traces the first call, which uses the handle
             self.op = rotary_embedding_op()
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pieceworks.config import resolve_dtype
-from pieceworks.kernels.chooser import kernel_selection
+from pieceworks.kernels.chooser import KernelChooser
 from pieceworks.models.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -310,16 +310,28 @@ def materialize_model(model: nn.Module, device: torch.device | str) -> nn.Module
     return model
 
 
-def initialize_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
-    """Build the model class named by config.json on ``meta``, then allocate it on ``device``."""
+def initialize_model(
+    config: EngineConfig, device: torch.device | str, kernels: KernelChooser | None = None
+) -> nn.Module:
+    """Build the model class named by config.json on ``meta``, let every layer take its kernels
+    from ``kernels`` (the engine's chooser; None: a new one for the current platform and the
+    config's ``custom_ops``), then allocate it on ``device``."""
     model_config = config.model_config
     model_cls = get_model_class(model_config.hf_config)
     dtype = resolve_dtype(model_config.dtype, model_config.hf_config)
-    # layers choose their kernels as they are built, following the model's custom_ops
-    selection = kernel_selection(config.compilation_config)
-    with set_default_torch_dtype(dtype), torch.device("meta"), selection:
+    with set_default_torch_dtype(dtype), torch.device("meta"):
         model = model_cls(config=config)
+    choose_kernels(model, kernels or KernelChooser.for_current_platform(config.compilation_config))
     return materialize_model(model, device)
+
+
+def choose_kernels(model: nn.Module, kernels: KernelChooser) -> None:
+    """Every layer (and linear layer's ``quant_method``) takes its kernels from ``kernels``."""
+    for module in model.modules():
+        for owner in (module, getattr(module, "quant_method", None)):
+            hook = getattr(owner, "choose_kernels", None)
+            if callable(hook):
+                hook(kernels)
 
 
 def _unpack_param_name(param_name: str, packed: dict[str, list[str]]) -> list[str]:

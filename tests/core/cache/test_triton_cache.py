@@ -6,9 +6,9 @@ pieceworks' own kernels with the rest of its cache; a directory the user set is 
 compile cache disabled Triton keeps its own default; without a configured cache directory the
 root is ``PIECEWORKS_CACHE_ROOT``; the directory chosen is logged at debug level. ``bench
 startup`` leaves the variable unset in its runs so the warm run keeps the cold run's binaries.
-``TRITON_PTXAS_PATH`` is pointed at torch's own executable ``bin/ptxas`` (Inductor's choice,
-which keys every binary) unless the user set it or torch has none, and both are set before the
-engine loads its model.
+On CUDA the platform's ``prepare_kernel_compiler`` points ``TRITON_PTXAS_PATH`` at torch's own
+executable ``bin/ptxas`` (Inductor's choice, which keys every binary) unless the user set it or
+torch has none; ROCm never names it; and engine start-up sets them before the model loads.
 Run: pytest tests/core/cache/test_triton_cache.py
 """
 
@@ -18,9 +18,19 @@ import logging
 import os
 
 from pieceworks.config import EngineConfig
-from pieceworks.core.cache.triton_cache import use_pieceworks_triton_cache, use_torch_ptxas
+from pieceworks.core.cache.triton_cache import (
+    kernel_compiler_environment,
+    use_kernel_compiler_environment,
+)
 from pieceworks.core.config import CompilationConfig
 from pieceworks.engine.llm import LLM
+from pieceworks.platforms.cuda import CudaPlatform, torch_ptxas
+from pieceworks.platforms.rocm import RocmPlatform
+
+
+def use_pieceworks_triton_cache(config: EngineConfig) -> str | None:
+    """What start-up sets ``TRITON_CACHE_DIR`` to on the current platform (None: left alone)."""
+    return use_kernel_compiler_environment(config).get("TRITON_CACHE_DIR")
 
 
 def unset(monkeypatch, name: str) -> None:
@@ -92,51 +102,70 @@ def fake_torch_dir(tmp_path, mode: int = 0o755):
     return str(tmp_path / "torch"), str(ptxas)
 
 
-def test_triton_assembles_with_torch_s_ptxas_and_says_so_at_debug(tmp_path, monkeypatch, caplog):
+def with_torch_dir(monkeypatch, torch_dir: str) -> None:
+    """The installed torch appears to live in ``torch_dir``."""
+    import torch
+
+    monkeypatch.setattr(torch, "__file__", os.path.join(torch_dir, "__init__.py"))
+
+
+def test_cuda_assembles_with_torch_s_ptxas_and_says_so_at_debug(tmp_path, monkeypatch, caplog):
     unset(monkeypatch, "TRITON_PTXAS_PATH")
     monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
-    caplog.set_level(logging.DEBUG, logger="pieceworks.core.cache.triton_cache")
+    caplog.set_level(logging.DEBUG, logger="pieceworks.platforms.cuda")
     torch_dir, ptxas = fake_torch_dir(tmp_path)
-    assert use_torch_ptxas(torch_dir) == os.environ["TRITON_PTXAS_PATH"] == ptxas
+    with_torch_dir(monkeypatch, torch_dir)
+    cache = str(tmp_path / "triton")
+    assert CudaPlatform().prepare_kernel_compiler(cache) == {
+        "TRITON_CACHE_DIR": cache,
+        "TRITON_PTXAS_PATH": ptxas,
+    }
     logged = {
-        (r.levelno, r.getMessage())
-        for r in caplog.records
-        if r.name == "pieceworks.core.cache.triton_cache"
+        (r.levelno, r.getMessage()) for r in caplog.records if r.name == "pieceworks.platforms.cuda"
     }
     assert logged == {(logging.DEBUG, f"Triton assembles with torch's ptxas: {ptxas}")}
+    assert "TRITON_PTXAS_PATH" not in os.environ  # the hook only says what to set
 
 
 def test_a_ptxas_the_user_set_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/cuda/bin/ptxas")
     torch_dir, _ = fake_torch_dir(tmp_path)
-    assert use_torch_ptxas(torch_dir) is None
+    with_torch_dir(monkeypatch, torch_dir)
+    environment = kernel_compiler_environment(config_with_cache(tmp_path), CudaPlatform())
+    assert "TRITON_PTXAS_PATH" not in environment
     assert os.environ["TRITON_PTXAS_PATH"] == "/opt/cuda/bin/ptxas"
 
 
 def test_a_torch_without_an_executable_ptxas_changes_nothing(tmp_path, monkeypatch):
     unset(monkeypatch, "TRITON_PTXAS_PATH")
-    assert use_torch_ptxas(str(tmp_path / "no-torch")) is None  # CPU and ROCm builds
+    assert torch_ptxas(str(tmp_path / "no-torch")) is None  # CPU and ROCm builds
     torch_dir, _ = fake_torch_dir(tmp_path, mode=0o644)
-    assert use_torch_ptxas(torch_dir) is None
-    assert "TRITON_PTXAS_PATH" not in os.environ
+    assert torch_ptxas(torch_dir) is None
+    with_torch_dir(monkeypatch, torch_dir)
+    assert "TRITON_PTXAS_PATH" not in CudaPlatform().prepare_kernel_compiler(None)
 
 
 def test_the_installed_torch_s_ptxas_is_the_default(tmp_path, monkeypatch):
-    import torch
-
-    unset(monkeypatch, "TRITON_PTXAS_PATH")
     torch_dir, ptxas = fake_torch_dir(tmp_path)
-    monkeypatch.setattr(torch, "__file__", os.path.join(torch_dir, "__init__.py"))
-    assert use_torch_ptxas() == ptxas
+    with_torch_dir(monkeypatch, torch_dir)
+    assert torch_ptxas() == ptxas
+
+
+def test_rocm_never_names_ptxas(tmp_path, monkeypatch):
+    torch_dir, _ = fake_torch_dir(tmp_path)
+    with_torch_dir(monkeypatch, torch_dir)
+    assert RocmPlatform().prepare_kernel_compiler("dir") == {"TRITON_CACHE_DIR": "dir"}
 
 
 def test_building_an_engine_sets_both_before_the_model_loads(tmp_path, monkeypatch):
-    from pieceworks.worker import model_runner
+    from pieceworks.worker import executor, model_runner
 
     calls = []
-    monkeypatch.setattr(model_runner, "use_torch_ptxas", lambda: calls.append("ptxas"))
+    set_up = executor.use_kernel_compiler_environment
     monkeypatch.setattr(
-        model_runner, "use_pieceworks_triton_cache", lambda config: calls.append("cache")
+        executor,
+        "use_kernel_compiler_environment",
+        lambda config: (calls.append("compiler"), set_up(config))[1],
     )
     load = model_runner.get_model
     monkeypatch.setattr(
@@ -145,4 +174,4 @@ def test_building_an_engine_sets_both_before_the_model_loads(tmp_path, monkeypat
     LLM(
         "llama-tiny", enforce_eager=True, compilation_config={"cache_dir": str(tmp_path)}
     ).shutdown()
-    assert calls == ["cache", "ptxas", "model"]
+    assert calls == ["compiler", "model"]

@@ -37,11 +37,11 @@ from pieceworks.core.passes.gemv_fusion import (
 )
 from pieceworks.core.passes.graph_match import op_name
 from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_op
+from pieceworks.kernels.gemv.small_m_fp8 import register_small_m_fp8_ops
 from pieceworks.kernels.gemv.triton_gemv import small_m_linear_op, small_m_silu_and_mul_linear_op
 from pieceworks.kernels.gemv.triton_gemv_rope import small_m_rope_linear_op
 from pieceworks.kernels.rope.torch_rotary import rotary_embedding_op
 from pieceworks.models.attention.layer import attention_op
-from pieceworks.models.layers.quantization.fp8 import register_small_m_fp8_ops
 
 
 def gate_up_graph(bias: str | None) -> torch.fx.Graph:

@@ -20,7 +20,7 @@ from pieceworks.core.norm_quant import add_rms_norm, fp8_dtype, rms_norm, static
 from pieceworks.core.passes import fusion
 from pieceworks.core.passes.fusion import RMSNormQuantFusionPass
 from pieceworks.core.passes.pass_manager import PostGradPassManager
-from pieceworks.models.layers.quantization.norm_quant_ops import register_norm_quant_ops
+from pieceworks.kernels.norm_quant.norm_quant_ops import register_norm_quant_ops
 from tests.core.passes.graph_backend import run_with_passes
 
 FUSED = "pieceworks.rms_norm_static_fp8_quant.default"

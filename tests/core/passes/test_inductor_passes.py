@@ -22,7 +22,7 @@ from pieceworks.core.decorators import support_torch_compile
 from pieceworks.core.forward_context import set_forward_context
 from pieceworks.core.norm_quant import add_rms_norm, rms_norm, static_scaled_fp8_quant
 from pieceworks.core.passes.pass_manager import PostGradPassManager
-from pieceworks.models.layers.quantization.norm_quant_ops import register_norm_quant_ops
+from pieceworks.kernels.norm_quant.norm_quant_ops import register_norm_quant_ops
 from tests.core.passes.graph_backend import op_counts
 from tests.core.passes.test_fix_functionalization import scale_into_op
 from tests.core.toy_model import SILLY_OP, silly_attention_op

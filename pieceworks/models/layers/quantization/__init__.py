@@ -4,7 +4,9 @@ A linear layer delegates both to its ``quant_method`` (vLLM's split): ``Unquanti
 (``base.py``) or, with ``quantization="fp8"``, ``Fp8LinearMethod`` (``fp8.py``). The loader copies
 checkpoint tensors into the layer as usual, then calls ``process_weights_after_loading`` on every
 method, where FP8 quantizes the weight. The fused RMSNorm + FP8 quant ops that the fusion pass
-emits are registered in ``norm_quant_ops.py`` (Triton kernel: ``triton_norm_quant.py``).
+emits are registered beside their kernel, in ``kernels/norm_quant/norm_quant_ops.py``; the FP8
+GEMM ops in ``kernels/gemv/small_m_fp8.py``. Each method takes its kernels from the engine's
+chooser when the model is built (``choose_kernels``).
 """
 
 from __future__ import annotations

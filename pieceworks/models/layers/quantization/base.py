@@ -5,11 +5,12 @@ A method owns the layer's GEMM (``apply``) and the one-time rewrite of its loade
 Layers keep a method instance each; methods keep no per-layer state of their own beyond flags.
 The unquantized GEMM goes through ``pieceworks::small_m_linear``
 (``kernels/gemv/triton_gemv.py``), a Triton GEMV for <= 16 tokens (<= 64 for a weight of at
-most 12 MiB, ``max_gemv_tokens``), where the kernel chooser picks
-the GEMV for the platform (``kernels/chooser.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides this,
-read when the method is built), and an out-of-tree platform's own ``linear`` where it registered
-one. The choice is made when the method is built, so eager (level 0) and compiled calls run the
-same ops and eager is an oracle for compiled numerics. The fused forms (the gate/up GEMV with the
+most 12 MiB, ``max_gemv_tokens``), where the engine's kernel chooser picks
+the GEMV for the platform (``kernels/chooser.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides this),
+and an out-of-tree platform's own ``linear`` where it registered one. The choice is made once,
+when the model is built (``choose_kernels``, called by the loader; until then a method runs the
+torch form), so eager (level 0) and compiled calls run the same ops and eager is an oracle for
+compiled numerics. The fused forms (the gate/up GEMV with the
 activation as its epilogue, ``pieceworks::small_m_silu_and_mul_linear``; the qkv GEMV with the
 rotary as its epilogue, ``pieceworks::small_m_rope_linear``) are registered here, when the GEMV
 ops are on, and put into compiled graphs by the fusion passes (``core/passes/gemv_fusion.py``).
@@ -23,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pieceworks import envs
-from pieceworks.kernels.chooser import choose
+from pieceworks.kernels.chooser import KernelChooser
 from pieceworks.kernels.gemv.triton_gemv import (
     small_m_linear_op,
     small_m_silu_and_mul_linear_op,
@@ -39,18 +39,9 @@ def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
     return value
 
 
-def small_m_gemv_enabled(op: str = "linear", dtype: torch.dtype | None = None) -> bool:
-    """Whether decode-sized GEMMs of ``op`` (``linear``, ``fp8_linear``) go to pieceworks' GEMV
-    ops: where the chooser picks a GEMV for this platform, unless ``PIECEWORKS_SMALL_M_GEMV``
-    says otherwise (``0`` makes the choice the torch form, ``1`` forces the ops, which fall back
-    inside where the kernel does not run)."""
-    forced = envs.PIECEWORKS_SMALL_M_GEMV
-    choice = choose(op, dtype=dtype, prefer_native=True if forced is False else None)
-    return choice.impl.jitted if forced is None else forced
-
-
 class LinearMethod:
-    """Interface: ``apply(layer, x, bias) -> y`` and ``process_weights_after_loading(layer)``."""
+    """Interface: ``choose_kernels(kernels)``, ``apply(layer, x, bias) -> y`` and
+    ``process_weights_after_loading(layer)``."""
 
     small_m_gemv = False  # methods that route decode-sized GEMMs to the GEMV ops set it
     kernel: Callable[..., torch.Tensor] | None = None  # an out-of-tree linear, if one was chosen
@@ -59,6 +50,9 @@ class LinearMethod:
         """Whether this layer's GEMMs go through the GEMV ops (decided when it was built; eager
         and compiled calls run the same ops)."""
         return self.small_m_gemv
+
+    def choose_kernels(self, kernels: KernelChooser) -> None:
+        """Take this layer's GEMM from the engine's chooser (default: the torch form)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Rewrite ``layer``'s parameters once the checkpoint is loaded (default: nothing)."""
@@ -71,9 +65,9 @@ class UnquantizedLinearMethod(LinearMethod):
     """``y = x W^T (+ b)`` in the model dtype: ``F.linear``, the GEMV op, or the platform's own
     ``linear``, as the chooser decided when the method was built."""
 
-    def __init__(self) -> None:
-        self.kernel = choose("linear").impl.fn  # set where a platform registered its own
-        self.small_m_gemv = self.kernel is None and small_m_gemv_enabled()
+    def choose_kernels(self, kernels: KernelChooser) -> None:
+        self.kernel = kernels.choose("linear").impl.fn  # set where a platform registered its own
+        self.small_m_gemv = self.kernel is None and kernels.small_m_gemv_enabled()
         # registered before Dynamo traces the first call; forward calls the handle it keeps
         if self.small_m_gemv:
             self.small_m_linear = small_m_linear_op()

@@ -16,9 +16,11 @@ The activation quantization is ``core.norm_quant.static_scaled_fp8_quant`` in pl
 fuses it into whatever produced the activation, and where that is an RMSNorm the fusion pass
 (``core/passes/fusion.py``) replaces the pair with one fused op.
 
-Where the small-M GEMV is on (``quantization/base.py``), the GEMM is the op
-``pieceworks::small_m_fp8_linear``: the Triton GEMV on FP8 operands for at most 16 tokens (64 for a
-weight of at most 12 MiB; ``kernels/gemv/triton_gemv.py``), ``fp8_gemm`` above that. On Hopper,
+Where the engine's chooser turns the small-M GEMV on (``choose_kernels``), the GEMM is the op
+``pieceworks::small_m_fp8_linear`` (the FP8 ops and ``fp8_gemm`` are registered beside their
+kernels, in ``kernels/gemv/small_m_fp8.py``): the Triton GEMV on FP8 operands for at most 16
+tokens (64 for a weight of at most 12 MiB; ``kernels/gemv/triton_gemv.py``), ``fp8_gemm`` above
+that. On Hopper,
 products whose weight slices mostly fit in shared memory (the attention's ``o_proj`` and
 ``qkv_proj`` at 8B widths) take the resident-weight GEMV instead, which copies its weights before it
 waits for the kernel before (``kernels/gemv/resident_gemv.py``). In compiled graphs the fusion
@@ -35,30 +37,19 @@ applies). ``apply`` takes an input that is already FP8 as quantized with the lay
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
 
-from pieceworks.core.custom_op import direct_register_custom_op
-from pieceworks.core.norm_quant import (
-    KERNEL_FP8_DTYPE,
-    fp8_dtype,
-    fp8_max,
-    static_scaled_fp8_quant,
+from pieceworks.core.norm_quant import fp8_dtype, fp8_max, static_scaled_fp8_quant
+from pieceworks.kernels.chooser import KernelChooser
+from pieceworks.kernels.gemv.small_m_fp8 import (
+    fp8_gemm,
+    register_small_m_fp8_ops,
+    small_m_fp8_rope_linear_op,
 )
-from pieceworks.kernels.gemv.resident_gemv import fp8_decode_gemv
-from pieceworks.kernels.gemv.triton_gemv import launch_gemv, silu_and_mul_epilogue, uses_kernel
-from pieceworks.kernels.gemv.triton_gemv_rope import (
-    rope_epilogue,
-    rotate_qk_heads,
-    uses_rope_kernel,
-)
-from pieceworks.models.layers.quantization.base import (
-    LinearMethod,
-    layer_tensor,
-    small_m_gemv_enabled,
-)
+from pieceworks.kernels.norm_quant.norm_quant_ops import register_norm_quant_ops
+from pieceworks.models.layers.quantization.base import LinearMethod, layer_tensor
 from pieceworks.platforms.capability import FP8_GEMM
 
 # The static activation scale of every FP8 linear layer (see the module docstring).
@@ -86,158 +77,6 @@ def quantize_weight_per_tensor(
     return static_scaled_fp8_quant(weight, scale, dtype), scale
 
 
-def fp8_gemm(
-    x_fp8: torch.Tensor,
-    weight: torch.Tensor,
-    input_scale: torch.Tensor,
-    weight_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    native: bool,
-) -> torch.Tensor:
-    """``(x_fp8 * input_scale) @ (weight * weight_scale)^T + bias`` in ``out_dtype``; x is 2-D."""
-    if native:
-        # weight is (out, in) row-major, so weight.t() is the column-major operand cuBLAS wants.
-        return torch._scaled_mm(
-            x_fp8,
-            weight.t(),
-            scale_a=input_scale,
-            scale_b=weight_scale,
-            bias=bias,
-            out_dtype=out_dtype,
-        )
-    output = torch.mm(x_fp8.to(torch.float32), weight.to(torch.float32).t())  # (T, out)
-    output = (output * (input_scale * weight_scale)).to(out_dtype)
-    return output if bias is None else output + bias
-
-
-def small_m_fp8_linear(
-    x_fp8: torch.Tensor,
-    weight: torch.Tensor,
-    input_scale: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    native: bool,
-) -> torch.Tensor:
-    """``fp8_gemm`` for 2-D x; the Triton GEMV on the FP8 operands when ``uses_kernel``."""
-    if not uses_kernel(x_fp8, weight, (KERNEL_FP8_DTYPE,)):
-        return fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, bias, native)
-    output = fp8_decode_gemv(x_fp8, weight, (input_scale, weight_scale), out_dtype)
-    return output if bias is None else output + bias
-
-
-def small_m_fp8_linear_fake(
-    x_fp8: torch.Tensor,
-    weight: torch.Tensor,
-    input_scale: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    native: bool,
-) -> torch.Tensor:
-    return x_fp8.new_empty((x_fp8.shape[0], weight.shape[0]), dtype=out_dtype)
-
-
-def small_m_fp8_silu_and_mul(
-    x_fp8: torch.Tensor,
-    weight: torch.Tensor,
-    input_scale: torch.Tensor,
-    weight_scale: torch.Tensor,
-    out_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    native: bool,
-) -> torch.Tensor:
-    """``quant(silu_and_mul(fp8_gemm(...)), out_scale)`` for a merged [gate; up] weight: (T, I)
-    in the platform's FP8 format; one GEMV with both as its epilogue when ``uses_kernel``."""
-    if not uses_kernel(x_fp8, weight, (KERNEL_FP8_DTYPE,)):
-        gate_up = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
-        return silu_and_mul_epilogue(gate_up, out_scale)
-    scales = (input_scale, weight_scale)
-    return launch_gemv(
-        x_fp8, weight, scales=scales, gated=True, out_dtype=out_dtype, out_scale=out_scale
-    )
-
-
-def small_m_fp8_silu_and_mul_fake(
-    x_fp8: torch.Tensor,
-    weight: torch.Tensor,
-    input_scale: torch.Tensor,
-    weight_scale: torch.Tensor,
-    out_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    native: bool,
-) -> torch.Tensor:
-    return x_fp8.new_empty((x_fp8.shape[0], weight.shape[0] // 2))
-
-
-def small_m_fp8_rope_linear(
-    x_fp8: torch.Tensor,
-    weight: torch.Tensor,
-    input_scale: torch.Tensor,
-    weight_scale: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    head_size: int,
-    num_rotary_heads: int,
-    out_dtype: torch.dtype,
-    native: bool,
-) -> torch.Tensor:
-    """``fp8_gemm`` for a merged qkv weight, its first ``num_rotary_heads`` heads rotated (neox,
-    every dim) at ``positions (T,)``: (T, (Hq + 2 Hkv) D) in ``out_dtype``; one GEMV with the
-    rotation as its epilogue when ``uses_rope_kernel`` (``kernels/gemv/triton_gemv_rope.py``)."""
-    if not uses_rope_kernel(
-        x_fp8, weight, cos_sin_cache, head_size, out_dtype, (KERNEL_FP8_DTYPE,)
-    ):
-        qkv = fp8_gemm(x_fp8, weight, input_scale, weight_scale, out_dtype, None, native)
-        return rotate_qk_heads(positions, qkv, cos_sin_cache, head_size, num_rotary_heads)
-    rope = rope_epilogue(positions, cos_sin_cache, head_size, num_rotary_heads)
-    return fp8_decode_gemv(x_fp8, weight, (input_scale, weight_scale), out_dtype, rope)
-
-
-def small_m_fp8_rope_linear_fake(
-    x_fp8: torch.Tensor,
-    weight: torch.Tensor,
-    input_scale: torch.Tensor,
-    weight_scale: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    head_size: int,
-    num_rotary_heads: int,
-    out_dtype: torch.dtype,
-    native: bool,
-) -> torch.Tensor:
-    return x_fp8.new_empty((x_fp8.shape[0], weight.shape[0]), dtype=out_dtype)
-
-
-def small_m_fp8_rope_linear_op() -> Any:
-    """``torch.ops.pieceworks.small_m_fp8_rope_linear``, registered on first use."""
-    return direct_register_custom_op(
-        "small_m_fp8_rope_linear",
-        small_m_fp8_rope_linear,
-        mutates_args=[],
-        fake_impl=small_m_fp8_rope_linear_fake,
-    )
-
-
-def register_small_m_fp8_ops() -> tuple[Any, Any]:
-    """``(small_m_fp8_linear, small_m_fp8_silu_and_mul)`` as ``torch.ops.pieceworks`` ops,
-    registered on first use (before Dynamo traces the first FP8 layer)."""
-    linear = direct_register_custom_op(
-        "small_m_fp8_linear",
-        small_m_fp8_linear,
-        mutates_args=[],
-        fake_impl=small_m_fp8_linear_fake,
-    )
-    gated = direct_register_custom_op(
-        "small_m_fp8_silu_and_mul",
-        small_m_fp8_silu_and_mul,
-        mutates_args=[],
-        fake_impl=small_m_fp8_silu_and_mul_fake,
-    )
-    return linear, gated
-
-
 def output_dtype(layer: nn.Module) -> torch.dtype:
     """The dtype an FP8 layer's GEMM returns: its weight's dtype before quantization."""
     dtype = getattr(layer, "output_dtype", None)  # set by process_weights_after_loading
@@ -249,13 +88,13 @@ class Fp8LinearMethod(LinearMethod):
     """Quantizes the layer's weight after loading; quantizes its input and runs an FP8 GEMM."""
 
     def __init__(self, config: Fp8Config) -> None:
-        from pieceworks.models.layers.quantization.norm_quant_ops import register_norm_quant_ops
-
         self.config = config
         self.fp8_dtype = fp8_dtype()  # the device's e4m3 flavour
         self.native = False  # decided after loading, when the weights are on their device
         register_norm_quant_ops()  # the fusion pass replaces RMSNorm -> quant with these
-        self.small_m_gemv = small_m_gemv_enabled("fp8_linear", self.fp8_dtype)
+
+    def choose_kernels(self, kernels: KernelChooser) -> None:
+        self.small_m_gemv = kernels.small_m_gemv_enabled("fp8_linear", self.fp8_dtype)
         if self.small_m_gemv:  # forward calls the handles it keeps, never the registration
             self.small_m_linear, _ = register_small_m_fp8_ops()
             small_m_fp8_rope_linear_op()
