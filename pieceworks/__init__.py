@@ -1,12 +1,16 @@
 """pieceworks: trace once, split at the dynamic ops, compile the pieces, replay static graphs.
 
 Importing pieceworks resolves no platform and writes no torch flags; the heavy entry points
-(``LLM``, ``SamplingParams``) are imported on first access.
+(``LLM``, ``SamplingParams``) are imported on first access. The platform package is imported (not
+resolved) here, so that every ``EngineConfig`` is adjusted for ``current_platform()`` however it was
+imported.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import pieceworks.platforms  # noqa: F401  (installs the EngineConfig platform provider)
 
 __version__ = "0.1.0"
 

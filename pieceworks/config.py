@@ -8,7 +8,8 @@ EngineConfig can be built without a model (tests of the compile pipeline do this
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -172,6 +173,27 @@ class ParallelConfig:
             self.local_rank = self.rank
 
 
+class ConfigPlatform(Protocol):
+    """What an EngineConfig asks of the platform it will run on: its adjustments, applied once
+    when the config is built. ``pieceworks.platforms.Platform`` implements it; the configs sit
+    below the platforms and never import them."""
+
+    def check_and_update_config(self, config: EngineConfig) -> None: ...
+
+    def apply_declared_defaults(self, config: EngineConfig) -> None: ...
+
+
+# Returns the platform an EngineConfig is adjusted for; installed by ``pieceworks.platforms``
+# (``current_platform``) when that package is imported.
+_platform_provider: Callable[[], ConfigPlatform] | None = None
+
+
+def set_platform_provider(provider: Callable[[], ConfigPlatform]) -> None:
+    """Install the function that names the platform every new EngineConfig is adjusted for."""
+    global _platform_provider
+    _platform_provider = provider
+
+
 @dataclasses.dataclass
 class EngineConfig:
     """Everything that configures one engine; passed explicitly, never read from globals."""
@@ -183,10 +205,13 @@ class EngineConfig:
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
     def __post_init__(self) -> None:
-        from pieceworks.platforms import current_platform
-
         self.compilation_config.finalize_capture_sizes(self.scheduler_config.max_num_seqs)
-        platform = current_platform()
+        if _platform_provider is None:
+            raise RuntimeError(
+                "no platform provider is installed: import pieceworks.platforms (importing "
+                "the pieceworks package does) before building an EngineConfig"
+            )
+        platform = _platform_provider()
         platform.check_and_update_config(self)
         platform.apply_declared_defaults(self)  # also where an override skipped the base class
 
@@ -215,10 +240,12 @@ __all__ = [
     "CacheConfig",
     "CompilationConfig",
     "CompilationLevel",
+    "ConfigPlatform",
     "EngineConfig",
     "ModelConfig",
     "ParallelConfig",
     "PassConfig",
     "SchedulerConfig",
     "resolve_dtype",
+    "set_platform_provider",
 ]
