@@ -73,8 +73,8 @@ from pieceworks.benchmarks.step_timing import timed_steps
 from pieceworks.config import ModelConfig, resolve_dtype
 from pieceworks.engine.arg_utils import build_engine_config, resolve_hf_config
 from pieceworks.logger import init_logger
-from pieceworks.models.loading.loader import WeightLoadingError, is_ignored_tensor
 from pieceworks.models.loading.sources import checkpoint_weights
+from pieceworks.models.loading.weight_utils import WeightLoadingError, is_ignored_tensor
 from pieceworks.platforms import current_platform
 
 logger = init_logger(__name__)
