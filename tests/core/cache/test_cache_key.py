@@ -35,7 +35,7 @@ from pieceworks.core.cache.cache_key import (
 from pieceworks.core.config import CompilationConfig
 from pieceworks.utils import hash_factors
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 class FixedCompiler:

@@ -40,7 +40,7 @@ from tests.core.toy_model import SILLY_OP, ToyModel
 NUM_LAYERS = 12
 NUM_PIECES = NUM_LAYERS + 1  # split at each layer's silly attention
 NUM_DISTINCT = 3  # first piece, the 11 identical middle pieces, last piece
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ from tests.core.toy_model import ToyModel
 
 NUM_LAYERS = 2
 NUM_CAPTURABLE = NUM_LAYERS + 1  # the pieces between the silly attention ops
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 

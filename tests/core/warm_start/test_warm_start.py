@@ -42,7 +42,7 @@ from tests.core.cache.test_compile_cache import (
 
 NUM_LAYERS = 2
 NUM_DISTINCT = 3  # first piece, the one middle piece, last piece
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc")
 
 
