@@ -6,7 +6,6 @@ remembers the result and how it was reached (``describe_platform_resolution()``)
 
 from __future__ import annotations
 
-from pieceworks.config import set_platform_provider
 from pieceworks.platforms.interface import Platform
 from pieceworks.platforms.registry import (
     PlatformResolution,
@@ -25,11 +24,6 @@ def current_platform() -> Platform:
     if _current is None:
         _current, _resolution = resolve_platform()
     return _current
-
-
-# Every EngineConfig built from now on is adjusted for the current platform (the configs sit
-# below the platforms, so they are handed the lookup instead of importing it).
-set_platform_provider(current_platform)
 
 
 def platform_resolution() -> PlatformResolution:
