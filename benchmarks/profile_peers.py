@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from pieceworks.benchmarks.baselines import StaticCacheDecoder
 from pieceworks.benchmarks.device_busy import profile_device_busy
-from pieceworks.benchmarks.peers.gpt_fast import GptFastDecoder, GptFastLlama
+from pieceworks.benchmarks.peers.gpt_fast import GptFastDecoder
+from pieceworks.benchmarks.peers.gpt_fast_model import GptFastLlama
+from pieceworks.benchmarks.peers.static_compiled import StaticCacheDecoder
 from pieceworks.models.loading.presets import get_preset
 
 

@@ -8,12 +8,14 @@ EngineConfig can be built without a model (tests of the compile pipeline do this
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import torch
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode, PassConfig
 from pieceworks.utils import hash_factors
+
+if TYPE_CHECKING:
+    import torch
 
 # ``SchedulerConfig.policy`` values: each names a policy in ``scheduler/policy.py``.
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -21,28 +23,32 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # Architectures whose linear layers take quantization="fp8".
 FP8_ARCHITECTURES = ("LlamaForCausalLM",)
 
+# dtype names a user may pass -> the torch dtype's attribute name (torch is imported on use, so
+# that importing the configs, and the package root that imports them, stays light).
 _DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "float": torch.float32,
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "float": "float32",
 }
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any] | None) -> torch.dtype:
     """vLLM's rule: "auto" takes the checkpoint's dtype, float32 checkpoints run in bfloat16."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         name = (hf_config or {}).get("torch_dtype") or (hf_config or {}).get("dtype") or "bfloat16"
-        resolved = _DTYPES.get(str(name).removeprefix("torch."), torch.bfloat16)
+        resolved = getattr(torch, _DTYPES.get(str(name).removeprefix("torch."), "bfloat16"))
         return torch.bfloat16 if resolved == torch.float32 else resolved
     if dtype not in _DTYPES:
         raise ValueError(
             f"dtype={dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'"
         )
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 @dataclasses.dataclass
@@ -183,6 +189,27 @@ class ParallelConfig:
             self.local_rank = self.rank
 
 
+class ConfigPlatform(Protocol):
+    """What an EngineConfig asks of the platform it will run on: its adjustments, applied once
+    when the config is built. ``pieceworks.platforms.Platform`` implements it; the configs sit
+    below the platforms and never import them."""
+
+    def check_and_update_config(self, config: EngineConfig) -> None: ...
+
+    def apply_declared_defaults(self, config: EngineConfig) -> None: ...
+
+
+# Returns the platform an EngineConfig is adjusted for; installed by the package root
+# (``pieceworks/__init__.py``: ``current_platform``) before any module of the package runs.
+_platform_provider: Callable[[], ConfigPlatform] | None = None
+
+
+def set_platform_provider(provider: Callable[[], ConfigPlatform]) -> None:
+    """Install the function that names the platform every new EngineConfig is adjusted for."""
+    global _platform_provider
+    _platform_provider = provider
+
+
 @dataclasses.dataclass
 class EngineConfig:
     """Everything that configures one engine; passed explicitly, never read from globals."""
@@ -194,10 +221,9 @@ class EngineConfig:
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
     def __post_init__(self) -> None:
-        from pieceworks.platforms import current_platform
-
         self.compilation_config.finalize_capture_sizes(self.scheduler_config.max_num_seqs)
-        platform = current_platform()
+        assert _platform_provider is not None, "installed by the pieceworks package on import"
+        platform = _platform_provider()
         platform.check_and_update_config(self)
         platform.apply_declared_defaults(self)  # also where an override skipped the base class
 
@@ -226,10 +252,12 @@ __all__ = [
     "CacheConfig",
     "CompilationConfig",
     "CompilationLevel",
+    "ConfigPlatform",
     "EngineConfig",
     "ModelConfig",
     "ParallelConfig",
     "PassConfig",
     "SchedulerConfig",
     "resolve_dtype",
+    "set_platform_provider",
 ]

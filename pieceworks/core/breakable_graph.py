@@ -26,14 +26,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.counters import compilation_counter
 
 if TYPE_CHECKING:
+    from pieceworks.config import EngineConfig
     from pieceworks.core.forward_context import BatchDescriptor
-    from pieceworks.core.static_graph import StaticGraphWrapperBase
 
 
 class DynamicOpCaptureError(RuntimeError):
@@ -79,6 +79,24 @@ def run_dynamic_op(name: str, op_func: Callable[..., Any], args: tuple, kwargs: 
     )
 
 
+class SegmentRecorder(Protocol):
+    """The segment primitives of a static-graph wrapper that supports breakable capture
+    (``StaticGraphWrapperBase`` with ``supports_breakable_capture``): what this module drives."""
+
+    runnable: Callable[..., Any]
+    config: EngineConfig
+
+    def segment_capture(self) -> contextlib.AbstractContextManager[Any]: ...
+
+    def begin_segment(self, descriptor: BatchDescriptor, *, first: bool) -> None: ...
+
+    def end_segment(self) -> Any: ...
+
+    def replay_segment(self, segment: Any) -> None: ...
+
+    def retained(self, value: Any) -> Any: ...
+
+
 @dataclasses.dataclass
 class EagerOpCall:
     """A splitting op as recorded at capture: replay calls it again on the same arguments."""
@@ -100,7 +118,7 @@ class BreakableEntry:
 
 
 def capture_breakable(
-    wrapper: StaticGraphWrapperBase, descriptor: BatchDescriptor, args: tuple, kwargs: dict
+    wrapper: SegmentRecorder, descriptor: BatchDescriptor, args: tuple, kwargs: dict
 ) -> tuple[BreakableEntry, Any]:
     """Capture ``wrapper.runnable`` for ``descriptor`` as segments split at the splitting ops."""
     segments: list[Any] = []
@@ -142,7 +160,7 @@ def capture_breakable(
     return BreakableEntry(descriptor, segments, kept_ops, wrapper.retained(output)), output
 
 
-def replay_breakable(wrapper: StaticGraphWrapperBase, entry: BreakableEntry) -> Any:
+def replay_breakable(wrapper: SegmentRecorder, entry: BreakableEntry) -> Any:
     """Segment 0, op 0 on its recorded arguments, segment 1, ..., the last segment."""
     for segment, op in zip(entry.segments, entry.ops, strict=False):
         wrapper.replay_segment(segment)

@@ -1,10 +1,11 @@
 """Tensor parallelism: the process-global group state and the collectives the models call.
 
 ``parallel_state`` owns the groups (one tensor-parallel group spanning every rank, plus a gloo
-group for object broadcasts); ``communication_op`` owns the collectives, among them the all-reduce
-registered as the custom op ``pieceworks::all_reduce`` that Dynamo traces into the compiled pieces
-and the static graphs capture. Imports run ``models`` -> ``distributed`` -> ``core`` ->
-``platforms``; nothing here knows a model. Importing it initialises nothing.
+group for object broadcasts) and the group's all-reduce registered as the custom op
+``pieceworks::all_reduce`` that Dynamo traces into the compiled pieces and the static graphs
+capture; ``communication_op`` owns the collectives the models call. Imports run ``models`` ->
+``distributed`` -> ``core`` -> ``platforms``; nothing here knows a model. Importing it
+initialises nothing.
 """
 
 from pieceworks.distributed.communication_op import (

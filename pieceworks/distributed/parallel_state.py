@@ -5,6 +5,12 @@
 Layers ask ``tensor_parallel_rank_and_size()`` at construction how to shard themselves; it says
 ``(0, 1)`` until the environment is initialised, so a single-process engine needs no set-up.
 ``destroy_distributed_environment()`` tears it all down (after the static graphs are freed).
+
+The group's all-reduce is also the custom op ``pieceworks::all_reduce`` (``all_reduce_op()``), so
+that Dynamo traces it into the compiled pieces: ``all_reduce(x) -> Tensor``, out of place, with a
+fake implementation returning an empty tensor like ``x`` (tracing runs no collective). It is
+registered when the environment is initialised (registering cannot happen inside a trace), never
+at import.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.logger import init_logger
 from pieceworks.platforms import current_platform
 
@@ -116,8 +123,6 @@ def init_distributed_environment(
             f"{dist.get_world_size()}, not rank {rank} of {world_size}"
         )
     _TP = GroupCoordinator(list(range(world_size)), local_rank, backend)
-    from pieceworks.distributed.communication_op import all_reduce_op
-
     all_reduce_op()  # registered now: registering inside a Dynamo trace would fail
     logger.info("tensor parallelism: rank %d of %d (%s)", rank, world_size, backend)
 
@@ -141,6 +146,32 @@ def tensor_parallel_rank_and_size() -> tuple[int, int]:
     if _TP is None:
         return 0, 1
     return _TP.rank_in_group, _TP.world_size
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum of ``x`` over the tensor-parallel group, into a new tensor (``x`` is not written)."""
+    return get_tp_group().all_reduce(x.clone())
+
+
+def all_reduce_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_all_reduce_op: Any = None
+
+
+def all_reduce_op() -> Any:
+    """``torch.ops.pieceworks.all_reduce``, registered on first use.
+
+    ``init_distributed_environment`` calls this: registering cannot be traced, so the op must
+    exist before Dynamo meets the first ``tensor_model_parallel_all_reduce``.
+    """
+    global _all_reduce_op
+    if _all_reduce_op is None:
+        _all_reduce_op = direct_register_custom_op(
+            "all_reduce", all_reduce, mutates_args=[], fake_impl=all_reduce_fake
+        )
+    return _all_reduce_op
 
 
 def destroy_distributed_environment() -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from pieceworks.distributed.communication_op import tensor_model_parallel_all_gather
 from pieceworks.distributed.parallel_state import tensor_parallel_rank_and_size
 from pieceworks.models.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pieceworks.models.loading.loader import (
+from pieceworks.models.loading.weight_utils import (
     get_weight_loader,
     is_ignored_tensor,
     unexpected_tensor_error,

@@ -23,21 +23,23 @@ from pieceworks.sampling_params import SamplingParams
 
 pytest.importorskip("transformers")
 
-from pieceworks.benchmarks.baselines import (  # noqa: E402
-    StaticCacheDecoder,
-    StepClock,
-    applicable_baselines,
-    baseline_model_config,
+from pieceworks.benchmarks.baselines import applicable_baselines  # noqa: E402
+from pieceworks.benchmarks.peers.gpt_fast import (  # noqa: E402
+    GptFastDecoder,
     build_gpt_fast_model,
-    fuse_hf_qkv,
-    hf_decode_bytes,
-    hf_generate,
-    load_hf_baseline,
     measure_gpt_fast,
-    measure_hf_eager,
+)
+from pieceworks.benchmarks.peers.hf_attention import fuse_hf_qkv  # noqa: E402
+from pieceworks.benchmarks.peers.hf_eager import StepClock, hf_generate, measure_hf_eager  # noqa: E402
+from pieceworks.benchmarks.peers.hf_model import (  # noqa: E402
+    baseline_model_config,
+    hf_decode_bytes,
+    load_hf_baseline,
+)
+from pieceworks.benchmarks.peers.static_compiled import (  # noqa: E402
+    StaticCacheDecoder,
     measure_static_cache_compiled,
 )
-from pieceworks.benchmarks.peers.gpt_fast import GptFastDecoder  # noqa: E402
 
 NUM_COMPARED = 4  # greedy tokens compared per prompt (near-ties of random weights come later)
 BANDWIDTH = 1e9  # bytes/s: any number; floors are compared, not judged

@@ -15,10 +15,8 @@ from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint
 
 pytest.importorskip("transformers")
 
-from pieceworks.benchmarks.baselines import (  # noqa: E402
-    measure_gpt_fast,
-    measure_static_cache_compiled,
-)
+from pieceworks.benchmarks.peers.gpt_fast import measure_gpt_fast  # noqa: E402
+from pieceworks.benchmarks.peers.static_compiled import measure_static_cache_compiled  # noqa: E402
 
 MID_LLAMA = {
     **get_preset("llama-3.1-8b"),

@@ -21,7 +21,7 @@ from pieceworks.config import (
     SchedulerConfig,
 )
 from pieceworks.core.counters import compilation_counter
-from pieceworks.models.loading.loader import load_hf_config
+from pieceworks.models.loading.hf_directory import load_hf_config
 from pieceworks.sampling_params import SamplingParams
 
 MAX_NUM_SEQS = 4

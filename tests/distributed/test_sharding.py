@@ -31,8 +31,9 @@ from pieceworks.models.layers.vocab_embedding import (
     VocabParallelEmbedding,
     vocab_range,
 )
-from pieceworks.models.loading.loader import WeightLoadingError, initialize_model
+from pieceworks.models.loading.loader import initialize_model
 from pieceworks.models.loading.presets import get_preset
+from pieceworks.models.loading.weight_utils import WeightLoadingError
 from pieceworks.models.mamba.sharding import Mamba2Sharding
 from tests.distributed.rank_workers import group_collectives
 from tests.distributed.spawn import run_ranks

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from pieceworks.engine.llm import LLM
-from pieceworks.models.loading.loader import WeightLoadingError, save_hf_directory
+from pieceworks.models.loading.hf_directory import save_hf_directory
 from pieceworks.models.loading.presets import get_preset, random_hf_weights
+from pieceworks.models.loading.weight_utils import WeightLoadingError
 
 NORM = "model.norm.weight"
 

@@ -31,7 +31,7 @@ import torch
 from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.output_processor import OutputProcessor
-from pieceworks.models.loading.loader import save_hf_directory
+from pieceworks.models.loading.hf_directory import save_hf_directory
 from pieceworks.models.loading.presets import get_preset, random_hf_weights
 from pieceworks.sampling_params import SamplingParams
 

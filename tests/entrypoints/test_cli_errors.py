@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pieceworks.entrypoints.cli import main
-from pieceworks.models.loading.loader import save_hf_directory
+from pieceworks.models.loading.hf_directory import save_hf_directory
 from pieceworks.models.loading.presets import get_preset, random_hf_weights
 
 HF_CONFIG = {**get_preset("llama-tiny"), "torch_dtype": "float32"}

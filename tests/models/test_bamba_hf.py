@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pieceworks.engine.llm import LLM
-from pieceworks.models.loading.loader import save_hf_directory
+from pieceworks.models.loading.hf_directory import save_hf_directory
 from pieceworks.models.loading.presets import get_preset, random_hf_weights
 from pieceworks.platforms import current_platform
 from pieceworks.sampling_params import SamplingParams

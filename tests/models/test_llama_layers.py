@@ -34,7 +34,7 @@ from pieceworks.models.layers import (
     silu_and_mul,
 )
 from pieceworks.models.layers.rotary_embedding import get_rope_parameters
-from pieceworks.models.loading import loader, presets, sources
+from pieceworks.models.loading import hf_directory, loader, presets, sources, weight_utils
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
@@ -285,12 +285,12 @@ def test_gate_up_loaded_from_separate_tensors_equals_hf_mlp() -> None:
 
 def test_merged_weight_loader_names_the_mis_shaped_shard() -> None:
     qkv = QKVParallelLinear(32, 8, 4, 2, prefix="model.layers.0.self_attn.qkv_proj")
-    with pytest.raises(loader.WeightLoadingError) as error:
+    with pytest.raises(weight_utils.WeightLoadingError) as error:
         qkv.weight_loader(qkv.weight, torch.zeros(8, 32), "k")
     assert "model.layers.0.self_attn.qkv_proj.weight shard 'k'" in str(error.value)
     assert "expected shape (16, 32), got (8, 32)" in str(error.value)
     gate_up = MergedColumnParallelLinear(32, [64, 64], prefix="mlp.gate_up_proj")
-    with pytest.raises(loader.WeightLoadingError, match=r"mlp.gate_up_proj.weight shard 1"):
+    with pytest.raises(weight_utils.WeightLoadingError, match=r"mlp.gate_up_proj.weight shard 1"):
         gate_up.weight_loader(gate_up.weight, torch.zeros(64, 31), 1)
 
 
@@ -325,7 +325,7 @@ class ToyForCausalLM(nn.Module):
     def load_weights(self, weights):
         params_dict = dict(self.named_parameters())
         for checkpoint_name, tensor in weights:
-            if loader.is_ignored_tensor(checkpoint_name):
+            if weight_utils.is_ignored_tensor(checkpoint_name):
                 continue
             name, shard_args = checkpoint_name, ()
             for param_name, weight_name, shard_id in self.stacked_params_mapping:
@@ -333,8 +333,8 @@ class ToyForCausalLM(nn.Module):
                     name, shard_args = checkpoint_name.replace(weight_name, param_name), (shard_id,)
                     break
             if name not in params_dict:
-                raise loader.unexpected_tensor_error(self, checkpoint_name)
-            loader.get_weight_loader(self, name)(params_dict[name], tensor, *shard_args)
+                raise weight_utils.unexpected_tensor_error(self, checkpoint_name)
+            weight_utils.get_weight_loader(self, name)(params_dict[name], tensor, *shard_args)
 
 
 def _toy_checkpoint(tie_word_embeddings: bool = False) -> dict[str, torch.Tensor]:
@@ -364,7 +364,7 @@ def test_load_weights_stacks_merged_weights_and_skips_ignorable_tensors() -> Non
 def test_missing_tensors_are_listed_by_checkpoint_name() -> None:
     checkpoint = _toy_checkpoint()
     del checkpoint["model.mlp.up_proj.weight"], checkpoint["lm_head.weight"]
-    with pytest.raises(loader.WeightLoadingError, match="lacks 2 tensor") as error:
+    with pytest.raises(weight_utils.WeightLoadingError, match="lacks 2 tensor") as error:
         loader.load_weights(ToyForCausalLM(), checkpoint.items())
     assert "lm_head.weight, model.mlp.up_proj.weight" in str(error.value)
     assert "gate_proj" not in str(error.value)
@@ -378,7 +378,7 @@ def test_tied_head_needs_no_lm_head_tensor() -> None:
 
 def test_unexpected_tensor_is_named() -> None:
     checkpoint = {**_toy_checkpoint(), "model.mlp.extra_proj.weight": torch.zeros(3)}
-    with pytest.raises(loader.WeightLoadingError, match="'model.mlp.extra_proj.weight'"):
+    with pytest.raises(weight_utils.WeightLoadingError, match="'model.mlp.extra_proj.weight'"):
         loader.load_weights(ToyForCausalLM(), checkpoint.items())
 
 
@@ -389,7 +389,7 @@ def test_unexpected_tensor_is_named() -> None:
 )
 def test_mis_shaped_tensor_names_tensor_expected_and_got(name: str, expected: tuple) -> None:
     checkpoint = {**_toy_checkpoint(), name: torch.zeros(7, 7)}
-    with pytest.raises(loader.WeightLoadingError) as error:
+    with pytest.raises(weight_utils.WeightLoadingError) as error:
         loader.load_weights(ToyForCausalLM(), checkpoint.items())
     assert error.value.tensor_name == name
     assert f"{name!r}" in str(error.value)
@@ -399,37 +399,39 @@ def test_mis_shaped_tensor_names_tensor_expected_and_got(name: str, expected: tu
 @pytest.mark.parametrize("max_shard_bytes", [None, 1000], ids=["single", "sharded"])
 def test_save_and_load_round_trip(tmp_path, max_shard_bytes: int | None) -> None:
     checkpoint = _toy_checkpoint()
-    loader.save_hf_directory(
+    hf_directory.save_hf_directory(
         checkpoint, {"architectures": ["Toy"]}, tmp_path, max_shard_bytes=max_shard_bytes
     )
-    files = loader.hf_weight_files(tmp_path)
+    files = hf_directory.hf_weight_files(tmp_path)
     if max_shard_bytes:
-        index = json.loads((tmp_path / loader.SAFE_WEIGHTS_INDEX_NAME).read_text())
+        index = json.loads((tmp_path / hf_directory.SAFE_WEIGHTS_INDEX_NAME).read_text())
         assert len(files) > 1 and set(index["weight_map"]) == set(checkpoint)
     else:
-        assert [path.name for path in files] == [loader.SAFE_WEIGHTS_NAME]
-    assert loader.load_hf_config(tmp_path) == {"architectures": ["Toy"]}
-    read_back = dict(loader.hf_weights_iterator(tmp_path))
+        assert [path.name for path in files] == [hf_directory.SAFE_WEIGHTS_NAME]
+    assert hf_directory.load_hf_config(tmp_path) == {"architectures": ["Toy"]}
+    read_back = dict(hf_directory.hf_weights_iterator(tmp_path))
     assert read_back.keys() == checkpoint.keys()
     for name, tensor in checkpoint.items():
         torch.testing.assert_close(read_back[name], tensor, rtol=0, atol=0)
     model = ToyForCausalLM()
-    loader.load_weights(model, loader.hf_weights_iterator(tmp_path))
+    loader.load_weights(model, hf_directory.hf_weights_iterator(tmp_path))
     torch.testing.assert_close(model.model.norm.weight, checkpoint["model.norm.weight"])
 
 
 def test_resaving_unsharded_removes_old_shards(tmp_path) -> None:
     checkpoint = _toy_checkpoint()
-    loader.save_hf_directory(checkpoint, {}, tmp_path, max_shard_bytes=1000)
-    loader.save_hf_directory(checkpoint, {}, tmp_path)
-    assert [path.name for path in loader.hf_weight_files(tmp_path)] == [loader.SAFE_WEIGHTS_NAME]
+    hf_directory.save_hf_directory(checkpoint, {}, tmp_path, max_shard_bytes=1000)
+    hf_directory.save_hf_directory(checkpoint, {}, tmp_path)
+    assert [path.name for path in hf_directory.hf_weight_files(tmp_path)] == [
+        hf_directory.SAFE_WEIGHTS_NAME
+    ]
 
 
 def test_directory_without_weights_or_config_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="safetensors"):
-        loader.hf_weight_files(tmp_path)
+        hf_directory.hf_weight_files(tmp_path)
     with pytest.raises(FileNotFoundError, match="config.json"):
-        loader.load_hf_config(tmp_path)
+        hf_directory.load_hf_config(tmp_path)
 
 
 def test_meta_model_materialises_with_ties_and_buffers() -> None:
@@ -499,8 +501,8 @@ def test_random_checkpoint_is_seeded_and_loads_in_hf(tmp_path) -> None:
     )
     second = presets.random_hf_checkpoint("llama-tiny", tmp_path / "b", seed=3)
     weights_a, weights_b = (
-        dict(loader.hf_weights_iterator(first)),
-        dict(loader.hf_weights_iterator(second)),
+        dict(hf_directory.hf_weights_iterator(first)),
+        dict(hf_directory.hf_weights_iterator(second)),
     )
     assert (
         weights_a.keys()
@@ -509,7 +511,7 @@ def test_random_checkpoint_is_seeded_and_loads_in_hf(tmp_path) -> None:
     )
     for name in weights_a:
         torch.testing.assert_close(weights_a[name], weights_b[name], rtol=0, atol=0)
-    assert loader.load_hf_config(first)["torch_dtype"] == "float32"
+    assert hf_directory.load_hf_config(first)["torch_dtype"] == "float32"
     hf_model = build_hf_llama(first)
     torch.testing.assert_close(
         hf_model.model.embed_tokens.weight, weights_a["model.embed_tokens.weight"], rtol=0, atol=0
@@ -538,7 +540,7 @@ def _llama_engine_config(model_dir):
     from pieceworks.config import CompilationConfig, EngineConfig, ModelConfig
 
     model_config = ModelConfig(
-        model=str(model_dir), hf_config=loader.load_hf_config(model_dir), dtype="float32"
+        model=str(model_dir), hf_config=hf_directory.load_hf_config(model_dir), dtype="float32"
     )
     return EngineConfig(model_config=model_config, compilation_config=CompilationConfig(level=0))
 
@@ -549,7 +551,7 @@ def test_llama_loads_hf_checkpoint_into_merged_weights(tmp_path, tie_word_embedd
     hf_config = {**presets.get_preset("llama-tiny"), "tie_word_embeddings": tie_word_embeddings}
     presets.random_hf_checkpoint(hf_config, tmp_path, seed=0, max_shard_bytes=100_000)
     model = sources.get_model(_llama_engine_config(tmp_path), "cpu")
-    weights = dict(loader.hf_weights_iterator(tmp_path))
+    weights = dict(hf_directory.hf_weights_iterator(tmp_path))
     attention = model.model.layers[1].self_attn
     qkv = torch.cat(
         [weights[f"model.layers.1.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]

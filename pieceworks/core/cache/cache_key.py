@@ -15,15 +15,13 @@ written beside the artifacts as ``cache_key_factors.json``. Storage is ``compile
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
 import sys
 from collections.abc import Collection
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
-from pieceworks.utils import hash_factors
+from pieceworks.utils import file_digest, hash_factors
 
 if TYPE_CHECKING:
     from pieceworks.config import EngineConfig
@@ -70,21 +68,6 @@ def module_relative_paths(file_names: Collection[str] | None = None) -> dict[str
         for file, relative in module_files()
         if file_names is None or os.path.basename(file) in file_names
     }
-
-
-def file_digest(path: str) -> str:
-    """SHA-256 of the file's contents, read once per process while its size and modification
-    time stay the same (every compile of a start-up hashes the same pass and model files). An
-    edit that keeps the size within one tick of the file system's clock goes unseen until the
-    next process."""
-    status = os.stat(path)
-    return _file_digest(os.path.realpath(path), status.st_mtime_ns, status.st_size)
-
-
-@functools.cache
-def _file_digest(path: str, mtime_ns: int, size: int) -> str:
-    with open(path, "rb") as file:
-        return hashlib.sha256(file.read()).hexdigest()
 
 
 def hash_source_files(paths: list[str]) -> dict[str, str]:

@@ -15,8 +15,7 @@ from typing import Any
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from pieceworks.core.cache.cache_key import file_digest
-from pieceworks.utils import hash_factors
+from pieceworks.utils import file_digest, hash_factors
 
 
 class InductorPass(CustomGraphPass):

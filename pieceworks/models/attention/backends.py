@@ -16,7 +16,7 @@ kernel; every other path attends into a scratch tensor of the query dtype and wr
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,6 +24,7 @@ from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.attention.ops import (
     DecodeLaunch,
+    DecodeWorkspace,
     KernelLaunch,
     PagedAttentionLaunch,
     paged_attention_reference,
@@ -32,8 +33,18 @@ from pieceworks.models.attention.ops import (
     store_kv_cache_torch,
 )
 
-if TYPE_CHECKING:
-    from pieceworks.models.attention.layer import Attention
+
+class AttentionLayer(Protocol):
+    """What a backend reads of the layer it runs for (``models.attention.layer.Attention``):
+    this rank's head counts, the softmax scale, the split-KV workspace and the bound caches."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    workspace: DecodeWorkspace
+
+    def bound_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class AttentionBackend:
@@ -63,7 +74,9 @@ class AttentionBackend:
         raise NotImplementedError
 
     @classmethod
-    def plan(cls, layer: Attention, query, key, value, output, metadata: AttentionMetadata) -> Any:
+    def plan(
+        cls, layer: AttentionLayer, query, key, value, output, metadata: AttentionMetadata
+    ) -> Any:
         """Host work that follows from this call's shapes alone; the layer reuses it per shape."""
         return None
 
@@ -71,7 +84,7 @@ class AttentionBackend:
     def run(
         cls,
         plan: Any,
-        layer: Attention,
+        layer: AttentionLayer,
         query,
         key,
         value,
@@ -91,7 +104,7 @@ class AttentionBackend:
             output.copy_(static_scaled_fp8_quant(result, output_scale, output.dtype))
 
 
-def head_views(layer: Attention, query, key, value, output) -> tuple[torch.Tensor, ...]:
+def head_views(layer: AttentionLayer, query, key, value, output) -> tuple[torch.Tensor, ...]:
     """The layer's flat (T, H * D) tensors as (T, H, D) views, in the order given."""
     num_tokens, head_size = query.shape[0], layer.head_size
     return (

@@ -23,7 +23,7 @@ from torch import nn
 from pieceworks.distributed.communication_op import tensor_model_parallel_all_reduce
 from pieceworks.distributed.parallel_state import tensor_parallel_rank_and_size
 from pieceworks.models.layers.quantization import Fp8Config, LinearMethod, UnquantizedLinearMethod
-from pieceworks.models.loading.loader import check_shape, copy_weight, shard_rows
+from pieceworks.models.loading.weight_utils import check_shape, copy_weight, shard_rows
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:

@@ -17,7 +17,7 @@ from torch import nn
 
 from pieceworks.distributed.communication_op import tensor_model_parallel_all_reduce
 from pieceworks.distributed.parallel_state import tensor_parallel_rank_and_size
-from pieceworks.models.loading.loader import shard_rows
+from pieceworks.models.loading.weight_utils import shard_rows
 
 
 def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pieceworks.models.loading.loader import WeightLoadingError
+from pieceworks.models.loading.weight_utils import WeightLoadingError
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor

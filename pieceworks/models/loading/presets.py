@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pieceworks.models.loading.loader import save_hf_directory
+from pieceworks.models.loading.hf_directory import save_hf_directory
 
 INIT_STD = 0.02  # weights ~ N(0, 0.02): logits of a random model stay O(1)
 NORM_NOISE_STD = 0.1  # norm weights ~ 1 + N(0, 0.1): a norm that ignored its weight would show

@@ -33,10 +33,9 @@ from pieceworks.models.loading.gguf_loader import (
     gguf_weights_iterator,
     is_gguf_path,
 )
+from pieceworks.models.loading.hf_directory import hf_weights_iterator, load_hf_config
 from pieceworks.models.loading.loader import (
-    hf_weights_iterator,
     initialize_model,
-    load_hf_config,
     load_weights,
     process_weights_after_loading,
 )

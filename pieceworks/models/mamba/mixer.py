@@ -27,7 +27,7 @@ from pieceworks.distributed.communication_op import tensor_model_parallel_all_re
 from pieceworks.distributed.parallel_state import tensor_parallel_rank_and_size
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pieceworks.models.loading.loader import copy_weight, shard_rows
+from pieceworks.models.loading.weight_utils import copy_weight, shard_rows
 from pieceworks.models.mamba.backends import Mamba2Params, MambaBackend
 from pieceworks.models.mamba.ops import gated_rms_norm_ref
 from pieceworks.models.mamba.sharding import Mamba2Sharding, Rows

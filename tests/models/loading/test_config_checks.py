@@ -25,8 +25,9 @@ from pieceworks.models.loading.config_checks import (
     check_tensor_parallel,
     with_architecture_defaults,
 )
-from pieceworks.models.loading.loader import WeightLoadingError, non_finite_count, save_hf_directory
+from pieceworks.models.loading.hf_directory import save_hf_directory
 from pieceworks.models.loading.presets import get_preset, preset_names, random_hf_weights
+from pieceworks.models.loading.weight_utils import WeightLoadingError, non_finite_count
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pieceworks.engine.tokenizer import bytes_to_unicode, load_tokenizer
-from pieceworks.models.loading import gguf_loader, loader, sources
+from pieceworks.models.loading import gguf_loader, hf_directory, sources, weight_utils
 from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint, random_hf_weights
 
 gguf = pytest.importorskip("gguf")
@@ -199,7 +199,7 @@ def test_unsupported_tensor_type_is_an_error_naming_it(tmp_path, weights):
     reader = gguf_loader.open_gguf(write_gguf(tmp_path / "q81.gguf", weights))
     tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_v.weight")
     fake = tensor._replace(tensor_type=gguf.GGMLQuantizationType.Q8_1)
-    with pytest.raises(loader.WeightLoadingError, match=r"blk\.0\.attn_v\.weight.*Q8_1"):
+    with pytest.raises(weight_utils.WeightLoadingError, match=r"blk\.0\.attn_v\.weight.*Q8_1"):
         gguf_loader.dequantize_tensor(fake)
 
 
@@ -279,7 +279,7 @@ def test_transformers_5_config_with_tagged_infinity_loads(tmp_path):
     )
     hf_config.to_json_file(str(model_dir / "config.json"))  # replaces the preset's config.json
     assert '"__float__": "Infinity"' in (model_dir / "config.json").read_text()
-    config = loader.load_hf_config(model_dir)
+    config = hf_directory.load_hf_config(model_dir)
     assert config["time_step_limit"][0] == 0.0 and math.isinf(config["time_step_limit"][1])
     assert config["rope_parameters"]["rope_theta"] == 10000.0  # nested, as transformers 5 writes
     from pieceworks.engine.llm import LLM
@@ -292,6 +292,6 @@ def test_transformers_5_config_with_tagged_infinity_loads(tmp_path):
 
 def test_tagged_floats_decode_anywhere_in_the_json():
     text = '{"a": [{"__float__": "-Infinity"}, {"b": {"__float__": "NaN"}}], "c": {"__float__": 1}}'
-    config = loader.parse_hf_config(text)
+    config = hf_directory.parse_hf_config(text)
     assert config["a"][0] == -math.inf and math.isnan(config["a"][1]["b"])
     assert config["c"] == {"__float__": 1}  # not a tag transformers writes: left alone
