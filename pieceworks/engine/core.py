@@ -118,8 +118,10 @@ class EngineCore:
         priority: int = 0,
     ) -> Request:
         vocab_size = self.config.model_config.hf_config.get("vocab_size")
-        if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
+        if vocab_size is not None:
+            if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
+            _check_num_logprobs(params, vocab_size)
         return Request(
             request_id=request_id or str(next(self._request_ids)),
             prompt_token_ids=list(prompt_token_ids),
@@ -150,8 +152,23 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[Request]:
-        """Launch one scheduled batch; return the requests whose last token has come back."""
+        """Launch one scheduled batch; return the requests whose last token has come back.
+
+        A step that raises leaves no half-done step behind: the requests of every step awaiting
+        its tokens are aborted (``_abandon_pending_steps``) and a ``StepFailedError`` naming them
+        is raised (an interrupt is re-raised as it is), so the next ``step`` starts clean.
+        """
         self._check_running()
+        try:
+            return self._step()
+        except Exception as error:
+            request_ids = self._abandon_pending_steps()
+            raise StepFailedError(error, request_ids) from error
+        except BaseException:  # Ctrl-C: abandon the step, let the interrupt through
+            self._abandon_pending_steps()
+            raise
+
+    def _step(self) -> list[Request]:
         start = time.perf_counter()
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
@@ -182,6 +199,28 @@ class EngineCore:
             self.executor.release(request.request_id)
         return finished
 
+    def _abandon_pending_steps(self) -> list[str]:
+        """Abort the requests of every scheduled step whose tokens have not been applied, and
+        forget those steps; the ids of the requests aborted."""
+        self._in_flight = None
+        request_ids = list(
+            dict.fromkeys(
+                scheduled.request.request_id
+                for output in self.scheduler.drop_pending_outputs()
+                for scheduled in output.scheduled_requests
+            )
+        )
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request in aborted:
+            self.executor.release(request.request_id)
+        if aborted:
+            logger.warning(
+                "an engine step failed; aborted its %d request(s): %s",
+                len(aborted),
+                ", ".join(r.request_id for r in aborted),
+            )
+        return request_ids
+
     @property
     def is_shut_down(self) -> bool:
         return self._shut_down
@@ -196,6 +235,29 @@ class EngineCore:
         """Free the captured graphs; stop tensor-parallel workers and free the process group."""
         self._shut_down = True
         self.executor.shutdown()
+
+
+class StepFailedError(RuntimeError):
+    """An engine step raised; the requests it was running (``request_ids``) were aborted and the
+    engine is consistent again: its other requests carry on with the next ``step``."""
+
+    def __init__(self, error: BaseException, request_ids: list[str]) -> None:
+        super().__init__(
+            f"an engine step failed ({type(error).__name__}: {error}); its requests were "
+            f"aborted: {', '.join(request_ids) or 'none'}"
+        )
+        self.request_ids = request_ids
+
+
+def _check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:
+    """``logprobs`` and ``prompt_logprobs`` ask for at most the whole vocabulary."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > vocab_size:
+            raise ValueError(
+                f"{name}={value} is more than this model's vocabulary of {vocab_size} tokens; "
+                f"ask for at most {vocab_size}"
+            )
 
 
 def _record_logprobs(output: SchedulerOutput, sampled: SampledTokens) -> None:

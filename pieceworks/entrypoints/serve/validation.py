@@ -112,4 +112,6 @@ def sampling_params(
     try:
         return SamplingParams(**fields)
     except ValueError as error:
-        raise bad_request(str(error)) from None
+        message = str(error)  # it opens with the field: "seed=... must be ..."
+        name = message.split("=", 1)[0]
+        raise bad_request(message, param=name if name in fields else None) from None
