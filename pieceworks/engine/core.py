@@ -17,6 +17,7 @@ Start-up (load, compile, KV cache, capture) happens in the constructor and is ti
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 from pieceworks.config import EngineConfig
@@ -34,6 +35,10 @@ logger = init_logger(__name__)
 # decode steps, a few MiB at most.
 MAX_STEP_TIMINGS = 65_536
 
+# One engine builds or steps at a time in a process: the forward context, Dynamo's state and graph
+# capture are process-wide, so two engines driven from two threads take turns, step by step.
+_ENGINE_LOCK = threading.RLock()
+
 
 class EngineCore:
     """Queues requests, schedules one batch per ``step``, runs it on the executor and feeds the
@@ -41,7 +46,8 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = make_executor(config)
+        with _ENGINE_LOCK:
+            self.executor = make_executor(config)
         self.runner = self.executor.runner  # this process's (rank 0's) runner
         num_blocks = self.runner.num_blocks
         max_model_len = config.model_config.max_model_len
@@ -160,7 +166,8 @@ class EngineCore:
         """
         self._check_running()
         try:
-            return self._step()
+            with _ENGINE_LOCK:
+                return self._step()
         except Exception as error:
             request_ids = self._abandon_pending_steps()
             raise StepFailedError(error, request_ids) from error
@@ -234,7 +241,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Free the captured graphs; stop tensor-parallel workers and free the process group."""
         self._shut_down = True
-        self.executor.shutdown()
+        with _ENGINE_LOCK:
+            self.executor.shutdown()
 
 
 class StepFailedError(RuntimeError):
