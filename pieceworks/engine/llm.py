@@ -42,7 +42,7 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    """The offline engine: ``generate``, ``stream`` and ``chat``; thread-safe, one call at a time."""
+    """The offline engine: ``generate``, ``stream``, ``chat``; thread-safe, one call at a time."""
 
     def __init__(self, model: str, compilation_config: Any = None, **engine_args: Any) -> None:
         start = time.perf_counter()
