@@ -4,7 +4,8 @@ Proves: a seed outside what a ``torch.Generator`` takes, and ``logprobs`` / ``pr
 larger than the vocabulary, are refused with a ``ValueError`` naming the field and the limit
 before anything is queued; a step that raises (the runner fails once) fails the requests of that
 step, leaves no step awaiting its update, and the next ``generate`` returns the tokens a fresh
-engine gives; the serving loop fails only the requests of a failed step and keeps serving.
+engine gives (an interrupted step too); the serving loop fails only the requests of a failed
+step and keeps serving.
 llama-tiny at level 0 on CPU, float32.
 Run: pytest tests/engine/test_bad_request.py
 """
@@ -109,3 +110,22 @@ def test_the_serving_loop_fails_only_the_failed_steps_requests(llm, monkeypatch)
     good = [d for d in loop.take_outputs().deltas if d.request_id == "good"]
     assert sum(len(d.new_token_ids) for d in good) == 3
     assert good[-1].finish_reason == "length"
+
+
+def test_an_interrupted_step_leaves_the_engine_clean(llm, monkeypatch):
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(6))]
+    runner = llm.engine.runner
+    real_execute = runner.execute_async
+    calls = {"count": 0}
+
+    def execute_interrupted_on_the_second_step(output):
+        calls["count"] += 1
+        if calls["count"] == 2:
+            raise KeyboardInterrupt  # Ctrl-C while the step is being launched
+        return real_execute(output)
+
+    monkeypatch.setattr(runner, "execute_async", execute_interrupted_on_the_second_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, greedy(6))
+    assert not llm.engine.has_unfinished_requests()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(6))] == expected
