@@ -17,10 +17,11 @@ Start-up (load, compile, KV cache, capture) happens in the constructor and is ti
 from __future__ import annotations
 
 import itertools
+import tempfile
 import threading
 import time
 
-from pieceworks.config import EngineConfig
+from pieceworks.config import CompilationLevel, EngineConfig
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.output import SchedulerOutput
@@ -46,6 +47,9 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        compilation = config.compilation_config
+        if compilation.level != CompilationLevel.NO_COMPILATION and compilation.backend != "eager":
+            check_inductor_cache_dir()
         with _ENGINE_LOCK:
             self.executor = make_executor(config)
         self.runner = self.executor.runner  # this process's (rank 0's) runner
@@ -255,6 +259,23 @@ class StepFailedError(RuntimeError):
             f"aborted: {', '.join(request_ids) or 'none'}"
         )
         self.request_ids = request_ids
+
+
+def check_inductor_cache_dir() -> None:
+    """Refuse an Inductor cache directory that cannot be written (``TORCHINDUCTOR_CACHE_DIR``,
+    or Inductor's default) before compiling starts, rather than deep inside the first compile."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
+        path = cache_dir()  # it creates the directory
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        path = error.filename or "(unknown)"
+        raise ValueError(
+            f"Inductor's cache directory {path} is not writable ({error.strerror or error}); "
+            "set TORCHINDUCTOR_CACHE_DIR to a writable directory, or compile nothing (-O 0)"
+        ) from None
 
 
 def _check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:
