@@ -62,7 +62,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pieceworks.benchmarks.latency import LatencyCase, measure_copy_bandwidth
     from pieceworks.benchmarks.report import format_compile_cache, format_mode_table, format_notes
     from pieceworks.entrypoints.bench import measure_rows, plan_rows
-    from pieceworks.kernels.chooser import describe_kernel_choices
     from pieceworks.platforms import current_platform, describe_platform_resolution
 
     platform = current_platform()
@@ -92,7 +91,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{notes}\n" if notes else "", end="")
     print("(column meanings: pieceworks run --help)")
     print(f"\n{format_compile_cache(results)}")
-    print(f"\n{describe_kernel_choices()}")
+    print(f"\n{format_kernel_choices()}")
     measured = [r for r in results if r["status"] == "ok"]
     tokens = {r["mode"]: r["first_output_token_ids"] for r in measured}
     if tokens:
@@ -102,6 +101,28 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"({'identical across modes' if same else 'DIFFERENT across modes: ' + str(tokens)})"
         )
     return 0 if len(measured) == len(results) else 1
+
+
+def format_kernel_choices() -> str:
+    """The kernel choices (``describe_kernel_choices``), with the reason every Triton kernel
+    was passed over said once, as it is: Triton missing, or installed but not compiling for this
+    device (the chooser's "needs triton" names the device feature, not the package)."""
+    import importlib.util
+
+    from pieceworks.kernels.chooser import describe_kernel_choices
+    from pieceworks.platforms import current_platform
+    from pieceworks.platforms.capability import TRITON
+
+    text = describe_kernel_choices()
+    if f"needs {TRITON}" not in text:
+        return text
+    if importlib.util.find_spec("triton") is None:
+        why = "Triton is not installed (pip install triton)"
+    else:
+        device = current_platform().device_capability().vendor
+        why = f"Triton is installed, but its kernels run compiled only on a GPU, not on {device}"
+    text = text.replace(f": needs {TRITON}", ": no compiled Triton (*)")
+    return f"{text}\n  (*) {why}"
 
 
 def register(sub: Any) -> None:
