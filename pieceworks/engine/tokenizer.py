@@ -118,7 +118,7 @@ def apply_chat_template(
         raise ValueError(
             f"{which} does not render this conversation ({type(error).__name__}: {error}); "
             "fix the template, pass another with chat_template=..., or change the messages"
-        ) from None
+        ) from error
     # The template writes the special tokens itself: encoding must not add a second BOS.
     return list(tokenizer.encode(text, add_special_tokens=False))
 
