@@ -67,6 +67,8 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # The launched step whose tokens have not been read yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
+        # The step whose tokens are being applied (a failure there abandons it too).
+        self._applying: SchedulerOutput | None = None
         self.eos_token_id = config.model_config.hf_config.get("eos_token_id")
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
@@ -203,9 +205,11 @@ class EngineCore:
             return []
         output, sampled = self._in_flight
         self._in_flight = None
+        self._applying = output
         token_ids = sampled.tolist()
         _record_logprobs(output, sampled)
         finished = self.scheduler.update_from_output(output, token_ids)
+        self._applying = None
         for request in finished:
             self.executor.release(request.request_id)
         return finished
@@ -214,10 +218,14 @@ class EngineCore:
         """Abort the requests of every scheduled step whose tokens have not been applied, and
         forget those steps; the ids of the requests aborted."""
         self._in_flight = None
+        outputs = self.scheduler.drop_pending_outputs()
+        if self._applying is not None:  # already taken off the scheduler's pending steps
+            outputs.append(self._applying)
+            self._applying = None
         request_ids = list(
             dict.fromkeys(
                 scheduled.request.request_id
-                for output in self.scheduler.drop_pending_outputs()
+                for output in outputs
                 for scheduled in output.scheduled_requests
             )
         )

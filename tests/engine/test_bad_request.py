@@ -129,3 +129,24 @@ def test_an_interrupted_step_leaves_the_engine_clean(llm, monkeypatch):
         llm.generate(PROMPTS, greedy(6))
     assert not llm.engine.has_unfinished_requests()
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(6))] == expected
+
+
+def test_a_failure_while_tokens_are_applied_aborts_that_step_too(llm, monkeypatch):
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(6))]
+    scheduler = llm.engine.scheduler
+    real_update = scheduler.update_from_output
+    calls = {"count": 0}
+
+    def update_failing_after_the_step_is_taken(output, token_ids):
+        calls["count"] += 1
+        if calls["count"] == 2:
+            scheduler.drop_pending_outputs()  # as if it failed after taking the step
+            raise RuntimeError("injected failure")
+        return real_update(output, token_ids)
+
+    monkeypatch.setattr(scheduler, "update_from_output", update_failing_after_the_step_is_taken)
+    with pytest.raises(StepFailedError, match="injected failure"):
+        llm.generate(PROMPTS, greedy(6))
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(6))] == expected
