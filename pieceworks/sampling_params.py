@@ -16,6 +16,9 @@ from collections.abc import Sequence
 
 # Temperatures below this are treated as greedy: dividing logits by them overflows (vLLM's rule).
 SAMPLING_EPS = 1e-5
+# The seeds a ``torch.Generator`` takes (``manual_seed``: a signed or unsigned 64-bit integer).
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,7 @@ class SamplingParams:
         self._verify_sampling()
         self._verify_stopping()
         self._verify_outputs()
+        self._verify_seed()
 
     def _verify_sampling(self) -> None:
         for name in ("temperature", "top_p"):
@@ -76,8 +80,6 @@ class SamplingParams:
             raise ValueError(
                 f"top_k={self.top_k!r} must be an integer >= 1, or 0 / -1 to disable top-k"
             )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed={self.seed!r} must be an integer or None")
 
     def _verify_stopping(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -107,6 +109,19 @@ class SamplingParams:
                 )
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens={self.skip_special_tokens!r} must be a bool")
+
+    def _verify_seed(self) -> None:
+        seed = self.seed
+        if seed is None:
+            return
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed={seed!r} must be an integer or None")
+        # Completion i of n samples with seed + i: the last one must fit too.
+        if not MIN_SEED <= seed <= seed + self.n - 1 <= MAX_SEED:
+            raise ValueError(
+                f"seed={seed} must be in [-2**63, 2**64 - 1] (what torch.Generator takes), and "
+                f"so must seed + n - 1 (completion i of n samples with seed + i; n={self.n})"
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -17,9 +17,11 @@ Start-up (load, compile, KV cache, capture) happens in the constructor and is ti
 from __future__ import annotations
 
 import itertools
+import tempfile
+import threading
 import time
 
-from pieceworks.config import EngineConfig
+from pieceworks.config import CompilationLevel, EngineConfig
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.output import SchedulerOutput
@@ -34,6 +36,10 @@ logger = init_logger(__name__)
 # decode steps, a few MiB at most.
 MAX_STEP_TIMINGS = 65_536
 
+# One engine builds or steps at a time in a process: the forward context, Dynamo's state and graph
+# capture are process-wide, so two engines driven from two threads take turns, step by step.
+_ENGINE_LOCK = threading.RLock()
+
 
 class EngineCore:
     """Queues requests, schedules one batch per ``step``, runs it on the executor and feeds the
@@ -41,7 +47,11 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = make_executor(config)
+        compilation = config.compilation_config
+        if compilation.level != CompilationLevel.NO_COMPILATION and compilation.backend != "eager":
+            check_inductor_cache_dir()
+        with _ENGINE_LOCK:
+            self.executor = make_executor(config)
         self.runner = self.executor.runner  # this process's (rank 0's) runner
         num_blocks = self.runner.num_blocks
         max_model_len = config.model_config.max_model_len
@@ -57,6 +67,8 @@ class EngineCore:
         self.async_scheduling = config.scheduler_config.async_scheduling
         # The launched step whose tokens have not been read yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
+        # The step whose tokens are being applied (a failure there abandons it too).
+        self._applying: SchedulerOutput | None = None
         self.eos_token_id = config.model_config.hf_config.get("eos_token_id")
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
@@ -118,8 +130,10 @@ class EngineCore:
         priority: int = 0,
     ) -> Request:
         vocab_size = self.config.model_config.hf_config.get("vocab_size")
-        if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
+        if vocab_size is not None:
+            if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
+            _check_num_logprobs(params, vocab_size)
         return Request(
             request_id=request_id or str(next(self._request_ids)),
             prompt_token_ids=list(prompt_token_ids),
@@ -150,8 +164,24 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[Request]:
-        """Launch one scheduled batch; return the requests whose last token has come back."""
+        """Launch one scheduled batch; return the requests whose last token has come back.
+
+        A step that raises leaves no half-done step behind: the requests of every step awaiting
+        its tokens are aborted (``_abandon_pending_steps``) and a ``StepFailedError`` naming them
+        is raised (an interrupt is re-raised as it is), so the next ``step`` starts clean.
+        """
         self._check_running()
+        try:
+            with _ENGINE_LOCK:
+                return self._step()
+        except Exception as error:
+            request_ids = self._abandon_pending_steps()
+            raise StepFailedError(error, request_ids) from error
+        except BaseException:  # Ctrl-C: abandon the step, let the interrupt through
+            self._abandon_pending_steps()
+            raise
+
+    def _step(self) -> list[Request]:
         start = time.perf_counter()
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
@@ -175,12 +205,40 @@ class EngineCore:
             return []
         output, sampled = self._in_flight
         self._in_flight = None
+        self._applying = output
         token_ids = sampled.tolist()
         _record_logprobs(output, sampled)
         finished = self.scheduler.update_from_output(output, token_ids)
+        self._applying = None
         for request in finished:
             self.executor.release(request.request_id)
         return finished
+
+    def _abandon_pending_steps(self) -> list[str]:
+        """Abort the requests of every scheduled step whose tokens have not been applied, and
+        forget those steps; the ids of the requests aborted."""
+        self._in_flight = None
+        outputs = self.scheduler.drop_pending_outputs()
+        if self._applying is not None:  # already taken off the scheduler's pending steps
+            outputs.append(self._applying)
+            self._applying = None
+        request_ids = list(
+            dict.fromkeys(
+                scheduled.request.request_id
+                for output in outputs
+                for scheduled in output.scheduled_requests
+            )
+        )
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for request in aborted:
+            self.executor.release(request.request_id)
+        if aborted:
+            logger.warning(
+                "an engine step failed; aborted its %d request(s): %s",
+                len(aborted),
+                ", ".join(r.request_id for r in aborted),
+            )
+        return request_ids
 
     @property
     def is_shut_down(self) -> bool:
@@ -195,7 +253,48 @@ class EngineCore:
     def shutdown(self) -> None:
         """Free the captured graphs; stop tensor-parallel workers and free the process group."""
         self._shut_down = True
-        self.executor.shutdown()
+        with _ENGINE_LOCK:
+            self.executor.shutdown()
+
+
+class StepFailedError(RuntimeError):
+    """An engine step raised; the requests it was running (``request_ids``) were aborted and the
+    engine is consistent again: its other requests carry on with the next ``step``."""
+
+    def __init__(self, error: BaseException, request_ids: list[str]) -> None:
+        super().__init__(
+            f"an engine step failed ({type(error).__name__}: {error}); its requests were "
+            f"aborted: {', '.join(request_ids) or 'none'}"
+        )
+        self.request_ids = request_ids
+
+
+def check_inductor_cache_dir() -> None:
+    """Refuse an Inductor cache directory that cannot be written (``TORCHINDUCTOR_CACHE_DIR``,
+    or Inductor's default) before compiling starts, rather than deep inside the first compile."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
+        path = cache_dir()  # it creates the directory
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        path = error.filename or "(unknown)"
+        raise ValueError(
+            f"Inductor's cache directory {path} is not writable ({error.strerror or error}); "
+            "set TORCHINDUCTOR_CACHE_DIR to a writable directory, or compile nothing (-O 0)"
+        ) from None
+
+
+def _check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:
+    """``logprobs`` and ``prompt_logprobs`` ask for at most the whole vocabulary."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > vocab_size:
+            raise ValueError(
+                f"{name}={value} is more than this model's vocabulary of {vocab_size} tokens; "
+                f"ask for at most {vocab_size}"
+            )
 
 
 def _record_logprobs(output: SchedulerOutput, sampled: SampledTokens) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pieceworks.engine.core import EngineCore
+from pieceworks.engine.core import EngineCore, StepFailedError
 from pieceworks.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -32,6 +32,9 @@ from pieceworks.scheduler.request import Request
 
 # How long the idle engine loop waits for a command before it looks again.
 IDLE_POLL_SECONDS = 0.5
+# Steps failing one after another, each failing only its own requests, before the loop takes the
+# engine for broken (a lost device fails every step) and stops.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class EngineCoreLoop:
@@ -50,6 +53,7 @@ class EngineCoreLoop:
         self._deltas: list[RequestDelta] = []
         self._num_steps = 0
         self._num_aborted = 0
+        self._num_consecutive_failures = 0
         self._handlers: dict[type, Callable[[Any], None]] = {
             AddRequest: self._add,
             AbortRequest: self._abort,
@@ -89,10 +93,28 @@ class EngineCoreLoop:
             self._collect()
 
     def step(self) -> None:
-        """Run one engine step and collect every request's new tokens."""
-        self.engine_core.step()
+        """Run one engine step and collect every request's new tokens. A step that fails
+        (``StepFailedError``: the engine aborted that step's requests) ends those requests with
+        its error and the loop carries on; several failing in a row stop the loop."""
+        try:
+            self.engine_core.step()
+        except StepFailedError as error:
+            self._num_consecutive_failures += 1
+            if self._num_consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            self._fail(error.request_ids, str(error))
+        else:
+            self._num_consecutive_failures = 0
         self._num_steps += 1
         self._collect()
+
+    def _fail(self, request_ids: list[str], reason: str) -> None:
+        """End the live requests of ``request_ids`` with ``reason`` as their error."""
+        for request_id in request_ids:
+            if self._requests.pop(request_id, None) is None:
+                continue
+            num_sent = self._num_sent.pop(request_id)
+            self._deltas.append(RequestDelta(request_id, [], num_sent, error=reason))
 
     def abort_all(self) -> None:
         """Abort every live request (the loop is shutting down)."""

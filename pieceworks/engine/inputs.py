@@ -91,6 +91,20 @@ def check_token_ids(token_ids: Any, vocab_size: int | None, where: str) -> list[
     return [int(token) for token in token_ids]
 
 
+def check_unicode(text: str, where: str) -> str:
+    """``text`` if it is valid Unicode; a ``PromptError`` naming the position of a lone surrogate
+    (half of a UTF-16 pair, e.g. ``"\\ud800"``), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise PromptError(
+            f"{where} is not valid Unicode text: it holds a lone surrogate "
+            f"{text[error.start]!r} at position {error.start} (half of a UTF-16 pair); send "
+            "whole characters"
+        ) from None
+    return text
+
+
 def _parse_text(text: Any, encode: Callable[[str], list[int]] | None, where: str) -> list[int]:
     if not isinstance(text, str):
         raise PromptError(f"{where}: 'prompt' must be a string, not {_describe(text)}")
@@ -101,7 +115,7 @@ def _parse_text(text: Any, encode: Callable[[str], list[int]] | None, where: str
             f"{where} is text, which needs a tokenizer; this model has none (presets have "
             "random weights): pass token ids instead"
         )
-    return list(encode(text))
+    return list(encode(check_unicode(text, where)))
 
 
 def parse_prompt(

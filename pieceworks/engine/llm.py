@@ -9,10 +9,16 @@ Results come back one per prompt, in prompt order, as ``RequestOutput`` with
 process.
 ``stream`` yields each completion's new text as it decodes; ``chat`` applies the tokenizer's
 chat template to conversations first.
+
+An ``LLM`` may be called from several threads: its calls take turns on a lock of its own (an open
+``stream`` holds it until it is exhausted or closed), and engine steps of different ``LLM``
+objects in one process take turns too (``engine/core.py``), so each call gets the tokens it
+would get alone.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -36,6 +42,8 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
+    """The offline engine: ``generate``, ``stream``, ``chat``; thread-safe, one call at a time."""
+
     def __init__(self, model: str, compilation_config: Any = None, **engine_args: Any) -> None:
         start = time.perf_counter()
         self.config = build_engine_config(model, compilation_config, **engine_args)
@@ -45,6 +53,9 @@ class LLM:
         self.tokenizer = load_tokenizer(model, engine_args.get("tokenizer"))
         self.tokenizer_seconds = time.perf_counter() - start
         self.processor = OutputProcessor(self.engine, self.tokenizer)
+        # Serializes the calls that queue requests or step the engine (re-entrant: ``chat``
+        # calls ``generate``).
+        self._lock = threading.RLock()
 
     def generate(
         self,
@@ -55,14 +66,15 @@ class LLM:
         """Generate for every prompt; results in prompt order. An interrupted call (an error,
         Ctrl-C) aborts its own requests, so none is left queued for the next call to run.
         ``priority``: one int per prompt (lower first) under ``scheduling_policy="priority"``."""
-        request_ids = self._add_requests(prompts, sampling_params, priority)
-        try:
-            while self.processor.has_unfinished_requests():
-                self.processor.step(stream=False)
-        except BaseException:
-            self._abort_unfinished(request_ids)
-            raise
-        return [self.processor.get_output(rid, forget=True) for rid in request_ids]
+        with self._lock:
+            request_ids = self._add_requests(prompts, sampling_params, priority)
+            try:
+                while self.processor.has_unfinished_requests():
+                    self.processor.step(stream=False)
+            except BaseException:
+                self._abort_unfinished(request_ids)
+                raise
+            return [self.processor.get_output(rid, forget=True) for rid in request_ids]
 
     def stream(
         self,
@@ -75,12 +87,13 @@ class LLM:
         order) and ``delta.index`` which of its ``n`` completions; a completion's deltas
         concatenate to its final ``.text``. Closing the generator early aborts what is left.
         """
-        request_ids = self._add_requests(prompts, sampling_params)
-        try:
-            while self.processor.has_unfinished_requests():
-                yield from self.processor.step()
-        finally:
-            self._abort_unfinished(request_ids)
+        with self._lock:
+            request_ids = self._add_requests(prompts, sampling_params)
+            try:
+                while self.processor.has_unfinished_requests():
+                    yield from self.processor.step()
+            finally:
+                self._abort_unfinished(request_ids)
 
     def chat(
         self,
@@ -92,10 +105,12 @@ class LLM:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of
         them, with the tokenizer's chat template (or ``chat_template``)."""
         conversations = _conversations(messages)
-        prompts = [
-            self.apply_chat_template(c, chat_template, add_generation_prompt) for c in conversations
-        ]
-        return self.generate(prompts, sampling_params)
+        with self._lock:
+            prompts = [
+                self.apply_chat_template(c, chat_template, add_generation_prompt)
+                for c in conversations
+            ]
+            return self.generate(prompts, sampling_params)
 
     def apply_chat_template(
         self,
@@ -138,7 +153,8 @@ class LLM:
     def shutdown(self) -> None:
         """Free the captured graphs, stop tensor-parallel workers and free the process group
         (with several ranks also done at exit); no step may run afterwards."""
-        self.engine.shutdown()
+        with self._lock:
+            self.engine.shutdown()
 
 
 def _priorities(priority: Sequence[int] | None, num_prompts: int) -> list[int]:

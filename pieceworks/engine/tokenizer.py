@@ -21,6 +21,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from pieceworks.engine.inputs import check_unicode
 from pieceworks.models.loading.gguf_loader import gguf_tokenizer_metadata
 from pieceworks.models.loading.sources import ModelSource, resolve_model_source
 
@@ -57,7 +58,18 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory))
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as error:  # a file that does not parse: tokenizers' and json's own errors
+        raise ValueError(
+            f"{directory}: its tokenizer files ({', '.join(_present(directory))}) do not load "
+            f"({type(error).__name__}: {' '.join(str(error).split())[:200]}); replace them with "
+            "the model's own, or remove them to pass token-id prompts"
+        ) from None
+
+
+def _present(directory: Path) -> list[str]:
+    return [name for name in TOKENIZER_FILES if (directory / name).exists()]
 
 
 def _checked_path(source: ModelSource) -> Path:
@@ -89,14 +101,49 @@ def apply_chat_template(
             "this model's tokenizer has no chat template; pass chat_template=<jinja text> "
             "or use generate() with plain prompts"
         )
-    text = tokenizer.apply_chat_template(
-        conversation,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-    )
+    conversation = [_text_message(message, index) for index, message in enumerate(conversation)]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+    except (
+        Exception
+    ) as error:  # Jinja's syntax and runtime errors, raise_exception(...) of a template
+        which = (
+            "the chat_template given" if chat_template is not None else "the model's chat template"
+        )
+        raise ValueError(
+            f"{which} does not render this conversation ({type(error).__name__}: {error}); "
+            "fix the template, pass another with chat_template=..., or change the messages"
+        ) from error
     # The template writes the special tokens itself: encoding must not add a second BOS.
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _text_message(message: Any, index: int) -> dict[str, Any]:
+    """``message`` with its content as one string: OpenAI's list of content parts is accepted
+    when every part is text (joined by newlines, as vLLM does); anything else is refused."""
+    where = f"message {index}"
+    if not isinstance(message, dict):
+        raise ValueError(f"{where} must be a dict with 'role' and 'content', not {message!r:.60}")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"{where}: content part of type {kind!r} is not supported; this engine takes "
+                    "text only (parts of type 'text' with a 'text' string)"
+                )
+            texts.append(part["text"])
+        message = {**message, "content": "\n".join(texts)}
+    if isinstance(message["content"], str):
+        check_unicode(message["content"], where)
+    return message
 
 
 @functools.lru_cache(maxsize=4)

@@ -29,6 +29,16 @@ def _served_model(base_url: str, api_key: str | None) -> str:
     return response.json()["data"][0]["id"]
 
 
+def _require_matplotlib() -> None:
+    """``--plot`` draws with matplotlib: refuse at once, saying how to install it."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib"
+        )
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Send the requests, print vLLM's summary, write JSON and a plot when asked."""
     from pieceworks.benchmarks.report import write_json
@@ -40,6 +50,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         summarize,
     )
 
+    if args.plot:
+        _require_matplotlib()  # before the run, not after it
     base_url = args.base_url.rstrip("/")
     model = args.model or _served_model(base_url, args.api_key)
     requests = sample_requests(

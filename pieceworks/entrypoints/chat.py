@@ -5,12 +5,16 @@ applies the model's chat template to it each turn and prints the answer token by
 ``LLM.stream`` (incremental detokenization). An empty line is skipped; ``/reset`` starts a new
 conversation; ``/exit``, ``/quit`` or end of input (Ctrl-D) ends the loop. ``--system`` sets a
 system message. The prompt markers (``>>> ``) are printed only when stdin is a terminal, so a
-pipe's output is just the answers, one per line.
+pipe's output is just the answers, one per line. Ctrl-C during an answer stops it (its request is
+aborted; what was said so far stays in the conversation) and returns to the prompt; Ctrl-C at the
+prompt ends the loop. One answer per turn: ``-n`` above 1 is refused (``generate -n`` gives
+several).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any, TextIO
 
@@ -30,10 +34,14 @@ def answer(llm: Any, conversation: list[dict[str, str]], params: Any, out: TextI
     """Stream the model's answer to ``conversation`` to ``out``; returns the whole answer."""
     prompt = llm.apply_chat_template(conversation)
     pieces = []
-    for delta in llm.stream([prompt], params):
-        pieces.append(delta.text)
-        out.write(delta.text)
-        out.flush()
+    try:
+        with contextlib.closing(llm.stream([prompt], params)) as deltas:
+            for delta in deltas:
+                pieces.append(delta.text)
+                out.write(delta.text)
+                out.flush()
+    except KeyboardInterrupt:  # the stream is closed: its request is aborted
+        out.write(" [interrupted]")
     out.write("\n")
     return "".join(pieces)
 
@@ -46,7 +54,11 @@ def chat_loop(llm: Any, params: Any, system: str | None, stdin: TextIO, out: Tex
         if interactive:
             out.write(">>> ")
             out.flush()
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: leave
+            out.write("\n")
+            break
         if not line:
             break  # end of input
         message = line.strip()
@@ -70,6 +82,11 @@ def _fresh(system: str | None) -> list[dict[str, str]]:
 def cmd_chat(args: argparse.Namespace) -> int:
     from pieceworks.engine.llm import LLM
 
+    if args.n != 1:
+        raise ValueError(
+            f"-n {args.n}: chat keeps one answer per turn, so -n must be 1; for several "
+            "completions of one prompt use pieceworks generate -n"
+        )
     llm = LLM(args.model, compilation_config=compilation_fields(args) or None, **engine_args(args))
     if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
         raise ValueError(
@@ -78,7 +95,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         )
     if sys.stdin.isatty():
         print(f"chatting with {args.model}; /reset starts over, /exit or Ctrl-D ends")
-    chat_loop(llm, sampling_params(args), args.system, sys.stdin, sys.stdout)
+    try:
+        chat_loop(llm, sampling_params(args), args.system, sys.stdin, sys.stdout)
+    except KeyboardInterrupt:  # between an answer and the next prompt: just leave
+        print()
     return 0
 
 

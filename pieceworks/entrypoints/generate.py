@@ -48,6 +48,11 @@ def early_token_ids(args: argparse.Namespace) -> list[list[int]] | None:
     from pieceworks.models.loading.presets import is_preset
 
     texts = [check_text(prompt, index) for index, prompt in enumerate(args.prompts)]
+    if args.token_ids and args.chat:
+        raise ValueError(
+            "--chat and --token-ids do not go together: --chat applies the chat template to "
+            "text prompts, --token-ids sends ids as they are; drop one of them"
+        )
     if not (args.token_ids or is_preset(args.model)):
         return None
     if args.chat:

@@ -95,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     measured = [r for r in results if r["status"] == "ok"]
     # the kernels a measured engine chose; without one, what a default engine would choose
     chosen = next((r["kernels_chosen"] for r in measured if "kernels_chosen" in r), None)
-    print(f"\n{chosen or describe_kernel_choices()}")
+    print(f"\n{format_kernel_choices(chosen or describe_kernel_choices())}")
     tokens = {r["mode"]: r["first_output_token_ids"] for r in measured}
     if tokens:
         same = len({tuple(t) for t in tokens.values()}) == 1
@@ -104,6 +104,26 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"({'identical across modes' if same else 'DIFFERENT across modes: ' + str(tokens)})"
         )
     return 0 if len(measured) == len(results) else 1
+
+
+def format_kernel_choices(text: str) -> str:
+    """Kernel choices as the chooser describes them, with the reason every Triton kernel was
+    passed over said once, as it is: Triton missing, or installed but not compiling for this
+    device (the chooser's "needs triton" names the device feature, not the package)."""
+    import importlib.util
+
+    from pieceworks.platforms import current_platform
+    from pieceworks.platforms.capability import TRITON
+
+    if f"needs {TRITON}" not in text:
+        return text
+    if importlib.util.find_spec("triton") is None:
+        why = "Triton is not installed (pip install triton)"
+    else:
+        device = current_platform().device_capability().vendor
+        why = f"Triton is installed, but its kernels run compiled only on a GPU, not on {device}"
+    text = text.replace(f": needs {TRITON}", ": no compiled Triton (*)")
+    return f"{text}\n  (*) {why}"
 
 
 def register(sub: Any) -> None:

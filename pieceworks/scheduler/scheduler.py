@@ -169,6 +169,13 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def drop_pending_outputs(self) -> list[SchedulerOutput]:
+        """Forget the scheduled steps still awaiting their tokens (their step failed) and
+        return them, oldest first; the caller finishes their requests."""
+        outputs = list(self._pending_outputs)
+        self._pending_outputs.clear()
+        return outputs
+
     def _num_decode_steps(self) -> int:
         """How many decode steps the next batch runs back to back: ``num_scheduler_steps`` when
         every running request it would serve decodes, none asks for logprobs, no waiting request

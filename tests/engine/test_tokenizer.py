@@ -197,8 +197,11 @@ def test_an_invalid_template_is_refused_by_jinja(tokenizer):
     from jinja2 import TemplateSyntaxError
 
     unclosed = "{% for m in messages %}{{ m['content'] }}"
-    with pytest.raises(TemplateSyntaxError, match="Unexpected end of template"):
+    with pytest.raises(
+        ValueError, match="TemplateSyntaxError: Unexpected end of template"
+    ) as error:
         apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}], unclosed)
+    assert isinstance(error.value.__cause__, TemplateSyntaxError)  # Jinja's own error, chained
 
 
 def test_a_gguf_file_without_a_vocabulary_is_refused_with_the_whole_message(monkeypatch):

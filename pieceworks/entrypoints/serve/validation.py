@@ -38,12 +38,41 @@ def parse_body(body: bytes, model: type[ModelT]) -> ModelT:
         raise bad_request(f"the request body is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    where = _lone_surrogate(data, "")
+    if where is not None:
+        raise bad_request(
+            f"field {where!r} is not valid Unicode text: it holds a lone surrogate (half of a "
+            "UTF-16 pair, such as \\ud800); send whole characters",
+            param=where,
+        )
     try:
         return model.model_validate(data)
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
         raise bad_request(f"invalid field {where!r}: {first['msg']}", param=where) from None
+
+
+def _lone_surrogate(value: Any, where: str) -> str | None:
+    """The path of the first string in ``value`` that UTF-8 cannot encode (JSON's ``\\ud800``
+    escapes decode to lone surrogates, which no tokenizer takes); None if every string is fine."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _lone_surrogate(item, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,4 +141,6 @@ def sampling_params(
     try:
         return SamplingParams(**fields)
     except ValueError as error:
-        raise bad_request(str(error)) from None
+        message = str(error)  # it opens with the field: "seed=... must be ..."
+        name = message.split("=", 1)[0]
+        raise bad_request(message, param=name if name in fields else None) from None
