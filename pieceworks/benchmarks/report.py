@@ -51,16 +51,31 @@ def _number(value: Any, spec: str, missing: str = "-") -> str:
     return missing if value is None or value != value else format(value, spec)
 
 
-def _row_cells(r: dict[str, Any]) -> list[Any]:
+# Below this floor (the bytes a decode step must read over the copy bandwidth) a step's fixed
+# costs, kernel launches and host work, decide its time: the ratio to the floor then measures the
+# model's smallness, not how close the step comes to the memory bound.
+MIN_MEANINGFUL_FLOOR_MS = 0.05
+
+
+def floor_is_meaningful(r: dict[str, Any]) -> bool:
+    """The row's floor is large enough for its ``x floor`` ratio to say something."""
+    floor = r.get("floor_ms")
+    return floor is not None and floor >= MIN_MEANINGFUL_FLOOR_MS
+
+
+def _row_cells(r: dict[str, Any], only_meaningful_floors: bool = False) -> list[Any]:
     c = r["counters"]
     steps = r["decode_step_ms"]
     busy = r.get("device_busy_ms")
     idle = r.get("device_idle_share")
     level = r.get("level")
+    ratio = r.get("ratio_to_floor")
+    if only_meaningful_floors and not floor_is_meaningful(r):
+        ratio = None
     return [
         r["mode"], "-" if level is None else level, r["graph_mode"],
         _number(steps["median"], ".2f"), _number(steps["min"], ".2f"),
-        _number(steps["max"], ".2f"), _number(r.get("ratio_to_floor"), ".2f"),
+        _number(steps["max"], ".2f"), _number(ratio, ".2f"),
         _number(busy, ".3f", "n/a"), "n/a" if idle is None else f"{idle:.0%}",
         _number(r["latency_s"]["median"], ".3f"), _number(r.get("compile_s"), ".1f"),
         _number(r.get("capture_s"), ".1f"), c["num_piecewise_graphs_seen"],
@@ -70,11 +85,13 @@ def _row_cells(r: dict[str, Any]) -> list[Any]:
     ]  # fmt: skip
 
 
-def format_mode_table(results: list[dict[str, Any]]) -> str:
+def format_mode_table(results: list[dict[str, Any]], only_meaningful_floors: bool = False) -> str:
     """One row per measured mode or peer; a failed one shows its error in place of numbers.
 
     Cells are separated by a space, so a value wider than its column (a CPU run's ratio to a
-    GPU-sized floor) never runs into the next.
+    GPU-sized floor) never runs into the next. With ``only_meaningful_floors`` (``pieceworks
+    run``'s report) ``x floor`` is ``-`` where the floor is below ``MIN_MEANINGFUL_FLOOR_MS``
+    (``format_floor_note`` says why); ``bench latency`` shows every ratio.
     """
     header = _table_row([title for title, _, _ in MODE_TABLE_COLUMNS])
     lines = [header, "-" * len(header)]
@@ -82,8 +99,42 @@ def format_mode_table(results: list[dict[str, Any]]) -> str:
         if r.get("status", "ok") != "ok":
             lines.append(f"{r['mode']:<18} {r.get('status')}: {r.get('error', '')}")
             continue
-        lines.append(_table_row(_row_cells(r)))
+        lines.append(_table_row(_row_cells(r, only_meaningful_floors)))
     return "\n".join(lines)
+
+
+def format_floor_note(results: list[dict[str, Any]]) -> str:
+    """Why ``x floor`` is not shown for rows whose floor is too small to mean anything; empty
+    when every measured row's ratio is shown."""
+    floors = [
+        r["floor_ms"]
+        for r in results
+        if r.get("status", "ok") == "ok"
+        and r.get("floor_ms") is not None
+        and not floor_is_meaningful(r)
+    ]
+    if not floors:
+        return ""
+    return (
+        f"x floor not shown: this model's floor is {max(floors) * 1e3:.2g} us per decode step "
+        "(the bytes a step must read over the measured copy bandwidth), below "
+        f"{MIN_MEANINGFUL_FLOOR_MS * 1e3:.0f} us, where a step's fixed costs (kernel launches, "
+        "host work) decide its time; the ratio means something for larger models "
+        "(pieceworks bench latency prints it anyway)"
+    )
+
+
+def format_speedups(results: list[dict[str, Any]]) -> str:
+    """``decode step vs eager: compiled 1.31x, piecewise 2.05x`` (eager's median ms/step over
+    each mode's; above 1 is faster); empty without a measured eager row and another mode."""
+    measured = [r for r in results if r.get("status", "ok") == "ok"]
+    eager = next((r for r in measured if r["mode"] == "eager"), None)
+    others = [r for r in measured if r["mode"] != "eager" and r.get("graph_mode") != "baseline"]
+    if eager is None or not others:
+        return ""
+    base = eager["decode_step_ms"]["median"]
+    cells = [f"{r['mode']} {base / r['decode_step_ms']['median']:.2f}x" for r in others]
+    return f"decode step vs eager ({base:.2f} ms): " + ", ".join(cells) + " (above 1x: faster)"
 
 
 def format_notes(results: list[dict[str, Any]], skipped: list[dict[str, str]]) -> str:

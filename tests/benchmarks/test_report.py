@@ -15,8 +15,10 @@ from pieceworks.benchmarks.report import (
     MODE_TABLE_COLUMNS,
     compile_cache_status,
     format_compile_cache,
+    format_floor_note,
     format_mode_table,
     format_performance_table,
+    format_speedups,
     plot_latency,
 )
 
@@ -74,6 +76,24 @@ def test_mode_table_cells_stay_apart_when_a_value_overflows_its_column():
     assert cells[7:9] == ["n/a", "n/a"]  # device-busy and idle share not measured
     assert cells[10] == "-"  # no compile for eager
     assert header.split()[:4] == ["mode", "lvl", "graphs", "ms/step"] and set(rule) == {"-"}
+
+
+def test_run_report_leaves_out_ratios_to_a_floor_too_small_to_mean_anything():
+    tiny = row(median=5.0, ratio=25000.0)  # a 0.2 us floor: launches and host work rule
+    large = row("compiled", median=5.0, ratio=2.5)  # a 2 ms floor
+    assert format_mode_table([tiny]).splitlines()[2].split()[6] == "25000.00"  # bench: all
+    lines = format_mode_table([tiny, large], only_meaningful_floors=True).splitlines()[2:]
+    assert [line.split()[6] for line in lines] == ["-", "2.50"]
+    assert "floor is 0.2 us per decode step" in format_floor_note([tiny, large])
+    assert format_floor_note([large]) == ""
+
+
+def test_speedups_against_eager():
+    rows = [row(median=6.0), row("compiled", median=4.0), row("piecewise", median=8.0)]
+    assert format_speedups(rows) == (
+        "decode step vs eager (6.00 ms): compiled 1.50x, piecewise 0.75x (above 1x: faster)"
+    )
+    assert format_speedups(rows[1:]) == "" and format_speedups(rows[:1]) == ""
 
 
 def test_a_failed_row_shows_its_error():

@@ -6,7 +6,8 @@
 serve``), and runs uvicorn on 127.0.0.1 with a port the OS picks; it yields the base URL and the
 serving context, and stops the server (draining it, then stopping the engine) on exit.
 ``start_cli_server`` runs ``pieceworks serve`` as a process instead (a ``CliServer``, which keeps
-its log); the ``/proc`` helpers find a server's engine process and tell whether a process is gone.
+its log); ``finished_counts`` reads a server's finished choices per reason from ``/metrics``;
+the ``/proc`` helpers find a server's engine process and tell whether a process is gone.
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def running_server(
             thread.join(60)
     finally:
         ctx.engine.shutdown()  # a no-op after the app's own shutdown
+
+
+def finished_counts(url: str) -> dict[str, float]:
+    """``pieceworks:request_success_total`` of the server at ``url``, by finish reason."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    pattern = r'request_success_total\{finished_reason="(\w+)",model_name="[^"]+"\} (\S+)'
+    return {reason: float(value) for reason, value in re.findall(pattern, text)}
 
 
 @dataclasses.dataclass

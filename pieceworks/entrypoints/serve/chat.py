@@ -102,6 +102,11 @@ def chat_format(body: ChatCompletionRequest, tokenizer: Any) -> ResponseFormat:
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     body = parse_body(await request.body(), ChatCompletionRequest)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request(
+            "top_logprobs needs logprobs=true (without it no log-probabilities are returned)",
+            "top_logprobs",
+        )
     ids = render_chat(ctx, body)
     max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(ids), ctx.limits)
     check_prompt(ids, max_tokens, ctx.limits)

@@ -88,8 +88,6 @@ def completion_format(body: CompletionRequest, tokenizer: Any) -> ResponseFormat
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     body = parse_body(await request.body(), CompletionRequest)
-    if body.echo:
-        raise bad_request("echo is not supported; send echo=false", "echo")
     specs = []
     for ids in prompt_token_ids(ctx, body.prompt):
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), ctx.limits)
