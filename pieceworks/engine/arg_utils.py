@@ -20,6 +20,7 @@ from pieceworks.config import (
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode
 from pieceworks.kernels.programmatic_launch import inductor_launch_options
 from pieceworks.models.loading.config_checks import check_hf_config, check_tensor_parallel
+from pieceworks.models.loading.config_defaults import with_architecture_defaults
 from pieceworks.models.loading.presets import is_preset
 from pieceworks.models.loading.sources import model_hf_config
 
@@ -88,7 +89,7 @@ def build_engine_config(
     check_tensor_parallel(hf_config, args.tensor_parallel_size, config_source(model))
     model_config = ModelConfig(
         model=model,
-        hf_config=hf_config,
+        hf_config=with_architecture_defaults(hf_config),  # absent fields: transformers' values
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         seed=args.seed,

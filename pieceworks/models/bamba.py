@@ -26,6 +26,7 @@ from pieceworks.models.layers.layernorm import RMSNorm
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pieceworks.models.layers.vocab_embedding import VocabParallelEmbedding
 from pieceworks.models.llama import LlamaAttention, LlamaMLP
+from pieceworks.models.loading.config_defaults import with_architecture_defaults
 from pieceworks.models.mamba.mixer import MambaMixer2
 
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5  # HF's BambaConfig hard-codes this value
@@ -48,7 +49,7 @@ def bamba_rope(hf_config: dict[str, Any], dtype: torch.dtype) -> RotaryEmbedding
     return get_rope(
         head_size=head_dim,
         rotary_dim=int(head_dim * partial_rotary_factor(hf_config)),
-        max_position=hf_config.get("max_position_embeddings", 8192),
+        max_position=hf_config["max_position_embeddings"],
         base=base,
         rope_scaling=rope_scaling,
         is_neox_style=True,
@@ -69,7 +70,7 @@ class BambaDecoderLayer(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        hidden_size, eps = hf_config["hidden_size"], hf_config.get("rms_norm_eps", 1e-6)
+        hidden_size, eps = hf_config["hidden_size"], hf_config["rms_norm_eps"]
         self.is_attention = is_attention
         if is_attention:
             self.self_attn = LlamaAttention(
@@ -80,7 +81,7 @@ class BambaDecoderLayer(nn.Module):
         self.feed_forward = LlamaMLP(
             hidden_size,
             hf_config["intermediate_size"],
-            hf_config.get("mlp_bias", False),
+            hf_config["mlp_bias"],
             prefix=f"{prefix}.feed_forward",
         )
         self.input_layernorm = RMSNorm(hidden_size, eps)
@@ -108,7 +109,7 @@ class BambaModel(nn.Module):
 
     def __init__(self, *, config: EngineConfig, prefix: str = "") -> None:
         super().__init__()
-        hf_config = config.model_config.hf_config
+        hf_config = with_architecture_defaults(config.model_config.hf_config)
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(
             hf_config["vocab_size"],
@@ -128,9 +129,7 @@ class BambaModel(nn.Module):
             )
             for i in range(hf_config["num_hidden_layers"])
         )
-        self.final_layernorm = RMSNorm(
-            hf_config["hidden_size"], hf_config.get("rms_norm_eps", 1e-6)
-        )
+        self.final_layernorm = RMSNorm(hf_config["hidden_size"], hf_config["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # (T, hidden)

@@ -19,6 +19,7 @@ from torch import nn
 from pieceworks.distributed.communication_op import tensor_model_parallel_all_gather
 from pieceworks.distributed.parallel_state import tensor_parallel_rank_and_size
 from pieceworks.models.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pieceworks.models.loading.config_defaults import with_architecture_defaults
 from pieceworks.models.loading.weight_utils import (
     get_weight_loader,
     is_ignored_tensor,
@@ -71,7 +72,9 @@ class CausalLM(nn.Module):
         hf_config = config.model_config.hf_config
         self.config = config
         self.vocab_size = hf_config["vocab_size"]
-        self.tie_word_embeddings = hf_config.get("tie_word_embeddings", False)
+        self.tie_word_embeddings = bool(
+            with_architecture_defaults(hf_config)["tie_word_embeddings"]
+        )
         self.model = self.model_cls(config=config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(
             hf_config["vocab_size"],

@@ -39,7 +39,7 @@ from pieceworks.models.layers.linear import (
 from pieceworks.models.layers.quantization import Fp8Config, get_quant_config
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pieceworks.models.layers.vocab_embedding import VocabParallelEmbedding
-from pieceworks.models.loading.config_checks import with_architecture_defaults
+from pieceworks.models.loading.config_defaults import with_architecture_defaults
 
 
 def _head_dim(hf_config: dict[str, Any]) -> int:
@@ -53,7 +53,7 @@ def llama_rope(hf_config: dict[str, Any], dtype: torch.dtype) -> RotaryEmbedding
     return get_rope(
         head_size=head_dim,
         rotary_dim=int(head_dim * partial_rotary_factor),
-        max_position=hf_config.get("max_position_embeddings", 8192),
+        max_position=hf_config["max_position_embeddings"],
         base=base,
         rope_scaling=rope_scaling,
         is_neox_style=True,
@@ -147,7 +147,7 @@ class LlamaAttention(nn.Module):
     @staticmethod
     def projection_biases(hf_config: dict[str, Any]) -> tuple[bool, bool]:
         """``(qkv_proj, o_proj)`` biases: Llama's ``attention_bias`` sets both."""
-        bias = bool(hf_config.get("attention_bias", False))
+        bias = bool(hf_config["attention_bias"])
         return bias, bias
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -173,14 +173,14 @@ class LlamaDecoderLayer(nn.Module):
         prefix: str,
     ) -> None:
         super().__init__()
-        hidden_size, eps = hf_config["hidden_size"], hf_config.get("rms_norm_eps", 1e-6)
+        hidden_size, eps = hf_config["hidden_size"], hf_config["rms_norm_eps"]
         self.self_attn = self.attention_cls(
             hf_config, rotary_emb, config=config, prefix=f"{prefix}.self_attn"
         )
         self.mlp = LlamaMLP(
             hidden_size,
             hf_config["intermediate_size"],
-            self.reads_mlp_bias and hf_config.get("mlp_bias", False),
+            self.reads_mlp_bias and hf_config["mlp_bias"],
             prefix=f"{prefix}.mlp",
             quant_config=get_quant_config(config.model_config),
         )
@@ -224,7 +224,7 @@ class LlamaModel(nn.Module):
             )
             for i in range(hf_config["num_hidden_layers"])
         )
-        self.norm = RMSNorm(hf_config["hidden_size"], hf_config.get("rms_norm_eps", 1e-6))
+        self.norm = RMSNorm(hf_config["hidden_size"], hf_config["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # (T, hidden)

@@ -5,7 +5,7 @@ HF's Qwen3 attention normalises every head of q and of k (``q_norm``, ``k_norm``
 rotary embedding; the rest is Llama's: biases on q, k, v and o only with ``attention_bias``, none
 on the MLP (transformers' Qwen3 does not read ``mlp_bias``), ``head_dim`` independent of
 ``hidden_size`` (absent: 128, the config class's default, see
-``config_checks.ABSENT_FIELD_DEFAULTS``), tied or untied embeddings. Sliding-window attention is
+``config_defaults.ABSENT_FIELD_DEFAULTS``), tied or untied embeddings. Sliding-window attention is
 refused by ``config_checks``. With tensor parallelism the head norms are replicated: every rank
 normalises its own heads with the whole weight.
 """
@@ -35,7 +35,7 @@ class Qwen3Attention(LlamaAttention):
         prefix: str,
     ) -> None:
         super().__init__(hf_config, rotary_emb, config=config, prefix=prefix)
-        eps = hf_config.get("rms_norm_eps", 1e-6)
+        eps = hf_config["rms_norm_eps"]
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
 

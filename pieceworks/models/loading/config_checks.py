@@ -19,6 +19,7 @@ from typing import Any
 
 from pieceworks.models.layers.linear import divide, shard_or_replicate
 from pieceworks.models.layers.rotary_embedding import SUPPORTED_ROPE_TYPES, get_rope_parameters
+from pieceworks.models.loading.config_defaults import with_architecture_defaults
 from pieceworks.models.registry import supported_architectures
 
 _REQUIRED = object()  # FieldRule.default of a field config.json must carry
@@ -202,28 +203,6 @@ _PARTIAL_ROTARY = {
     "Qwen3ForCausalLM": False,
 }
 
-# Fields whose absence transformers' config class fills with its own value, where the models'
-# generic reading of an absent field (head_dim: hidden_size / heads; num_key_value_heads: the
-# heads; max_position_embeddings: 8192) differs: that value applies, as in transformers.
-ABSENT_FIELD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "Qwen2ForCausalLM": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
-    "Qwen3ForCausalLM": {
-        "num_key_value_heads": 32,
-        "head_dim": 128,
-        "max_position_embeddings": 32768,
-    },
-}
-
-
-def with_architecture_defaults(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """``hf_config`` with its architecture's ``ABSENT_FIELD_DEFAULTS`` filled in where absent
-    (a new dict; the same one where there is nothing to fill)."""
-    architectures = hf_config.get("architectures") or []
-    supported = [name for name in architectures if name in ARCHITECTURE_RULES]
-    defaults = ABSENT_FIELD_DEFAULTS.get(supported[0], {}) if supported else {}
-    absent = {name: value for name, value in defaults.items() if name not in hf_config}
-    return {**hf_config, **absent} if absent else hf_config
-
 
 def architecture_of(hf_config: dict[str, Any], source: str) -> str:
     """The first supported name in ``architectures``; an error naming the supported ones."""
@@ -312,6 +291,13 @@ def _check_rope(hf_config: dict[str, Any], architecture: str, source: str) -> No
     if not math.isfinite(base) or base <= 0:
         raise ModelConfigError(f"{source}: rope_theta={base} must be a positive number")
     if _PARTIAL_ROTARY[architecture]:
+        top_level = hf_config.get("partial_rotary_factor")
+        if top_level is not None and top_level != 0.5:
+            raise ModelConfigError(
+                f"{source}: partial_rotary_factor={top_level} at the top level is not supported "
+                f"by {architecture}: transformers' BambaConfig ignores it and rotates half of "
+                "each head (0.5); set rope_parameters.partial_rotary_factor instead"
+            )
         if not 0 < partial <= 1:
             raise ModelConfigError(
                 f"{source}: partial_rotary_factor={partial} is not supported; use a value in (0, 1]"

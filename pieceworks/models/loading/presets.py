@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pieceworks.models.loading.config_defaults import with_architecture_defaults
 from pieceworks.models.loading.hf_directory import save_hf_directory
 
 INIT_STD = 0.02  # weights ~ N(0, 0.02): logits of a random model stay O(1)
@@ -216,7 +217,7 @@ def _attention_specs(config: dict[str, Any], prefix: str) -> dict[str, WeightSpe
     out = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
     specs = {f"{prefix}.{name}.weight": WeightSpec((size, hidden)) for name, size in out.items()}
     specs[f"{prefix}.o_proj.weight"] = WeightSpec((hidden, q_size))
-    if config.get("attention_bias"):
+    if config["attention_bias"]:
         specs.update({f"{prefix}.{name}.bias": WeightSpec((size,)) for name, size in out.items()})
         specs[f"{prefix}.o_proj.bias"] = WeightSpec((hidden,))
     return specs
@@ -230,7 +231,7 @@ def _mlp_specs(config: dict[str, Any], prefix: str) -> dict[str, WeightSpec]:
         f"{prefix}.up_proj.weight": WeightSpec((intermediate, hidden)),
         f"{prefix}.down_proj.weight": WeightSpec((hidden, intermediate)),
     }
-    if config.get("mlp_bias"):
+    if config["mlp_bias"]:
         specs[f"{prefix}.gate_proj.bias"] = WeightSpec((intermediate,))
         specs[f"{prefix}.up_proj.bias"] = WeightSpec((intermediate,))
         specs[f"{prefix}.down_proj.bias"] = WeightSpec((hidden,))
@@ -244,7 +245,7 @@ def _embedding_specs(config: dict[str, Any], final_norm: str) -> dict[str, Weigh
         "model.embed_tokens.weight": WeightSpec((vocab, hidden)),
         f"model.{final_norm}.weight": WeightSpec((hidden,), "norm"),
     }
-    if not config.get("tie_word_embeddings", False):
+    if not config["tie_word_embeddings"]:
         specs["lm_head.weight"] = WeightSpec((vocab, hidden))
     return specs
 
@@ -265,7 +266,7 @@ def llama_weight_specs(config: dict[str, Any]) -> dict[str, WeightSpec]:
 def _mamba_specs(config: dict[str, Any], prefix: str) -> dict[str, WeightSpec]:
     """HF ``BambaMixer``: in_proj -> (gate z, conv input xBC, dt), conv1d, SSM params, out_proj."""
     hidden, num_heads = config["hidden_size"], config["mamba_n_heads"]
-    intermediate = config.get("mamba_expand", 2) * hidden
+    intermediate = config["mamba_expand"] * hidden
     conv_dim = intermediate + 2 * config["mamba_n_groups"] * config["mamba_d_state"]
     specs = {
         f"{prefix}.in_proj.weight": WeightSpec((intermediate + conv_dim + num_heads, hidden)),
@@ -276,9 +277,9 @@ def _mamba_specs(config: dict[str, Any], prefix: str) -> dict[str, WeightSpec]:
         f"{prefix}.norm.weight": WeightSpec((intermediate,), "norm"),
         f"{prefix}.out_proj.weight": WeightSpec((hidden, intermediate)),
     }
-    if config.get("mamba_conv_bias", True):
+    if config["mamba_conv_bias"]:
         specs[f"{prefix}.conv1d.bias"] = WeightSpec((conv_dim,))
-    if config.get("mamba_proj_bias", False):
+    if config["mamba_proj_bias"]:
         specs[f"{prefix}.in_proj.bias"] = WeightSpec((intermediate + conv_dim + num_heads,))
         specs[f"{prefix}.out_proj.bias"] = WeightSpec((hidden,))
     return specs
@@ -312,7 +313,7 @@ def hf_weight_specs(hf_config: dict[str, Any]) -> dict[str, WeightSpec]:
     architectures = hf_config.get("architectures") or []
     for architecture in architectures:
         if architecture in _WEIGHT_SPECS:
-            return _WEIGHT_SPECS[architecture](hf_config)
+            return _WEIGHT_SPECS[architecture](with_architecture_defaults(hf_config))
     raise ValueError(
         f"no random-weight recipe for architectures {architectures}; known: "
         f"{', '.join(sorted(_WEIGHT_SPECS))}"

@@ -137,9 +137,9 @@ class MixerRMSNormGated(nn.Module):
 
 def mamba_head_dim(hf_config: dict[str, Any]) -> int:
     """``mamba_d_head``, where HF's ``"auto"`` means ``mamba_expand * hidden / mamba_n_heads``."""
-    head_dim = hf_config.get("mamba_d_head", "auto")
+    head_dim = hf_config["mamba_d_head"]
     if head_dim == "auto":
-        intermediate = int(hf_config.get("mamba_expand", 2) * hf_config["hidden_size"])
+        intermediate = int(hf_config["mamba_expand"] * hf_config["hidden_size"])
         return intermediate // hf_config["mamba_n_heads"]
     return int(head_dim)
 
@@ -157,7 +157,7 @@ class MambaMixer2(nn.Module):
         super().__init__()
         hidden_size = hf_config["hidden_size"]
         num_heads, head_dim = hf_config["mamba_n_heads"], mamba_head_dim(hf_config)
-        intermediate_size = int(hf_config.get("mamba_expand", 2) * hidden_size)
+        intermediate_size = int(hf_config["mamba_expand"] * hidden_size)
         if num_heads * head_dim != intermediate_size:
             raise ValueError(
                 f"{prefix}: mamba_n_heads {num_heads} * mamba_d_head {head_dim} must "
@@ -166,7 +166,7 @@ class MambaMixer2(nn.Module):
         self.sharding = Mamba2Sharding(
             num_heads,
             head_dim,
-            hf_config.get("mamba_n_groups", 1),
+            hf_config["mamba_n_groups"],
             hf_config["mamba_d_state"],
             *tensor_parallel_rank_and_size(),
         )
@@ -175,16 +175,16 @@ class MambaMixer2(nn.Module):
         self.intermediate_size = self.sharding.local_intermediate_size
         self.num_groups = self.sharding.num_local_groups
         self.state_size = hf_config["mamba_d_state"]
-        self.conv_kernel_size = hf_config.get("mamba_d_conv", 4)
+        self.conv_kernel_size = hf_config["mamba_d_conv"]
         self.conv_dim = self.sharding.local_conv_dim
-        proj_bias = hf_config.get("mamba_proj_bias", False)
+        proj_bias = hf_config["mamba_proj_bias"]
         self.in_proj = MambaInProj(
             hidden_size, self.sharding, proj_bias, prefix=f"{prefix}.in_proj"
         )
         self.conv1d = MambaConv1d(
             self.sharding,
             self.conv_kernel_size,
-            hf_config.get("mamba_conv_bias", True),
+            hf_config["mamba_conv_bias"],
             prefix=f"{prefix}.conv1d",
         )
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
@@ -195,7 +195,7 @@ class MambaMixer2(nn.Module):
             "A", torch.empty(self.num_heads, dtype=torch.float32), persistent=False
         )
         self.norm = MixerRMSNormGated(
-            self.sharding, hf_config.get("rms_norm_eps", 1e-6), prefix=f"{prefix}.norm"
+            self.sharding, hf_config["rms_norm_eps"], prefix=f"{prefix}.norm"
         )
         self.out_proj = RowParallelLinear(
             self.sharding.intermediate_size, hidden_size, proj_bias, prefix=f"{prefix}.out_proj"

@@ -165,7 +165,9 @@ def test_refused_bamba_fields(overrides, message):
 
 
 def test_bamba_accepts_partial_rotary_and_time_step_limit():
-    hf_config = {**BAMBA, "partial_rotary_factor": 0.25, "time_step_limit": [0.0, float("inf")]}
+    rope = {"rope_type": "default", "partial_rotary_factor": 0.25}  # where transformers reads it
+    hf_config = {**BAMBA, "rope_parameters": rope, "time_step_limit": [0.0, float("inf")]}
+    del hf_config["partial_rotary_factor"]
     assert check_hf_config(hf_config) == "BambaForCausalLM"
 
 
