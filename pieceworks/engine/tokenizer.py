@@ -29,6 +29,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # llama.cpp token types (tokenizer.ggml.token_type): which vocabulary entries are added tokens.
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+# tokenizer.ggml.model values with a tokenizer here: SentencePiece BPE (llama, through
+# transformers' converter) and byte-level BPE (gpt2).
+GGUF_TOKENIZER_MODELS = ("llama", "gpt2")
 
 # tokenizer.ggml.pre values whose text split is "each digit alone, then GPT-2's regex"
 # (llama.cpp: LLAMA_VOCAB_PRE_TYPE_STARCODER, _REFACT, _COMMAND_R, _SMOLLM, _CODESHELL, ...).
@@ -158,6 +161,12 @@ def gguf_tokenizer(path: str | Path) -> Any:
         raise ValueError(
             f"{path}: the GGUF file has no tokenizer (no tokenizer.ggml.tokens metadata); "
             "pass token-id prompts, or a tokenizer with tokenizer=<HF dir or .gguf file>"
+        )
+    if metadata.get("ggml.model") not in GGUF_TOKENIZER_MODELS:
+        raise ValueError(
+            f"{path}: tokenizer.ggml.model={metadata.get('ggml.model')!r} is not supported "
+            f"(supported: {', '.join(GGUF_TOKENIZER_MODELS)}); pass token-id prompts, or a "
+            "tokenizer with tokenizer=<HF dir>"
         )
     if metadata.get("ggml.model") == "gpt2" and _byte_level_pre_tokenizer(metadata) is not None:
         return _byte_level_bpe_tokenizer(metadata)

@@ -129,16 +129,53 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
             "(rope_freqs.weight, llama3 rope scaling), which pieceworks does not read from GGUF; "
             "load the model's HF directory instead"
         )
-    scaling_type = metadata_value(reader, f"{arch}.rope.scaling.type", "none")
+    scaling_type = metadata_value(reader, f"{arch}.rope.scaling.type", None)
+    if scaling_type is None:  # older files: only the linear factor, 1.0 meaning none
+        scale = metadata_value(reader, f"{arch}.rope.scale_linear", 1.0)
+        return None if scale == 1.0 else {"rope_type": "linear", "factor": _float32_value(scale)}
     if scaling_type == "none":
         return None
     if scaling_type != "linear":
         raise GGUFMetadataError(
-            f"{reader.data.filename}: rope scaling {scaling_type!r} is not supported from GGUF "
-            "(supported: none, linear); load the model's HF directory instead"
+            f"{reader.data.filename}: {arch}.rope.scaling.type={scaling_type!r} is not supported "
+            "from GGUF (supported: none, linear); load the model's HF directory instead"
         )
     factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
     return {"rope_type": "linear", "factor": _float32_value(factor)}
+
+
+# Metadata keys of features llama.cpp's llama may carry that pieceworks does not implement, and
+# the value that switches each off (absent is off too).
+_UNSUPPORTED_KEYS = {
+    "expert_count": 0,  # mixture of experts
+    "attention.sliding_window": 0,
+    "attention.clamp_kqv": 0,
+    "logit_scale": 1.0,
+}
+
+
+def _refuse_unsupported(reader: GGUFReader, arch: str, head_dim: int) -> None:
+    """A metadata key that changes the computation in a way pieceworks does not implement."""
+    filename = reader.data.filename
+    for name, off in _UNSUPPORTED_KEYS.items():
+        value = metadata_value(reader, f"{arch}.{name}", off)
+        if value != off:
+            raise GGUFMetadataError(
+                f"{filename}: {arch}.{name}={value!r} is not supported (pieceworks' llama "
+                f"needs it absent or {off!r}); load the model's HF directory instead"
+            )
+    value_length = metadata_value(reader, f"{arch}.attention.value_length", head_dim)
+    rotary_dim = metadata_value(reader, f"{arch}.rope.dimension_count", head_dim)
+    for key, value in (
+        ("attention.value_length", value_length),
+        ("rope.dimension_count", rotary_dim),
+    ):
+        if value != head_dim:
+            raise GGUFMetadataError(
+                f"{filename}: {arch}.{key}={value} is not supported: pieceworks' llama needs it "
+                f"equal to the head dimension ({arch}.attention.key_length or embedding_length "
+                f"/ head_count = {head_dim})"
+            )
 
 
 def gguf_hf_config(path: str | Path) -> dict[str, Any]:
@@ -147,7 +184,7 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
     arch = metadata_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFMetadataError(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: "
+            f"{path}: general.architecture={arch!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}); load the model's HF directory instead"
         )
 
@@ -158,9 +195,12 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
     num_heads = int(key("attention.head_count"))
     num_kv_heads = key("attention.head_count_kv", num_heads)
     if not isinstance(num_kv_heads, int):
-        raise GGUFMetadataError(f"{path}: per-layer KV head counts are not supported")
+        raise GGUFMetadataError(
+            f"{path}: {arch}.attention.head_count_kv={num_kv_heads!r}: per-layer KV head counts "
+            "are not supported (one integer for every layer is)"
+        )
     head_dim = int(key("attention.key_length", hidden_size // num_heads))
-    rotary_dim = int(key("rope.dimension_count", head_dim))
+    _refuse_unsupported(reader, arch, head_dim)
     tensor_names = {tensor.name for tensor in reader.tensors}
     vocab_size = key("vocab_size", None)
     if vocab_size is None:
@@ -187,8 +227,6 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
         "eos_token_id": metadata_value(reader, "tokenizer.ggml.eos_token_id", None),
         "torch_dtype": _file_dtype(reader),
     }
-    if rotary_dim != head_dim:
-        config["partial_rotary_factor"] = rotary_dim / head_dim
     return config
 
 

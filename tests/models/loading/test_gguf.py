@@ -12,6 +12,7 @@ Run: pytest tests/models/loading/test_gguf.py
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,13 @@ def write_gguf(
     hf_config: dict[str, Any] = HF_CONFIG,
     skip_keys: tuple[str, ...] = (),
     tensor_types: dict[str, Any] | None = None,
+    arch: str = "llama",
+    extra: Callable[[Any], None] | None = None,
 ) -> Path:
     """A llama GGUF of ``weights`` (HF names) as llama.cpp writes it; ``tensor_types`` quantizes
-    the named tensors, ``skip_keys`` leaves metadata keys out."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+    the named tensors, ``skip_keys`` leaves metadata keys out (``tokenizer.*`` ones included),
+    ``extra(writer)`` adds keys or tensors, ``arch`` is ``general.architecture``."""
+    writer = gguf.GGUFWriter(str(path), arch)
     keys = {
         "llama.block_count": lambda: writer.add_block_count(hf_config["num_hidden_layers"]),
         "llama.context_length": lambda: writer.add_context_length(
@@ -89,18 +93,22 @@ def write_gguf(
         ),
         "llama.rope.freq_base": lambda: writer.add_rope_freq_base(hf_config["rope_theta"]),
         "llama.vocab_size": lambda: writer.add_vocab_size(hf_config["vocab_size"]),
+        "tokenizer.ggml.model": lambda: writer.add_tokenizer_model("gpt2"),
+        "tokenizer.ggml.pre": lambda: writer.add_tokenizer_pre("smollm"),
+        "tokenizer.ggml.tokens": lambda: writer.add_token_list(TOKENS),
+        "tokenizer.ggml.token_type": lambda: writer.add_token_types(
+            [3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS))
+        ),
+        "tokenizer.ggml.merges": lambda: writer.add_token_merges(MERGES),
+        "tokenizer.ggml.bos_token_id": lambda: writer.add_bos_token_id(1),
+        "tokenizer.ggml.eos_token_id": lambda: writer.add_eos_token_id(2),
+        "tokenizer.chat_template": lambda: writer.add_chat_template(CHAT_TEMPLATE),
     }
     for key, add in keys.items():
         if key not in skip_keys:
             add()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    if extra is not None:
+        extra(writer)
     num_heads, num_kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     for name, tensor in weights.items():
         array = tensor.float().numpy()
