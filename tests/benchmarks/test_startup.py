@@ -73,11 +73,10 @@ def test_each_phase_comes_from_what_the_engine_recorded(monkeypatch):
     runner = SimpleNamespace(
         model=None,
         load_seconds=3.0,
-        compile_seconds=5.0,
-        kernel_compile_seconds=0.25,
-        kv_cache_seconds=0.75,
-        warmup_seconds=1.5,
-        capture_seconds=0.375,
+        profiler=SimpleNamespace(
+            compile_seconds=5.0, kernel_compile_seconds=0.25, kv_cache_seconds=0.75
+        ),
+        graphs=SimpleNamespace(warmup_seconds=1.5, capture_seconds=0.375),
     )
     engine = SimpleNamespace(runner=runner)
     llm = SimpleNamespace(engine=engine, config_seconds=0.625, tokenizer_seconds=0.0625)
