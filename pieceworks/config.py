@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pieceworks import envs
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode, PassConfig
 from pieceworks.utils import hash_factors
 
@@ -221,7 +222,15 @@ class EngineConfig:
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
 
     def __post_init__(self) -> None:
-        self.compilation_config.finalize_capture_sizes(self.scheduler_config.max_num_seqs)
+        if envs.torch_compile_disabled():
+            # torch.compile would return the model unchanged; run it as vLLM does, uncompiled.
+            self.compilation_config.run_uncompiled(
+                "torch's compiler is off (TORCH_COMPILE_DISABLE)"
+            )
+        scheduler = self.scheduler_config
+        self.compilation_config.finalize_capture_sizes(
+            scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+        )
         assert _platform_provider is not None, "installed by the pieceworks package on import"
         platform = _platform_provider()
         platform.check_and_update_config(self)

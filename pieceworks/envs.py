@@ -1,7 +1,8 @@
 """Every environment variable pieceworks reads, typed and documented, read in one place.
 
 Its own are ``PIECEWORKS_*`` (``environment_variables``); the third-party ones it reads under their
-own names are Triton's (``TRITON_CACHE_DIR``, ``TRITON_PTXAS_PATH``) and torchrun's (``RANK``,
+own names are Triton's (``TRITON_CACHE_DIR``, ``TRITON_PTXAS_PATH``), torch's
+(``TORCH_COMPILE_DISABLE``) and torchrun's (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``) (``third_party_variables``). Variables are read lazily, each time
 they are asked for (``envs.PIECEWORKS_PLATFORM``), so tests can change them with
 ``monkeypatch.setenv``. Importing this module writes nothing; ``export_variables`` is the one
@@ -13,6 +14,7 @@ code: only they enter the cache hash. See ``docs/envs.md`` for the user-facing t
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     PIECEWORKS_PRECOMPILE_KERNELS: bool
     TRITON_CACHE_DIR: str | None
     TRITON_PTXAS_PATH: str | None
+    TORCH_COMPILE_DISABLE: bool
     RANK: int | None
     WORLD_SIZE: int | None
     LOCAL_RANK: int | None
@@ -116,6 +119,9 @@ third_party_variables: dict[str, Callable[[], Any]] = {
     "TRITON_CACHE_DIR": _optional_str("TRITON_CACHE_DIR"),
     # The ptxas Triton assembles with; unset: the platform's choice (CUDA: torch's own).
     "TRITON_PTXAS_PATH": _optional_str("TRITON_PTXAS_PATH"),
+    # torch's switch for its compiler, read as torch reads it (exactly "1"): the engine then runs
+    # the model uncompiled (``torch_compile_disabled``).
+    "TORCH_COMPILE_DISABLE": lambda: os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1",
     # torchrun's rank of this process, the number of ranks, and the rank on this host.
     "RANK": _optional_int("RANK"),
     "WORLD_SIZE": _optional_int("WORLD_SIZE"),
@@ -132,6 +138,15 @@ _COMPILE_FACTORS = ("PIECEWORKS_PLATFORM", "PIECEWORKS_SMALL_M_GEMV", "PIECEWORK
 def compile_factors() -> dict[str, Any]:
     """The env variables (name -> value) that change compiled code."""
     return {name: environment_variables[name]() for name in _COMPILE_FACTORS}
+
+
+def torch_compile_disabled() -> bool:
+    """Whether torch's compiler is off in this process: ``TORCH_COMPILE_DISABLE=1`` now (set
+    before or after torch was imported), or ``torch._dynamo.config.disable`` set. Torch's config is
+    read only where it is already imported: this module imports no torch."""
+    dynamo_config = sys.modules.get("torch._dynamo.config")
+    disabled_in_torch = bool(getattr(dynamo_config, "disable", False))
+    return bool(third_party_variables["TORCH_COMPILE_DISABLE"]()) or disabled_in_torch
 
 
 def export_variables(variables: Mapping[str, str]) -> None:

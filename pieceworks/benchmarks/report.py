@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pieceworks import envs
 from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
@@ -146,6 +147,11 @@ def format_notes(results: list[dict[str, Any]], skipped: list[dict[str, str]]) -
         if r.get("merged_modes")
     ]
     lines += [f"skipped {s['mode']}: {s['reason']}" for s in skipped]
+    if envs.torch_compile_disabled():
+        lines.append(
+            "TORCH_COMPILE_DISABLE=1: torch's compiler is off, so every mode ran uncompiled "
+            "(level 0, no static graphs)"
+        )
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +80,14 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):
             return super().run(*fake_args)
 
     def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        output = super().call_module(target, args, kwargs)
+        shape_env = self.fake_mode.shape_env
+        # A piece whose op returns a data-dependent size (a fake impl's ``new_dynamic_size()``)
+        # makes a fresh unbacked symbol each time it runs on fake tensors. Dynamo bound it when
+        # it traced; left pending here, Inductor's compile of the next piece, under this shape
+        # environment, would look for its binding and fail (PendingUnbackedSymbolNotFound).
+        ignore = shape_env.ignore_fresh_unbacked_symbols() if shape_env else nullcontext()
+        with ignore:
+            output = super().call_module(target, args, kwargs)
         if target in self.compile_submod_names:
             index = self.compile_submod_names.index(target)
             submod = self.fetch_attr(target)

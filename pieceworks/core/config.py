@@ -72,11 +72,19 @@ def _parse_enum(enum_cls: Any, value: Any, field: str) -> Any:
     raise ValueError(f"CompilationConfig.{field}={value!r} is not valid; use one of: {choices}")
 
 
-def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """The seed's grid: 1, 2, 4, then steps of 8 up to the first multiple of 8 >= max_num_seqs."""
+# vLLM's default ceiling of the capture-size grid (``max_cudagraph_capture_size``): a larger batch
+# runs its pieces uncaptured, where launch overhead no longer dominates.
+DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 512
+
+
+def default_capture_sizes(
+    max_num_seqs: int, max_capture_size: int = DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
+) -> list[int]:
+    """The seed's grid: 1, 2, 4, then steps of 8 up to the first multiple of 8 >= max_num_seqs;
+    no size above ``max_capture_size``."""
     sizes = [1, 2, 4]
     sizes += list(range(8, ((max_num_seqs + 7) // 8) * 8 + 1, 8))
-    return sizes
+    return [size for size in sizes if size <= max_capture_size]
 
 
 @dataclasses.dataclass
@@ -113,6 +121,10 @@ class CompilationConfig:
     splitting_ops: list[str] | None = None  # None: attention + mamba_mixer2
     cudagraph_mode: CUDAGraphMode | None = None  # None: FULL_AND_PIECEWISE at level 3, else NONE
     cudagraph_capture_sizes: list[int] | None = None  # None: default_capture_sizes(max_num_seqs)
+    # The largest capture size (vLLM's name): larger sizes are dropped, and the default grid
+    # reaches it. None: the grid reaches max_num_seqs, at most 512. Never above
+    # max_num_batched_tokens.
+    max_cudagraph_capture_size: int | None = None
     compile_sizes: list[int] = dataclasses.field(default_factory=list)
     cudagraph_num_of_warmups: int = 1
     cudagraph_copy_inputs: bool = False
@@ -174,6 +186,38 @@ class CompilationConfig:
                 )
         if self.cudagraph_capture_sizes is not None:
             self._validate_capture_sizes(self.cudagraph_capture_sizes)
+            if not self.cudagraph_capture_sizes and self.cudagraph_mode != CUDAGraphMode.NONE:
+                raise ValueError(
+                    f"cudagraph_capture_sizes=[] with cudagraph_mode "
+                    f"{self.cudagraph_mode.name} would capture no graph; give the sizes to "
+                    "capture (e.g. [1, 2, 4, 8]), leave cudagraph_capture_sizes unset for the "
+                    "default grid, or set cudagraph_mode NONE"
+                )
+        ceiling = self.max_cudagraph_capture_size
+        if ceiling is not None and (
+            isinstance(ceiling, bool) or not isinstance(ceiling, int) or ceiling < 1
+        ):
+            raise ValueError(
+                f"max_cudagraph_capture_size={ceiling!r} must be a positive int "
+                "(or None for the default, 512)"
+            )
+
+    def run_uncompiled(self, reason: str) -> None:
+        """Level 0 with no static graphs, because of ``reason`` (logged once, when it changes
+        anything): what a vLLM user gets where torch's compiler is off."""
+        if self.level == CompilationLevel.NO_COMPILATION and self.cudagraph_mode == (
+            CUDAGraphMode.NONE
+        ):
+            return
+        assert self.cudagraph_mode is not None  # resolved in __post_init__
+        logger.info(
+            "%s: the model runs uncompiled (level %d -> 0, cudagraph_mode %s -> NONE)",
+            reason,
+            int(self.level),
+            self.cudagraph_mode.name,
+        )
+        self.level = CompilationLevel.NO_COMPILATION
+        self.cudagraph_mode = CUDAGraphMode.NONE
 
     def _resolve_cudagraph_mode(self) -> None:
         if self.cudagraph_mode is None:
@@ -216,18 +260,62 @@ class CompilationConfig:
                 f"use {sorted(sizes)}"
             )
 
-    def finalize_capture_sizes(self, max_num_seqs: int) -> None:
-        """Fill the default capture sizes, check compile_sizes, build the padding table."""
+    def finalize_capture_sizes(
+        self, max_num_seqs: int, max_num_batched_tokens: int | None = None
+    ) -> None:
+        """Fill the default capture sizes, drop those above the ceiling (``max_num_batched_tokens``
+        and ``max_cudagraph_capture_size``: no step is ever that large), check compile_sizes,
+        build the padding table."""
+        ceiling = self.max_cudagraph_capture_size or DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE
+        if max_num_batched_tokens is not None:
+            ceiling = min(ceiling, max_num_batched_tokens)
         if self.cudagraph_capture_sizes is None:
-            self.cudagraph_capture_sizes = default_capture_sizes(max_num_seqs)
+            # The grid covers the decode batches (up to max_num_seqs), or as far as a
+            # max_cudagraph_capture_size the user set; never past the ceiling.
+            top = self.max_cudagraph_capture_size or max_num_seqs
+            self.cudagraph_capture_sizes = default_capture_sizes(top, ceiling)
+        else:
+            self.cudagraph_capture_sizes = self._drop_sizes_above(
+                self.cudagraph_capture_sizes, ceiling, max_num_batched_tokens
+            )
         sizes = self.cudagraph_capture_sizes
         for size in self.compile_sizes:
+            if size > ceiling:
+                raise ValueError(
+                    f"compile_sizes entry {size} is above the largest batch a step can run "
+                    f"or capture ({ceiling}: max_num_batched_tokens={max_num_batched_tokens}, "
+                    f"max_cudagraph_capture_size={self.max_cudagraph_capture_size}); remove it "
+                    "or raise the limit"
+                )
             if size not in sizes:
                 raise ValueError(
                     f"compile_sizes entry {size} is not a capture size; "
                     f"compile sizes must be among cudagraph_capture_sizes {sizes}"
                 )
         self._pad_table = list(sizes)
+
+    def _drop_sizes_above(
+        self, sizes: list[int], ceiling: int, max_num_batched_tokens: int | None
+    ) -> list[int]:
+        """``sizes`` without those above ``ceiling``, logged: a graph no step can use."""
+        kept = [size for size in sizes if size <= ceiling]
+        if len(kept) < len(sizes):
+            logger.info(
+                "cudagraph_capture_sizes %s dropped: above %d (max_num_batched_tokens=%s, "
+                "max_cudagraph_capture_size=%s), no step runs that many tokens",
+                [size for size in sizes if size > ceiling],
+                ceiling,
+                max_num_batched_tokens,
+                self.max_cudagraph_capture_size,
+            )
+        if not kept and self.cudagraph_mode != CUDAGraphMode.NONE:
+            raise ValueError(
+                f"every cudagraph_capture_sizes entry of {sizes} is above {ceiling} "
+                f"(max_num_batched_tokens={max_num_batched_tokens}, max_cudagraph_capture_size="
+                f"{self.max_cudagraph_capture_size}): give sizes up to {ceiling}, or set "
+                "cudagraph_mode NONE"
+            )
+        return kept
 
     @property
     def max_capture_size(self) -> int:

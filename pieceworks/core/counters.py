@@ -1,7 +1,8 @@
 """``compilation_counter``: process-wide counts of what the compile pipeline did.
 
 Tests pin exact behaviour with ``compilation_counter.expect(num_graphs_seen=1, ...)``: the block
-must change each named counter by exactly that delta (unnamed counters may change freely).
+must change each named counter by exactly that delta (unnamed counters may change freely). What
+each counter counts: docs/compile_cache.md, "Counters"; the names and meanings are vLLM's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class CompilationCounter:
     num_cudagraph_captured: int = 0  # device graphs: one per FULL capture, piece or segment
     num_breakable_segments_captured: int = 0  # segments of breakable captures (L + 1 per size)
     num_decode_tails_captured: int = 0  # the runner's decode tails (also device graphs above)
-    num_gpu_runner_capture_triggers: int = 0
+    num_gpu_runner_capture_triggers: int = 0  # capture runs of the model runner (capture_model)
     num_cache_entries_updated: int = 0
     num_compiled_artifacts_saved: int = 0
     num_compiled_artifacts_loaded: int = 0

@@ -190,6 +190,7 @@ class GraphCapture:
         descriptors = self.dispatcher.capture_descriptors()
         if not descriptors:
             return
+        compilation_counter.num_gpu_runner_capture_triggers += 1  # one per capture run, as vLLM
         for wrapper in static_graph_wrappers(self.model):  # built by the first (compiling) forward
             self._own(wrapper)
         self.static_graphs.open_capturing()
@@ -207,7 +208,6 @@ class GraphCapture:
             start = time.perf_counter()
             for mode, descriptor in tqdm(descriptors, desc="capturing graphs", leave=False):
                 self.dummy_forward(descriptor.num_tokens, mode, descriptor)
-                compilation_counter.num_gpu_runner_capture_triggers += 1
             self.platform.synchronize()
             self.capture_seconds = time.perf_counter() - start
         except (torch.OutOfMemoryError, RuntimeError) as error:

@@ -137,8 +137,9 @@ def test_a_bad_level_or_mode_names_the_field_and_every_choice():
 
 def test_from_fields_refuses_unknown_names_and_non_dicts_listing_the_fields():
     fields = (
-        "level, backend, splitting_ops, cudagraph_mode, cudagraph_capture_sizes, compile_sizes, "
-        "cudagraph_num_of_warmups, cudagraph_copy_inputs, custom_ops, pass_config, cache_dir, "
+        "level, backend, splitting_ops, cudagraph_mode, cudagraph_capture_sizes, "
+        "max_cudagraph_capture_size, compile_sizes, cudagraph_num_of_warmups, "
+        "cudagraph_copy_inputs, custom_ops, pass_config, cache_dir, "
         "debug_dump_path, inductor_compile_config"
     )
     assert CompilationConfig.from_fields({"level": 1}).level == CompilationLevel.DYNAMO_AS_IS
