@@ -177,6 +177,7 @@ class CompilationConfig:
             )
         if self.splitting_ops is None:
             self.splitting_ops = [ATTENTION_OP, MAMBA_MIXER2_OP]
+        mode_given = self.cudagraph_mode is not None
         self._resolve_cudagraph_mode()
         for entry in self.custom_ops:
             # ("" and a bare sign are no names; ``"" in "+-"`` would let "" through.)
@@ -187,12 +188,16 @@ class CompilationConfig:
         if self.cudagraph_capture_sizes is not None:
             self._validate_capture_sizes(self.cudagraph_capture_sizes)
             if not self.cudagraph_capture_sizes and self.cudagraph_mode != CUDAGraphMode.NONE:
-                raise ValueError(
-                    f"cudagraph_capture_sizes=[] with cudagraph_mode "
-                    f"{self.cudagraph_mode.name} would capture no graph; give the sizes to "
-                    "capture (e.g. [1, 2, 4, 8]), leave cudagraph_capture_sizes unset for the "
-                    "default grid, or set cudagraph_mode NONE"
-                )
+                if mode_given:
+                    raise ValueError(
+                        f"cudagraph_capture_sizes=[] with cudagraph_mode "
+                        f"{self.cudagraph_mode.name} would capture no graph; give the sizes to "
+                        "capture (e.g. [1, 2, 4, 8]), leave cudagraph_capture_sizes unset for "
+                        "the default grid, or set cudagraph_mode NONE"
+                    )
+                # the default mode: no sizes asked for means no static graphs
+                logger.info("cudagraph_capture_sizes=[]: no static graphs (cudagraph_mode NONE)")
+                self.cudagraph_mode = CUDAGraphMode.NONE
         ceiling = self.max_cudagraph_capture_size
         if ceiling is not None and (
             isinstance(ceiling, bool) or not isinstance(ceiling, int) or ceiling < 1

@@ -58,6 +58,12 @@ def test_empty_capture_sizes_with_a_graph_mode_are_refused():
     assert CompilationConfig(cudagraph_capture_sizes=[], cudagraph_mode="NONE")
 
 
+def test_empty_capture_sizes_with_the_default_mode_turn_graphs_off():
+    # no mode asked for: an empty list asks for no graphs, as cudagraph_mode NONE does
+    config = CompilationConfig(level=3, cudagraph_capture_sizes=[])
+    assert config.cudagraph_mode == CUDAGraphMode.NONE
+
+
 def test_capture_sizes_above_the_token_budget_are_dropped_with_a_log(pieceworks_logs):
     config = engine_config(
         max_num_seqs=4, max_num_batched_tokens=8, cudagraph_capture_sizes=[1, 2, 4, 15]
