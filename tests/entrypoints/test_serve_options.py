@@ -255,6 +255,20 @@ def test_unimplemented_field_is_400_naming_it(server, field, value):
     assert f"'{field}'" in error["message"] and "not implement" in error["message"]
 
 
+def test_every_refused_value_then_a_normal_request(server):
+    """All the refused bodies one after another, bad values that overflow or pass the vocabulary
+    among them: each is a 400, and afterwards the server still answers with the greedy tokens."""
+    url, _, greedy = server
+    refused = [options for options, _ in INVALID] + [{field: v} for field, v in UNSUPPORTED]
+    refused += [{"seed": 2**70}, {"seed": -(2**64)}, {"prompt": [10**9]}, {"logprobs": 10**6}]
+    for options in refused:
+        response = post(url, {"prompt": PROMPT, **options})
+        assert response.status_code == 400, (options, response.text)
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    (choice,) = complete(url, max_tokens=NUM_GREEDY, temperature=0.0)["choices"]
+    assert choice["token_ids"] == greedy[0]
+
+
 @pytest.mark.parametrize(
     "field, value",
     [("suffix", None), ("best_of", 1), ("logit_bias", {}), ("echo", False), ("min_p", 0.0)],
