@@ -108,15 +108,16 @@ def test_the_cache_is_cast_to_the_heads_dtype():
     torch.testing.assert_close(got.double(), want, atol=0.05, rtol=0.02)
 
 
-def test_rotate_leading_heads_rotates_only_the_first_heads():
+@pytest.mark.parametrize("neox", [True, False])
+def test_rotate_leading_heads_rotates_only_the_first_heads(neox):
     torch.manual_seed(3)
     head_size = 4
     qkv = torch.randn(2, 5 * head_size)
     cache = cos_sin_cache(8, head_size)
     positions = torch.tensor([6, 2])
-    got = rotate_leading_heads(positions, qkv, cache, head_size, 3, False)
+    got = rotate_leading_heads(positions, qkv, cache, head_size, 3, neox)
     want_rotated = rotate_heads_by_cache(
-        positions, qkv[:, : 3 * head_size], cache, head_size, False
+        positions, qkv[:, : 3 * head_size], cache, head_size, neox
     )
     assert torch.equal(got[:, : 3 * head_size], want_rotated)
     assert torch.equal(got[:, 3 * head_size :], qkv[:, 3 * head_size :])
@@ -148,3 +149,11 @@ def test_silu_and_mul_is_silu_of_the_gate_times_up():
     gate, up = x[:, :3], x[:, 3:]
     assert got.shape == (2, 3)
     torch.testing.assert_close(got, gate * torch.sigmoid(gate) * up)
+
+
+def test_silu_and_mul_splits_the_last_dim_of_a_batched_input():
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 8)
+    got = silu_and_mul(x)
+    assert got.shape == (2, 3, 4)
+    torch.testing.assert_close(got, torch.nn.functional.silu(x[..., :4]) * x[..., 4:])
