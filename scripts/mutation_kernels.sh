@@ -8,7 +8,7 @@
 # build/mutation-kernels/ (git-ignored), with [tool.mutmut] replaced by KERNELS_CONFIG below;
 # results accumulate in build/mutation-kernels/mutants/.
 # Usage: bash scripts/mutation_kernels.sh [mutant-name globs]
-#        cd build/mutation-kernels && python ../../scripts/mutation_sample.py --prefix ... --score
+#        cd build/mutation-kernels && python ../../scripts/mutation_score.py pieceworks.kernels
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

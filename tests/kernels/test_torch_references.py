@@ -116,9 +116,7 @@ def test_rotate_leading_heads_rotates_only_the_first_heads(neox):
     cache = cos_sin_cache(8, head_size)
     positions = torch.tensor([6, 2])
     got = rotate_leading_heads(positions, qkv, cache, head_size, 3, neox)
-    want_rotated = rotate_heads_by_cache(
-        positions, qkv[:, : 3 * head_size], cache, head_size, neox
-    )
+    want_rotated = rotate_heads_by_cache(positions, qkv[:, : 3 * head_size], cache, head_size, neox)
     assert torch.equal(got[:, : 3 * head_size], want_rotated)
     assert torch.equal(got[:, 3 * head_size :], qkv[:, 3 * head_size :])
 
