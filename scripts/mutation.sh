@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Mutation testing with mutmut 3 over pieceworks/core, engine, platforms and the model reference
-# ops, the fast CPU tests as the oracle (configuration: [tool.mutmut] in pyproject.toml). Not in
+# Mutation testing with mutmut 3 over pieceworks/core, engine, scheduler, worker, platforms,
+# models/loading, the model reference ops and the in-process entrypoint modules, the fast CPU
+# tests as the oracle (configuration: [tool.mutmut] in pyproject.toml; the kernels' torch
+# references: scripts/mutation_kernels.sh). Not in
 # CI: a full run takes hours on a small machine. Results accumulate in mutants/ (git-ignored), so
 # a run can be split by module and resumed; docs/testing.md records the last score.
 # Usage: bash scripts/mutation.sh [mutant-name globs]   e.g. 'pieceworks.worker.sampler.*'

@@ -12,6 +12,8 @@ the names listed in FILE (one a line) out of the population before drawing. With
 prints instead the sample's per-module counts from ``mutmut results`` and the judged mutants of
 docs/mutation_judged.md (as ``scripts/mutation_score.py`` reads them), and the score with its
 Wilson 95 % interval; ``--sample FILE`` scores the names listed in FILE instead of drawing them.
+``--root DIR`` reads the mutants of another tree (``build/mutation-kernels``, the tree of
+``scripts/mutation_kernels.sh``).
 docs/testing.md, "Mutation testing", gives the commands of the current score.
 
 Usage: python scripts/mutation_sample.py [K] > core_1.txt          (default 150)
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 from collections import Counter, defaultdict
@@ -60,7 +63,7 @@ def population(prefixes: list[str] | None = None) -> list[str]:
 
 def prefixed_population(prefixes: list[str]) -> list[str]:
     """Every mutant name of the modules whose dotted name starts with a prefix, less TESTED."""
-    mutants = ROOT / "mutants"
+    mutants = Path.cwd() / "mutants"
     names, matched = [], False
     for meta in sorted(mutants.glob("pieceworks/**/*.py.meta")):
         module = ".".join(meta.relative_to(mutants).with_suffix("").with_suffix("").parts)
@@ -145,7 +148,17 @@ def main() -> None:
         help="draw from the untested modules under this package or module (repeatable)",
     )
     parser.add_argument("--score", action="store_true", help="print the sample's score")
+    parser.add_argument(
+        "--root",
+        default=str(ROOT),
+        help="the tree whose mutants/ to read (default: this repository; "
+        "build/mutation-kernels for scripts/mutation_kernels.sh)",
+    )
     args = parser.parse_args()
+    for name in ("sample", "exclude"):  # the files are named from where the script is run
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
+    os.chdir(args.root)
     if args.sample:
         names = read_names(args.sample)
     else:

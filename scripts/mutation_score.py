@@ -101,7 +101,8 @@ def main() -> None:
 
 
 def module_path(module: str) -> str:
-    """``pieceworks.core.cache.cache_key`` -> ``core/cache/cache_key.py``; a package -> its ``__init__.py``."""
+    """``pieceworks.core.cache.cache_key`` -> ``core/cache/cache_key.py``; a package -> its
+    ``__init__.py``."""
     path = Path(*module.split("."))
     file = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     return str(file.relative_to("pieceworks"))
