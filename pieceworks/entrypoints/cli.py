@@ -23,9 +23,10 @@ def cmd_platforms(args: argparse.Namespace) -> int:
 
     print(describe_platform_resolution())
     if args.kernels:
+        from pieceworks.entrypoints.run import format_kernel_choices
         from pieceworks.kernels.chooser import describe_kernel_choices
 
-        print(describe_kernel_choices())
+        print(format_kernel_choices(describe_kernel_choices()))
     return 0
 
 

@@ -7,9 +7,9 @@ and back. Under the interpreter the casts are wrong (it truncates float32 -> bfl
 float8 cast rounds half up and loses the carry into the exponent: 7.96 becomes 4, 1.98 becomes
 1), so there they round in float32 arithmetic instead (``round_to_bfloat16_bits``,
 ``round_to_e4m3_arithmetic``: a dozen or more instructions per value where a GPU needs one). Used
-by the fused RMSNorm + FP8 quant kernel (``quantization/triton_norm_quant.py``), the GEMV's
+by the fused RMSNorm + FP8 quant kernel (``norm_quant/triton_norm_quant.py``), the GEMV's
 epilogues (``triton_gemv.py``) and the decode attention's FP8 output
-(``attention/ops/triton_attention.py``). ``TRITON_DTYPES`` names the model dtypes for
+(``attention/triton_attention_tiles.py``). ``TRITON_DTYPES`` names the model dtypes for
 ``round_to``'s constexpr. ``tests/kernels/test_triton_rounding.py`` checks both forms against
 torch's casts.
 """
