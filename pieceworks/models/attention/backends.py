@@ -42,6 +42,7 @@ class AttentionLayer(Protocol):
     num_kv_heads: int
     head_size: int
     scale: float
+    sliding_window: int | None  # attend to the last this many positions; None: all of them
     workspace: DecodeWorkspace
 
     def bound_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -70,6 +71,7 @@ class AttentionBackend:
         output: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -99,7 +101,9 @@ class AttentionBackend:
         result = output if output_scale is None else query.new_empty(query.shape)  # (T, Hq * D)
         query, key, value, result_heads = head_views(layer, query, key, value, result)
         cls.store_kv(key, value, key_cache, value_cache, metadata)
-        cls.forward(query, key_cache, value_cache, result_heads, metadata, layer.scale)
+        cls.forward(
+            query, key_cache, value_cache, result_heads, metadata, layer.scale, layer.sliding_window
+        )
         if output_scale is not None:
             output.copy_(static_scaled_fp8_quant(result, output_scale, output.dtype))
 
@@ -125,7 +129,9 @@ class TorchAttentionBackend(AttentionBackend):
         store_kv_cache_torch(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     @staticmethod
-    def forward(query, key_cache, value_cache, output, metadata, scale) -> None:
+    def forward(
+        query, key_cache, value_cache, output, metadata, scale, sliding_window=None
+    ) -> None:
         paged_attention_reference(
             query,
             key_cache,
@@ -135,6 +141,7 @@ class TorchAttentionBackend(AttentionBackend):
             seq_lens=metadata.seq_lens,
             block_tables=metadata.block_tables,
             scale=scale,
+            sliding_window=sliding_window,
         )
 
 
@@ -168,6 +175,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def plan(cls, layer, query, key, value, output, metadata) -> TritonAttentionPlan:
+        if layer.sliding_window is not None:
+            raise NotImplementedError(
+                "the Triton attention kernels do not implement sliding-window attention yet"
+            )
         key_cache, value_cache = layer.bound_kv_cache()
         query, key, value, output = head_views(layer, query, key, value, output)
         attend = plan_paged_attention(

@@ -79,6 +79,8 @@ class Attention(nn.Module):
     ``num_heads`` and ``num_kv_heads`` are this tensor-parallel rank's (the model divides the
     checkpoint's counts; KV heads fewer than ranks are replicated, one per rank), and so is the
     KV cache the runner binds: ``(num_blocks, block_size, num_kv_heads, head_size)``.
+    ``sliding_window`` (Mistral's, Gemma's sliding layers') limits each query to the last that many
+    positions, its own included; None attends to the whole context.
 
     ``attend`` (the op's body) keeps the backend's plan per shape signature: every shape and
     stride the plan is built from, the output dtype, plus ``max_query_len``. The first call of a
@@ -95,8 +97,11 @@ class Attention(nn.Module):
         *,
         config: EngineConfig,
         prefix: str,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"{prefix}: sliding_window {sliding_window} must be at least 1")
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"{prefix}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads} "
@@ -104,6 +109,7 @@ class Attention(nn.Module):
             )
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
         self.layer_name = prefix
         self.backend: type[AttentionBackend] = current_platform().attention_backend()
         # Split-KV scratch: this layer's own until the runner binds one shared by every layer.

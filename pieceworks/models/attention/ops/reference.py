@@ -5,9 +5,11 @@ must match. One batch is a list of ragged sequences: sequence s owns query rows
 `query_start_loc[s] : query_start_loc[s + 1]` and a context of `seq_lens[s]` tokens that already
 includes those new query tokens (their K/V were stored before attention runs). Query token i of a
 sequence with q_s query tokens sits at absolute position `seq_lens[s] - q_s + i` and attends
-causally to cache positions `0 .. position`. Prefill, decode (q_s = 1) and mixed batches are all
-this one rule. Padded sequences (query length 0) are skipped; rows past `query_start_loc[-1]`
-are left untouched; a query row that can see no key (a padded sequence with seq_len 0) gets zeros.
+causally to cache positions `0 .. position`; with a sliding window `W` only to the last `W` of
+them, `position - W + 1 .. position` (Mistral's and Gemma's `sliding_window`, as transformers masks
+it). Prefill, decode (q_s = 1) and mixed batches are all this one rule. Padded sequences (query
+length 0) are skipped; rows past `query_start_loc[-1]` are left untouched; a query row that can see
+no key (a padded sequence with seq_len 0) gets zeros.
 
 It loops over sequences on the host (`.tolist()`), so it is neither fast nor graph-capturable; it
 does not own the cache layout (`kv_cache.py`) or the fast path (`triton_attention.py`).
@@ -26,8 +28,9 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,  # (S,) int32, context length including the new query tokens
     block_tables: torch.Tensor,  # (S, max_blocks) int32
     scale: float,
+    sliding_window: int | None = None,  # None: the whole context
 ) -> None:
-    """Causal paged attention computed in float32, one sequence at a time."""
+    """Causal (optionally sliding-window) paged attention in float32, one sequence at a time."""
     starts = query_start_loc.tolist()
     for seq_idx, seq_len in enumerate(seq_lens.tolist()):
         query_start, query_end = starts[seq_idx], starts[seq_idx + 1]
@@ -35,7 +38,7 @@ def paged_attention_reference(
             continue
         key, value = gather_context(key_cache, value_cache, block_tables[seq_idx], seq_len)
         output[query_start:query_end] = _attend_one_sequence(
-            query[query_start:query_end].float(), key, value, seq_len, scale
+            query[query_start:query_end].float(), key, value, seq_len, scale, sliding_window
         ).to(output.dtype)
 
 
@@ -60,6 +63,7 @@ def _attend_one_sequence(
     value: torch.Tensor,  # (seq_len, Hkv, D) float32
     seq_len: int,
     scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     """Causal softmax attention of one sequence's queries over its context; (q_len, Hq, D)."""
     query_len, num_heads, _ = query.shape
@@ -71,6 +75,8 @@ def _attend_one_sequence(
     query_pos = seq_len - query_len + torch.arange(query_len, device=query.device)  # (q_len,)
     key_pos = torch.arange(seq_len, device=query.device)  # (seq_len,)
     visible = key_pos[None, :] <= query_pos[:, None]  # (q_len, seq_len)
+    if sliding_window is not None:
+        visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
 
     # A row that sees no key (query position < 0) would softmax to NaN; it gets zeros instead.
