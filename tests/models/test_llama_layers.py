@@ -493,6 +493,22 @@ def test_bamba_weight_specs_match_hf_state_dict() -> None:
     }
 
 
+def test_qwen3_weight_specs_match_hf_state_dict() -> None:
+    """The Qwen3-8B preset, shrunk: the random-weight recipe names HF's tensors and shapes."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hf_config = {
+        **presets.get_preset("qwen3-8b"),
+        **{"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2},
+        **{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 128},
+    }
+    state_dict = Qwen3ForCausalLM(Qwen3Config(**hf_config)).state_dict()
+    specs = presets.hf_weight_specs(hf_config)
+    assert {name: spec.shape for name, spec in specs.items()} == {
+        name: tuple(tensor.shape) for name, tensor in state_dict.items()
+    }
+
+
 def test_random_checkpoint_is_seeded_and_loads_in_hf(tmp_path) -> None:
     from tests.models.hf_reference import build_hf_llama, hf_logits
 

@@ -4,8 +4,8 @@ A preset is what the benchmarks and the default job run when no checkpoint is at
 ``get_preset("llama-3.1-8b")`` is the real model's config.json; ``random_hf_weights`` yields
 random tensors under the HF names and shapes that config implies, so a model loads them through
 the same ``load_weights`` path as a real checkpoint, and ``random_hf_checkpoint`` saves them as an
-HF directory (which HF transformers can load too). Adding an architecture means one
-``*_weight_specs`` function in ``_WEIGHT_SPECS``.
+HF directory (which HF transformers can load too). The config dicts live in ``preset_configs.py``.
+Adding an architecture means one ``*_weight_specs`` function in ``_WEIGHT_SPECS``.
 """
 
 from __future__ import annotations
@@ -20,160 +20,9 @@ import torch
 
 from pieceworks.models.loading.config_defaults import with_architecture_defaults
 from pieceworks.models.loading.hf_directory import save_hf_directory
+from pieceworks.models.loading.preset_configs import INIT_STD, PRESETS
 
-INIT_STD = 0.02  # weights ~ N(0, 0.02): logits of a random model stay O(1)
 NORM_NOISE_STD = 0.1  # norm weights ~ 1 + N(0, 0.1): a norm that ignored its weight would show
-
-
-def _llama_config(**overrides: Any) -> dict[str, Any]:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "hidden_act": "silu",
-        "initializer_range": INIT_STD,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "rms_norm_eps": 1e-5,
-        "rope_scaling": None,
-        "rope_theta": 10000.0,
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-    }
-    config.update(overrides)
-    return config
-
-
-def _bamba_config(**overrides: Any) -> dict[str, Any]:
-    config = {
-        "architectures": ["BambaForCausalLM"],
-        "model_type": "bamba",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "hidden_act": "silu",
-        "initializer_range": INIT_STD,
-        "mamba_chunk_size": 256,
-        "mamba_conv_bias": True,
-        "mamba_proj_bias": False,
-        "mlp_bias": False,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.5,  # Bamba rotates half of each head (attn_rotary_emb = 64)
-        "torch_dtype": "bfloat16",
-        "use_cache": True,
-    }
-    config.update(overrides)
-    return config
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # Two layers of everything, for tests: GQA (4 query heads, 2 kv heads) and tied embeddings.
-    "llama-tiny": _llama_config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=256,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    ),
-    # The GPT-3/OPT-125M shape as a Llama (the seed's benchmark model).
-    "llama-125m": _llama_config(
-        hidden_size=768,
-        intermediate_size=3072,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        head_dim=64,
-        vocab_size=50272,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    ),
-    # SmolLM2-135M-Instruct's shape (the trained model is ``smollm2-135m``, see
-    # models/loading/sources.py): the GPU benchmarks' model, as the GGUF file is not carried to
-    # the GPU machine.
-    "smollm2-135m-random": _llama_config(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    ),
-    # meta-llama/Llama-3.1-8B config.json.
-    "llama-3.1-8b": _llama_config(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        bos_token_id=128000,
-        eos_token_id=[128001, 128008, 128009],
-        rope_theta=500000.0,
-        rope_scaling={
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
-        tie_word_embeddings=False,
-    ),
-    # Four layers, attention at layer 2, the rest Mamba2, for tests.
-    "bamba-tiny": _bamba_config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        attn_layer_indices=[2],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mamba_n_heads=8,
-        mamba_d_head=16,
-        mamba_d_state=16,
-        mamba_n_groups=1,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_chunk_size=32,
-        vocab_size=256,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-    ),
-    # ibm-ai-platform/Bamba-9B shape (from the issue and HF BambaConfig; checked against the
-    # transformers class, not against the hub's config.json, which could not be fetched here).
-    "bamba-9b": _bamba_config(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        attn_layer_indices=[9, 18, 27],
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        mamba_n_heads=128,
-        mamba_d_head=64,
-        mamba_d_state=128,
-        mamba_n_groups=1,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        vocab_size=128256,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    ),
-}
 
 
 def preset_names() -> list[str]:
@@ -263,6 +112,17 @@ def llama_weight_specs(config: dict[str, Any]) -> dict[str, WeightSpec]:
     return {**_embedding_specs(config, "norm"), **specs}
 
 
+def qwen3_weight_specs(config: dict[str, Any]) -> dict[str, WeightSpec]:
+    """Every tensor of an HF ``Qwen3ForCausalLM`` checkpoint: Llama's (no MLP bias) plus the
+    per-head ``q_norm`` and ``k_norm``."""
+    specs = llama_weight_specs({**config, "mlp_bias": False})
+    head_dim = _head_dim(config)
+    for layer in range(config["num_hidden_layers"]):
+        for norm in ("q_norm", "k_norm"):
+            specs[f"model.layers.{layer}.self_attn.{norm}.weight"] = WeightSpec((head_dim,), "norm")
+    return specs
+
+
 def _mamba_specs(config: dict[str, Any], prefix: str) -> dict[str, WeightSpec]:
     """HF ``BambaMixer``: in_proj -> (gate z, conv input xBC, dt), conv1d, SSM params, out_proj."""
     hidden, num_heads = config["hidden_size"], config["mamba_n_heads"]
@@ -305,6 +165,7 @@ def bamba_weight_specs(config: dict[str, Any]) -> dict[str, WeightSpec]:
 _WEIGHT_SPECS: dict[str, Callable[[dict[str, Any]], dict[str, WeightSpec]]] = {
     "LlamaForCausalLM": llama_weight_specs,
     "BambaForCausalLM": bamba_weight_specs,
+    "Qwen3ForCausalLM": qwen3_weight_specs,
 }
 
 
