@@ -3,8 +3,8 @@
 # docs/performance.md as bench JSON (and a plot per file), then run the GPU tests.
 #
 # Usage: OUT=dir bash benchmarks/gpu_suite.sh [steps...]
-#   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 bamba
-#   breakable serve throughput startup tests kernels (tests_parallel: the tests and kernels steps
+#   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 qwen3
+#   gemma3 bamba breakable serve throughput startup tests kernels (tests_parallel: the tests and kernels steps
 #   in four concurrent groups, for a call with a time limit)
 #   OUT: where JSON, plots and logs go (default docs/bench); COMMIT: recorded in each JSON
 #   (default: git's HEAD where this is a checkout).
@@ -28,7 +28,7 @@ mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
 COMMIT=${COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
-steps=${*:-"install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput startup tests kernels"}
+steps=${*:-"install versions bench125m smollm2 bench8b fp8 qwen3 gemma3 bamba breakable serve throughput startup tests kernels"}
 failed=()
 
 step() {  # name, command...: log to $OUT/logs/<name>.log and the console, never stop the suite
@@ -140,6 +140,8 @@ for name in $steps; do
     smollm2) bench smollm2_135m --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 32 --output-len 128 --modes full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     fp8) bench llama8b_fp8 "${EIGHT_B[@]}" --quantization fp8 --batch-size 1,64 --modes full_and_piecewise --compare --peers gpt_fast ;;
+    qwen3) bench qwen3_8b --model qwen3-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes piecewise,full_and_piecewise ;;
+    gemma3) bench gemma3_4b --model gemma-3-4b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes piecewise,full_and_piecewise ;;
     bamba) bench bamba9b_b1 --model bamba-9b --batch-size 1 --input-len 128 --output-len 32 --num-iters-warmup 1 --num-iters 3 --modes piecewise,full_and_piecewise --compare ;;
     breakable) bench breakable_125m --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --num-iters-warmup 1 --num-iters 3 --modes breakable,breakable_piecewise,piecewise,full_and_piecewise
                bench breakable_8b "${EIGHT_B[@]}" --batch-size 1,64 --modes breakable,breakable_piecewise,piecewise,full_and_piecewise ;;
@@ -160,7 +162,7 @@ for name in $steps; do
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 bamba breakable serve throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 qwen3 gemma3 bamba breakable serve throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
   esac
 done
 
