@@ -83,7 +83,8 @@ def measure_copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 10) -> float
 
 
 def decode_bytes(llm: LLM, case: LatencyCase) -> int:
-    """Bytes one decode step must read: weights (but the input-embedding table) + KV read."""
+    """Bytes one decode step must read: weights (but the input-embedding table) + KV read (the
+    mean context, or a sliding-window layer's window where that is shorter)."""
     model = llm.engine.runner.model
     embedding = next(
         (m for name, m in model.named_modules() if name.endswith("embed_tokens")), None
@@ -94,13 +95,13 @@ def decode_bytes(llm: LLM, case: LatencyCase) -> int:
     tied = lm_head is not None and embedding is not None and lm_head.weight is embedding.weight
     if embedding is not None and not tied:
         weight_bytes -= embedding.weight.numel() * embedding.weight.element_size()
-    runner = llm.engine.runner
-    kv_per_token = sum(
-        2 * layer.num_kv_heads * layer.head_size * layer.kv_cache[0].element_size()
-        for layer in _attention_layers(runner)
-    )
     mean_context = case.input_len + case.output_len / 2
-    return int(weight_bytes + case.batch_size * mean_context * kv_per_token)
+    kv_bytes = sum(  # a sliding-window layer reads at most its window
+        2 * layer.num_kv_heads * layer.head_size * layer.kv_cache[0].element_size()
+        * min(mean_context, layer.sliding_window or mean_context)
+        for layer in _attention_layers(llm.engine.runner)
+    )  # fmt: skip
+    return int(weight_bytes + case.batch_size * kv_bytes)
 
 
 def _attention_layers(runner: Any) -> list[Any]:
