@@ -122,7 +122,8 @@ NON_FINITE_CHUNK = 1 << 22  # elements per exact-count chunk (a 4 MiB mask at mo
 
 def non_finite_count(tensor: torch.Tensor) -> int:
     """How many elements of a floating-point tensor are NaN or infinite (counted in chunks, so
-    the mask stays small; float8 chunks are upcast, having no ``isfinite`` of their own)."""
+    the mask stays small; one-byte chunks are upcast, as torch has no ``isfinite`` for
+    float8_e4m3fn)."""
     count = 0
     for chunk in tensor.detach().reshape(-1).split(NON_FINITE_CHUNK):
         chunk = chunk.float() if chunk.element_size() == 1 else chunk
