@@ -65,7 +65,7 @@ def direct_register_custom_op(
         if dispatch_key is None:
             from pieceworks.platforms import current_platform
 
-            dispatch_key = current_platform().dispatch_key
+            dispatch_key = current_platform().capabilities().dispatch_key
         schema = torch.library.infer_schema(op_func, mutates_args=mutates_args)
         lib.define(op_name + schema)
         qualname = f"{lib.ns}::{op_name}"
@@ -92,7 +92,7 @@ def registered_implementation(qualname: str) -> Callable[..., Any] | None:
     from pieceworks.platforms import current_platform
 
     registered = _implementations.get(qualname)
-    if registered is None or registered[1] != current_platform().dispatch_key:
+    if registered is None or registered[1] != current_platform().capabilities().dispatch_key:
         return None
     return registered[0]
 

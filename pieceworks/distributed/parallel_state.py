@@ -109,7 +109,7 @@ def init_distributed_environment(
             f"{_TP.world_size}; call destroy_distributed_environment() before re-initialising"
         )
     platform = current_platform()
-    backend = backend or platform.dist_backend
+    backend = backend or platform.capabilities().dist_backend
     local_rank = rank if local_rank is None else local_rank
     platform.set_device(platform.device(local_rank))  # NCCL binds communicators to it
     if not dist.is_initialized():

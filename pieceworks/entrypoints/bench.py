@@ -41,7 +41,7 @@ def plan_rows(args: argparse.Namespace, case: Any) -> Any:
         args.modes,
         compilation_fields(args),
         args.enforce_eager,
-        current_platform().supports_static_graphs(),
+        current_platform().capabilities().static_graphs,
         partial(resolve_effective, case),
     )
 

@@ -18,9 +18,12 @@ from pieceworks.entrypoints import bench, chat, generate, run, serve
 
 def cmd_platforms(args: argparse.Namespace) -> int:
     """Print every platform known, whether it is available and why not, and which resolved;
-    with ``--kernels``, each kernel op's implementation there and why the others were not."""
+    with ``--kernels``, each kernel op's implementation there and why the others were not;
+    with ``--check [NAME]``, the conformance check's table (exit status 1 on a failure)."""
     from pieceworks.platforms import describe_platform_resolution
 
+    if args.check is not None:
+        return cmd_platform_check(args)
     print(describe_platform_resolution())
     if args.kernels:
         from pieceworks.entrypoints.run import format_kernel_choices
@@ -28,6 +31,22 @@ def cmd_platforms(args: argparse.Namespace) -> int:
 
         print(format_kernel_choices(describe_kernel_choices()))
     return 0
+
+
+def cmd_platform_check(args: argparse.Namespace) -> int:
+    from pieceworks import platforms
+    from pieceworks.entrypoints import platform_check
+    from pieceworks.platforms.registry import platform_by_name
+
+    name = args.check or None
+    platform = platform_by_name(name) if name else platforms.current_platform()
+    options = platform_check.CheckOptions(backend=args.backend)
+    results = platform_check.run_checks(platform, options)
+    header = platform.capabilities().describe()
+    print(platform_check.format_table(platform.name, header, results))
+    if args.output_json:
+        platform_check.write_json(args.output_json, platform.name, header, results)
+    return 0 if platform_check.passed(results) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     platforms.add_argument(
         "--kernels", action="store_true", help="also show each kernel op's implementation and why"
     )
+    platforms.add_argument(
+        "--check",
+        nargs="?",
+        const="",
+        metavar="NAME",
+        help="run the conformance check on platform NAME (default: the resolved one)",
+    )
+    platforms.add_argument(
+        "--backend", help="compile backend of the model checks (default: the platform's)"
+    )
+    platforms.add_argument("--output-json", metavar="PATH", help="also write the check's report")
     platforms.set_defaults(func=cmd_platforms)
     run.register(sub)
     generate.register(sub)

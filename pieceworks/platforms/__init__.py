@@ -6,6 +6,8 @@ remembers the result and how it was reached (``describe_platform_resolution()``)
 
 from __future__ import annotations
 
+from pieceworks.platforms.capability import PlatformCapabilities
+from pieceworks.platforms.contract import CONTRACT_VERSION, PlatformContractError
 from pieceworks.platforms.interface import Platform
 from pieceworks.platforms.registry import (
     PlatformResolution,
@@ -56,7 +58,10 @@ def use_platform(platform_cls: type[Platform]) -> Platform:
 
 
 __all__ = [
+    "CONTRACT_VERSION",
     "Platform",
+    "PlatformCapabilities",
+    "PlatformContractError",
     "PlatformResolution",
     "current_platform",
     "describe_platform_resolution",

@@ -1,4 +1,11 @@
-"""``DeviceCapability``: what a platform's device is, as facts rather than one flag per kernel.
+"""What a platform can do: ``PlatformCapabilities`` (declared) and ``DeviceCapability`` (probed).
+
+``PlatformCapabilities`` is the one record of what a platform declares it supports (static graphs,
+one graph pool shared by every capture, breakable capture, the custom-op dispatch key, its FP8
+formats, the distributed backend); ``Platform.capabilities()`` builds it once from the class's
+declarations, and the engine and the conformance check read it instead of trying.
+
+``DeviceCapability`` is what a platform's device is, as facts rather than one flag per kernel.
 
 A platform answers ``device_capability()`` once per process; kernels and layers read it (an
 implementation's ``supports`` check, the FP8 format a layer quantizes to) instead of asking the
@@ -54,6 +61,36 @@ class DeviceCapability:
         features = ", ".join(sorted(self.features)) or "none"
         fp8 = str(self.fp8_dtype).removeprefix("torch.")
         return f"{self.vendor} {arch}; features: {features}; fp8: {fp8}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlatformCapabilities:
+    """What a platform declares it supports; the engine reads this, never probes by trying.
+
+    ``static_graphs``: it names a static-graph wrapper; ``graph_pool_sharing``: every graph it
+    captures takes memory from one process-wide pool (``Platform.graph_pool()``);
+    ``breakable_capture``: its wrapper captures segments (breakable graphs at level 0);
+    ``dispatch_key``: the ``torch.library`` key pieceworks' custom ops register under;
+    ``fp8_formats``: the FP8 dtypes its devices may convert (the device's own one is
+    ``DeviceCapability.fp8_dtype``); ``dist_backend``: the ``torch.distributed`` backend."""
+
+    static_graphs: bool
+    graph_pool_sharing: bool
+    breakable_capture: bool
+    dispatch_key: str
+    fp8_formats: tuple[torch.dtype, ...]
+    dist_backend: str
+
+    def describe(self) -> str:
+        """One line for reports."""
+        fp8 = ", ".join(str(dtype).removeprefix("torch.") for dtype in self.fp8_formats)
+        return (
+            f"static graphs: {'yes' if self.static_graphs else 'no'}; "
+            f"shared pool: {'yes' if self.graph_pool_sharing else 'no'}; "
+            f"breakable: {'yes' if self.breakable_capture else 'no'}; "
+            f"dispatch key: {self.dispatch_key}; fp8: {fp8 or 'none'}; "
+            f"distributed: {self.dist_backend}"
+        )
 
 
 CPU_CAPABILITY = DeviceCapability(vendor="cpu", arch_name="cpu")

@@ -4,7 +4,8 @@ A platform names its static-graph wrapper and attention backend by qualname stri
 when asked for, so this layer depends on nothing above it. The compile pipeline, the models and the
 runner never branch on hardware: they call these members on ``current_platform()``.
 A new backend subclasses ``Platform`` (or a built-in) and overrides what differs; see
-``docs/platforms.md``.
+``docs/platforms.md``. The contract is versioned and checked when a subclass is defined
+(``contract.py``); what a platform supports is one declared record, ``capabilities()``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from pieceworks.logger import init_logger
-from pieceworks.platforms.capability import DeviceCapability
+from pieceworks.platforms.capability import DeviceCapability, PlatformCapabilities
+from pieceworks.platforms.contract import CONTRACT_VERSION, check_platform_class
 from pieceworks.utils import resolve_obj_by_qualname
 
 if TYPE_CHECKING:
@@ -25,8 +27,17 @@ logger = init_logger(__name__)
 
 
 class Platform:
-    """Hardware backend interface. Subclasses set the class attributes and override the hooks."""
+    """Hardware backend interface. Subclasses set the class attributes and override the hooks.
 
+    Defining a subclass checks it (``contract.check_platform_class``): each public name must be a
+    member below, or listed in the subclass's ``extra_members``; an overriding hook must accept
+    the hook's parameters. A plugin states ``contract_version``, checked at resolution.
+    """
+
+    # The contract version this class implements: (major, minor), CONTRACT_VERSION here.
+    contract_version: ClassVar[tuple[int, int]] = CONTRACT_VERSION
+    # Public names a subclass adds of its own (not contract members; underscore names need none).
+    extra_members: ClassVar[tuple[str, ...]] = ()
     name: ClassVar[str] = "base"
     device_type: ClassVar[str] = "cpu"  # torch device string
     dispatch_key: ClassVar[str] = "CPU"  # torch.library dispatch key for pieceworks' custom ops
@@ -39,11 +50,37 @@ class Platform:
         "pieceworks.models.attention.backends.TorchAttentionBackend"
     )
     mamba_backend_qualname: ClassVar[str] = "pieceworks.models.mamba.backends.TorchMambaBackend"
+    # The FP8 dtypes this platform's devices may convert (DeviceCapability.fp8_dtype is one).
+    fp8_formats: ClassVar[tuple[torch.dtype, ...]] = (torch.float8_e4m3fn,)
+    # Whether every graph captured takes its memory from the one pool of ``graph_pool()``.
+    graph_pool_sharing: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_platform_class(cls, Platform)
 
     def __init__(self) -> None:
         self._graph_pool: Any = None
         self._graph_pool_created = False
         self._capability: DeviceCapability | None = None
+        self._capabilities: PlatformCapabilities | None = None
+
+    def capabilities(self) -> PlatformCapabilities:
+        """What this platform declares it supports, built once from its declarations (the class
+        attributes, ``supports_static_graphs``, ``supports_breakable_graphs``). The engine reads
+        this record; it asks the device nothing."""
+        if getattr(self, "_capabilities", None) is None:  # a subclass may skip __init__
+            static_graphs = self.supports_static_graphs()
+            self._capabilities = PlatformCapabilities(
+                static_graphs=static_graphs,
+                graph_pool_sharing=static_graphs and self.graph_pool_sharing,
+                breakable_capture=static_graphs and self.supports_breakable_graphs(),
+                dispatch_key=self.dispatch_key,
+                fp8_formats=tuple(self.fp8_formats),
+                dist_backend=self.dist_backend,
+            )
+        assert self._capabilities is not None
+        return self._capabilities
 
     # --- discovery -----------------------------------------------------------------------------
     @classmethod
@@ -144,9 +181,10 @@ class Platform:
 
         compilation = config.compilation_config
         assert compilation.cudagraph_mode is not None  # resolved in __post_init__
+        capabilities = self.capabilities()
         if compilation.backend is None:
             compilation.backend = self.default_compile_backend
-        if compilation.cudagraph_mode != CUDAGraphMode.NONE and not self.supports_static_graphs():
+        if compilation.cudagraph_mode != CUDAGraphMode.NONE and not capabilities.static_graphs:
             logger.info(
                 "platform %s has no static graphs: cudagraph_mode %s turned off (NONE)",
                 self.name,
@@ -155,7 +193,7 @@ class Platform:
             compilation.cudagraph_mode = CUDAGraphMode.NONE
         breakable = compilation.level == CompilationLevel.NO_COMPILATION
         mode = compilation.cudagraph_mode
-        if breakable and mode.has_piecewise_cudagraphs() and not self.supports_breakable_graphs():
+        if breakable and mode.has_piecewise_cudagraphs() and not capabilities.breakable_capture:
             logger.info(
                 "platform %s cannot capture breakable graphs (its static-graph wrapper has no "
                 "segment capture): cudagraph_mode %s at level 0 turned off (NONE)",

@@ -5,6 +5,9 @@ plugins (entry-point group ``pieceworks.platforms``, filtered by ``PIECEWORKS_PL
 built-ins cuda, rocm, cpu. A plugin is a zero-argument function returning a platform qualname, or
 None to decline. Every probe is recorded (``PlatformProbe``) so `pieceworks platforms` can show what
 was tried and why it failed; a probe that raises is logged with its exception, never swallowed.
+A plugin whose platform states a contract version this pieceworks cannot run stops resolution
+with ``PlatformContractError`` naming both versions (``contract.check_contract_version``): it is
+never skipped in silence for a built-in.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from importlib.metadata import entry_points
 
 from pieceworks import envs
 from pieceworks.logger import init_logger
+from pieceworks.platforms.contract import PlatformContractError, check_contract_version
 from pieceworks.platforms.interface import Platform
 from pieceworks.utils import resolve_obj_by_qualname
 
@@ -101,9 +105,12 @@ def _probe_plugin(ep_name: str, load: Callable[[], Callable[[], str | None]]) ->
         if qualname is None:
             return PlatformProbe(ep_name, source, False, "plugin declined (returned None)")
         platform_cls = resolve_obj_by_qualname(qualname)
+        check_contract_version(platform_cls)
         available = bool(platform_cls.is_available())
         reason = "" if available else "is_available() returned False"
         return PlatformProbe(platform_cls.name, source, available, reason, qualname)
+    except PlatformContractError:
+        raise  # a plugin for another contract: an error naming both versions, not a fallback
     except Exception as error:  # a broken plugin must not hide the others; it is reported
         logger.warning("platform plugin %r raised while probing: %r", ep_name, error)
         return PlatformProbe(ep_name, source, False, f"probe raised {error!r}")
@@ -154,6 +161,15 @@ def _active_plugin(probes: list[PlatformProbe]) -> PlatformProbe | None:
             "PIECEWORKS_PLUGINS to one plugin."
         )
     return active[0] if active else None
+
+
+def platform_by_name(name: str) -> Platform:
+    """A new instance of the platform called ``name`` (a built-in, or a plugin's platform or
+    entry-point name), as ``PIECEWORKS_PLATFORM=<name>`` would choose it; the same error if it
+    is unknown or unavailable (`pieceworks platforms --check NAME`)."""
+    chosen = _forced(name, probe_all())
+    assert chosen.qualname is not None
+    return resolve_obj_by_qualname(chosen.qualname)()
 
 
 def resolve_platform() -> tuple[Platform, PlatformResolution]:

@@ -21,6 +21,8 @@ class RocmPlatform(CudaPlatform):
     """AMD GPUs through torch's HIP build. ``dist_backend`` "nccl" is RCCL there."""
 
     name: ClassVar[str] = "rocm"
+    # MI300 (gfx94x) converts e4m3fnuz; later AMD devices OCP e4m3fn.
+    fp8_formats: ClassVar[tuple[torch.dtype, ...]] = (torch.float8_e4m3fnuz, torch.float8_e4m3fn)
 
     @classmethod
     def is_available(cls) -> bool:

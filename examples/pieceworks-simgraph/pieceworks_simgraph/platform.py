@@ -20,6 +20,7 @@ class SimGraphPool:
 
 
 class SimGraphPlatform(CpuPlatform):
+    contract_version: ClassVar[tuple[int, int]] = (1, 2)  # the platform contract it implements
     name: ClassVar[str] = "simgraph"
     static_graph_wrapper: ClassVar[str | None] = "pieceworks_simgraph.wrapper.SimGraphWrapper"
 
