@@ -3,8 +3,9 @@
 Algorithm: one program per (token, block of ``BLOCK`` output columns); it loads the gate and up
 halves of the token's row, computes in float32 ``gelu(gate) * up`` (the erf form, or the tanh
 approximation ``0.5 * g * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 * g**3)))``, torch's
-``approximate="tanh"``, with ``tanh(y) = 1 - 2 / (exp(2y) + 1)``) and stores the result in the
-input's dtype, rounded once.
+``approximate="tanh"``, with ``tanh(y) = 1 - 2 / (exp(2y) + 1)`` on ``y`` clamped to
+``[-10, 10]``, where float32's tanh is already +-1, so that ``exp`` never overflows) and
+stores the result in the input's dtype, rounded once.
 Operands: ``gate_up (T, 2d)`` with unit column stride, gate in columns ``[0, d)`` and up in
 ``[d, 2d)``; the output ``(T, d)`` is a new contiguous tensor. Invariants: nothing outside a row's
 ``2d`` columns is read; ``T = 0`` launches nothing.
@@ -51,6 +52,7 @@ def _gelu_and_mul_kernel(
     up = tl.load(row + out_features + columns, mask=mask, other=0.0).to(tl.float32)
     if TANH:
         inner = _SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+        inner = tl.minimum(tl.maximum(inner, -10.0), 10.0)  # tanh(10) is 1.0 in float32
         tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
         activated = 0.5 * gate * (1.0 + tanh)
     else:
