@@ -542,6 +542,7 @@ def test_registry_names_supported_architectures() -> None:
     assert "BambaForCausalLM" in str(error.value) and "LlamaForCausalLM" in str(error.value)
     assert registry.supported_architectures() == [
         "BambaForCausalLM",
+        "Gemma3ForCausalLM",
         "LlamaForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",

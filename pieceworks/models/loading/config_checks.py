@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from pieceworks.models.layers.activation import HF_GELU_APPROXIMATE
 from pieceworks.models.layers.linear import divide, shard_or_replicate
 from pieceworks.models.layers.rotary_embedding import SUPPORTED_ROPE_TYPES, get_rope_parameters
 from pieceworks.models.loading.config_defaults import with_architecture_defaults
@@ -189,18 +190,44 @@ QWEN2_RULES = _replace_rules(
 # HF's Qwen3 reads attention_bias (q, k, v and o) but its MLP never has a bias.
 QWEN3_RULES = _replace_rules(COMMON_RULES, *_QWEN_SLIDING_WINDOW_RULES, drop=("mlp_bias",))
 
+_GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+_GELU_NAMES = " or ".join(f"{name!r}" for name in HF_GELU_APPROXIMATE)
+_positive_number = lambda value: _is_number(value) and value > 0  # noqa: E731
+
+# HF's Gemma 3 reads hidden_activation (not hidden_act) and has no MLP bias; its sliding window,
+# layer types, attention scale and final soft-capping are implemented (models/gemma3.py).
+GEMMA3_RULES = _replace_rules(
+    COMMON_RULES,
+    FieldRule("hidden_activation", _one_of(*HF_GELU_APPROXIMATE), f"{_GELU_NAMES} (GeGLU MLP)"),
+    FieldRule("sliding_window", _positive_int, "a positive integer (the sliding layers' window)"),
+    FieldRule(
+        "layer_types",
+        lambda value: isinstance(value, list) and all(t in _GEMMA3_LAYER_TYPES for t in value),
+        "a list of 'sliding_attention' and 'full_attention', one per layer",
+    ),
+    FieldRule("sliding_window_pattern", _positive_int, "a positive integer"),
+    FieldRule("query_pre_attn_scalar", _positive_number, "a positive number"),
+    FieldRule("rope_local_base_freq", _positive_number, "a positive number"),
+    FieldRule("final_logit_softcapping", _positive_number, "null or a positive number"),
+    FieldRule("attn_logit_softcapping", _neutral(), "null (not implemented)"),
+    FieldRule("use_bidirectional_attention", _neutral(False), "false (attention is causal)"),
+    drop=("hidden_act", "mlp_bias"),
+)
+
 ARCHITECTURE_RULES: dict[str, list[FieldRule]] = {
     "LlamaForCausalLM": LLAMA_RULES,
     "BambaForCausalLM": BAMBA_RULES,
     "Qwen2ForCausalLM": QWEN2_RULES,
     "Qwen3ForCausalLM": QWEN3_RULES,
+    "Gemma3ForCausalLM": GEMMA3_RULES,
 }
-# Bamba rotates part of each head; HF's Llama and Qwen rotate all of it.
+# Bamba rotates part of each head; HF's Llama, Qwen and Gemma 3 rotate all of it.
 _PARTIAL_ROTARY = {
     "LlamaForCausalLM": False,
     "BambaForCausalLM": True,
     "Qwen2ForCausalLM": False,
     "Qwen3ForCausalLM": False,
+    "Gemma3ForCausalLM": False,
 }
 
 
@@ -231,7 +258,10 @@ def check_hf_config(hf_config: Any, source: str = "config.json") -> str:
     for rule in ARCHITECTURE_RULES[architecture]:
         _check_field(hf_config, rule, architecture, source)
     _check_heads(hf_config, source)
-    _check_rope(hf_config, architecture, source)
+    if architecture == "Gemma3ForCausalLM":
+        _check_gemma3_layers(hf_config, source)
+    else:
+        _check_rope(hf_config, architecture, source)
     if architecture == "BambaForCausalLM":
         _check_bamba_layers(hf_config, source)
     return architecture
@@ -307,6 +337,24 @@ def _check_rope(hf_config: dict[str, Any], architecture: str, source: str) -> No
             f"{source}: partial_rotary_factor={partial} is not supported by {architecture} "
             "(HF's Llama rotates every dim of a head); supported: 1.0"
         )
+
+
+def _check_gemma3_layers(hf_config: dict[str, Any], source: str) -> None:
+    """A type per layer and a valid rope per layer type (``config_defaults`` derives both from
+    older keys where the types allow)."""
+    layer_types, num_layers = hf_config.get("layer_types"), hf_config["num_hidden_layers"]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ModelConfigError(f"{source}: layer_types must type each of the {num_layers} layers")
+    ropes = hf_config.get("rope_parameters")
+    if not isinstance(ropes, dict) or {type(ropes.get(t)) for t in _GEMMA3_LAYER_TYPES} != {dict}:
+        raise ModelConfigError(
+            f"{source}: rope_parameters={ropes!r} is not supported; supported: "
+            "{'sliding_attention': {...}, 'full_attention': {...}} or the older rope_theta, "
+            "rope_local_base_freq and rope_scaling"
+        )
+    for layer_type in _GEMMA3_LAYER_TYPES:
+        layer_view = {"rope_parameters": ropes[layer_type]}
+        _check_rope(layer_view, "Gemma3ForCausalLM", f"{source} ({layer_type} layers)")
 
 
 def _check_bamba_layers(hf_config: dict[str, Any], source: str) -> None:

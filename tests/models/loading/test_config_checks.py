@@ -48,6 +48,7 @@ def test_presets_pass(name):
         ("BambaConfig", "BambaForCausalLM"),
         ("Qwen2Config", "Qwen2ForCausalLM"),
         ("Qwen3Config", "Qwen3ForCausalLM"),
+        ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     ],
 )
 def test_hf_default_configs_pass(config_cls, architecture):

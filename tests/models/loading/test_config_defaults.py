@@ -1,7 +1,8 @@
 """A config.json field left out means what transformers' config class says, for every architecture.
 
 Proves: each value of ``ABSENT_FIELD_DEFAULTS`` is the installed transformers config class's own
-default (``LlamaConfig``, ``BambaConfig``, ``Qwen2Config``, ``Qwen3Config``), filled where the
+default (``LlamaConfig``, ``BambaConfig``, ``Qwen2Config``, ``Qwen3Config``,
+``Gemma3TextConfig``), filled where the
 field is absent or null and never over a present one; the engine's model config carries them
 (Bamba's ``max_position_embeddings`` limits ``max_model_len`` as transformers' 262144 would); a
 Llama checkpoint whose config.json lacks every field with a default (``tie_word_embeddings``
@@ -35,6 +36,7 @@ CONFIG_CLASSES = {
     "BambaForCausalLM": "BambaConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
 }
 
 
