@@ -45,8 +45,8 @@ from pieceworks.worker.logprobs import TokenLogprobs, sample_logprobs, step_prom
 from pieceworks.worker.mamba_cache import mamba_cache_spec
 from pieceworks.worker.sampled_tokens import SampledTokens
 from pieceworks.worker.sampler import Sampler, make_generator, row_param_tensor
-from pieceworks.worker.structured_output import apply_grammar_bitmask
 from pieceworks.worker.step_inputs import StepInputs
+from pieceworks.worker.structured_output import apply_grammar_bitmask
 
 # Step plans kept (one per batch shape: token count, requests, longest query, uniform decode)
 # before the cache starts over; decode shapes are few, prefill and mixed ones many.

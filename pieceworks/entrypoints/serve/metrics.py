@@ -1,7 +1,8 @@
 """``ServerMetrics``: the server's Prometheus metrics, in a registry of its own.
 
 Names follow vLLM's ``vllm:`` metrics under a ``pieceworks:`` prefix: running and waiting
-requests, KV-cache usage and the steps that held a structured-output request (gauges read from the engine loop's ``EngineStats`` at scrape time),
+requests, KV-cache usage and the steps that held a structured-output request (gauges read from
+the engine loop's ``EngineStats`` at scrape time),
 time to first token and time per output token (histograms, seconds), generated and prompt tokens
 and finished requests by finish reason (counters). One registry per server, so several servers
 in one process (tests) never share counts.
