@@ -25,10 +25,10 @@ dropped. Without it, a second ``schedule()`` before the update is an error.
 With ``num_scheduler_steps`` K > 1, a batch in which every scheduled request decodes (and none
 asks for logprobs or structured output, and nobody waits for a free seat) runs as one multi-step
 output (``SchedulerOutput.num_steps``): the runner runs up to K decode steps back to back on the
-device, each feeding its sampled ids to the next. ``schedule()`` reserves the KV blocks of all of them,
-limits the steps to the fewest tokens any request has left before ``max_tokens``, and counts K
-placeholders per request; ``update_from_output`` takes K tokens per request and applies them in
-step order, exactly as K single steps would, dropping the tokens after a request's stop.
+device, each feeding its sampled ids to the next. ``schedule()`` reserves the KV blocks of all
+of them, limits the steps to the fewest tokens any request has left before ``max_tokens``, and
+counts K placeholders per request; ``update_from_output`` takes K tokens per request and applies
+them in step order, exactly as K single steps would, dropping the tokens after a request's stop.
 """
 
 from __future__ import annotations
