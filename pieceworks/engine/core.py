@@ -12,6 +12,13 @@ it finishes, then come back from the next ``step`` call. With ``num_scheduler_st
 batch of decodes only is one multi-step output: one ``step`` call launches K decode steps and
 later reads their K tokens per request at once (the scheduler applies them in step order).
 Start-up (load, compile, KV cache, capture) happens in the constructor and is timed for the report.
+
+A request with ``SamplingParams.structured_outputs`` has its grammar compiled when it is added
+(a ValueError if it does not compile); a step whose batch holds one first applies the previous
+step's tokens (no overlap with the device for that step), then asks the
+``StructuredOutputManager`` for the step's token bitmask, which the runner applies before
+sampling; such a step never runs as a multi-step output or in captured decode tails, and
+``num_constrained_steps`` counts them.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from pieceworks.scheduler.request import Request, RequestStatus
 from pieceworks.scheduler.scheduler import Scheduler
 from pieceworks.worker.executor import make_executor
 from pieceworks.worker.sampled_tokens import SampledTokens
+from pieceworks.worker.structured_output import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -70,8 +78,16 @@ class EngineCore:
         # The step whose tokens are being applied (a failure there abandons it too).
         self._applying: SchedulerOutput | None = None
         self.eos_token_id = config.model_config.hf_config.get("eos_token_id")
+        eos_token_ids = self.eos_token_id if isinstance(self.eos_token_id, list) else []
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
+        self.structured_output = StructuredOutputManager(
+            self._load_tokenizer,
+            config.model_config.hf_config.get("vocab_size") or 0,
+            eos_token_ids or [t for t in [self.eos_token_id] if t is not None],
+        )
+        # Steps whose batch held a structured-output request (host sampler, single step).
+        self.num_constrained_steps = 0
         self._request_ids = itertools.count()
         self._shut_down = False
         # (uniform decode?, number of requests, wall seconds) of each recent decode step (a
@@ -134,6 +150,8 @@ class EngineCore:
             if any(not 0 <= t < vocab_size for t in prompt_token_ids):
                 raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
             _check_num_logprobs(params, vocab_size)
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)  # once per grammar
         return Request(
             request_id=request_id or str(next(self._request_ids)),
             prompt_token_ids=list(prompt_token_ids),
@@ -148,7 +166,7 @@ class EngineCore:
         self._check_running()
         aborted = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         for request in aborted:
-            self.executor.release(request.request_id)
+            self._release(request.request_id)
         return bool(aborted)
 
     def stop_request(self, request_id: str) -> bool:
@@ -157,7 +175,7 @@ class EngineCore:
         self._check_running()
         stopped = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
         for request in stopped:
-            self.executor.release(request.request_id)
+            self._release(request.request_id)
         return bool(stopped)
 
     def has_unfinished_requests(self) -> bool:
@@ -186,8 +204,9 @@ class EngineCore:
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
             return self._finish_in_flight()  # nothing new to launch: only drain
+        finished = self._constrain(output)
         sampled = self.executor.execute_async(output)
-        finished = self._finish_in_flight()
+        finished += self._finish_in_flight()
         self._in_flight = (output, sampled)
         if not self.async_scheduling:
             finished += self._finish_in_flight()
@@ -197,6 +216,17 @@ class EngineCore:
         seconds_per_step = (time.perf_counter() - start) / output.num_steps
         timing = (output.is_uniform_decode, output.num_requests, seconds_per_step)
         step_seconds.extend([timing] * output.num_steps)
+        return finished
+
+    def _constrain(self, output: SchedulerOutput) -> list[Request]:
+        """Set the step's grammar bitmask when a producing request is constrained; the
+        matchers need the previous step's tokens first, so that step is finished here (the
+        requests it finished are returned)."""
+        if not any(s.request.sampling_params.structured_outputs for s in output.producing_requests):
+            return []
+        finished = self._finish_in_flight()
+        output.grammar_bitmask = self.structured_output.grammar_bitmask(output)
+        self.num_constrained_steps += 1
         return finished
 
     def _finish_in_flight(self) -> list[Request]:
@@ -209,9 +239,15 @@ class EngineCore:
         token_ids = sampled.tolist()
         _record_logprobs(output, sampled)
         finished = self.scheduler.update_from_output(output, token_ids)
+        if output.grammar_bitmask is not None:  # a grammar that ended finishes its request
+            ended = self.structured_output.finished_requests(
+                [scheduled.request for scheduled in output.producing_requests]
+            )
+            ids = [request.request_id for request in ended]
+            finished += self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
         self._applying = None
         for request in finished:
-            self.executor.release(request.request_id)
+            self._release(request.request_id)
         return finished
 
     def _abandon_pending_steps(self) -> list[str]:
@@ -231,7 +267,7 @@ class EngineCore:
         )
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request in aborted:
-            self.executor.release(request.request_id)
+            self._release(request.request_id)
         if aborted:
             logger.warning(
                 "an engine step failed; aborted its %d request(s): %s",
@@ -239,6 +275,17 @@ class EngineCore:
                 ", ".join(r.request_id for r in aborted),
             )
         return request_ids
+
+    def _release(self, request_id: str) -> None:
+        """Free a finished request's per-request state: generator, grammar matcher."""
+        self.executor.release(request_id)
+        self.structured_output.release(request_id)
+
+    def _load_tokenizer(self) -> object:
+        from pieceworks.engine.tokenizer import load_tokenizer
+
+        model_config = self.config.model_config
+        return load_tokenizer(model_config.model, model_config.tokenizer)
 
     @property
     def is_shut_down(self) -> bool:

@@ -159,6 +159,7 @@ class EngineCoreLoop:
             num_free_blocks=blocks.num_free_blocks,
             num_steps=self._num_steps,
             num_aborted=self._num_aborted,
+            num_constrained_steps=self.engine_core.num_constrained_steps,
         )
 
     def run_busy_loop(

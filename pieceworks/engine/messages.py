@@ -120,6 +120,7 @@ class EngineStats:
     num_free_blocks: int = 0
     num_steps: int = 0
     num_aborted: int = 0  # requests aborted while unfinished (callers that went away)
+    num_constrained_steps: int = 0  # steps with a structured-output request (host sampler)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -86,9 +86,13 @@ def apply_chat_template(
     conversation: list[dict[str, Any]],
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt token ids of a conversation under ``tokenizer``'s chat template (or
-    ``chat_template``); ``LLM.chat`` and the server's chat endpoint both render through here."""
+    ``chat_template``); ``LLM.chat`` and the server's chat endpoint both render through here.
+    ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` entries) reach the template
+    as its ``tools`` variable (transformers' convention), which renders them as the model
+    expects."""
     if tokenizer is None:
         raise ValueError(
             "chat needs a tokenizer with a chat template; this model has no tokenizer "
@@ -111,6 +115,7 @@ def apply_chat_template(
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            tools=tools or None,
         )
     except (
         Exception
@@ -144,7 +149,7 @@ def _text_message(message: Any, index: int) -> dict[str, Any]:
                 )
             texts.append(part["text"])
         message = {**message, "content": "\n".join(texts)}
-    if isinstance(message["content"], str):
+    if isinstance(message.get("content"), str):
         check_unicode(message["content"], where)
     return message
 

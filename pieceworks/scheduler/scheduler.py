@@ -23,12 +23,12 @@ not scheduled again, and one that stops on a token that arrives late has its ext
 dropped. Without it, a second ``schedule()`` before the update is an error.
 
 With ``num_scheduler_steps`` K > 1, a batch in which every scheduled request decodes (and none
-asks for logprobs, and nobody waits for a free seat) runs as one multi-step output
-(``SchedulerOutput.num_steps``): the runner runs up to K decode steps back to back on the device,
-each feeding its sampled ids to the next. ``schedule()`` reserves the KV blocks of all of them,
-limits the steps to the fewest tokens any request has left before ``max_tokens``, and counts K
-placeholders per request; ``update_from_output`` takes K tokens per request and applies them in
-step order, exactly as K single steps would, dropping the tokens after a request's stop.
+asks for logprobs or structured output, and nobody waits for a free seat) runs as one multi-step
+output (``SchedulerOutput.num_steps``): the runner runs up to K decode steps back to back on the
+device, each feeding its sampled ids to the next. ``schedule()`` reserves the KV blocks of all
+of them, limits the steps to the fewest tokens any request has left before ``max_tokens``, and
+counts K placeholders per request; ``update_from_output`` takes K tokens per request and applies
+them in step order, exactly as K single steps would, dropping the tokens after a request's stop.
 """
 
 from __future__ import annotations
@@ -192,6 +192,8 @@ class Scheduler:
                 return 1  # a prefill (or a prompt chunk) runs single-step
             if request.sampling_params.logprobs is not None:
                 return 1  # logprobs are taken per single step
+            if request.sampling_params.structured_outputs is not None:
+                return 1  # its grammar masks each step's logits on the host
             num_left = request.sampling_params.max_tokens - (
                 request.num_output_tokens + request.num_output_placeholders
             )

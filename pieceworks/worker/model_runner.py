@@ -46,6 +46,7 @@ from pieceworks.worker.mamba_cache import mamba_cache_spec
 from pieceworks.worker.sampled_tokens import SampledTokens
 from pieceworks.worker.sampler import Sampler, make_generator, row_param_tensor
 from pieceworks.worker.step_inputs import StepInputs
+from pieceworks.worker.structured_output import apply_grammar_bitmask
 
 # Step plans kept (one per batch shape: token count, requests, longest query, uniform decode)
 # before the cache starts over; decode shapes are few, prefill and mixed ones many.
@@ -183,6 +184,8 @@ class ModelRunner:
         if self.inputs.num_logits == 0:
             return SampledTokens(None, None, prompt_logprobs=prompt)
         logits = self.model.compute_logits(self.inputs.logits_rows(hidden_states))  # (S, V)
+        if output.grammar_bitmask is not None:  # structured output: constrained rows masked
+            apply_grammar_bitmask(logits, output.grammar_bitmask)
         token_ids = self.sampler.sample(logits, params, generators)
         token_ids = same_on_every_rank(token_ids)
         logprobs = sample_logprobs(logits, params, token_ids)  # None unless a request asked
@@ -217,7 +220,8 @@ class ModelRunner:
         self, output: SchedulerOutput, step: _PreparedStep, params: list[SamplingParams]
     ) -> bool:
         """Whether the step samples in captured decode tails: a FULL graph's step of decodes
-        only that fill its size, every row greedy, no log-probabilities asked for."""
+        only that fill its size, every row greedy, no log-probabilities or structured output
+        asked for (those need the host sampler path)."""
         descriptor = step.descriptor
         return (
             step.mode == CUDAGraphMode.FULL
@@ -225,6 +229,7 @@ class ModelRunner:
             and output.is_uniform_decode
             and descriptor.num_tokens == output.num_requests == len(params)
             and all(param.is_greedy and param.logprobs is None for param in params)
+            and output.grammar_bitmask is None
         )
 
     def _run_decode_tails(self, step: _PreparedStep, num_steps: int) -> torch.Tensor:

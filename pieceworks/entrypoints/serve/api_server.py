@@ -26,6 +26,7 @@ from pieceworks.entrypoints.serve.chat import create_chat_completion
 from pieceworks.entrypoints.serve.completions import create_completion
 from pieceworks.entrypoints.serve.errors import APIError, error_body, error_response
 from pieceworks.entrypoints.serve.serving import ServingContext
+from pieceworks.entrypoints.serve.tool_calls import TOOL_CALL_PARSERS
 from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
@@ -110,8 +111,20 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     drain_timeout_s: float = 30.0,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> Any:
-    """The ASGI app serving ``ctx``: FastAPI routes behind the ``RequestGuard``."""
+    """The ASGI app serving ``ctx``: FastAPI routes behind the ``RequestGuard``. The tool
+    options are ``--tool-call-parser`` and ``--enable-auto-tool-choice`` (vLLM's)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"tool call parser {tool_call_parser!r} is unknown; use one of "
+            f"{', '.join(TOOL_CALL_PARSERS)}"
+        )
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
+    ctx.tool_call_parser = tool_call_parser
+    ctx.enable_auto_tool_choice = enable_auto_tool_choice
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

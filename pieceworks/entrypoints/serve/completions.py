@@ -23,6 +23,7 @@ from pieceworks.entrypoints.serve.generation import (
 from pieceworks.entrypoints.serve.logprobs import completion_logprobs
 from pieceworks.entrypoints.serve.protocol import CompletionRequest
 from pieceworks.entrypoints.serve.serving import ResponseFormat, ServingContext, respond
+from pieceworks.entrypoints.serve.structured import request_constraint
 from pieceworks.entrypoints.serve.validation import (
     check_prompt,
     parse_body,
@@ -88,12 +89,14 @@ def completion_format(body: CompletionRequest, tokenizer: Any) -> ResponseFormat
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     body = parse_body(await request.body(), CompletionRequest)
+    asked = request_constraint(body)  # (field, constraint) or None
+    constraint = asked[1] if asked else None
     specs = []
     for ids in prompt_token_ids(ctx, body.prompt):
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), ctx.limits)
         check_prompt(ids, max_tokens, ctx.limits)
         for i in range(body.n):
-            params = sampling_params(body, max_tokens, i, body.logprobs)
+            params = sampling_params(body, max_tokens, i, body.logprobs, constraint)
             specs.append(ChoiceSpec(ids, params))
     generation = Generation(ctx.engine, specs, ctx.tokenizer, ctx.metrics)
     return await respond(ctx, request, generation, completion_format(body, ctx.tokenizer), body)

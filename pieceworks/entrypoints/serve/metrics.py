@@ -1,7 +1,8 @@
 """``ServerMetrics``: the server's Prometheus metrics, in a registry of its own.
 
 Names follow vLLM's ``vllm:`` metrics under a ``pieceworks:`` prefix: running and waiting
-requests and KV-cache usage (gauges read from the engine loop's ``EngineStats`` at scrape time),
+requests, KV-cache usage and the steps that held a structured-output request (gauges read from
+the engine loop's ``EngineStats`` at scrape time),
 time to first token and time per output token (histograms, seconds), generated and prompt tokens
 and finished requests by finish reason (counters). One registry per server, so several servers
 in one process (tests) never share counts.
@@ -104,6 +105,13 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self.constrained_steps = Gauge(
+            "pieceworks:structured_output_steps",
+            "Engine steps whose batch held a structured-output request: sampled on the host, "
+            "never multi-step, never in a captured decode tail",
+            labels,
+            registry=self.registry,
+        )
         self.model_name = model_name
 
     def observe_first_token(self, seconds: float) -> None:
@@ -130,4 +138,5 @@ class ServerMetrics:
         self.running.labels(self.model_name).set(stats.num_running)
         self.waiting.labels(self.model_name).set(stats.num_waiting)
         self.kv_usage.labels(self.model_name).set(stats.kv_cache_usage)
+        self.constrained_steps.labels(self.model_name).set(stats.num_constrained_steps)
         return generate_latest(self.registry)

@@ -1,9 +1,10 @@
 """The request bodies of the OpenAI API that the server accepts, as pydantic models.
 
 Field names and defaults follow OpenAI's (and vLLM's extensions: ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``return_token_ids``). Every field OpenAI or vLLM define is honoured or refused:
+``stop_token_ids``, ``return_token_ids``, the structured-output fields ``structured_outputs`` and
+``guided_*``). Every field OpenAI or vLLM define is honoured or refused:
 one this server does not implement (``suffix``, ``best_of``, ``logit_bias``, ``echo``,
-``response_format``, ``tools``, vLLM's ``min_p``, ...; ``UNSUPPORTED_FIELDS``) fails validation
+``functions``, vLLM's ``min_p``, ...; ``UNSUPPORTED_FIELDS``) fails validation
 when sent with a value other than its neutral one (null, or the value that changes nothing), and
 the server answers 400 naming it. Names neither API defines are ignored, as OpenAI's clients may
 send extras. A known field with a value of the wrong type or out of range fails validation too,
@@ -30,10 +31,6 @@ _SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (None, False),
     "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
 }
 _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
@@ -41,9 +38,6 @@ _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
 }
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "chat_template": (None,),
@@ -106,6 +100,8 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: Any = None
     prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
+    # Output constraints (``structured.py``): vLLM's newer object and its older fields.
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -149,6 +145,17 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
+    name: str | None = None
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template reads it (tool fields only when present)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -167,10 +174,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
-    # Not implemented: refused unless neutral (``_CHAT_UNSUPPORTED``).
+    # Output format and tools (``structured.py``, ``tool_calls.py``).
     response_format: Any = None
-    tools: Any = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Not implemented: refused unless neutral (``_CHAT_UNSUPPORTED``).
     functions: Any = None
     function_call: Any = None
     chat_template: Any = None

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from pieceworks.engine.inputs import PromptError, check_token_ids
 from pieceworks.entrypoints.serve.errors import bad_request
 from pieceworks.entrypoints.serve.protocol import SamplingFields
-from pieceworks.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams, StructuredOutputsParams
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -115,7 +115,11 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, limits: Mo
 
 
 def sampling_params(
-    body: SamplingFields, max_tokens: int, index: int = 0, logprobs: int | None = None
+    body: SamplingFields,
+    max_tokens: int,
+    index: int = 0,
+    logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for choice ``index`` of ``body`` (400 if unsupported).
 
@@ -137,6 +141,7 @@ def sampling_params(
         "stop": body.stop_strings(),
         "logprobs": logprobs,
         "skip_special_tokens": body.skip_special_tokens,
+        "structured_outputs": structured_outputs,
     }
     try:
         return SamplingParams(**fields)
