@@ -70,8 +70,10 @@ class EngineCore:
         # The step whose tokens are being applied (a failure there abandons it too).
         self._applying: SchedulerOutput | None = None
         self.eos_token_id = config.model_config.hf_config.get("eos_token_id")
+        self.extra_eos_token_ids: tuple[int, ...] = ()
         if isinstance(self.eos_token_id, list):
-            self.eos_token_id = self.eos_token_id[0]
+            self.eos_token_id, *extra = self.eos_token_id
+            self.extra_eos_token_ids = tuple(extra)
         self._request_ids = itertools.count()
         self._shut_down = False
         # (uniform decode?, number of requests, wall seconds) of each recent decode step (a
@@ -139,6 +141,7 @@ class EngineCore:
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_id=self.eos_token_id,
+            extra_eos_token_ids=self.extra_eos_token_ids,
             priority=priority,
         )
 
