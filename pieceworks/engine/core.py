@@ -78,13 +78,15 @@ class EngineCore:
         # The step whose tokens are being applied (a failure there abandons it too).
         self._applying: SchedulerOutput | None = None
         self.eos_token_id = config.model_config.hf_config.get("eos_token_id")
-        eos_token_ids = self.eos_token_id if isinstance(self.eos_token_id, list) else []
+        self.extra_eos_token_ids: tuple[int, ...] = ()
         if isinstance(self.eos_token_id, list):
-            self.eos_token_id = self.eos_token_id[0]
+            self.eos_token_id, *extra = self.eos_token_id
+            self.extra_eos_token_ids = tuple(extra)
+        eos_token_ids = [t for t in [self.eos_token_id, *self.extra_eos_token_ids] if t is not None]
         self.structured_output = StructuredOutputManager(
             self._load_tokenizer,
             config.model_config.hf_config.get("vocab_size") or 0,
-            eos_token_ids or [t for t in [self.eos_token_id] if t is not None],
+            eos_token_ids,
         )
         # Steps whose batch held a structured-output request (host sampler, single step).
         self.num_constrained_steps = 0
@@ -157,6 +159,7 @@ class EngineCore:
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_id=self.eos_token_id,
+            extra_eos_token_ids=self.extra_eos_token_ids,
             priority=priority,
         )
 

@@ -29,7 +29,10 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None) 
     parser.add_argument(
         "--model",
         default=default_model,
-        help="a preset (llama-tiny, llama-125m, ...), smollm2-135m, a *.gguf file or an HF dir",
+        help=(
+            "a preset (llama-tiny, llama-125m, ...), smollm2-135m, gemma3-270m, a *.gguf file "
+            "or an HF dir"
+        ),
     )
     for flag, options in ENGINE_FLAGS:
         parser.add_argument(flag, **options)

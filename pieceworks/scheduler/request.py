@@ -73,6 +73,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     eos_token_id: int | None = None
+    # The model's further EOS ids (a config listing several: Gemma's <end_of_turn>), which stop
+    # the request like eos_token_id, unless ignore_eos.
+    extra_eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -142,7 +145,9 @@ class Request:
 def check_stop(request: Request, token_id: int) -> RequestStatus | None:
     """Stop on EOS (unless ignore_eos) or a stop token, else on max_tokens (stops win)."""
     params = request.sampling_params
-    if not params.ignore_eos and token_id == request.eos_token_id:
+    if not params.ignore_eos and (
+        token_id == request.eos_token_id or token_id in request.extra_eos_token_ids
+    ):
         return RequestStatus.FINISHED_STOPPED
     if token_id in params.stop_token_ids:
         return RequestStatus.FINISHED_STOPPED

@@ -122,7 +122,8 @@ def test_sampling_flags_give_sampling_params():
 def test_help_says_what_the_flags_do():
     text = " ".join(parser().format_help().split())
     for phrase in (
-        "a preset (llama-tiny, llama-125m, ...), smollm2-135m, a *.gguf file or an HF dir",
+        "a preset (llama-tiny, llama-125m, ...), smollm2-135m, gemma3-270m, a *.gguf file or "
+        "an HF dir",
         "no compilation, no graphs",
         "wait for each step's tokens before scheduling the next (default: overlap them)",
         "compilation level",
