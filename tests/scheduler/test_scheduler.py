@@ -126,10 +126,11 @@ def make_scheduler(
     block_size=4,
     num_state_slots=0,
     async_scheduling=False,
+    enable_prefix_caching=True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        CacheConfig(block_size=block_size),
+        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         max_model_len=256,
         num_blocks=num_blocks,
         num_state_slots=num_state_slots,
@@ -298,9 +299,16 @@ def test_preemption_resumes_with_the_same_tokens(seed, num_state_slots, async_sc
         assert max(output.num_requests for output in outputs) <= min(4, num_state_slots - 1)
 
 
-def test_resumed_request_recomputes_prompt_and_generated_tokens():
-    """4 blocks of 4: two 4-token prompts decode side by side until each needs a third block."""
-    scheduler = make_scheduler(max_num_seqs=2, num_blocks=4)
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_resumed_request_recomputes_prompt_and_generated_tokens(enable_prefix_caching):
+    """4 blocks of 4: two 4-token prompts decode side by side until each needs a third block.
+    With prefix caching the resumed request finds its prompt's block still cached (its second
+    block, the tail, was evicted first to give ``first`` its third block) and recomputes the
+    rest."""
+    scheduler = make_scheduler(
+        max_num_seqs=2, num_blocks=4, enable_prefix_caching=enable_prefix_caching
+    )
+    num_cached = 4 if enable_prefix_caching else 0
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first, second, third = (
         Request(name, prompt, params)
@@ -323,8 +331,8 @@ def test_resumed_request_recomputes_prompt_and_generated_tokens():
         for scheduled in output.scheduled_requests:
             if scheduled.request is second and second.num_preemptions and resumed is None:
                 resumed = scheduled
-                assert scheduled.num_computed_tokens == 0 and not scheduled.is_decode
-                assert scheduled.new_token_ids == [5, 6, 7, 8] + generated_before
+                assert scheduled.num_computed_tokens == num_cached and not scheduled.is_decode
+                assert scheduled.new_token_ids == ([5, 6, 7, 8] + generated_before)[num_cached:]
         scheduler.update_from_output(output, runner.execute(output))
     assert resumed is not None and second.num_preemptions == 1 and first.num_preemptions == 0
     check_matches_reference([first, second, third])
