@@ -4,7 +4,8 @@ Proves: many more requests than ``max_num_seqs`` all finish; every step respects
 and the sequence limit and lists decodes first; chunked prefills stay within the budget and resume
 where they stopped; with a tiny block pool requests are preempted, resume by recomputing prompt +
 generated tokens, and produce exactly the tokens of an unpreempted run; no KV block or Mamba state
-slot is shared while held or leaked after the last request finishes; impossible requests are
+slot is shared while held (a prefix-cache block only, read by each holder) or leaked after the
+last request finishes; impossible requests are
 rejected with a message (matched in full); EOS, stop ids, ``ignore_eos`` and ``max_tokens`` stop
 generation; no step computes a request's last position (prompt + max_tokens - 1) or schedules a
 request whose pending token is its last, and such a request holds back no other; a full budget is
@@ -24,7 +25,7 @@ Run: pytest tests/scheduler/test_scheduler.py
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
 import pytest
@@ -161,9 +162,15 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
     assert output.num_requests <= scheduler.max_num_seqs
     decode_flags = [scheduled.is_decode for scheduled in output.scheduled_requests]
     assert decode_flags == sorted(decode_flags, reverse=True), "decodes must come first"
-    held = [block for request in scheduler.running for block in request.block_ids]
-    assert len(held) == len(set(held)), "a block is held by two requests"
-    assert len(held) + scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    # A block is shared only while it is a prefix-cache block (read, never written) of each
+    # holder; the rest of a request's blocks are its own, and reference counts count holders.
+    manager = scheduler.block_manager
+    held = Counter(block for request in scheduler.running for block in request.block_ids)
+    for request in scheduler.running:
+        written = request.block_ids[request.num_cached_blocks :]
+        assert all(held[block] == 1 for block in written), "a block is held by two requests"
+    assert all(manager.ref_counts[block] == count for block, count in held.items())
+    assert len(held) + manager.num_free_blocks == manager.num_blocks
     for scheduled in output.scheduled_requests:
         request = scheduled.request
         needed = scheduled.num_computed_tokens + scheduled.num_new_tokens
