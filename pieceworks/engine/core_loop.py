@@ -159,6 +159,8 @@ class EngineCoreLoop:
             num_free_blocks=blocks.num_free_blocks,
             num_steps=self._num_steps,
             num_aborted=self._num_aborted,
+            prefix_cache_queries=blocks.num_prefix_cache_queries,
+            prefix_cache_hits=blocks.num_prefix_cache_hits,
         )
 
     def run_busy_loop(

@@ -201,8 +201,12 @@ def test_shared_prefix_workloads_give_the_reference_tokens(seed, num_blocks, asy
     assert 0 < manager.num_prefix_cache_hits < manager.num_prefix_cache_queries
     if num_blocks == 9:
         assert any(output.preempted_requests for output in outputs)
-    off = make_scheduler(max_num_batched_tokens=24, num_blocks=num_blocks,
-                         async_scheduling=async_scheduling, enable_prefix_caching=False)  # fmt: skip
+    off = make_scheduler(
+        max_num_batched_tokens=24,
+        num_blocks=num_blocks,
+        async_scheduling=async_scheduling,
+        enable_prefix_caching=False,
+    )
     plain = shared_prefix_requests(seed, num_requests=24)
     run_to_completion(off, plain)
     assert [r.output_token_ids for r in plain] == [r.output_token_ids for r in requests]
