@@ -117,6 +117,8 @@ class ServerMetrics:
             labels,
             registry=self.registry,
         )
+        self.prefix_cache_queries.labels(model_name)  # exported from the start, at 0
+        self.prefix_cache_hits.labels(model_name)
         self._prefix_cache_seen = (0, 0)  # the engine's counts at the last scrape
         self.model_name = model_name
 
