@@ -137,9 +137,12 @@ class Scheduler:
                 f"schedule() called with {len(self._pending_outputs)} steps awaiting "
                 "update_from_output() (the most this scheduler allows); update first"
             )
-        if self.block_manager.enable_prefix_caching:
+        block_manager = self.block_manager
+        if block_manager.enable_prefix_caching:
+            block_size = block_manager.block_size
             for request in self.running:  # the KV of the steps launched so far
-                self.block_manager.cache_computed_blocks(request)
+                if request.num_computed_tokens >= (request.num_cached_blocks + 1) * block_size:
+                    block_manager.cache_computed_blocks(request)  # a block filled since
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         num_steps = self._num_decode_steps()
