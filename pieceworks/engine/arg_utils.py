@@ -46,6 +46,7 @@ class EngineArgs:
     async_scheduling: bool = True
     num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = True
 
 
 def resolve_hf_config(model: str) -> dict[str, Any]:
@@ -106,6 +107,7 @@ def build_engine_config(
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

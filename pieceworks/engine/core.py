@@ -71,6 +71,7 @@ class EngineCore:
             num_blocks,
             num_state_slots=self.runner.num_state_slots,  # Mamba state slots (hybrid models)
             async_scheduling=config.scheduler_config.async_scheduling,
+            model_identity=_model_identity(config),
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
         # The launched step whose tokens have not been read yet (async scheduling).
@@ -334,6 +335,12 @@ def check_inductor_cache_dir() -> None:
             f"Inductor's cache directory {path} is not writable ({error.strerror or error}); "
             "set TORCHINDUCTOR_CACHE_DIR to a writable directory, or compile nothing (-O 0)"
         ) from None
+
+
+def _model_identity(config: EngineConfig) -> str:
+    """What the prefix cache's root hash names: the weights and how they are computed."""
+    model = config.model_config
+    return f"{model.model}|{model.dtype}|{model.quantization}|seed={model.seed}"
 
 
 def _check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:

@@ -160,6 +160,8 @@ class EngineCoreLoop:
             num_steps=self._num_steps,
             num_aborted=self._num_aborted,
             num_constrained_steps=self.engine_core.num_constrained_steps,
+            prefix_cache_queries=blocks.num_prefix_cache_queries,
+            prefix_cache_hits=blocks.num_prefix_cache_hits,
         )
 
     def run_busy_loop(

@@ -121,6 +121,9 @@ class EngineStats:
     num_steps: int = 0
     num_aborted: int = 0  # requests aborted while unfinished (callers that went away)
     num_constrained_steps: int = 0  # steps with a structured-output request (host sampler)
+    # Tokens of admitted requests looked up in the prefix cache, and those found (cumulative).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -29,6 +29,14 @@ device, each feeding its sampled ids to the next. ``schedule()`` reserves the KV
 of them, limits the steps to the fewest tokens any request has left before ``max_tokens``, and
 counts K placeholders per request; ``update_from_output`` takes K tokens per request and applies
 them in step order, exactly as K single steps would, dropping the tokens after a request's stop.
+
+With prefix caching (``CacheConfig.enable_prefix_caching``, ``block_manager.py``) a waiting
+request is admitted with the cached blocks its tokens start with counted as computed, so only the
+rest is prefilled (and chunked); a request that asks for ``prompt_logprobs`` computes its whole
+prompt. Each ``schedule()`` first registers the full blocks that the steps already launched
+computed, so a request admitted in the same step as another that is still computing a shared
+prefix recomputes it rather than reading KV not yet written. Hybrid models (Mamba state slots,
+which cannot be rewound to a block boundary) run without it.
 """
 
 from __future__ import annotations
@@ -37,10 +45,13 @@ from collections import deque
 from collections.abc import Sequence
 
 from pieceworks.config import CacheConfig, SchedulerConfig
+from pieceworks.logger import init_logger
 from pieceworks.scheduler.block_manager import BlockManager, StateSlotManager
 from pieceworks.scheduler.output import ScheduledRequest, SchedulerOutput, pair_sampled_tokens
 from pieceworks.scheduler.policy import make_scheduling_policy
 from pieceworks.scheduler.request import Request, RequestStatus, check_stop
+
+logger = init_logger(__name__)
 
 
 class Scheduler:
@@ -62,11 +73,21 @@ class Scheduler:
         num_blocks: int,
         num_state_slots: int = 0,
         async_scheduling: bool = False,
+        model_identity: str = "",
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size)
+        enable_prefix_caching = cache_config.enable_prefix_caching
+        if enable_prefix_caching and num_state_slots:
+            logger.info(
+                "prefix caching is off: this model has Mamba layers, whose state cannot be "
+                "rewound to a cached block"
+            )
+            enable_prefix_caching = False
+        self.block_manager = BlockManager(
+            num_blocks, cache_config.block_size, enable_prefix_caching, model_identity
+        )
         # Only hybrid models (with Mamba layers) are given state slots.
         self.state_slot_manager = StateSlotManager(num_state_slots) if num_state_slots else None
         self.policy = make_scheduling_policy(scheduler_config.policy)
@@ -116,6 +137,12 @@ class Scheduler:
                 f"schedule() called with {len(self._pending_outputs)} steps awaiting "
                 "update_from_output() (the most this scheduler allows); update first"
             )
+        block_manager = self.block_manager
+        if block_manager.enable_prefix_caching:
+            block_size = block_manager.block_size
+            for request in self.running:  # the KV of the steps launched so far
+                if request.num_computed_tokens >= (request.num_cached_blocks + 1) * block_size:
+                    block_manager.cache_computed_blocks(request)  # a block filled since
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         num_steps = self._num_decode_steps()
@@ -174,6 +201,9 @@ class Scheduler:
         return them, oldest first; the caller finishes their requests."""
         outputs = list(self._pending_outputs)
         self._pending_outputs.clear()
+        for output in outputs:  # their KV may never be written: no later request may read it
+            for scheduled in output.scheduled_requests:
+                self.block_manager.uncache(scheduled.request)
         return outputs
 
     def _num_decode_steps(self) -> int:
@@ -248,20 +278,36 @@ class Scheduler:
             request = self.waiting.peek_request()
             if request.num_output_placeholders:
                 break  # preempted with a token still on the device: resume once it is known
-            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
-            if not self._allocate_for_admission(request, num_new_tokens):
+            computed_blocks = self._computed_blocks(request)
+            num_hit_tokens = len(computed_blocks or ()) * self.block_manager.block_size
+            num_new_tokens = min(request.num_uncomputed_tokens - num_hit_tokens, token_budget)
+            if not self._allocate_for_admission(request, num_new_tokens, computed_blocks):
                 break  # no skipping ahead: the head of the queue waits for memory
+            if computed_blocks is not None:
+                self.block_manager.record_lookup(request, num_hit_tokens)
+            request.num_computed_tokens = num_hit_tokens
             self.waiting.pop_request()
             request.status = RequestStatus.RUNNING
             self.policy.add_running(self.running, request)
             scheduled.append(ScheduledRequest(request, num_new_tokens))
             token_budget -= num_new_tokens
 
-    def _allocate_for_admission(self, request: Request, num_new_tokens: int) -> bool:
+    def _computed_blocks(self, request: Request) -> list[int] | None:
+        """The cached blocks ``request`` starts with; None when it does not look (prefix caching
+        off, or it asks for ``prompt_logprobs``, which needs every prompt position computed)."""
+        if not self.block_manager.enable_prefix_caching:
+            return None
+        if request.sampling_params.prompt_logprobs is not None:
+            return None
+        return self.block_manager.get_computed_blocks(request)
+
+    def _allocate_for_admission(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None
+    ) -> bool:
         slots = self.state_slot_manager
         if slots is not None and slots.num_free_slots == 0:
             return False
-        if not self.block_manager.allocate(request, num_new_tokens):
+        if not self.block_manager.allocate(request, num_new_tokens, computed_blocks):
             return False
         if slots is not None:
             slots.allocate(request)

@@ -4,8 +4,9 @@ Names follow vLLM's ``vllm:`` metrics under a ``pieceworks:`` prefix: running an
 requests, KV-cache usage and the steps that held a structured-output request (gauges read from
 the engine loop's ``EngineStats`` at scrape time),
 time to first token and time per output token (histograms, seconds), generated and prompt tokens
-and finished requests by finish reason (counters). One registry per server, so several servers
-in one process (tests) never share counts.
+and finished requests by finish reason (counters), and the prefix cache's queried and hit tokens
+(counters advanced to the engine's cumulative counts at scrape time). One registry per server, so
+several servers in one process (tests) never share counts.
 """
 
 from __future__ import annotations
@@ -112,6 +113,21 @@ class ServerMetrics:
             labels,
             registry=self.registry,
         )
+        self.prefix_cache_queries = Counter(
+            "pieceworks:prefix_cache_queries",
+            "Tokens of admitted requests looked up in the prefix cache",
+            labels,
+            registry=self.registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "pieceworks:prefix_cache_hits",
+            "Tokens of admitted requests found in the prefix cache",
+            labels,
+            registry=self.registry,
+        )
+        self.prefix_cache_queries.labels(model_name)  # exported from the start, at 0
+        self.prefix_cache_hits.labels(model_name)
+        self._prefix_cache_seen = (0, 0)  # the engine's counts at the last scrape
         self.model_name = model_name
 
     def observe_first_token(self, seconds: float) -> None:
@@ -139,4 +155,11 @@ class ServerMetrics:
         self.waiting.labels(self.model_name).set(stats.num_waiting)
         self.kv_usage.labels(self.model_name).set(stats.kv_cache_usage)
         self.constrained_steps.labels(self.model_name).set(stats.num_constrained_steps)
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        seen_queries, seen_hits = self._prefix_cache_seen
+        if queries > seen_queries:
+            self.prefix_cache_queries.labels(self.model_name).inc(queries - seen_queries)
+        if hits > seen_hits:
+            self.prefix_cache_hits.labels(self.model_name).inc(hits - seen_hits)
+        self._prefix_cache_seen = (max(queries, seen_queries), max(hits, seen_hits))
         return generate_latest(self.registry)
