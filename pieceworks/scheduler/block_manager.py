@@ -3,7 +3,9 @@
 Owns the free lists of the two per-request caches and writes the ids into ``Request.block_ids`` /
 ``Request.state_slot``. It does not decide who gets memory (the scheduler does) and holds no
 tensors (the model runner owns the KV cache and the state cache these ids index). No prefix caching:
-a block belongs to exactly one request.
+a block belongs to exactly one request. With a model whose every attention layer has a sliding
+window, a running request's blocks wholly before its window go back to the pool early
+(``free_blocks_outside_window``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ class BlockManager:
     """Hands out KV-cache blocks of ``block_size`` tokens on demand and takes them back.
 
     ``request.block_ids[i]`` holds the KV of token positions ``[i * block_size, (i + 1) *
-    block_size)``. ``allocate`` is all-or-nothing: it never leaves a request half-extended.
+    block_size)``, or is ``FREED_BLOCK_ID`` once freed outside a sliding window: a placeholder
+    that keeps the list's length (block ``i`` still stands for those positions) and that the
+    attention kernels never read (they load no key before a window). ``allocate`` is
+    all-or-nothing: it never leaves a request half-extended.
     """
+
+    FREED_BLOCK_ID = -1
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -63,8 +70,27 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Return all of ``request``'s blocks to the free list."""
-        self.free_block_ids.extend(request.block_ids)
+        self.free_block_ids.extend(b for b in request.block_ids if b != self.FREED_BLOCK_ID)
         request.block_ids = []
+
+    def free_blocks_outside_window(self, request: Request, sliding_window: int) -> int:
+        """Free the blocks no query of ``request``'s next step can see; how many were freed.
+
+        The next step's first query sits at position ``num_computed_tokens`` and sees keys from
+        ``num_computed_tokens - sliding_window + 1`` on, later queries later still: a block whose
+        every position is before that is dead. Its entry becomes ``FREED_BLOCK_ID`` in a new
+        list (the runner rewrites a block-table row whose list was replaced). A step still on
+        the device may read such a block; a new owner writes it only in a later step, after it.
+        """
+        first_visible = request.num_computed_tokens - sliding_window + 1
+        num_dead = min(max(first_visible, 0) // self.block_size, len(request.block_ids))
+        block_ids = request.block_ids
+        if num_dead == 0 or block_ids[num_dead - 1] == self.FREED_BLOCK_ID:
+            return 0  # freed blocks are a prefix: nothing new died
+        freed = [b for b in block_ids[:num_dead] if b != self.FREED_BLOCK_ID]
+        self.free_block_ids.extend(freed)
+        request.block_ids = [self.FREED_BLOCK_ID] * num_dead + block_ids[num_dead:]
+        return len(freed)
 
 
 class StateSlotManager:
