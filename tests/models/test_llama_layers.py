@@ -527,6 +527,7 @@ def test_registry_names_supported_architectures() -> None:
     assert registry.supported_architectures() == [
         "BambaForCausalLM",
         "LlamaForCausalLM",
+        "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
     ]

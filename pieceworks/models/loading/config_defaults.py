@@ -1,7 +1,8 @@
 """What an absent or null config.json field means: the value transformers' config class gives it.
 
 ``ABSENT_FIELD_DEFAULTS`` holds, per architecture, the defaults of transformers' ``LlamaConfig``,
-``BambaConfig``, ``Qwen2Config`` and ``Qwen3Config`` for the fields the models read;
+``BambaConfig``, ``Qwen2Config``, ``Qwen3Config`` and ``MistralConfig`` for the fields the models
+read;
 ``with_architecture_defaults`` fills them into a config dict. The engine fills them once when it
 builds the model config, and each model fills them again when built from a hand-made config, so
 no reader needs a fallback of its own. ``docs/models.md`` lists them.
@@ -54,6 +55,13 @@ ABSENT_FIELD_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {
         **{k: v for k, v in _QWEN_DEFAULTS.items() if k != "mlp_bias"},
         "head_dim": 128,
+    },
+    # Mistral reads no bias field. Its sliding_window is not here: absent it is 4096 but null
+    # means no window, which a default filled for null too would lose (``models/mistral.py``).
+    "MistralForCausalLM": {
+        **{k: v for k, v in _LLAMA_DEFAULTS.items() if k not in ("attention_bias", "mlp_bias")},
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
     },
 }
 
