@@ -72,6 +72,7 @@ class EngineCore:
             num_state_slots=self.runner.num_state_slots,  # Mamba state slots (hybrid models)
             async_scheduling=config.scheduler_config.async_scheduling,
             model_identity=_model_identity(config),
+            sliding_window=self.runner.sliding_window,  # frees KV blocks outside the window
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
         # The launched step whose tokens have not been read yet (async scheduling).

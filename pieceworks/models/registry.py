@@ -16,6 +16,7 @@ _MODELS: dict[str, str] = {
     "Qwen2ForCausalLM": "pieceworks.models.qwen2.Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pieceworks.models.qwen3.Qwen3ForCausalLM",
     "Gemma3ForCausalLM": "pieceworks.models.gemma3.Gemma3ForCausalLM",
+    "MistralForCausalLM": "pieceworks.models.mistral.MistralForCausalLM",
 }
 
 

@@ -13,6 +13,8 @@ comes first from the blocks that hold no hash (never used, or freed unregistered
 none is left is the least recently used cached block evicted (its hash forgotten). Blocks are
 only read once registered, never written: a request writes only positions past its computed
 tokens, and a cache hit never covers a request's last token.
+With a model whose every attention layer has a sliding window, a running request's blocks wholly
+before its window are let go early (``free_blocks_outside_window``), as its own reference drops.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ class BlockManager:
     """Hands out KV-cache blocks of ``block_size`` tokens on demand and takes them back.
 
     ``request.block_ids[i]`` holds the KV of token positions ``[i * block_size, (i + 1) *
-    block_size)``. ``allocate`` is all-or-nothing: it never leaves a request half-extended, and
-    only ever appends to ``block_ids`` (``free`` replaces the list). With
+    block_size)``, or is ``FREED_BLOCK_ID`` once let go outside a sliding window: a placeholder
+    that keeps the list's length (block ``i`` still stands for those positions) and that the
+    attention kernels never read (they load no key before a window). ``allocate`` is
+    all-or-nothing: it never leaves a request half-extended, and only ever appends to
+    ``block_ids`` (``free`` and ``free_blocks_outside_window`` replace the list). With
     ``enable_prefix_caching`` blocks may be shared: ``ref_counts[b]`` requests hold block ``b``,
     and a free block is either unhashed (``free_block_ids``' first part) or cached and evictable.
     """
+
+    FREED_BLOCK_ID = -1
 
     def __init__(
         self,
@@ -183,8 +190,8 @@ class BlockManager:
         update_block_hashes(request, self.block_size, self.root_hash)
         for index in range(request.num_cached_blocks, num_full):
             block_hash = request.block_hashes[index]
-            if block_hash not in self._cached_blocks:
-                block_id = request.block_ids[index]
+            block_id = request.block_ids[index]
+            if block_hash not in self._cached_blocks and block_id != self.FREED_BLOCK_ID:
                 self._forget_hash(block_id)
                 self._block_hashes[block_id] = block_hash
                 self._cached_blocks[block_hash] = block_id
@@ -194,7 +201,7 @@ class BlockManager:
         """Let go of all of ``request``'s blocks (its computed full blocks stay cached)."""
         self.cache_computed_blocks(request)
         # Last block first: a request's tail is evicted before the prefix others may share.
-        self.free_blocks(reversed(request.block_ids))
+        self.free_blocks(b for b in reversed(request.block_ids) if b != self.FREED_BLOCK_ID)
         request.block_ids = []
         request.num_cached_blocks = 0
 
@@ -213,7 +220,8 @@ class BlockManager:
         """Forget the hashes of ``request``'s blocks (their KV may never have been written: its
         step failed), so no later request reads them."""
         for block_id in request.block_ids:
-            self._forget_hash(block_id)
+            if block_id != self.FREED_BLOCK_ID:
+                self._forget_hash(block_id)
         request.num_cached_blocks = len(request.block_ids)  # never registered again
 
     def reset_prefix_cache(self) -> None:
@@ -222,6 +230,26 @@ class BlockManager:
             self._forget_hash(block_id)
         self._unhashed_free.extend(self._cached_free)
         self._cached_free.clear()
+
+    def free_blocks_outside_window(self, request: Request, sliding_window: int) -> int:
+        """Free the blocks no query of ``request``'s next step can see; how many were freed.
+
+        The next step's first query sits at position ``num_computed_tokens`` and sees keys from
+        ``num_computed_tokens - sliding_window + 1`` on, later queries later still: a block whose
+        every position is before that is dead. Its entry becomes ``FREED_BLOCK_ID`` in a new
+        list (the runner rewrites a block-table row whose list was replaced). A step still on
+        the device may read such a block; a new owner writes it only in a later step, after it.
+        """
+        first_visible = request.num_computed_tokens - sliding_window + 1
+        num_dead = min(max(first_visible, 0) // self.block_size, len(request.block_ids))
+        block_ids = request.block_ids
+        if num_dead == 0 or block_ids[num_dead - 1] == self.FREED_BLOCK_ID:
+            return 0  # freed blocks are a prefix: nothing new died
+        self.cache_computed_blocks(request)  # their KV is computed: findable once let go
+        freed = [b for b in block_ids[:num_dead] if b != self.FREED_BLOCK_ID]
+        self.free_blocks(freed)
+        request.block_ids = [self.FREED_BLOCK_ID] * num_dead + block_ids[num_dead:]
+        return len(freed)
 
 
 class StateSlotManager:

@@ -61,13 +61,14 @@ class Request:
 
     Invariant: the first ``num_computed_tokens`` of its tokens have their KV written (or are
     being written by a step already launched) in ``block_ids`` (and, for hybrid models, their
-    recurrent state folded into ``state_slot``). A decoding request has exactly one uncomputed
-    token: the one sampled last step. With async scheduling that token may still be on the device:
-    ``num_output_placeholders`` counts sampled tokens the host has not seen yet (one per decode
-    step in flight, so ``num_steps`` per multi-step output); they count in ``num_tokens`` but not
-    in ``output_token_ids``. Preemption resets
-    ``num_computed_tokens`` to 0 but keeps ``output_token_ids``, so on resume the prompt and the
-    generated tokens are recomputed together as one prefill (less what the prefix cache holds).
+    recurrent state folded into ``state_slot``), except blocks wholly before a sliding window,
+    which may have been freed (``BlockManager.FREED_BLOCK_ID`` entries). A decoding request has
+    exactly one uncomputed token: the one sampled last step. With async scheduling that token may
+    still be on the device: ``num_output_placeholders`` counts sampled tokens the host has not
+    seen yet (one per decode step in flight, so ``num_steps`` per multi-step output); they count
+    in ``num_tokens`` but not in ``output_token_ids``. Preemption resets ``num_computed_tokens``
+    to 0 but keeps ``output_token_ids``, so on resume the prompt and the generated tokens are
+    recomputed together as one prefill (less what the prefix cache holds).
 
     ``block_hashes[i]`` names the content of full block ``i`` of its known tokens (the prefix
     cache's key); the first ``num_cached_blocks`` of ``block_ids`` are registered in the prefix

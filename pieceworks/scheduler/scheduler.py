@@ -74,6 +74,7 @@ class Scheduler:
         num_state_slots: int = 0,
         async_scheduling: bool = False,
         model_identity: str = "",
+        sliding_window: int | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -98,6 +99,9 @@ class Scheduler:
         self._pending_outputs: deque[SchedulerOutput] = deque()
         self.max_pending_outputs = 2 if async_scheduling else 1
         self.num_scheduler_steps = scheduler_config.num_scheduler_steps
+        # Set when every attention layer has a sliding window: blocks before a running request's
+        # window are freed as it advances (``BlockManager.free_blocks_outside_window``).
+        self.sliding_window = sliding_window
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; raise ``ValueError`` if it could never run to completion."""
@@ -251,6 +255,8 @@ class Scheduler:
                 continue
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
             num_kv_tokens = num_new_tokens + num_steps - 1  # the later steps' KV, reserved ahead
+            if self.sliding_window is not None:
+                self.block_manager.free_blocks_outside_window(request, self.sliding_window)
             if not self._allocate_or_preempt(request, num_kv_tokens, preempted):
                 break  # the request preempted itself: it was the last left in service order
             scheduled.append(ScheduledRequest(request, num_new_tokens))

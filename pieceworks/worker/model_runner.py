@@ -40,6 +40,7 @@ from pieceworks.scheduler.block_manager import cdiv
 from pieceworks.scheduler.output import SchedulerOutput
 from pieceworks.worker.graph_capture import GraphCapture
 from pieceworks.worker.input_buffers import InputBuffers, StepShape
+from pieceworks.worker.kv_cache import freeable_sliding_window
 from pieceworks.worker.kv_cache_profiler import KVCacheProfiler
 from pieceworks.worker.logprobs import TokenLogprobs, sample_logprobs, step_prompt_logprobs
 from pieceworks.worker.mamba_cache import mamba_cache_spec
@@ -105,6 +106,8 @@ class ModelRunner:
         self.mamba_spec = mamba_cache_spec(config)
         # State slots the scheduler hands out (0: no Mamba layers, no slots).
         self.num_state_slots = self.mamba_spec.num_slots if self.mamba_spec else 0
+        # Every attention layer's window (None: some layer sees the whole context).
+        self.sliding_window = freeable_sliding_window(config)
         self.profiler = KVCacheProfiler(
             config, self.platform, self.device, self.graphs, self.mamba_spec, self.max_num_tokens
         )

@@ -563,6 +563,7 @@ def test_registry_names_supported_architectures() -> None:
         "BambaForCausalLM",
         "Gemma3ForCausalLM",
         "LlamaForCausalLM",
+        "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
     ]

@@ -182,6 +182,18 @@ _QWEN_SLIDING_WINDOW_RULES = (
     ),
 )
 
+# HF's Mistral has no bias anywhere (it reads neither bias field) and slides every layer's window.
+MISTRAL_RULES = _replace_rules(
+    COMMON_RULES,
+    FieldRule(
+        "sliding_window",
+        _positive_int,
+        "a positive integer (each layer sees that many last positions) or null (the whole "
+        "context); absent: 4096, as MistralConfig",
+    ),
+    drop=("attention_bias", "mlp_bias"),
+)
+
 # HF's Qwen2 has biases on q, k and v and none on o or the MLP, whatever attention_bias and
 # mlp_bias say: it reads neither, and neither does pieceworks'.
 QWEN2_RULES = _replace_rules(
@@ -220,6 +232,7 @@ ARCHITECTURE_RULES: dict[str, list[FieldRule]] = {
     "Qwen2ForCausalLM": QWEN2_RULES,
     "Qwen3ForCausalLM": QWEN3_RULES,
     "Gemma3ForCausalLM": GEMMA3_RULES,
+    "MistralForCausalLM": MISTRAL_RULES,
 }
 # Bamba rotates part of each head; HF's Llama, Qwen and Gemma 3 rotate all of it.
 _PARTIAL_ROTARY = {
@@ -228,6 +241,7 @@ _PARTIAL_ROTARY = {
     "Qwen2ForCausalLM": False,
     "Qwen3ForCausalLM": False,
     "Gemma3ForCausalLM": False,
+    "MistralForCausalLM": False,
 }
 
 

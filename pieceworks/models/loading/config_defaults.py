@@ -1,9 +1,9 @@
 """What an absent or null config.json field means: the value transformers' config class gives it.
 
 ``ABSENT_FIELD_DEFAULTS`` holds, per architecture, the defaults of transformers' ``LlamaConfig``,
-``BambaConfig``, ``Qwen2Config``, ``Qwen3Config`` and ``Gemma3TextConfig`` for the fields the
-models read; ``with_architecture_defaults`` fills them into a config dict, and for Gemma 3 also
-derives what ``Gemma3TextConfig.__post_init__`` derives from older config.json files
+``BambaConfig``, ``Qwen2Config``, ``Qwen3Config``, ``MistralConfig`` and ``Gemma3TextConfig`` for
+the fields the models read; ``with_architecture_defaults`` fills them into a config dict, and for
+Gemma 3 also derives what ``Gemma3TextConfig.__post_init__`` derives from older config.json files
 (``layer_types`` from ``sliding_window_pattern``; the per-layer-type ``rope_parameters`` from
 ``rope_theta``, ``rope_local_base_freq`` and ``rope_scaling``). The engine fills them once when it
 builds the model config, and each model fills them again when built from a hand-made config, so
@@ -71,6 +71,13 @@ ABSENT_FIELD_DEFAULTS: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 256,
         "sliding_window": 4096,
         "use_bidirectional_attention": False,
+    },
+    # Mistral reads no bias field. Its sliding_window is not here: absent it is 4096 but null
+    # means no window, which a default filled for null too would lose (``models/mistral.py``).
+    "MistralForCausalLM": {
+        **{k: v for k, v in _LLAMA_DEFAULTS.items() if k not in ("attention_bias", "mlp_bias")},
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
     },
 }
 # Gemma3TextConfig: a layer is full attention every sliding_window_pattern-th (1-based) layer;
