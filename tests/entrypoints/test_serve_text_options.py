@@ -200,7 +200,6 @@ def test_add_generation_prompt_false_renders_a_shorter_prompt(url):
         ("response_format", {"type": "json_object"}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
-        ("logit_bias", {"5": 10}),
     ],
 )
 def test_unimplemented_chat_field_is_400_naming_it(url, field, value):
