@@ -4,9 +4,9 @@ Owns validation of the user-facing sampling knobs (vLLM's names and meanings). I
 ``pieceworks.worker.sampler`` turns a batch of these into per-row tensors once per step, the
 scheduler reads ``max_tokens``, ``stop_token_ids`` and ``ignore_eos`` to finish requests, and the
 ``OutputProcessor`` reads ``n``, ``stop``, ``logprobs``, ``prompt_logprobs`` and
-``skip_special_tokens``. ``structured_outputs`` (a ``StructuredOutputsParams``) constrains the
-tokens to a JSON schema, a regex, a choice of strings or an EBNF grammar
-(``pieceworks.worker.structured_output`` compiles and enforces it).
+``skip_special_tokens``; the sampler reads ``logit_bias``. ``structured_outputs`` (a
+``StructuredOutputsParams``) constrains the tokens to a JSON schema, a regex, a choice of strings
+or an EBNF grammar (``pieceworks.worker.structured_output`` compiles and enforces it).
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         # Frozen: normalise through object.__setattr__ so a list argument becomes a hashable tuple.
@@ -122,6 +123,7 @@ class SamplingParams:
         self._verify_stopping()
         self._verify_outputs()
         self._verify_seed()
+        self._verify_logit_bias()
 
     def _verify_sampling(self) -> None:
         for name in ("temperature", "top_p"):
@@ -187,6 +189,29 @@ class SamplingParams:
                 f"seed={seed} must be in [-2**63, 2**64 - 1] (what torch.Generator takes), and "
                 f"so must seed + n - 1 (completion i of n samples with seed + i; n={self.n})"
             )
+
+    def _verify_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(
+                f"logit_bias={self.logit_bias!r} must be a dict of token id -> bias, or None"
+            )
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias={{{token!r}: ...}}: token ids are integers >= 0")
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, numbers.Real)
+                or not -100.0 <= bias <= 100.0
+            ):
+                raise ValueError(
+                    f"logit_bias={{{token}: {bias!r}}}: a bias is a number in [-100, 100]"
+                )
+        # A private copy: the caller's dict may change after the request is made.
+        object.__setattr__(
+            self, "logit_bias", {t: float(b) for t, b in self.logit_bias.items()} or None
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -345,7 +345,14 @@ def _model_identity(config: EngineConfig) -> str:
 
 
 def _check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:
-    """``logprobs`` and ``prompt_logprobs`` ask for at most the whole vocabulary."""
+    """``logprobs`` and ``prompt_logprobs`` ask for at most the whole vocabulary, and
+    ``logit_bias`` names tokens of it."""
+    outside = [token for token in params.logit_bias or () if token >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"logit_bias names token ids {outside[:5]} outside this model's vocabulary of "
+            f"{vocab_size} tokens (ids 0 to {vocab_size - 1})"
+        )
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > vocab_size:

@@ -136,6 +136,7 @@ class EngineCoreLoop:
                     num_tokens,
                     request.finish_reason,
                     logprobs=_new_logprobs(request, num_sent, num_tokens),
+                    prompt_logprobs=_prompt_logprobs(request, num_sent),
                 )
             )
             self._num_sent[request_id] = num_tokens
@@ -190,6 +191,14 @@ class EngineCoreLoop:
                 self.step()
             if commands or stepped:
                 send(self.take_outputs())
+
+
+def _prompt_logprobs(request: Request, num_sent: int) -> list[Any] | None:
+    """The prompt's log-probability entries (the first None) on the request's first delta, when
+    it set ``SamplingParams.prompt_logprobs``; its prefill is complete by then."""
+    if request.sampling_params.prompt_logprobs is None or num_sent:
+        return None
+    return list(request.prompt_logprobs)
 
 
 def _new_logprobs(request: Request, start: int, end: int) -> list[Any] | None:

@@ -80,6 +80,9 @@ class RequestDelta:
     error: str | None = None
     logprobs: list[Any] | None = None  # one entry per new token, when the request asked
     engine_failed: bool = False
+    # Per prompt token (the first None), once, on the request's first delta, when it asked
+    # for ``prompt_logprobs``.
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +101,7 @@ class RequestDelta:
             later.error,
             logprobs,
             later.engine_failed,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -106,7 +110,7 @@ class RequestDelta:
         return (
             RequestDelta,
             (self.request_id, self.new_token_ids, self.num_output_tokens, self.finish_reason,
-             self.error, self.logprobs, self.engine_failed),
+             self.error, self.logprobs, self.engine_failed, self.prompt_logprobs),
         )  # fmt: skip
 
 

@@ -42,6 +42,7 @@ from pieceworks.worker.graph_capture import GraphCapture
 from pieceworks.worker.input_buffers import InputBuffers, StepShape
 from pieceworks.worker.kv_cache import freeable_sliding_window
 from pieceworks.worker.kv_cache_profiler import KVCacheProfiler
+from pieceworks.worker.logit_bias import has_logit_bias
 from pieceworks.worker.logprobs import TokenLogprobs, sample_logprobs, step_prompt_logprobs
 from pieceworks.worker.mamba_cache import mamba_cache_spec
 from pieceworks.worker.sampled_tokens import SampledTokens
@@ -233,6 +234,7 @@ class ModelRunner:
             and descriptor.num_tokens == output.num_requests == len(params)
             and all(param.is_greedy and param.logprobs is None for param in params)
             and output.grammar_bitmask is None
+            and not has_logit_bias(params)  # the tail's argmax is of the unbiased logits
         )
 
     def _run_decode_tails(self, step: _PreparedStep, num_steps: int) -> torch.Tensor:

@@ -96,6 +96,16 @@ def test_fifty_concurrent_json_schema_requests_all_validate(client, server):
     assert 'structured_output_steps{model_name="llama-tiny"} 0.0' not in metrics
 
 
+def test_completions_take_response_format_too(client):
+    response_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    answer = client.completions.create(
+        model=MODEL, prompt=[5, 9, 17], max_tokens=200, seed=3,
+        extra_body={"response_format": response_format},
+    )  # fmt: skip
+    assert answer.choices[0].finish_reason == "stop"
+    assert valid(json.loads(answer.choices[0].text)), answer.choices[0].text
+
+
 def test_required_tool_choice_returns_a_parsable_call(client):
     answer = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",

@@ -198,7 +198,7 @@ def test_add_generation_prompt_false_renders_a_shorter_prompt(url):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("logit_bias", {"5": 10}),
+        ("functions", [{"name": "f", "parameters": {}}]),
     ],
 )
 def test_unimplemented_chat_field_is_400_naming_it(url, field, value):

@@ -30,6 +30,7 @@ from pieceworks.entrypoints.serve.serving import ResponseFormat, ServingContext,
 from pieceworks.entrypoints.serve.structured import request_constraint
 from pieceworks.entrypoints.serve.tool_calls import ToolCalling, tool_calling
 from pieceworks.entrypoints.serve.validation import (
+    check_logit_bias,
     check_prompt,
     parse_body,
     resolve_max_tokens,
@@ -175,9 +176,12 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     ids = render_chat(ctx, body)
     max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(ids), ctx.limits)
     check_prompt(ids, max_tokens, ctx.limits)
+    check_logit_bias(body.logit_bias, ctx.limits)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     specs = [
-        ChoiceSpec(ids, sampling_params(body, max_tokens, i, logprobs, constraint))
+        ChoiceSpec(
+            ids, sampling_params(body, max_tokens, i, logprobs, structured_outputs=constraint)
+        )
         for i in range(body.n)
     ]
     generation = Generation(ctx.engine, specs, ctx.tokenizer, ctx.metrics)
