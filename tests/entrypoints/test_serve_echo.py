@@ -7,8 +7,8 @@ offline ``prompt_logprobs``, then the generated tokens' own, streamed or not, an
 ``n`` 2 usage counts the prompt once; ``logit_bias`` -100 on the greedy token changes it and +100
 forces a token, on the server and offline (``SamplingParams.logit_bias``), and bad ids or values
 are a 400 naming the field; ``best_of``, ``suffix``, ``tools``, an image content part and
-``max_tokens`` 0 without ``echo`` are refused naming the field; unknown routes, wrong methods and unknown models
-answer 404/405 in OpenAI's error shape, and ``GET /v1/models/{id}`` gives the model.
+``max_tokens`` 0 without ``echo`` are refused naming the field; unknown routes, wrong methods and
+unknown models answer 404/405 in OpenAI's error shape, and ``GET /v1/models/{id}`` gives the model.
 Run: pytest tests/entrypoints/test_serve_echo.py
 """
 
