@@ -15,6 +15,7 @@ _MODELS: dict[str, str] = {
     "BambaForCausalLM": "pieceworks.models.bamba.BambaForCausalLM",
     "Qwen2ForCausalLM": "pieceworks.models.qwen2.Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pieceworks.models.qwen3.Qwen3ForCausalLM",
+    "NemotronHForCausalLM": "pieceworks.models.nemotron_h.NemotronHForCausalLM",
 }
 
 

@@ -543,6 +543,7 @@ def test_registry_names_supported_architectures() -> None:
     assert registry.supported_architectures() == [
         "BambaForCausalLM",
         "LlamaForCausalLM",
+        "NemotronHForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
     ]

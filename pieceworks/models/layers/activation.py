@@ -1,4 +1,5 @@
-"""``SiluAndMul``: the gated activation of Llama-style MLPs, on a merged gate/up projection.
+"""``SiluAndMul``: the gated activation of Llama-style MLPs, on a merged gate/up projection; and
+``ReLUSquared``, the ungated ``relu2`` of Nemotron-H's MLP.
 
 Input ``(num_tokens, 2 * d)``, output ``(num_tokens, d)``: ``silu(x[..., :d]) * x[..., d:]``. The
 engine's chooser decides its form once, when the model is built (vLLM's ``custom_ops``;
@@ -21,7 +22,7 @@ from pieceworks.kernels.activation.torch_activation import silu_and_mul
 from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_op
 from pieceworks.kernels.chooser import KernelChooser
 
-__all__ = ["SiluAndMul", "silu_and_mul"]
+__all__ = ["ReLUSquared", "SiluAndMul", "silu_and_mul"]
 
 
 class SiluAndMul(nn.Module):
@@ -46,3 +47,11 @@ class SiluAndMul(nn.Module):
         if self.uses_op and x.dim() == 2:
             return self.op(x)  # (T, d)
         return silu_and_mul(x)  # (T, d)
+
+
+class ReLUSquared(nn.Module):
+    """``relu(x) ** 2`` (transformers' ``relu2``, Nemotron-H's MLP): plain ATen, fused by
+    Inductor with its neighbours."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(torch.relu(x))  # (T, d)

@@ -12,65 +12,30 @@ files and builds nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 from pieceworks.models.layers.linear import divide, shard_or_replicate
 from pieceworks.models.layers.rotary_embedding import SUPPORTED_ROPE_TYPES, get_rope_parameters
 from pieceworks.models.loading.config_defaults import with_architecture_defaults
+from pieceworks.models.loading.field_rules import REQUIRED as _REQUIRED
+from pieceworks.models.loading.field_rules import FieldRule, ModelConfigError
+from pieceworks.models.loading.field_rules import is_bool as _is_bool
+from pieceworks.models.loading.field_rules import is_int as _is_int
+from pieceworks.models.loading.field_rules import is_number as _is_number
+from pieceworks.models.loading.field_rules import neutral as _neutral
+from pieceworks.models.loading.field_rules import non_negative_number as _non_negative_number
+from pieceworks.models.loading.field_rules import one_of as _one_of
+from pieceworks.models.loading.field_rules import positive_int as _positive_int
+from pieceworks.models.loading.field_rules import size as _size
+from pieceworks.models.loading.hybrid_rules import (
+    NEMOTRON_H_DROPPED,
+    NEMOTRON_H_FIELDS,
+    check_nemotron_h_layers,
+)
 from pieceworks.models.registry import supported_architectures
 
-_REQUIRED = object()  # FieldRule.default of a field config.json must carry
-
-
-class ModelConfigError(ValueError):
-    """A config.json field pieceworks does not implement, or a value it cannot run."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(value: Any) -> bool:
-    return _is_int(value) and value > 0
-
-
-def _non_negative_number(value: Any) -> bool:
-    return _is_number(value) and value >= 0
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
-def _one_of(*choices: Any) -> Callable[[Any], bool]:
-    return lambda value: value in choices
-
-
-def _neutral(*neutral: Any) -> Callable[[Any], bool]:
-    """For features pieceworks does not implement: only the values that switch them off pass."""
-    return lambda value: value is None or value in neutral
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldRule:
-    """One config.json field: which values are implemented (``supported`` says it in words)."""
-
-    name: str
-    accepts: Callable[[Any], bool]
-    supported: str
-    default: Any = None  # the value when the field is absent; _REQUIRED: it must be present
-
-
-def _size(name: str) -> FieldRule:
-    return FieldRule(name, _positive_int, "a positive integer", _REQUIRED)
-
+__all__ = ["FieldRule", "ModelConfigError", "check_hf_config", "check_tensor_parallel"]
 
 _DTYPE_NAMES = ("float32", "float", "bfloat16", "float16", "half")
 
@@ -194,6 +159,9 @@ ARCHITECTURE_RULES: dict[str, list[FieldRule]] = {
     "BambaForCausalLM": BAMBA_RULES,
     "Qwen2ForCausalLM": QWEN2_RULES,
     "Qwen3ForCausalLM": QWEN3_RULES,
+    "NemotronHForCausalLM": _replace_rules(
+        COMMON_RULES, *NEMOTRON_H_FIELDS, drop=NEMOTRON_H_DROPPED
+    ),
 }
 # Bamba rotates part of each head; HF's Llama and Qwen rotate all of it.
 _PARTIAL_ROTARY = {
@@ -201,6 +169,7 @@ _PARTIAL_ROTARY = {
     "BambaForCausalLM": True,
     "Qwen2ForCausalLM": False,
     "Qwen3ForCausalLM": False,
+    "NemotronHForCausalLM": False,  # no rotary embedding; rope fields are not read
 }
 
 
@@ -234,6 +203,8 @@ def check_hf_config(hf_config: Any, source: str = "config.json") -> str:
     _check_rope(hf_config, architecture, source)
     if architecture == "BambaForCausalLM":
         _check_bamba_layers(hf_config, source)
+    if architecture == "NemotronHForCausalLM":
+        check_nemotron_h_layers(hf_config, source)
     return architecture
 
 

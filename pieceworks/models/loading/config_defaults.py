@@ -55,6 +55,22 @@ ABSENT_FIELD_DEFAULTS: dict[str, dict[str, Any]] = {
         **{k: v for k, v in _QWEN_DEFAULTS.items() if k != "mlp_bias"},
         "head_dim": 128,
     },
+    # NemotronHConfig: no rope fields (its attention has no rotary embedding).
+    "NemotronHForCausalLM": {
+        "layer_norm_epsilon": 1e-5,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "mlp_bias": False,
+        "mlp_hidden_act": "relu2",
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "mamba_hidden_act": "silu",
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "chunk_size": 128,
+        "use_conv_bias": True,
+        "use_bias": False,
+    },
 }
 
 

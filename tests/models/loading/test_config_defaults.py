@@ -35,6 +35,7 @@ CONFIG_CLASSES = {
     "BambaForCausalLM": "BambaConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
+    "NemotronHForCausalLM": "NemotronHConfig",
 }
 
 
