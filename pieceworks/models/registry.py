@@ -16,6 +16,7 @@ _MODELS: dict[str, str] = {
     "Qwen2ForCausalLM": "pieceworks.models.qwen2.Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pieceworks.models.qwen3.Qwen3ForCausalLM",
     "NemotronHForCausalLM": "pieceworks.models.nemotron_h.NemotronHForCausalLM",
+    "Qwen3_5ForCausalLM": "pieceworks.models.qwen3_5.Qwen3_5ForCausalLM",
 }
 
 

@@ -546,6 +546,7 @@ def test_registry_names_supported_architectures() -> None:
         "NemotronHForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3_5ForCausalLM",
     ]
 
 

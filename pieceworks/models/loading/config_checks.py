@@ -31,7 +31,10 @@ from pieceworks.models.loading.field_rules import size as _size
 from pieceworks.models.loading.hybrid_rules import (
     NEMOTRON_H_DROPPED,
     NEMOTRON_H_FIELDS,
+    QWEN3_5_DROPPED,
+    QWEN3_5_FIELDS,
     check_nemotron_h_layers,
+    check_qwen3_5_layers,
 )
 from pieceworks.models.registry import supported_architectures
 
@@ -162,6 +165,7 @@ ARCHITECTURE_RULES: dict[str, list[FieldRule]] = {
     "NemotronHForCausalLM": _replace_rules(
         COMMON_RULES, *NEMOTRON_H_FIELDS, drop=NEMOTRON_H_DROPPED
     ),
+    "Qwen3_5ForCausalLM": _replace_rules(COMMON_RULES, *QWEN3_5_FIELDS, drop=QWEN3_5_DROPPED),
 }
 # Bamba rotates part of each head; HF's Llama and Qwen rotate all of it.
 _PARTIAL_ROTARY = {
@@ -170,6 +174,7 @@ _PARTIAL_ROTARY = {
     "Qwen2ForCausalLM": False,
     "Qwen3ForCausalLM": False,
     "NemotronHForCausalLM": False,  # no rotary embedding; rope fields are not read
+    "Qwen3_5ForCausalLM": True,
 }
 
 
@@ -205,6 +210,8 @@ def check_hf_config(hf_config: Any, source: str = "config.json") -> str:
         _check_bamba_layers(hf_config, source)
     if architecture == "NemotronHForCausalLM":
         check_nemotron_h_layers(hf_config, source)
+    if architecture == "Qwen3_5ForCausalLM":
+        check_qwen3_5_layers(hf_config, source)
     return architecture
 
 
@@ -263,7 +270,7 @@ def _check_rope(hf_config: dict[str, Any], architecture: str, source: str) -> No
         raise ModelConfigError(f"{source}: rope_theta={base} must be a positive number")
     if _PARTIAL_ROTARY[architecture]:
         top_level = hf_config.get("partial_rotary_factor")
-        if top_level is not None and top_level != 0.5:
+        if architecture == "BambaForCausalLM" and top_level is not None and top_level != 0.5:
             raise ModelConfigError(
                 f"{source}: partial_rotary_factor={top_level} at the top level is not supported "
                 f"by {architecture}: transformers' BambaConfig ignores it and rotates half of "

@@ -71,6 +71,18 @@ ABSENT_FIELD_DEFAULTS: dict[str, dict[str, Any]] = {
         "use_conv_bias": True,
         "use_bias": False,
     },
+    # Qwen3_5TextConfig; its partial_rotary_factor (0.25) is read by models/qwen3_5.py.
+    "Qwen3_5ForCausalLM": {
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_conv_kernel_dim": 4,
+        "rope_theta": 10000.0,
+    },
 }
 
 

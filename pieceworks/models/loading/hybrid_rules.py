@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from pieceworks.models.loading.field_rules import (
+    REQUIRED,
     FieldRule,
     ModelConfigError,
     is_bool,
@@ -105,4 +106,42 @@ def check_nemotron_h_layers(hf_config: dict[str, Any], source: str) -> None:
         raise ModelConfigError(
             f"{source}: attention_head_dim={old_head_dim} differs from head_dim="
             f"{hf_config['head_dim']}, the one transformers reads; set head_dim"
+        )
+
+
+def _list_of(*types: str):
+    return lambda value: isinstance(value, list) and all(t in types for t in value)
+
+
+# Qwen3.5 text: transformers' Qwen3_5TextConfig / Qwen3_5ForCausalLM (5.25).
+QWEN3_5_FIELDS = (
+    FieldRule(
+        "layer_types",
+        _list_of("linear_attention", "full_attention"),
+        "a list of 'linear_attention' and 'full_attention', one a layer",
+        REQUIRED,
+    ),
+    FieldRule("full_attention_interval", positive_int, "any (layer_types gives the layout)"),
+    size("linear_num_key_heads"),
+    size("linear_num_value_heads"),
+    size("linear_key_head_dim"),
+    size("linear_value_head_dim"),
+    FieldRule("linear_conv_kernel_dim", positive_int, "a positive integer", 4),
+)
+# Not read by transformers' Qwen3.5: its MLP has no biases.
+QWEN3_5_DROPPED = ("mlp_bias",)
+
+
+def check_qwen3_5_layers(hf_config: dict[str, Any], source: str) -> None:
+    """One layer type a layer; value heads a multiple of key heads."""
+    num_layers, layer_types = hf_config["num_hidden_layers"], hf_config["layer_types"]
+    if len(layer_types) != num_layers:
+        raise ModelConfigError(
+            f"{source}: layer_types has {len(layer_types)} entries for num_hidden_layers="
+            f"{num_layers}; give one a layer"
+        )
+    k_heads, v_heads = hf_config["linear_num_key_heads"], hf_config["linear_num_value_heads"]
+    if v_heads % k_heads:
+        raise ModelConfigError(
+            f"{source}: linear_num_key_heads={k_heads} must divide linear_num_value_heads={v_heads}"
         )

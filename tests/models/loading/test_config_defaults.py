@@ -36,6 +36,7 @@ CONFIG_CLASSES = {
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
     "NemotronHForCausalLM": "NemotronHConfig",
+    "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
 }
 
 
