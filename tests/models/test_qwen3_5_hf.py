@@ -7,8 +7,9 @@ drawn at random so that a dropped one would show. Logits of prefills, decodes, m
 chunked prefill whose chunks (22, 22, 2) carry the conv window and the recurrent state across
 steps are within SPEC §4's tolerance (max |diff| <= 1e-4 * max |HF logit|) at levels 0 and 3;
 greedy tokens of a batch of mixed lengths (one a one-token prompt) equal ``generate``'s eagerly
-and with PIECEWISE and FULL_AND_PIECEWISE graphs (simgraph where the platform has none, so the
-``gated_delta_net`` op is split around and held in FULL decode graphs); a preempted request,
+and with PIECEWISE, FULL_AND_PIECEWISE and breakable graphs (simgraph where the platform has
+none, so the ``gated_delta_net`` op is split around, held in FULL decode graphs and broken at);
+the graph splits at each ``gated_delta_net`` and attention (exact counters); a preempted request,
 recomputed, gives the same tokens; the same weights under a vision-language checkpoint's names
 (``model.language_model.*``, with ``model.visual.*`` tensors) load and give the same tokens.
 Run: pytest tests/models/test_qwen3_5_hf.py
@@ -143,7 +144,7 @@ def test_greedy_tokens_equal_hf_generate(saved, hf_tokens):
 
 
 @pytest.mark.platform_agnostic
-@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise", "breakable"])
 def test_greedy_tokens_equal_hf_generate_with_graphs(saved, hf_tokens, mode, graph_platform):
     assert greedy_tokens(saved[0], mode) == hf_tokens
 
