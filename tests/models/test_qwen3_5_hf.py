@@ -10,8 +10,9 @@ greedy tokens of a batch of mixed lengths (one a one-token prompt) equal ``gener
 and with PIECEWISE, FULL_AND_PIECEWISE and breakable graphs (simgraph where the platform has
 none, so the ``gated_delta_net`` op is split around, held in FULL decode graphs and broken at);
 the graph splits at each ``gated_delta_net`` and attention (exact counters); a preempted request,
-recomputed, gives the same tokens; the same weights under a vision-language checkpoint's names
-(``model.language_model.*``, with ``model.visual.*`` tensors) load and give the same tokens.
+recomputed, gives the same tokens; the same weights as a vision-language checkpoint
+(``Qwen3_5ForConditionalGeneration``: nested ``text_config``, ``model.language_model.*``, with
+``model.visual.*`` tensors) load and give the same tokens.
 Run: pytest tests/models/test_qwen3_5_hf.py
 """
 
@@ -173,15 +174,24 @@ def test_preempted_request_recomputes_its_state(saved):
 
 
 def test_a_vision_language_checkpoint_loads_its_text_model(saved, hf_tokens, tmp_path, caplog):
-    """``Qwen3_5ForConditionalGeneration``'s names: the text model under
-    ``model.language_model``, the vision tower's tensors skipped with one log line."""
+    """``Qwen3_5ForConditionalGeneration`` as published: the text model's fields under
+    ``text_config``, its weights under ``model.language_model``, the vision tower's tensors
+    skipped with one log line."""
     from safetensors.torch import load_file
 
     path, _ = saved
     tensors = load_file(f"{path}/model.safetensors")
     renamed = {name.replace("model.", "model.language_model.", 1): t for name, t in tensors.items()}
     renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
-    save_hf_directory(renamed, hf_config_dict(), tmp_path)
+    text_config = {k: v for k, v in hf_config_dict().items() if k != "architectures"}
+    vision_language_config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": {**text_config, "tie_word_embeddings": True},  # the top level's is read
+        "vision_config": {"depth": 1, "hidden_size": 16},
+        "tie_word_embeddings": False,
+    }
+    save_hf_directory(renamed, vision_language_config, tmp_path)
     with caplog.at_level("INFO", logger="pieceworks.models.qwen3_5"):
         assert greedy_tokens(str(tmp_path), "eager") == hf_tokens
     assert sum("vision tower" in record.message for record in caplog.records) == 1
