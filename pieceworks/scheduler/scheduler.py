@@ -82,7 +82,8 @@ class Scheduler:
         enable_prefix_caching = cache_config.enable_prefix_caching
         if enable_prefix_caching and num_state_slots:
             logger.info(
-                "prefix caching is off: this model has Mamba layers, whose state cannot be "
+                "prefix caching is off: this model has recurrent (Mamba or gated delta-rule) "
+                "layers, whose state cannot be "
                 "rewound to a cached block"
             )
             enable_prefix_caching = False

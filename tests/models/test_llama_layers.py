@@ -564,9 +564,14 @@ def test_registry_names_supported_architectures() -> None:
         "Gemma3ForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
+        "NemotronHForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3_5ForCausalLM",
     ]
+    hybrids = ["BambaForCausalLM", "NemotronHForCausalLM", "Qwen3_5ForCausalLM"]
+    assert [registry.is_hybrid({"architectures": [name]}) for name in hybrids] == [True] * 3
+    assert not registry.is_hybrid({"architectures": ["Qwen3ForCausalLM"]})
 
 
 # ---------------------------------------------------------------------------------------------

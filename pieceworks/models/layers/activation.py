@@ -1,5 +1,5 @@
-"""The gated activations of the MLPs, on a merged gate/up projection: ``SiluAndMul`` (Llama-style)
-and ``GeluAndMul`` (Gemma's GeGLU).
+"""The activations of the MLPs: the gated ``SiluAndMul`` (Llama-style) and ``GeluAndMul`` (Gemma's
+GeGLU) on a merged gate/up projection, and ``ReLUSquared``, the ungated ``relu2`` of Nemotron-H.
 
 Input ``(num_tokens, 2 * d)``, output ``(num_tokens, d)``: ``act(x[..., :d]) * x[..., d:]``. The
 engine's chooser decides each layer's form once, when the model is built (vLLM's ``custom_ops``;
@@ -29,7 +29,14 @@ from pieceworks.kernels.activation.triton_gelu_and_mul import gelu_and_mul_op
 from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_op
 from pieceworks.kernels.chooser import KernelChooser
 
-__all__ = ["HF_GELU_APPROXIMATE", "GeluAndMul", "SiluAndMul", "gelu_and_mul", "silu_and_mul"]
+__all__ = [
+    "HF_GELU_APPROXIMATE",
+    "GeluAndMul",
+    "ReLUSquared",
+    "SiluAndMul",
+    "gelu_and_mul",
+    "silu_and_mul",
+]
 
 # transformers' ACT2FN name -> torch's gelu ``approximate`` (``gelu`` is the erf form)
 HF_GELU_APPROXIMATE = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -91,3 +98,11 @@ class GeluAndMul(nn.Module):
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
+
+
+class ReLUSquared(nn.Module):
+    """``relu(x) ** 2`` (transformers' ``relu2``, Nemotron-H's MLP): plain ATen, fused by
+    Inductor with its neighbours."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(torch.relu(x))  # (T, d)

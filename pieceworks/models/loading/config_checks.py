@@ -12,66 +12,34 @@ files and builds nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 from pieceworks.models.layers.activation import HF_GELU_APPROXIMATE
 from pieceworks.models.layers.linear import divide, shard_or_replicate
 from pieceworks.models.layers.rotary_embedding import SUPPORTED_ROPE_TYPES, get_rope_parameters
 from pieceworks.models.loading.config_defaults import with_architecture_defaults
+from pieceworks.models.loading.field_rules import REQUIRED as _REQUIRED
+from pieceworks.models.loading.field_rules import FieldRule, ModelConfigError
+from pieceworks.models.loading.field_rules import is_bool as _is_bool
+from pieceworks.models.loading.field_rules import is_int as _is_int
+from pieceworks.models.loading.field_rules import is_number as _is_number
+from pieceworks.models.loading.field_rules import neutral as _neutral
+from pieceworks.models.loading.field_rules import non_negative_number as _non_negative_number
+from pieceworks.models.loading.field_rules import one_of as _one_of
+from pieceworks.models.loading.field_rules import positive_int as _positive_int
+from pieceworks.models.loading.field_rules import size as _size
+from pieceworks.models.loading.hybrid_rules import (
+    NEMOTRON_H_DROPPED,
+    NEMOTRON_H_FIELDS,
+    QWEN3_5_DROPPED,
+    QWEN3_5_FIELDS,
+    check_nemotron_h_layers,
+    check_qwen3_5_layers,
+)
 from pieceworks.models.registry import supported_architectures
 
-_REQUIRED = object()  # FieldRule.default of a field config.json must carry
-
-
-class ModelConfigError(ValueError):
-    """A config.json field pieceworks does not implement, or a value it cannot run."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(value: Any) -> bool:
-    return _is_int(value) and value > 0
-
-
-def _non_negative_number(value: Any) -> bool:
-    return _is_number(value) and value >= 0
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
-def _one_of(*choices: Any) -> Callable[[Any], bool]:
-    return lambda value: value in choices
-
-
-def _neutral(*neutral: Any) -> Callable[[Any], bool]:
-    """For features pieceworks does not implement: only the values that switch them off pass."""
-    return lambda value: value is None or value in neutral
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldRule:
-    """One config.json field: which values are implemented (``supported`` says it in words)."""
-
-    name: str
-    accepts: Callable[[Any], bool]
-    supported: str
-    default: Any = None  # the value when the field is absent; _REQUIRED: it must be present
-
-
-def _size(name: str) -> FieldRule:
-    return FieldRule(name, _positive_int, "a positive integer", _REQUIRED)
-
+__all__ = ["FieldRule", "ModelConfigError", "check_hf_config", "check_tensor_parallel"]
 
 _DTYPE_NAMES = ("float32", "float", "bfloat16", "float16", "half")
 
@@ -233,6 +201,10 @@ ARCHITECTURE_RULES: dict[str, list[FieldRule]] = {
     "Qwen3ForCausalLM": QWEN3_RULES,
     "Gemma3ForCausalLM": GEMMA3_RULES,
     "MistralForCausalLM": MISTRAL_RULES,
+    "NemotronHForCausalLM": _replace_rules(
+        COMMON_RULES, *NEMOTRON_H_FIELDS, drop=NEMOTRON_H_DROPPED
+    ),
+    "Qwen3_5ForCausalLM": _replace_rules(COMMON_RULES, *QWEN3_5_FIELDS, drop=QWEN3_5_DROPPED),
 }
 # Bamba rotates part of each head; HF's Llama, Qwen and Gemma 3 rotate all of it.
 _PARTIAL_ROTARY = {
@@ -242,6 +214,8 @@ _PARTIAL_ROTARY = {
     "Qwen3ForCausalLM": False,
     "Gemma3ForCausalLM": False,
     "MistralForCausalLM": False,
+    "NemotronHForCausalLM": False,  # no rotary embedding; rope fields are not read
+    "Qwen3_5ForCausalLM": True,
 }
 
 
@@ -278,6 +252,10 @@ def check_hf_config(hf_config: Any, source: str = "config.json") -> str:
         _check_rope(hf_config, architecture, source)
     if architecture == "BambaForCausalLM":
         _check_bamba_layers(hf_config, source)
+    if architecture == "NemotronHForCausalLM":
+        check_nemotron_h_layers(hf_config, source)
+    if architecture == "Qwen3_5ForCausalLM":
+        check_qwen3_5_layers(hf_config, source)
     return architecture
 
 
@@ -336,7 +314,7 @@ def _check_rope(hf_config: dict[str, Any], architecture: str, source: str) -> No
         raise ModelConfigError(f"{source}: rope_theta={base} must be a positive number")
     if _PARTIAL_ROTARY[architecture]:
         top_level = hf_config.get("partial_rotary_factor")
-        if top_level is not None and top_level != 0.5:
+        if architecture == "BambaForCausalLM" and top_level is not None and top_level != 0.5:
             raise ModelConfigError(
                 f"{source}: partial_rotary_factor={top_level} at the top level is not supported "
                 f"by {architecture}: transformers' BambaConfig ignores it and rotates half of "

@@ -79,6 +79,34 @@ ABSENT_FIELD_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "max_position_embeddings": 131072,
     },
+    # NemotronHConfig: no rope fields (its attention has no rotary embedding).
+    "NemotronHForCausalLM": {
+        "layer_norm_epsilon": 1e-5,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "mlp_bias": False,
+        "mlp_hidden_act": "relu2",
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "mamba_hidden_act": "silu",
+        "n_groups": 8,
+        "conv_kernel": 4,
+        "chunk_size": 128,
+        "use_conv_bias": True,
+        "use_bias": False,
+    },
+    # Qwen3_5TextConfig; its partial_rotary_factor (0.25) is read by models/qwen3_5.py.
+    "Qwen3_5ForCausalLM": {
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_conv_kernel_dim": 4,
+        "rope_theta": 10000.0,
+    },
 }
 # Gemma3TextConfig: a layer is full attention every sliding_window_pattern-th (1-based) layer;
 # full layers rotate with rope_theta (and rope_scaling), sliding ones with rope_local_base_freq.

@@ -37,6 +37,8 @@ CONFIG_CLASSES = {
     "Qwen3ForCausalLM": "Qwen3Config",
     "Gemma3ForCausalLM": "Gemma3TextConfig",
     "MistralForCausalLM": "MistralConfig",
+    "NemotronHForCausalLM": "NemotronHConfig",
+    "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
 }
 
 
