@@ -7,11 +7,11 @@ gate side by side; ``o_proj(attn * sigmoid(gate))``), zero-centred RMSNorms on e
 and the rotary embedding on the first ``partial_rotary_factor`` of each head (neox style; 0.25
 when config.json gives none, as transformers' ``Qwen3_5TextConfig``); text positions make the
 multimodal rotary sections (``mrope_section``) one ordinary rotary embedding. Every layer then
-runs the SwiGLU MLP (no biases); all norms are ``ZeroCenteredRMSNorm`` (``1 + weight``). The graph
-is split at attention and ``gated_delta_net``. ``Qwen3_5ForCausalLM`` adds the LM head and loads
-HF names, also from a checkpoint with a vision tower (``model.language_model.*`` is read as
-``model.*``; ``model.visual.*`` and the multi-token-prediction ``mtp.*`` are skipped, with one log
-line). Tensor parallelism is not implemented (the Gated DeltaNet layer refuses it).
+runs the SwiGLU MLP (no biases); all norms are ``GemmaRMSNorm`` (``1 + weight``, as Gemma's).
+The graph is split at attention and ``gated_delta_net``. ``Qwen3_5ForCausalLM`` adds the LM
+head and loads HF names, also from a checkpoint with a vision tower (``model.language_model.*`` is
+read as ``model.*``; ``model.visual.*`` and the multi-token-prediction ``mtp.*`` are skipped, with
+one log line). Tensor parallelism is not implemented (the Gated DeltaNet layer refuses it).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from pieceworks.logger import init_logger
 from pieceworks.models.attention.layer import Attention
 from pieceworks.models.causal_lm import CausalLM, maybe_prefix
 from pieceworks.models.gated_delta_net.mixer import GatedDeltaNet
+from pieceworks.models.layers.layernorm import GemmaRMSNorm
 from pieceworks.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope, get_rope_parameters
 from pieceworks.models.layers.vocab_embedding import VocabParallelEmbedding
-from pieceworks.models.layers.zero_centered_norm import ZeroCenteredRMSNorm
 from pieceworks.models.llama import LlamaMLP
 from pieceworks.models.loading.config_defaults import with_architecture_defaults
 
@@ -83,8 +83,8 @@ class Qwen3_5Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(self.q_size, hidden_size, bias, prefix=f"{prefix}.o_proj")
         eps = hf_config["rms_norm_eps"]
-        self.q_norm = ZeroCenteredRMSNorm(head_dim, eps)
-        self.k_norm = ZeroCenteredRMSNorm(head_dim, eps)
+        self.q_norm = GemmaRMSNorm(head_dim, eps)
+        self.k_norm = GemmaRMSNorm(head_dim, eps)
         self.rotary_emb = rotary_emb
         self.attn = Attention(
             self.num_heads,
@@ -130,8 +130,8 @@ class Qwen3_5DecoderLayer(nn.Module):
                 hf_config, config=config, prefix=f"{prefix}.linear_attn"
             )
         self.mlp = LlamaMLP(hidden_size, hf_config["intermediate_size"], prefix=f"{prefix}.mlp")
-        self.input_layernorm = ZeroCenteredRMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden_size, eps)
+        self.input_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden_size, eps)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -173,7 +173,7 @@ class Qwen3_5Model(nn.Module):
             )
             for i, layer_type in enumerate(hf_config["layer_types"])
         )
-        self.norm = ZeroCenteredRMSNorm(hf_config["hidden_size"], hf_config["rms_norm_eps"])
+        self.norm = GemmaRMSNorm(hf_config["hidden_size"], hf_config["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # (T, hidden)
