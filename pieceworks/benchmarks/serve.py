@@ -119,9 +119,15 @@ async def _send(http: Any, url: str, body: dict[str, Any], result: RequestResult
 
 
 async def send_request(
-    http: Any, model: str, request: BenchRequest, result: RequestResult, ignore_eos: bool = True
+    http: Any,
+    model: str,
+    request: BenchRequest,
+    result: RequestResult,
+    ignore_eos: bool = True,
+    extra_body: dict[str, Any] | None = None,
 ) -> None:
-    """Stream ``request`` as a greedy completion into ``result``."""
+    """Stream ``request`` as a greedy completion into ``result`` (``extra_body``'s fields added
+    to the request, e.g. a ``response_format``)."""
     body = {
         "model": model,
         "prompt": request.prompt,
@@ -131,6 +137,7 @@ async def send_request(
         "ignore_eos": ignore_eos,
         "return_token_ids": True,
         "stream_options": {"include_usage": True},
+        **(extra_body or {}),
     }
     await _send(http, "/v1/completions", body, result)
 
@@ -144,6 +151,7 @@ async def run_benchmark(
     api_key: str | None = None,
     ignore_eos: bool = True,
     seed: int = 0,
+    extra_body: dict[str, Any] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every request as the rate and concurrency allow; results in request order and the
     wall seconds from the first send to the last answer."""
@@ -158,10 +166,10 @@ async def run_benchmark(
     async def one(request: BenchRequest, result: RequestResult) -> None:
         try:
             if gate is None:
-                await send_request(http, model, request, result, ignore_eos)
+                await send_request(http, model, request, result, ignore_eos, extra_body)
             else:
                 async with gate:
-                    await send_request(http, model, request, result, ignore_eos)
+                    await send_request(http, model, request, result, ignore_eos, extra_body)
         except Exception as error:  # a failed request is a result, not the end of the run
             result.error = repr(error)
 

@@ -79,6 +79,7 @@ async def run_multi_turn(
     max_concurrency: int | None = None,
     api_key: str | None = None,
     seed: int = 0,
+    extra_body: dict[str, Any] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Run every chat, its turns one after another (each prompt: the history so far plus the
     next question); chats start at ``request_rate`` and at most ``max_concurrency`` run at once.
@@ -99,7 +100,7 @@ async def run_multi_turn(
             chat_results.append(result)
             request = BenchRequest(prompt, len(prompt), chat.output_len)
             try:
-                await send_request(http, model, request, result)
+                await send_request(http, model, request, result, extra_body=extra_body)
             except Exception as error:  # the chat ends; its other turns are not sent
                 result.error = repr(error)
             if not result.success:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,17 @@ def _require_matplotlib() -> None:
         )
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """``--extra-body``'s value: a JSON object, or an argparse error saying what it got."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, not {text!r}")
+    return value
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Send the requests, print vLLM's summary, write JSON and a plot when asked."""
     from pieceworks.benchmarks.report import write_json
@@ -68,7 +80,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         "output_len": args.output_len, "prefix_len": args.prefix_len,
         "num_turns": args.num_turns, "range_ratio": args.range_ratio,
         "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
-        "dataset_path": args.dataset_path,
+        "dataset_path": args.dataset_path, "extra_body": args.extra_body,
     }  # fmt: skip
     print(format_summary(summary))
     if args.output_json:
@@ -108,7 +120,7 @@ async def _run_workload(args: argparse.Namespace, base_url: str, model: str, req
     run = run_multi_turn if args.workload == "multi-turn" else run_benchmark
     return await run(
         base_url, model, requests, args.request_rate, args.max_concurrency, args.api_key,
-        seed=args.seed,
+        seed=args.seed, extra_body=args.extra_body,
     )  # fmt: skip
 
 
@@ -172,6 +184,11 @@ def register_serve(bench: Any) -> None:
     serve.add_argument("--num-warmups", type=int, default=0, help="requests sent before timing")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--plot", default=None, help="PNG path (TTFT, TPOT, ITL distributions)")
+    serve.add_argument(
+        "--extra-body", type=_json_object, default=None,
+        help="JSON object merged into every request, e.g. "
+        '\'{"response_format": {"type": "json_object"}}\' (a structured-output run)',
+    )  # fmt: skip
     serve.set_defaults(func=cmd_bench_serve)
 
     throughput = bench.add_parser("throughput", help="offline tokens/s over many prompts")

@@ -5,7 +5,8 @@ Proves: random prompts have the asked lengths (fixed, or within ``range_ratio``)
 is counts over duration and its TTFT, TPOT and ITL percentiles are those of the recorded times;
 failed requests are counted apart with their error; the shared-prefix workload shares one prefix
 and the multi-turn one makes chats of the asked turns; the hit rate comes from the growth of the
-server's counters (None without them) and is printed beside the latencies.
+server's counters (None without them) and is printed beside the latencies; `--extra-body` is merged
+into every request body (a JSON object, nothing else).
 Run: pytest tests/benchmarks/test_serve_bench.py
 """
 
@@ -80,3 +81,35 @@ def test_prefix_cache_workloads_and_hit_rate():
         {**summary, **rate}
     )
     assert "Prefix cache" not in format_summary(summary)
+
+
+def test_extra_body_is_merged_into_every_request():
+    import asyncio
+
+    from pieceworks.benchmarks.serve import BenchRequest, send_request
+
+    sent = []
+
+    class Recorder:  # stands in for the HTTP client: records the body, answers nothing
+        def stream(self, method, url, json):
+            sent.append(json)
+            raise RuntimeError("not sent")
+
+    extra = {"response_format": {"type": "json_object"}, "temperature": 0.5}
+    with pytest.raises(RuntimeError, match="not sent"):
+        asyncio.run(
+            send_request(Recorder(), "m", BenchRequest([1, 2], 2, 4), RequestResult(2), True, extra)
+        )
+    assert sent[0]["response_format"] == {"type": "json_object"}
+    assert sent[0]["temperature"] == 0.5 and sent[0]["max_tokens"] == 4  # extra wins, rest kept
+
+
+def test_extra_body_must_be_a_json_object():
+    import argparse
+
+    from pieceworks.entrypoints.bench_serve import _json_object
+
+    assert _json_object('{"a": 1}') == {"a": 1}
+    for text in ("[1]", "{not json"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _json_object(text)
