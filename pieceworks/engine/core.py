@@ -154,6 +154,10 @@ class EngineCore:
             if any(not 0 <= t < vocab_size for t in prompt_token_ids):
                 raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
             _check_num_logprobs(params, vocab_size)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(
+                f"priority must be an int (lower is scheduled first), not {priority!r}"
+            )
         if params.structured_outputs is not None:
             self.structured_output.compile(params.structured_outputs)  # once per grammar
         return Request(

@@ -75,7 +75,7 @@ class EngineCoreLoop:
         request_id = command.request_id
         try:
             request = self.engine_core.add_request(
-                command.prompt_token_ids, command.params, request_id
+                command.prompt_token_ids, command.params, request_id, command.priority
             )
         except ValueError as error:  # the request can never run: tell its caller why
             self._deltas.append(RequestDelta(request_id, [], 0, error=str(error)))

@@ -27,9 +27,10 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # lower first under scheduling_policy "priority"; else it must be 0
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (AddRequest, (self.request_id, self.prompt_token_ids, self.params))
+        return (AddRequest, (self.request_id, self.prompt_token_ids, self.params, self.priority))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

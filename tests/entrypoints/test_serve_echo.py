@@ -7,7 +7,8 @@ offline ``prompt_logprobs``, then the generated tokens' own, streamed or not, an
 ``n`` 2 usage counts the prompt once; ``logit_bias`` -100 on the greedy token changes it and +100
 forces a token, on the server and offline (``SamplingParams.logit_bias``), and bad ids or values
 are a 400 naming the field; ``best_of``, ``suffix``, ``tools``, an image content part and
-``max_tokens`` 0 without ``echo`` are refused naming the field; unknown routes, wrong methods and
+``max_tokens`` 0 without ``echo`` are refused naming the field, and so is a ``priority`` other
+than 0 on this first-come-first-served server (or not an int); unknown routes, wrong methods and
 unknown models answer 404/405 in OpenAI's error shape, and ``GET /v1/models/{id}`` gives the model.
 Run: pytest tests/entrypoints/test_serve_echo.py
 """
@@ -214,6 +215,17 @@ def test_refused_completion_fields_are_named(server, body, field, words):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field and words in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("priority", "words"), [(3, "scheduling_policy='priority'"), ("high", "valid integer")]
+)
+def test_priority_under_fcfs_or_not_an_int_is_400_naming_it(server, priority, words):
+    response = post(server[0], {"prompt": PROMPT, "max_tokens": 1, "priority": priority})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "priority" and words in error["message"], error
+    assert post(server[0], {"prompt": PROMPT, "max_tokens": 1, "priority": 0}).status_code == 200
 
 
 @pytest.mark.parametrize("kind", ["image_url", "input_audio", "file"])

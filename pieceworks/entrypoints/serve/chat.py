@@ -180,7 +180,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     specs = [
         ChoiceSpec(
-            ids, sampling_params(body, max_tokens, i, logprobs, structured_outputs=constraint)
+            ids,
+            sampling_params(body, max_tokens, i, logprobs, structured_outputs=constraint),
+            priority=body.priority,
         )
         for i in range(body.n)
     ]

@@ -149,7 +149,11 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
                 prompt_logprobs=prompt_logprobs,
                 structured_outputs=constraint,
             )
-            specs.append(ChoiceSpec(ids, params, prompt_index, prompt_only=max_tokens == 0))
+            specs.append(
+                ChoiceSpec(
+                    ids, params, prompt_index, priority=body.priority, prompt_only=max_tokens == 0
+                )
+            )
             prompts.append((text, ids))
     generation = Generation(ctx.engine, specs, ctx.tokenizer, ctx.metrics)
     fmt = completion_format(body, ctx.tokenizer, prompts)

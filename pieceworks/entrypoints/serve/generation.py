@@ -61,6 +61,7 @@ class ChoiceSpec:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_index: int = 0
+    priority: int = 0  # the request's (vLLM's ``priority`` field)
     prompt_only: bool = False
 
 
@@ -94,7 +95,11 @@ class Generation:
         self.arrival = time.perf_counter()
         self._pending = [
             self.engine.generate(
-                choice.prompt_token_ids, choice.params, f"{self.request_id}-{i}", reserved=True
+                choice.prompt_token_ids,
+                choice.params,
+                f"{self.request_id}-{i}",
+                reserved=True,
+                priority=choice.priority,
             )
             for i, choice in enumerate(self.choices)
         ]
@@ -110,7 +115,11 @@ class Generation:
         refused = [delta.error for delta in self._firsts if delta.error is not None]
         if refused:
             await self.close()
-            raise bad_request(refused[0], param="prompt")
+            # the engine refuses a prompt (its ids, length, capacity) or a priority: the
+            # scheduling policy's message names "priority=", the type check starts with it
+            priority = refused[0].startswith("priority") or "has priority=" in refused[0]
+            param = "priority" if priority else "prompt"
+            raise bad_request(refused[0], param=param)
         self.metrics.observe_first_token(time.perf_counter() - self.arrival)
 
     async def stream(self) -> AsyncIterator[ChoiceDelta]:

@@ -135,6 +135,8 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     user: str | None = None  # an end-user id for the caller's own records; changes nothing
+    # vLLM's: lower is scheduled first under --scheduling-policy priority (else it must be 0)
+    priority: int = Field(default=0, strict=True)
     logit_bias: dict[int, float] | None = None  # parsed from OpenAI's {"id": bias} by _logit_bias
     # Not implemented: refused unless neutral (``_SHARED_UNSUPPORTED``).
     min_p: Any = None
