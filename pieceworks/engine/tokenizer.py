@@ -26,9 +26,8 @@ from typing import Any
 
 from pieceworks.engine.inputs import check_unicode
 from pieceworks.models.loading.gguf_loader import (
+    gguf_architecture_name,
     gguf_tokenizer_metadata,
-    metadata_value,
-    open_gguf,
 )
 from pieceworks.models.loading.sources import ModelSource, resolve_model_source
 
@@ -187,7 +186,7 @@ def gguf_tokenizer(path: str | Path) -> Any:
     import transformers
 
     path = Path(path)
-    architecture = metadata_value(open_gguf(path), "general.architecture", None)
+    architecture = gguf_architecture_name(path) or ""
     tokenizer_class = getattr(
         transformers, GGUF_TOKENIZER_CLASSES.get(architecture, "AutoTokenizer")
     )

@@ -117,6 +117,7 @@ def test_an_unknown_split_goes_to_the_transformers_converter(monkeypatch):
 
     calls = []
     monkeypatch.setattr(tokenizer_module, "gguf_tokenizer_metadata", lambda path: metadata("qwen2"))
+    monkeypatch.setattr(tokenizer_module, "gguf_architecture_name", lambda path: "qwen2")
     monkeypatch.setattr(
         AutoTokenizer, "from_pretrained", lambda *args, **kwargs: calls.append((args, kwargs))
     )

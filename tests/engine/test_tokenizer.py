@@ -223,6 +223,7 @@ def test_another_vocabulary_goes_to_the_transformers_converter(monkeypatch):
         "gguf_tokenizer_metadata",
         lambda path: {**METADATA, "ggml.model": "llama"},
     )
+    monkeypatch.setattr(tokenizer_module, "gguf_architecture_name", lambda path: "llama")
     monkeypatch.setattr(
         AutoTokenizer, "from_pretrained", lambda *args, **kwargs: calls.append((args, kwargs))
     )

@@ -170,6 +170,11 @@ def gguf_weights_iterator(
         yield name, weight
 
 
+def gguf_architecture_name(path: str | Path) -> str | None:
+    """The file's ``general.architecture`` (None when it has none)."""
+    return metadata_value(open_gguf(path), "general.architecture", None)
+
+
 def gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     """The file's ``tokenizer.*`` metadata keys (prefix dropped: ``ggml.tokens``,
     ``chat_template``, ...) as Python values; empty when the file has no tokenizer."""
