@@ -46,6 +46,7 @@ class EngineArgs:
     async_scheduling: bool = True
     num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"
+    speculative_config: Any = None  # vLLM's dict (or its JSON text); see SpeculativeConfig
 
 
 def resolve_hf_config(model: str) -> dict[str, Any]:
@@ -116,4 +117,5 @@ def build_engine_config(
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         compilation_config=_compilation(compilation_config, args.enforce_eager),
+        speculative_config=args.speculative_config,
     )
