@@ -11,6 +11,9 @@ and prepares step N+1 while the device still runs step N; the tokens of a step, 
 it finishes, then come back from the next ``step`` call. With ``num_scheduler_steps`` K > 1 a
 batch of decodes only is one multi-step output: one ``step`` call launches K decode steps and
 later reads their K tokens per request at once (the scheduler applies them in step order).
+With a ``speculative_config`` a proposer guesses each decoding request's next tokens before the
+step is scheduled (``Request.spec_token_ids``); the step verifies them and may append several
+tokens per request (docs/engine.md, "Speculative decoding").
 Start-up (load, compile, KV cache, capture) happens in the constructor and is timed for the report.
 """
 
@@ -24,11 +27,13 @@ import time
 from pieceworks.config import CompilationLevel, EngineConfig
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
-from pieceworks.scheduler.output import SchedulerOutput
+from pieceworks.scheduler.output import REJECTED_TOKEN_ID, SchedulerOutput
 from pieceworks.scheduler.request import Request, RequestStatus
 from pieceworks.scheduler.scheduler import Scheduler
 from pieceworks.worker.executor import make_executor
 from pieceworks.worker.sampled_tokens import SampledTokens
+from pieceworks.worker.spec_decode import make_proposer
+from pieceworks.worker.spec_decode.proposer import propose_for_running
 
 logger = init_logger(__name__)
 
@@ -65,6 +70,8 @@ class EngineCore:
             async_scheduling=config.scheduler_config.async_scheduling,
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
+        spec = config.speculative_config
+        self.proposer = make_proposer(spec) if spec is not None else None
         # The launched step whose tokens have not been read yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
         # The step whose tokens are being applied (a failure there abandons it too).
@@ -183,6 +190,8 @@ class EngineCore:
 
     def _step(self) -> list[Request]:
         start = time.perf_counter()
+        if self.proposer is not None:
+            propose_for_running(self.proposer, self.scheduler.running)
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
             return self._finish_in_flight()  # nothing new to launch: only drain
@@ -195,7 +204,8 @@ class EngineCore:
         if len(step_seconds) >= MAX_STEP_TIMINGS:
             del step_seconds[: MAX_STEP_TIMINGS // 2]
         seconds_per_step = (time.perf_counter() - start) / output.num_steps
-        timing = (output.is_uniform_decode, output.num_requests, seconds_per_step)
+        decodes_only = output.uniform_decode_query_len > 0  # verify batches included
+        timing = (decodes_only, output.num_requests, seconds_per_step)
         step_seconds.extend([timing] * output.num_steps)
         return finished
 
@@ -207,8 +217,12 @@ class EngineCore:
         self._in_flight = None
         self._applying = output
         token_ids = sampled.tolist()
-        _record_logprobs(output, sampled)
+        _record_logprobs(output, sampled, token_ids)
         finished = self.scheduler.update_from_output(output, token_ids)
+        if output.num_verify_columns > 1 and sampled.logprobs is not None:
+            for scheduled in output.producing_requests:  # a stop inside an accepted run
+                request = scheduled.request
+                del request.output_logprobs[request.num_output_tokens :]
         self._applying = None
         for request in finished:
             self.executor.release(request.request_id)
@@ -297,19 +311,25 @@ def _check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:
             )
 
 
-def _record_logprobs(output: SchedulerOutput, sampled: SampledTokens) -> None:
+def _record_logprobs(output: SchedulerOutput, sampled: SampledTokens, token_ids: list[int]) -> None:
     """Append a step's log-probabilities to the requests that asked, before its tokens are.
 
     A sampled token's entry goes only where ``update_from_output`` will append the token (its
     request is not finished yet). Prompt entries continue where the request's list ends, so a
-    prefill recomputed after a preemption adds nothing twice.
+    prefill recomputed after a preemption adds nothing twice. A speculative step has
+    ``num_verify_columns`` rows per request: one entry per token it produced (``_finish_in_flight``
+    drops those past a stop).
     """
     if sampled.logprobs is None and sampled.prompt_logprobs is None:
         return  # nobody asked: nothing per request
     by_row = sampled.logprobs_by_row()
+    columns = output.num_verify_columns
     for row, scheduled in enumerate(output.producing_requests):
-        if row in by_row and not scheduled.request.is_finished:
-            scheduled.request.output_logprobs.append(by_row[row])
+        if scheduled.request.is_finished:
+            continue
+        for flat_row in range(row * columns, (row + 1) * columns):
+            if flat_row in by_row and token_ids[flat_row] != REJECTED_TOKEN_ID:
+                scheduled.request.output_logprobs.append(by_row[flat_row])
     prompt_rows = sampled.prompt_logprobs_by_request()
     if not prompt_rows:
         return

@@ -29,6 +29,10 @@ each feeding its sampled ids to the next. ``schedule()`` reserves the KV blocks 
 limits the steps to the fewest tokens any request has left before ``max_tokens``, and counts K
 placeholders per request; ``update_from_output`` takes K tokens per request and applies them in
 step order, exactly as K single steps would, dropping the tokens after a request's stop.
+
+With speculative decoding a decoding request also computes the proposals it carries
+(``Request.spec_token_ids``), with KV slots allocated for them, and ``update_from_output`` takes
+the tokens its verification produced (``spec_decode.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ from pieceworks.scheduler.block_manager import BlockManager, StateSlotManager
 from pieceworks.scheduler.output import ScheduledRequest, SchedulerOutput, pair_sampled_tokens
 from pieceworks.scheduler.policy import make_scheduling_policy
 from pieceworks.scheduler.request import Request, RequestStatus, check_stop
+from pieceworks.scheduler.spec_decode import (
+    SpecDecodingStats,
+    apply_verified_tokens,
+    proposals_to_verify,
+)
 
 
 class Scheduler:
@@ -77,6 +86,7 @@ class Scheduler:
         self._pending_outputs: deque[SchedulerOutput] = deque()
         self.max_pending_outputs = 2 if async_scheduling else 1
         self.num_scheduler_steps = scheduler_config.num_scheduler_steps
+        self.spec_decoding_stats = SpecDecodingStats()
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; raise ``ValueError`` if it could never run to completion."""
@@ -156,6 +166,8 @@ class Scheduler:
             )
         tokens = pair_sampled_tokens(scheduler_output, sampled_token_ids)  # validate first
         self._pending_outputs.popleft()
+        if scheduler_output.num_verify_columns > 1:
+            return self._update_verified(scheduler_output, tokens)
         finished = []
         for scheduled, token_id in tokens:
             request = scheduled.request
@@ -164,6 +176,30 @@ class Scheduler:
                 continue  # it stopped on an earlier step's token: this one is past its end
             request.output_token_ids.append(token_id)
             status = check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _update_verified(
+        self, scheduler_output: SchedulerOutput, tokens: list[tuple[ScheduledRequest, int]]
+    ) -> list[Request]:
+        """``update_from_output`` for a step that verified proposals: each producing request
+        takes its run of tokens (``spec_decode.apply_verified_tokens``)."""
+        runs: dict[int, list[int]] = {}
+        for scheduled, token_id in tokens:
+            runs.setdefault(id(scheduled), []).append(token_id)
+        finished = []
+        for scheduled in scheduler_output.producing_requests:
+            request = scheduled.request
+            request.num_output_placeholders -= 1
+            if request.is_finished:
+                continue
+            num_proposals = len(scheduled.spec_token_ids)
+            run = runs.get(id(scheduled), [])
+            status = apply_verified_tokens(
+                request, num_proposals, run, check_stop, self.spec_decoding_stats
+            )
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
@@ -218,10 +254,12 @@ class Scheduler:
                 index += 1  # its pending token is its last: it finishes on the update
                 continue
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
+            proposals = proposals_to_verify(request, token_budget) if num_new_tokens == 1 else []
+            num_new_tokens += len(proposals)  # their KV slots: the lookahead slots
             num_kv_tokens = num_new_tokens + num_steps - 1  # the later steps' KV, reserved ahead
             if not self._allocate_or_preempt(request, num_kv_tokens, preempted):
                 break  # the request preempted itself: it was the last left in service order
-            scheduled.append(ScheduledRequest(request, num_new_tokens))
+            scheduled.append(ScheduledRequest(request, num_new_tokens, proposals))
             token_budget -= num_new_tokens
             index += 1
         return token_budget

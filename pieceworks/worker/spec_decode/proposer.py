@@ -1,0 +1,51 @@
+"""``Proposer``: what makes the guesses a speculative step verifies; ``propose_for_running``.
+
+A proposer sees each decoding request's tokens (prompt and output so far) and returns up to
+``num_speculative_tokens`` guesses for the tokens that follow. The engine asks it before every
+step and hands the guesses to the scheduler (``Request.spec_token_ids``); the runner verifies
+them against the target model in the step's one forward. A proposer may be wrong as often as it
+likes: verification keeps exactly the target's tokens (greedy) or the target's distribution
+(sampling), so only the speed depends on it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+from pieceworks.scheduler.request import Request
+from pieceworks.speculative_config import SpeculativeConfig
+
+
+class Proposer(abc.ABC):
+    """Guesses the next tokens of a batch of requests."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+
+    @abc.abstractmethod
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        """At most ``num_speculative_tokens`` guesses for the tokens after ``token_ids`` (the
+        request's prompt and output so far); [] when it has none."""
+
+    def propose_batch(self, batch: Sequence[Sequence[int]]) -> list[list[int]]:
+        """``propose`` for each request's tokens."""
+        return [self.propose(token_ids) for token_ids in batch]
+
+
+def propose_for_running(proposer: Proposer, running: Sequence[Request]) -> None:
+    """Set every running request's ``spec_token_ids`` for the next step: the proposer's guesses
+    for a decoding request (its last token known on the host), none for any other."""
+    decoding = []
+    for request in running:
+        request.spec_token_ids = []
+        if (
+            request.num_uncomputed_tokens == 1
+            and request.num_computed_tokens > 0
+            and request.num_output_placeholders == 0
+        ):
+            decoding.append(request)
+    proposals = proposer.propose_batch([request.all_token_ids for request in decoding])
+    for request, spec_token_ids in zip(decoding, proposals):
+        request.spec_token_ids = spec_token_ids
