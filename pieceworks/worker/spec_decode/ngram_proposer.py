@@ -2,9 +2,12 @@
 
 For ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the request's last ``n``
 tokens are looked up among its earlier tokens (prompt and output so far); at the first ``n`` with
-a match, the tokens that followed the most recent earlier match are proposed, at most
-``num_speculative_tokens`` of them (fewer when the match ends near the end). No match at any
-``n``: no proposal. One vectorised comparison per ``n`` (``sliding_window_view``), no model.
+a match, the tokens that followed the most recent earlier match are proposed,
+``num_speculative_tokens`` of them. When the tokens after the match run into the end of the
+sequence (the match is fewer than ``k`` tokens back, as in a repeating phrase), the proposal
+continues the repetition: the sequence is taken to repeat with the period between the match and
+the suffix (vLLM would propose fewer tokens there). No match at any ``n``: no proposal. One
+vectorised comparison per ``n`` (``sliding_window_view``), no model.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ class NgramProposer(Proposer):
         for n in range(min(self.max_n, num_tokens - 1), self.min_n - 1, -1):
             start = ngram_match(tokens, n)
             if start is not None:
-                end = min(start + n + self.num_speculative_tokens, num_tokens)
-                return tokens[start + n : end].tolist()
+                period = num_tokens - n - start  # the suffix repeats the match this far back
+                offsets = np.arange(self.num_speculative_tokens) % period
+                return tokens[start + n + offsets].tolist()
         return []
 
 
