@@ -120,6 +120,10 @@ class EngineStats:
     num_free_blocks: int = 0
     num_steps: int = 0
     num_aborted: int = 0  # requests aborted while unfinished (callers that went away)
+    # Speculative decoding totals (``scheduler/spec_decode.py``: SpecDecodingStats); 0 without.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

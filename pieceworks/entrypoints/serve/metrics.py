@@ -3,8 +3,9 @@
 Names follow vLLM's ``vllm:`` metrics under a ``pieceworks:`` prefix: running and waiting
 requests and KV-cache usage (gauges read from the engine loop's ``EngineStats`` at scrape time),
 time to first token and time per output token (histograms, seconds), generated and prompt tokens
-and finished requests by finish reason (counters). One registry per server, so several servers
-in one process (tests) never share counts.
+and finished requests by finish reason (counters), and with speculative decoding the verified
+and accepted proposals (``spec_decode_*`` counters, from the stats' totals). One registry per
+server, so several servers in one process (tests) never share counts.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ _TPOT_BUCKETS = (
 )
 
 
+# (EngineStats field, counter name, help): speculative decoding, as vLLM names them.
+_SPEC_COUNTERS = (
+    ("spec_num_drafts", "num_drafts", "Requests verified with proposals"),
+    ("spec_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified"),
+    ("spec_num_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted"),
+)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -104,6 +113,12 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        # vLLM's speculative decoding counters; totals from the engine's stats at each render.
+        self.spec_counters = {
+            field: Counter(f"pieceworks:spec_decode_{name}", text, labels, registry=self.registry)
+            for field, name, text in _SPEC_COUNTERS
+        }
+        self._spec_totals = dict.fromkeys(self.spec_counters, 0)
         self.model_name = model_name
 
     def observe_first_token(self, seconds: float) -> None:
@@ -130,4 +145,9 @@ class ServerMetrics:
         self.running.labels(self.model_name).set(stats.num_running)
         self.waiting.labels(self.model_name).set(stats.num_waiting)
         self.kv_usage.labels(self.model_name).set(stats.kv_cache_usage)
+        for field, counter in self.spec_counters.items():
+            total = getattr(stats, field)
+            if total > self._spec_totals[field]:
+                counter.labels(self.model_name).inc(total - self._spec_totals[field])
+                self._spec_totals[field] = total
         return generate_latest(self.registry)
