@@ -255,6 +255,8 @@ class Scheduler:
                 continue
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
             proposals = proposals_to_verify(request, token_budget) if num_new_tokens == 1 else []
+            if not self.block_manager.can_allocate(request, num_new_tokens + len(proposals)):
+                proposals = []  # no preemption for a guess
             num_new_tokens += len(proposals)  # their KV slots: the lookahead slots
             num_kv_tokens = num_new_tokens + num_steps - 1  # the later steps' KV, reserved ahead
             if not self._allocate_or_preempt(request, num_kv_tokens, preempted):

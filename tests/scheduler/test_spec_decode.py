@@ -76,3 +76,14 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_request_there():
     assert finished == [request] and request.finish_reason == "stop"
     assert request.output_token_ids == [100, 7, 8]
     assert scheduler.block_manager.num_free_blocks == 32
+
+
+def test_proposals_are_dropped_rather_than_preempting_anyone():
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = Scheduler(config, CacheConfig(block_size=4), max_model_len=64, num_blocks=5)
+    first = decoding(scheduler, "a", 7, max_tokens=8)  # positions 0-6: two blocks
+    second = decoding(scheduler, "b", 7, max_tokens=8)  # two blocks; a fills its second
+    second.spec_token_ids = [1, 2, 3]  # positions 8-10 need a block: a takes the last free
+    output = scheduler.schedule()
+    assert not output.preempted_requests and first.status == second.status
+    assert [item.spec_token_ids for item in output.scheduled_requests] == [[], []]
