@@ -9,7 +9,8 @@ stop string inside accepted runs, an abort, ``max_tokens`` of 1) runs through ``
 streaming with and without ``speculative_config`` (k = 3), in eager mode and with PIECEWISE and
 FULL_AND_PIECEWISE graphs on simgraph. Proved, per request: the same tokens, text and finish
 reason (the aborted request: one a prefix of the other); no delta after a finish; proposals were
-accepted and rejected; nothing leaked; with FULL graphs, uniform verify batches replayed the
+accepted and rejected; nothing leaked; requests preempted while others verify resume with the
+same tokens; with FULL graphs, uniform verify batches replayed the
 FULL graph captured for 4 query tokens per sequence. The real n-gram proposer on llama-tiny at
 its preset scale (whose greedy text repeats one token) accepts nearly every proposal and gives
 the same tokens as decoding without it; logprobs of accepted tokens equal those without
@@ -182,7 +183,6 @@ def test_verified_greedy_tokens_equal_decoding_without_speculation(
     assert spec["b"][2] == "stop" and spec["c"][2] == "stop"
     assert [len(spec[rid][0]) for rid in "adfg"] == [12, 20, 8, 1]
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert any(output.preempted_requests for output, _ in planned)
     if mode == "full_and_piecewise":
         verify_modes = {
             (mode_, descriptor.uniform_query_len)
@@ -190,6 +190,34 @@ def test_verified_greedy_tokens_equal_decoding_without_speculation(
             if output.uniform_decode_query_len == K + 1
         }
         assert (CUDAGraphMode.FULL, K + 1) in verify_modes
+
+
+def test_preemption_with_proposals_keeps_the_tokens(checkpoint):
+    """Three requests of up to 39 KV tokens (3 blocks of 16 each) in 4 blocks: they cannot all
+    run; the newest is preempted while the others verify proposals, and resumes."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    arrivals = {
+        0: [("p", list(range(20, 40)), params), ("q", [3, 1] * 9, params)],
+        1: [("s", list(range(60, 72)), params)],
+    }
+    plain_llm = make_llm(checkpoint, "eager", speculative=False)
+    plain = results(run_unbounded(plain_llm, arrivals))
+    plain_llm.shutdown()
+    llm = make_llm(checkpoint, "eager", speculative=True)
+    llm.engine.proposer = OracleProposer(
+        {
+            tuple(prompt): (plain[rid][0], "right")
+            for step in arrivals.values()
+            for rid, prompt, _ in step
+        }  # fmt: skip
+    )
+    schedule, outputs = llm.engine.scheduler.schedule, []
+    llm.engine.scheduler.schedule = lambda: outputs.append(schedule()) or outputs[-1]
+    assert results(run_unbounded(llm, arrivals)) == plain
+    assert llm.engine.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
+    assert any(output.preempted_requests for output in outputs)
+    assert llm.engine.scheduler.spec_decoding_stats.num_accepted_tokens > 0
+    llm.shutdown()
 
 
 def test_ngram_proposals_on_repeating_text_are_accepted_and_change_nothing():
