@@ -76,6 +76,19 @@ class SpeculativeConfig:
         """KV slots a decode may need beyond its one known token: one per proposal."""
         return self.num_speculative_tokens
 
+    def verify_graph_sizes(self, config: Any) -> list[int]:
+        """Token counts of the FULL graphs captured for uniform verify batches: ``S * (1 + k)``
+        for each capture size ``S`` of sequences that a decode batch can have and whose tokens
+        fit one step."""
+        query_len = 1 + self.num_speculative_tokens
+        scheduler = config.scheduler_config
+        return [
+            size * query_len
+            for size in config.compilation_config.cudagraph_capture_sizes or []
+            if size <= scheduler.max_num_seqs
+            and size * query_len <= scheduler.max_num_batched_tokens
+        ]
+
     @classmethod
     def from_fields(cls, fields: SpeculativeConfig | dict[str, Any] | str | None) -> Any:
         """A config from vLLM's dict (or its JSON text); None stays None. Unknown keys are

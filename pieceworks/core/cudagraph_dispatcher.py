@@ -40,21 +40,18 @@ class CudagraphDispatcher:
             self.cudagraph_keys[CUDAGraphMode.FULL] |= {
                 BatchDescriptor(size, uniform_decode=True) for size in sizes if size <= max_num_seqs
             }
-            self.cudagraph_keys[CUDAGraphMode.FULL] |= self._verify_keys(sizes)
+            self.cudagraph_keys[CUDAGraphMode.FULL] |= self._verify_keys()
 
-    def _verify_keys(self, sizes: list[int]) -> set[BatchDescriptor]:
-        """The uniform verify batches of speculative decoding (none without it): ``size``
-        sequences of ``1 + k`` tokens each, for the decode capture sizes whose tokens fit a step."""
+    def _verify_keys(self) -> set[BatchDescriptor]:
+        """The uniform verify batches of speculative decoding (none without it): ``S`` sequences
+        of ``1 + k`` tokens each (``SpeculativeConfig.verify_graph_sizes``)."""
         spec = self.config.speculative_config
         if spec is None:
             return set()
         query_len = 1 + spec.num_speculative_tokens
-        scheduler = self.config.scheduler_config
         return {
-            BatchDescriptor(size * query_len, uniform_decode=True, uniform_query_len=query_len)
-            for size in sizes
-            if size <= scheduler.max_num_seqs
-            and size * query_len <= scheduler.max_num_batched_tokens
+            BatchDescriptor(num_tokens, uniform_decode=True, uniform_query_len=query_len)
+            for num_tokens in spec.verify_graph_sizes(self.config)
         }
 
     def dispatch(self, descriptor: BatchDescriptor) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
