@@ -14,18 +14,22 @@ same tokens; with FULL graphs, uniform verify batches replayed the
 FULL graph captured for 4 query tokens per sequence. The real n-gram proposer on llama-tiny at
 its preset scale (whose greedy text repeats one token) accepts nearly every proposal and gives
 the same tokens as decoding without it; logprobs of accepted tokens equal those without
-speculation; a seeded sampled request gives the same tokens twice.
+speculation; a seeded sampled request gives the same tokens twice; ``AsyncLLMEngine`` streams
+the same tokens, several per delta, and its stats carry the acceptance totals.
 
 Run: ``PIECEWORKS_PLATFORM=cpu pytest tests/engine/test_spec_decode_engine.py -q``
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import pytest
 
 from pieceworks.core.config import CUDAGraphMode
+from pieceworks.engine.async_engine import AsyncLLMEngine
+from pieceworks.engine.core_client import InprocEngineClient
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.output_processor import OutputProcessor
 from pieceworks.sampling_params import SamplingParams
@@ -241,3 +245,37 @@ def test_ngram_proposals_on_repeating_text_are_accepted_and_change_nothing():
     first, second = (llm.generate(prompts[:1], seeded)[0].outputs[0].token_ids for _ in range(2))
     assert first == second
     llm.shutdown()
+
+
+def test_async_engine_streams_verified_runs():
+    prompts = [[5, 6, 7, 5, 6, 7], [1, 2, 3], [8] * 11]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def stream_all(speculative: bool) -> tuple[list[list[list[int]]], object]:
+        llm = make_llm("llama-tiny", "eager", speculative, num_blocks=None)
+        engine = AsyncLLMEngine(InprocEngineClient(llm.engine))
+
+        async def one(index: int) -> list[list[int]]:
+            await asyncio.sleep(0.01 * index)  # arrivals while others decode
+            chunks = []
+            async for delta in engine.generate(prompts[index], params, f"r{index}"):
+                assert delta.error is None
+                chunks.append(delta.new_token_ids)
+            assert delta.finish_reason == "length"
+            return chunks
+
+        async def main() -> list[list[list[int]]]:
+            engine.start()
+            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+        try:
+            return asyncio.run(main()), engine.stats
+        finally:
+            engine.shutdown()
+
+    (plain, _), (spec, stats) = stream_all(False), stream_all(True)
+    for plain_chunks, spec_chunks in zip(plain, spec):
+        tokens = [token for chunk in spec_chunks for token in chunk]
+        assert tokens == [token for chunk in plain_chunks for token in chunk]
+        assert len(tokens) == 12 and len(spec_chunks) < len(tokens)
+    assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
