@@ -13,10 +13,8 @@ import dataclasses
 import json
 from typing import Any
 
-# Methods a user may name; "draft_model" is vLLM's name for a smaller model of the same
-# vocabulary proposing the tokens: refused until implemented.
-SPECULATIVE_METHODS = ("ngram",)
-NOT_IMPLEMENTED_METHODS = ("draft_model",)
+# Methods a user may name: prompt lookup, and a smaller model of the same vocabulary.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's default n-gram window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -28,27 +26,25 @@ class SpeculativeConfig:
     ``ngram`` (prompt lookup): the last ``n`` tokens of a request, ``n`` from
     ``prompt_lookup_max`` down to ``prompt_lookup_min``, are looked up in its prompt and output so
     far, and the ``num_speculative_tokens`` tokens that followed the latest earlier match are
-    proposed. One bound given alone sets the other.
+    proposed. One bound given alone sets the other. ``draft_model``: ``model`` (a preset, an HF
+    directory or a GGUF file with the target's vocabulary) proposes its greedy tokens.
     """
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    model: str | None = None  # the draft model ("draft_model"; not implemented)
+    model: str | None = None  # the draft model ("draft_model")
 
     def __post_init__(self) -> None:
-        if self.method in NOT_IMPLEMENTED_METHODS:
-            raise ValueError(
-                f"speculative_config method {self.method!r} is not implemented; use one of "
-                f"{list(SPECULATIVE_METHODS)}"
-            )
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative_config method {self.method!r} is unknown; use one of "
                 f"{list(SPECULATIVE_METHODS)}"
             )
-        if self.model is not None:
+        if self.method == "draft_model":
+            self._check_draft_model()
+        elif self.model is not None:
             raise ValueError(
                 f"speculative_config 'model' is for the 'draft_model' method, not {self.method!r}"
             )
@@ -57,6 +53,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config num_speculative_tokens={k!r} must be a positive integer"
             )
+        if self.method == "ngram":
+            self._resolve_lookup_bounds()
+
+    def _resolve_lookup_bounds(self) -> None:
+        """One bound sets the other; neither: vLLM's default."""
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP
@@ -70,6 +71,22 @@ class SpeculativeConfig:
                 f"speculative_config prompt_lookup_min={low} is above prompt_lookup_max={high}"
             )
         self.prompt_lookup_min, self.prompt_lookup_max = low, high
+
+    def _check_draft_model(self) -> None:
+        if not self.model:
+            raise ValueError(
+                "speculative_config method 'draft_model' needs 'model': the draft model (a "
+                "preset, an HF directory or a GGUF file with the target's vocabulary)"
+            )
+        set_bounds = [
+            name
+            for name in ("prompt_lookup_min", "prompt_lookup_max")
+            if getattr(self, name) is not None
+        ]
+        if set_bounds:
+            raise ValueError(
+                f"speculative_config {set_bounds} apply to the 'ngram' method, not 'draft_model'"
+            )
 
     @property
     def num_lookahead_slots(self) -> int:

@@ -1,8 +1,9 @@
 """``speculative_config`` is read as vLLM's dict or JSON, and what is not implemented is refused.
 
 Proves: the JSON text of ``--speculative-config`` and the dict give the same config; one lookup
-bound sets the other and neither gives vLLM's default; unknown keys, unknown methods, the
-not-yet-implemented ``draft_model``, a missing ``num_speculative_tokens``, bad bounds,
+bound sets the other and neither gives vLLM's default; unknown keys, unknown methods,
+``draft_model`` without a model or with n-gram bounds, a missing ``num_speculative_tokens``,
+bad bounds,
 ``num_scheduler_steps > 1``, tensor parallelism and a hybrid (Mamba) model are refused with a
 message naming them; speculation turns async scheduling off; the CLI flag reaches the engine
 arguments.
@@ -40,10 +41,17 @@ def test_json_and_dict_give_the_same_config():
     [
         ({**NGRAM, "lookahead": 2}, r"unknown key\(s\) \['lookahead'\]"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is unknown"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
         (
-            {"method": "draft_model", "model": "x", "num_speculative_tokens": 2},
-            "'draft_model' is not implemented",
+            {
+                "method": "draft_model",
+                "model": "x",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_max": 3,
+            },  # fmt: skip
+            "apply to the 'ngram' method",
         ),
+        ({"model": "x", "num_speculative_tokens": 2}, "'model' is for the 'draft_model'"),
         ({"method": "ngram"}, "needs num_speculative_tokens"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens=0"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "above"),

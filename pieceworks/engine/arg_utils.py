@@ -119,3 +119,42 @@ def build_engine_config(
         compilation_config=_compilation(compilation_config, args.enforce_eager),
         speculative_config=args.speculative_config,
     )
+
+
+def draft_engine_config(config: EngineConfig) -> EngineConfig | None:
+    """The draft model's engine config for ``speculative_config`` method ``draft_model`` (None
+    otherwise): the target's settings (dtype, lengths, KV block size, batch limits, compilation)
+    for the draft checkpoint, scheduled synchronously. A draft of another vocabulary, or a hybrid
+    (Mamba) draft whose state cannot be rewound, is refused naming it."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    assert spec.model is not None
+    hf_config = resolve_hf_config(spec.model)
+    check_hf_config(hf_config, source=config_source(spec.model))
+    target_vocab = config.model_config.hf_config.get("vocab_size")
+    if hf_config.get("vocab_size") != target_vocab:
+        raise ValueError(
+            f"speculative_config model {spec.model!r} has a vocabulary of "
+            f"{hf_config.get('vocab_size')} tokens, the target {target_vocab}; a draft model "
+            "must share the target's vocabulary"
+        )
+    if any(key.startswith("mamba") for key in hf_config):
+        raise ValueError(
+            f"speculative_config model {spec.model!r} is a hybrid (Mamba) model, whose state "
+            "cannot be rewound past rejected tokens; use a transformer draft"
+        )
+    model = config.model_config
+    return EngineConfig(
+        model_config=ModelConfig(
+            model=spec.model,
+            hf_config=with_architecture_defaults(hf_config),
+            dtype=model.dtype,
+            max_model_len=model.max_model_len,
+            seed=model.seed,
+        ),
+        cache_config=dataclasses.replace(config.cache_config),
+        scheduler_config=dataclasses.replace(config.scheduler_config, async_scheduling=False),
+        parallel_config=dataclasses.replace(config.parallel_config),
+        compilation_config=_compilation(config.compilation_config, enforce_eager=False),
+    )

@@ -25,6 +25,7 @@ import threading
 import time
 
 from pieceworks.config import CompilationLevel, EngineConfig
+from pieceworks.engine.arg_utils import draft_engine_config
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.output import REJECTED_TOKEN_ID, SchedulerOutput
@@ -71,7 +72,9 @@ class EngineCore:
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
         spec = config.speculative_config
-        self.proposer = make_proposer(spec) if spec is not None else None
+        with _ENGINE_LOCK:
+            draft_config = draft_engine_config(config)  # None unless a draft model proposes
+            self.proposer = make_proposer(spec, draft_config) if spec is not None else None
         # The launched step whose tokens have not been read yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
         # The step whose tokens are being applied (a failure there abandons it too).
@@ -155,7 +158,7 @@ class EngineCore:
         self._check_running()
         aborted = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         for request in aborted:
-            self.executor.release(request.request_id)
+            self._release(request.request_id)
         return bool(aborted)
 
     def stop_request(self, request_id: str) -> bool:
@@ -164,7 +167,7 @@ class EngineCore:
         self._check_running()
         stopped = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
         for request in stopped:
-            self.executor.release(request.request_id)
+            self._release(request.request_id)
         return bool(stopped)
 
     def has_unfinished_requests(self) -> bool:
@@ -225,7 +228,7 @@ class EngineCore:
                 del request.output_logprobs[request.num_output_tokens :]
         self._applying = None
         for request in finished:
-            self.executor.release(request.request_id)
+            self._release(request.request_id)
         return finished
 
     def _abandon_pending_steps(self) -> list[str]:
@@ -245,7 +248,7 @@ class EngineCore:
         )
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request in aborted:
-            self.executor.release(request.request_id)
+            self._release(request.request_id)
         if aborted:
             logger.warning(
                 "an engine step failed; aborted its %d request(s): %s",
@@ -253,6 +256,12 @@ class EngineCore:
                 ", ".join(r.request_id for r in aborted),
             )
         return request_ids
+
+    def _release(self, request_id: str) -> None:
+        """Forget a finished request's generator and its proposer state."""
+        self.executor.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     @property
     def is_shut_down(self) -> bool:
@@ -268,6 +277,8 @@ class EngineCore:
         """Free the captured graphs; stop tensor-parallel workers and free the process group."""
         self._shut_down = True
         with _ENGINE_LOCK:
+            if self.proposer is not None:
+                self.proposer.shutdown()
             self.executor.shutdown()
 
 

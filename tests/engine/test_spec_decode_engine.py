@@ -131,12 +131,16 @@ def stops(reference: dict) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def references(checkpoint):
-    """The workload's results without speculation (eager), and the stops they give."""
+def plain_run(checkpoint):
+    """The workload (its stops taken from a first run) and its results without speculation, in
+    eager mode: greedy tokens do not depend on the graph mode."""
     llm = make_llm(checkpoint, "eager", speculative=False, num_blocks=None)
-    free = results(run_unbounded(llm, workload(None, None)))
+    arrivals = workload(*stops(results(run_unbounded(llm, workload(None, None)))))
     llm.shutdown()
-    return free, stops(free)
+    llm = make_llm(checkpoint, "eager", speculative=False)
+    plain = results(run(llm, arrivals))
+    llm.shutdown()
+    return arrivals, plain
 
 
 def run_unbounded(llm: LLM, arrivals: dict[int, list[tuple]]) -> list:
@@ -154,20 +158,16 @@ def run_unbounded(llm: LLM, arrivals: dict[int, list[tuple]]) -> list:
 @pytest.mark.platform_agnostic
 @pytest.mark.parametrize("mode", ["eager", "piecewise", "full_and_piecewise"])
 def test_verified_greedy_tokens_equal_decoding_without_speculation(
-    checkpoint, references, graph_platform, mode
+    checkpoint, plain_run, graph_platform, mode
 ):
-    free, (stop_token, stop_string) = references
-    arrivals = workload(stop_token, stop_string)
+    arrivals, plain = plain_run
     oracle = OracleProposer(
         {
-            tuple(prompt): (free[request_id][0], KINDS[request_id])
+            tuple(prompt): (plain[request_id][0], KINDS[request_id])
             for step in arrivals.values()
             for request_id, prompt, _ in step
         }
     )
-    plain_llm = make_llm(checkpoint, mode, speculative=False)
-    plain = results(run(plain_llm, arrivals))
-    plain_llm.shutdown()
 
     llm = make_llm(checkpoint, mode, speculative=True)
     llm.engine.proposer = oracle

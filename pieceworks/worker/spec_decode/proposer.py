@@ -10,28 +10,35 @@ likes: verification keeps exactly the target's tokens (greedy) or the target's d
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Sequence
 
 from pieceworks.scheduler.request import Request
 from pieceworks.speculative_config import SpeculativeConfig
 
 
-class Proposer(abc.ABC):
+class Proposer:
     """Guesses the next tokens of a batch of requests."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
 
-    @abc.abstractmethod
     def propose(self, token_ids: Sequence[int]) -> list[int]:
         """At most ``num_speculative_tokens`` guesses for the tokens after ``token_ids`` (the
-        request's prompt and output so far); [] when it has none."""
+        request's prompt and output so far); [] when it has none. A proposer that keeps state
+        per request overrides ``propose_requests`` instead."""
+        raise NotImplementedError(f"{type(self).__name__} proposes per request")
 
-    def propose_batch(self, batch: Sequence[Sequence[int]]) -> list[list[int]]:
-        """``propose`` for each request's tokens."""
-        return [self.propose(token_ids) for token_ids in batch]
+    def propose_requests(self, requests: Sequence[Request]) -> list[list[int]]:
+        """Guesses for each of the step's decoding requests (every other request of the last
+        call is gone or not decoding now): ``propose`` of each one's tokens."""
+        return [self.propose(request.all_token_ids) for request in requests]
+
+    def release(self, request_id: str) -> None:
+        """Forget what the proposer keeps for a finished request (nothing, by default)."""
+
+    def shutdown(self) -> None:
+        """Free what the proposer holds on the device (nothing, unless it runs a model)."""
 
 
 def propose_for_running(proposer: Proposer, running: Sequence[Request]) -> None:
@@ -46,6 +53,6 @@ def propose_for_running(proposer: Proposer, running: Sequence[Request]) -> None:
             and request.num_output_placeholders == 0
         ):
             decoding.append(request)
-    proposals = proposer.propose_batch([request.all_token_ids for request in decoding])
+    proposals = proposer.propose_requests(decoding)
     for request, spec_token_ids in zip(decoding, proposals):
         request.spec_token_ids = spec_token_ids
