@@ -4,8 +4,10 @@
 #
 # Usage: OUT=dir bash benchmarks/gpu_suite.sh [steps...]
 #   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 qwen3
-#   gemma3 bamba breakable serve throughput startup tests kernels (tests_parallel: the tests and kernels steps
-#   in four concurrent groups, for a call with a time limit)
+#   gemma3 bamba breakable serve structured prefix throughput startup tests kernels
+#   (tests_parallel: the tests and kernels steps in four concurrent groups, for a call with a time
+#   limit; structured: TPOT with and without a json_schema constraint; prefix: a shared system
+#   prompt with and without prefix caching)
 #   OUT: where JSON, plots and logs go (default docs/bench); COMMIT: recorded in each JSON
 #   (default: git's HEAD where this is a checkout).
 # Every step is guarded: one that fails is logged with its exit status and the next one runs.
@@ -28,7 +30,7 @@ mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
 COMMIT=${COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
-steps=${*:-"install versions bench125m smollm2 bench8b fp8 qwen3 gemma3 bamba breakable serve throughput startup tests kernels"}
+steps=${*:-"install versions bench125m smollm2 bench8b fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests kernels"}
 failed=()
 
 step() {  # name, command...: log to $OUT/logs/<name>.log and the console, never stop the suite
@@ -70,25 +72,56 @@ EOF
   echo "$dir"
 }
 
-serve() {  # name, model, serve flags...: start the server, load it at concurrency 8 and 64, stop it
+start_server() {  # name, model, serve flags...: start the server on port 8123 and wait for it
   local name=$1 model=$2; shift 2
-  local port=8123 log="$OUT/logs/${name}_server.log"
-  python3 -m pieceworks.entrypoints.cli serve "$model" --port "$port" "$@" >"$log" 2>&1 &
-  local pid=$! waited=0
-  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; do
+  local log="$OUT/logs/${name}_server.log" waited=0
+  python3 -m pieceworks.entrypoints.cli serve "$model" --port 8123 "$@" >"$log" 2>&1 &
+  server_pid=$!
+  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8123/health', timeout=2)" 2>/dev/null; do
     sleep 2; waited=$((waited + 2))
-    if ! kill -0 "$pid" 2>/dev/null || [ "$waited" -ge 300 ]; then
-      echo "=== $name: server did not come up (log: $log)"; tail -n 20 "$log"; kill "$pid" 2>/dev/null
-      failed+=("$name"); return
+    if ! kill -0 "$server_pid" 2>/dev/null || [ "$waited" -ge 300 ]; then
+      echo "=== $name: server did not come up (log: $log)"; tail -n 20 "$log"; kill "$server_pid" 2>/dev/null
+      failed+=("$name"); return 1
     fi
   done
   echo "=== $name: server up after ${waited} s"
+}
+
+bench_serve() {  # name, bench serve flags...: one load run against the server on port 8123
+  local name=$1; shift
+  step "$name" python3 -m pieceworks.entrypoints.cli bench serve --base-url http://127.0.0.1:8123 \
+    --output-json "$OUT/serve_$name.json" "$@"
+}
+
+serve() {  # name, model, serve flags...: start the server, load it at concurrency 8 and 64, stop it
+  local name=$1 model=$2; shift 2
+  start_server "$name" "$model" "$@" || return
   for c in 8 64; do
-    step "${name}_c$c" python3 -m pieceworks.entrypoints.cli bench serve \
-      --base-url "http://127.0.0.1:$port" --num-prompts 256 --input-len 128 --output-len 128 \
-      --max-concurrency "$c" --output-json "$OUT/serve_${name}_c$c.json"
+    bench_serve "${name}_c$c" --num-prompts 256 --input-len 128 --output-len 128 --max-concurrency "$c"
   done
-  kill -INT "$pid"; wait "$pid" 2>/dev/null
+  kill -INT "$server_pid"; wait "$server_pid" 2>/dev/null
+}
+
+# A JSON schema whose strings a random model can fill for the whole output length.
+JSON_SCHEMA='{"response_format": {"type": "json_schema", "json_schema": {"name": "note", "schema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}}'
+
+structured() {  # TPOT at concurrency 8 with and without a json_schema constraint, one server
+  start_server structured "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 || return
+  local common=(--num-prompts 128 --input-len 128 --output-len 128 --max-concurrency 8)
+  bench_serve structured_free "${common[@]}"
+  bench_serve structured_json "${common[@]}" --extra-body "$JSON_SCHEMA"
+  kill -INT "$server_pid"; wait "$server_pid" 2>/dev/null
+}
+
+prefix() {  # a 1,024-token shared system prompt, with and without prefix caching
+  local flags=(--dtype bfloat16 --max-num-seqs 64)
+  local load=(--workload shared-prefix --prefix-len 1024 --input-len 32 --output-len 128 --num-prompts 256 --max-concurrency 64)
+  start_server prefix_on "$(smollm2_model)" "${flags[@]}" || return
+  bench_serve prefix_on_c64 "${load[@]}"
+  kill -INT "$server_pid"; wait "$server_pid" 2>/dev/null
+  start_server prefix_off "$(smollm2_model)" "${flags[@]}" --no-enable-prefix-caching || return
+  bench_serve prefix_off_c64 "${load[@]}"
+  kill -INT "$server_pid"; wait "$server_pid" 2>/dev/null
 }
 
 compile_bytecode() {  # compile the installed Python sources once, as pip does when it installs
@@ -148,6 +181,8 @@ for name in $steps; do
     serve) serve smollm2 "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64
            serve smollm2_inproc "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 --engine-in-process
            serve llama8b llama-3.1-8b --max-num-seqs 64 ;;
+    structured) structured ;;
+    prefix) prefix ;;
     throughput) step throughput python3 -m pieceworks.entrypoints.cli bench throughput --model "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 --num-prompts 512 --input-len 128 --output-len 128 --output-json "$OUT/throughput_smollm2.json" ;;
     startup) export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pw_pycache}
              step bytecode compile_bytecode
@@ -162,7 +197,7 @@ for name in $steps; do
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 qwen3 gemma3 bamba breakable serve throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
   esac
 done
 

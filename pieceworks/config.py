@@ -113,6 +113,9 @@ class CacheConfig:
     # At most this many bytes of KV cache (None: what gpu_memory_utilization leaves). Platforms
     # whose device memory is host RAM (the CPU) set a default: see check_and_update_config.
     kv_cache_memory_bytes: int | None = None
+    # Reuse the KV of full blocks whose tokens an earlier request computed (docs/engine.md
+    # "Prefix caching"); hybrid models with Mamba layers turn it off.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -4,12 +4,15 @@ Owns validation of the user-facing sampling knobs (vLLM's names and meanings). I
 ``pieceworks.worker.sampler`` turns a batch of these into per-row tensors once per step, the
 scheduler reads ``max_tokens``, ``stop_token_ids`` and ``ignore_eos`` to finish requests, and the
 ``OutputProcessor`` reads ``n``, ``stop``, ``logprobs``, ``prompt_logprobs`` and
-``skip_special_tokens``.
+``skip_special_tokens``; the sampler reads ``logit_bias``. ``structured_outputs`` (a
+``StructuredOutputsParams``) constrains the tokens to a JSON schema, a regex, a choice of strings
+or an EBNF grammar (``pieceworks.worker.structured_output`` compiles and enforces it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json as json_text
 import math
 import numbers
 from collections.abc import Sequence
@@ -19,6 +22,61 @@ SAMPLING_EPS = 1e-5
 # The seeds a ``torch.Generator`` takes (``manual_seed``: a signed or unsigned 64-bit integer).
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+
+
+# The kinds of constraint ``StructuredOutputsParams`` carries, one per request (vLLM's names).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One request's output constraint (vLLM's ``StructuredOutputsParams``): exactly one of
+    ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice`` (the output is one
+    of these strings), ``grammar`` (EBNF, xgrammar's dialect of GBNF) or ``json_object`` (any
+    JSON object). ``disable_any_whitespace`` makes JSON compact (xgrammar's fixed separators)
+    instead of allowing whitespace between tokens. A dict schema is kept as its JSON text, so
+    the params stay hashable and equal schemas share one compiled grammar."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json_text.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [
+            kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+                f"got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(f"structured_outputs choice={self.choice!r} must be non-empty strings")
+        for kind in ("json", "regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs {kind}={value!r} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, spec, disable_any_whitespace): what a compiled grammar is cached by."""
+        spec = getattr(self, self.kind)
+        text = "\x00".join(spec) if self.kind == "choice" else str(spec)
+        return self.kind, text, self.disable_any_whitespace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +111,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         # Frozen: normalise through object.__setattr__ so a list argument becomes a hashable tuple.
@@ -63,6 +123,7 @@ class SamplingParams:
         self._verify_stopping()
         self._verify_outputs()
         self._verify_seed()
+        self._verify_logit_bias()
 
     def _verify_sampling(self) -> None:
         for name in ("temperature", "top_p"):
@@ -109,6 +170,12 @@ class SamplingParams:
                 )
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens={self.skip_special_tokens!r} must be a bool")
+        constraint = self.structured_outputs
+        if constraint is not None and not isinstance(constraint, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs={constraint!r} must be a StructuredOutputsParams "
+                "(json=, regex=, choice=, grammar= or json_object=True)"
+            )
 
     def _verify_seed(self) -> None:
         seed = self.seed
@@ -122,6 +189,29 @@ class SamplingParams:
                 f"seed={seed} must be in [-2**63, 2**64 - 1] (what torch.Generator takes), and "
                 f"so must seed + n - 1 (completion i of n samples with seed + i; n={self.n})"
             )
+
+    def _verify_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(
+                f"logit_bias={self.logit_bias!r} must be a dict of token id -> bias, or None"
+            )
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias={{{token!r}: ...}}: token ids are integers >= 0")
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, numbers.Real)
+                or not -100.0 <= bias <= 100.0
+            ):
+                raise ValueError(
+                    f"logit_bias={{{token}: {bias!r}}}: a bias is a number in [-100, 100]"
+                )
+        # A private copy: the caller's dict may change after the request is made.
+        object.__setattr__(
+            self, "logit_bias", {t: float(b) for t, b in self.logit_bias.items()} or None
+        )
 
     @property
     def is_greedy(self) -> bool:

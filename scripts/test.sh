@@ -36,7 +36,7 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 echo "== cpu (pytest on the CPU platform)"
-PIECEWORKS_PLATFORM=cpu "$VENV/bin/python" -m pytest tests -m "not gpu" -q --durations=15 \
+PIECEWORKS_PLATFORM=cpu "$VENV/bin/python" -m pytest tests -m "not gpu and not slow" -q --durations=15 \
   "${PARALLEL[@]}" "$@"
 echo "== plugin (platform-agnostic tests through the simgraph platform)"
 PIECEWORKS_PLATFORM=simgraph "$VENV/bin/python" -m pytest tests -m "platform_agnostic and not gpu" \

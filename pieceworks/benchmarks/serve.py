@@ -7,8 +7,10 @@ sampled uniformly within ``range_ratio`` of it) or lines of a text file; every r
 ``output_len`` tokens (sampled the same way) with ``ignore_eos`` so the lengths hold. Per request
 it records the time to the first token (TTFT), the gaps between streamed tokens (ITL) and the
 time per output token after the first (TPOT); the summary gives their mean, p50, p90 and p99 in
-milliseconds and the request, output-token and total-token throughput. Only the client side is
-here: the server is whatever answers at ``base_url``.
+milliseconds and the request, output-token and total-token throughput, and, when the caller
+adds them (``serve_workloads.py``, which also holds the shared-prefix and multi-turn workloads),
+the server's prefix-cache hit rate over the run. Only the client side is here: the server is
+whatever answers at ``base_url``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class RequestResult:
     latency_s: float = 0.0
     output_tokens: int = 0
     itl_s: list[float] = dataclasses.field(default_factory=list)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def tpot_s(self) -> float | None:
@@ -99,9 +102,11 @@ async def _send(http: Any, url: str, body: dict[str, Any], result: RequestResult
             if chunk.get("usage"):  # the last chunk: the server's own count of prompt tokens
                 result.prompt_len = chunk["usage"]["prompt_tokens"]
             choices = chunk.get("choices") or [{}]
-            num_tokens = len(choices[0].get("token_ids") or [])
+            token_ids = choices[0].get("token_ids") or []
+            num_tokens = len(token_ids)
             if not num_tokens:
                 continue
+            result.output_token_ids.extend(token_ids)
             now = time.perf_counter()
             if result.output_tokens == 0:
                 result.ttft_s = now - start
@@ -113,6 +118,30 @@ async def _send(http: Any, url: str, body: dict[str, Any], result: RequestResult
     result.success = result.output_tokens > 0
 
 
+async def send_request(
+    http: Any,
+    model: str,
+    request: BenchRequest,
+    result: RequestResult,
+    ignore_eos: bool = True,
+    extra_body: dict[str, Any] | None = None,
+) -> None:
+    """Stream ``request`` as a greedy completion into ``result`` (``extra_body``'s fields added
+    to the request, e.g. a ``response_format``)."""
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": ignore_eos,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+        **(extra_body or {}),
+    }
+    await _send(http, "/v1/completions", body, result)
+
+
 async def run_benchmark(
     base_url: str,
     model: str,
@@ -122,6 +151,7 @@ async def run_benchmark(
     api_key: str | None = None,
     ignore_eos: bool = True,
     seed: int = 0,
+    extra_body: dict[str, Any] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every request as the rate and concurrency allow; results in request order and the
     wall seconds from the first send to the last answer."""
@@ -134,22 +164,12 @@ async def run_benchmark(
     results = [RequestResult(r.prompt_len) for r in requests]
 
     async def one(request: BenchRequest, result: RequestResult) -> None:
-        body = {
-            "model": model,
-            "prompt": request.prompt,
-            "max_tokens": request.output_len,
-            "temperature": 0.0,
-            "stream": True,
-            "ignore_eos": ignore_eos,
-            "return_token_ids": True,
-            "stream_options": {"include_usage": True},
-        }
         try:
             if gate is None:
-                await _send(http, "/v1/completions", body, result)
+                await send_request(http, model, request, result, ignore_eos, extra_body)
             else:
                 async with gate:
-                    await _send(http, "/v1/completions", body, result)
+                    await send_request(http, model, request, result, ignore_eos, extra_body)
         except Exception as error:  # a failed request is a result, not the end of the run
             result.error = repr(error)
 
@@ -214,6 +234,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         stats = summary[key]
         cells = "  ".join(f"p{p} {stats[f'p{p}']:.2f}" for p in PERCENTILES)
         lines.append(f"{label:5} (ms): mean {stats['mean']:.2f}  {cells}")
+    if summary.get("prefix_cache_hit_rate") is not None:
+        lines.append(
+            f"Prefix cache hit rate:      {summary['prefix_cache_hit_rate']:.1%} "
+            f"({summary['prefix_cache_hits']} of {summary['prefix_cache_queries']} tokens)"
+        )
     if summary["errors"]:
         lines.append(f"errors: {summary['errors']}")
     return "\n".join(lines)

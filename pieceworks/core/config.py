@@ -21,6 +21,7 @@ logger = init_logger(__name__)
 LIBRARY_NAMESPACE = "pieceworks"
 ATTENTION_OP = f"{LIBRARY_NAMESPACE}::unified_attention_with_output"
 MAMBA_MIXER2_OP = f"{LIBRARY_NAMESPACE}::mamba_mixer2"
+GATED_DELTA_NET_OP = f"{LIBRARY_NAMESPACE}::gated_delta_net"
 
 
 class CompilationLevel(enum.IntEnum):
@@ -118,7 +119,7 @@ class CompilationConfig:
 
     level: CompilationLevel = CompilationLevel.PIECEWISE
     backend: str | None = None  # "inductor" | "eager"; None: the platform's default
-    splitting_ops: list[str] | None = None  # None: attention + mamba_mixer2
+    splitting_ops: list[str] | None = None  # None: attention + mamba_mixer2 + gated_delta_net
     cudagraph_mode: CUDAGraphMode | None = None  # None: FULL_AND_PIECEWISE at level 3, else NONE
     cudagraph_capture_sizes: list[int] | None = None  # None: default_capture_sizes(max_num_seqs)
     # The largest capture size (vLLM's name): larger sizes are dropped, and the default grid
@@ -176,7 +177,7 @@ class CompilationConfig:
                 "use 'inductor' or 'eager'"
             )
         if self.splitting_ops is None:
-            self.splitting_ops = [ATTENTION_OP, MAMBA_MIXER2_OP]
+            self.splitting_ops = [ATTENTION_OP, MAMBA_MIXER2_OP, GATED_DELTA_NET_OP]
         mode_given = self.cudagraph_mode is not None
         self._resolve_cudagraph_mode()
         for entry in self.custom_ops:

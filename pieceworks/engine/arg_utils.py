@@ -47,6 +47,7 @@ class EngineArgs:
     num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"
     speculative_config: Any = None  # vLLM's dict (or its JSON text); see SpeculativeConfig
+    enable_prefix_caching: bool = True
 
 
 def resolve_hf_config(model: str) -> dict[str, Any]:
@@ -107,6 +108,7 @@ def build_engine_config(
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

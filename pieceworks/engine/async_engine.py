@@ -101,6 +101,7 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         *,
         reserved: bool = False,
+        priority: int = 0,
     ) -> AsyncIterator[RequestDelta]:
         """Yield the request's deltas until it finishes; leaving early aborts it.
 
@@ -119,7 +120,7 @@ class AsyncLLMEngine:
             if self.error is not None:
                 sink.put_nowait(_failed(request_id, self.error))
             else:
-                self.client.send(AddRequest(request_id, list(prompt_token_ids), params))
+                self.client.send(AddRequest(request_id, list(prompt_token_ids), params, priority))
             while not finished:
                 delta = await sink.get()
                 while not delta.finished and not sink.empty():  # the caller fell behind

@@ -15,6 +15,13 @@ With a ``speculative_config`` a proposer guesses each decoding request's next to
 step is scheduled (``Request.spec_token_ids``); the step verifies them and may append several
 tokens per request (docs/engine.md, "Speculative decoding").
 Start-up (load, compile, KV cache, capture) happens in the constructor and is timed for the report.
+
+A request with ``SamplingParams.structured_outputs`` has its grammar compiled when it is added
+(a ValueError if it does not compile); a step whose batch holds one first applies the previous
+step's tokens (no overlap with the device for that step), then asks the
+``StructuredOutputManager`` for the step's token bitmask, which the runner applies before
+sampling; such a step never runs as a multi-step output or in captured decode tails, and
+``num_constrained_steps`` counts them.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from pieceworks.worker.executor import make_executor
 from pieceworks.worker.sampled_tokens import SampledTokens
 from pieceworks.worker.spec_decode import make_proposer
 from pieceworks.worker.spec_decode.proposer import propose_for_running
+from pieceworks.worker.structured_output import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -69,6 +77,8 @@ class EngineCore:
             num_blocks,
             num_state_slots=self.runner.num_state_slots,  # Mamba state slots (hybrid models)
             async_scheduling=config.scheduler_config.async_scheduling,
+            model_identity=_model_identity(config),
+            sliding_window=self.runner.sliding_window,  # frees KV blocks outside the window
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
         spec = config.speculative_config
@@ -80,8 +90,18 @@ class EngineCore:
         # The step whose tokens are being applied (a failure there abandons it too).
         self._applying: SchedulerOutput | None = None
         self.eos_token_id = config.model_config.hf_config.get("eos_token_id")
+        self.extra_eos_token_ids: tuple[int, ...] = ()
         if isinstance(self.eos_token_id, list):
-            self.eos_token_id = self.eos_token_id[0]
+            self.eos_token_id, *extra = self.eos_token_id
+            self.extra_eos_token_ids = tuple(extra)
+        eos_token_ids = [t for t in [self.eos_token_id, *self.extra_eos_token_ids] if t is not None]
+        self.structured_output = StructuredOutputManager(
+            self._load_tokenizer,
+            config.model_config.hf_config.get("vocab_size") or 0,
+            eos_token_ids,
+        )
+        # Steps whose batch held a structured-output request (host sampler, single step).
+        self.num_constrained_steps = 0
         self._request_ids = itertools.count()
         self._shut_down = False
         # (uniform decode?, number of requests, wall seconds) of each recent decode step (a
@@ -144,11 +164,18 @@ class EngineCore:
             if any(not 0 <= t < vocab_size for t in prompt_token_ids):
                 raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
             _check_num_logprobs(params, vocab_size)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(
+                f"priority must be an int (lower is scheduled first), not {priority!r}"
+            )
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)  # once per grammar
         return Request(
             request_id=request_id or str(next(self._request_ids)),
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_id=self.eos_token_id,
+            extra_eos_token_ids=self.extra_eos_token_ids,
             priority=priority,
         )
 
@@ -198,8 +225,9 @@ class EngineCore:
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
             return self._finish_in_flight()  # nothing new to launch: only drain
+        finished = self._constrain(output)
         sampled = self.executor.execute_async(output)
-        finished = self._finish_in_flight()
+        finished += self._finish_in_flight()
         self._in_flight = (output, sampled)
         if not self.async_scheduling:
             finished += self._finish_in_flight()
@@ -210,6 +238,17 @@ class EngineCore:
         decodes_only = output.uniform_decode_query_len > 0  # verify batches included
         timing = (decodes_only, output.num_requests, seconds_per_step)
         step_seconds.extend([timing] * output.num_steps)
+        return finished
+
+    def _constrain(self, output: SchedulerOutput) -> list[Request]:
+        """Set the step's grammar bitmask when a producing request is constrained; the
+        matchers need the previous step's tokens first, so that step is finished here (the
+        requests it finished are returned)."""
+        if not any(s.request.sampling_params.structured_outputs for s in output.producing_requests):
+            return []
+        finished = self._finish_in_flight()
+        output.grammar_bitmask = self.structured_output.grammar_bitmask(output)
+        self.num_constrained_steps += 1
         return finished
 
     def _finish_in_flight(self) -> list[Request]:
@@ -226,6 +265,12 @@ class EngineCore:
             for scheduled in output.producing_requests:  # a stop inside an accepted run
                 request = scheduled.request
                 del request.output_logprobs[request.num_output_tokens :]
+        if output.grammar_bitmask is not None:  # a grammar that ended finishes its request
+            ended = self.structured_output.finished_requests(
+                [scheduled.request for scheduled in output.producing_requests]
+            )
+            ids = [request.request_id for request in ended]
+            finished += self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
         self._applying = None
         for request in finished:
             self._release(request.request_id)
@@ -258,10 +303,18 @@ class EngineCore:
         return request_ids
 
     def _release(self, request_id: str) -> None:
-        """Forget a finished request's generator and its proposer state."""
+        """Free a finished request's per-request state: generator, grammar matcher, proposer
+        state."""
         self.executor.release(request_id)
+        self.structured_output.release(request_id)
         if self.proposer is not None:
             self.proposer.release(request_id)
+
+    def _load_tokenizer(self) -> object:
+        from pieceworks.engine.tokenizer import load_tokenizer
+
+        model_config = self.config.model_config
+        return load_tokenizer(model_config.model, model_config.tokenizer)
 
     @property
     def is_shut_down(self) -> bool:
@@ -311,8 +364,21 @@ def check_inductor_cache_dir() -> None:
         ) from None
 
 
+def _model_identity(config: EngineConfig) -> str:
+    """What the prefix cache's root hash names: the weights and how they are computed."""
+    model = config.model_config
+    return f"{model.model}|{model.dtype}|{model.quantization}|seed={model.seed}"
+
+
 def _check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:
-    """``logprobs`` and ``prompt_logprobs`` ask for at most the whole vocabulary."""
+    """``logprobs`` and ``prompt_logprobs`` ask for at most the whole vocabulary, and
+    ``logit_bias`` names tokens of it."""
+    outside = [token for token in params.logit_bias or () if token >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"logit_bias names token ids {outside[:5]} outside this model's vocabulary of "
+            f"{vocab_size} tokens (ids 0 to {vocab_size - 1})"
+        )
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > vocab_size:

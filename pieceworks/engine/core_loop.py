@@ -75,7 +75,7 @@ class EngineCoreLoop:
         request_id = command.request_id
         try:
             request = self.engine_core.add_request(
-                command.prompt_token_ids, command.params, request_id
+                command.prompt_token_ids, command.params, request_id, command.priority
             )
         except ValueError as error:  # the request can never run: tell its caller why
             self._deltas.append(RequestDelta(request_id, [], 0, error=str(error)))
@@ -136,6 +136,7 @@ class EngineCoreLoop:
                     num_tokens,
                     request.finish_reason,
                     logprobs=_new_logprobs(request, num_sent, num_tokens),
+                    prompt_logprobs=_prompt_logprobs(request, num_sent),
                 )
             )
             self._num_sent[request_id] = num_tokens
@@ -163,6 +164,9 @@ class EngineCoreLoop:
             spec_num_drafts=spec.num_drafts,
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
+            num_constrained_steps=self.engine_core.num_constrained_steps,
+            prefix_cache_queries=blocks.num_prefix_cache_queries,
+            prefix_cache_hits=blocks.num_prefix_cache_hits,
         )
 
     def run_busy_loop(
@@ -191,6 +195,14 @@ class EngineCoreLoop:
                 self.step()
             if commands or stepped:
                 send(self.take_outputs())
+
+
+def _prompt_logprobs(request: Request, num_sent: int) -> list[Any] | None:
+    """The prompt's log-probability entries (the first None) on the request's first delta, when
+    it set ``SamplingParams.prompt_logprobs``; its prefill is complete by then."""
+    if request.sampling_params.prompt_logprobs is None or num_sent:
+        return None
+    return list(request.prompt_logprobs)
 
 
 def _new_logprobs(request: Request, start: int, end: int) -> list[Any] | None:

@@ -101,13 +101,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of
-        them, with the tokenizer's chat template (or ``chat_template``)."""
+        them, with the tokenizer's chat template (or ``chat_template``), which renders
+        ``tools`` (OpenAI's function entries) as the model expects. To force a call, pass
+        ``SamplingParams(structured_outputs=...)`` with the schema of the arguments."""
         conversations = _conversations(messages)
         with self._lock:
             prompts = [
-                self.apply_chat_template(c, chat_template, add_generation_prompt)
+                self.apply_chat_template(c, chat_template, add_generation_prompt, tools)
                 for c in conversations
             ]
             return self.generate(prompts, sampling_params)
@@ -117,10 +120,11 @@ class LLM:
         conversation: Conversation,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The prompt token ids of a conversation under the model's chat template."""
+        """The prompt token ids of a conversation (and ``tools``) under the chat template."""
         return apply_chat_template(
-            self.tokenizer, conversation, chat_template, add_generation_prompt
+            self.tokenizer, conversation, chat_template, add_generation_prompt, tools
         )
 
     def _add_requests(

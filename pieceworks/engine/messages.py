@@ -27,9 +27,10 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # lower first under scheduling_policy "priority"; else it must be 0
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (AddRequest, (self.request_id, self.prompt_token_ids, self.params))
+        return (AddRequest, (self.request_id, self.prompt_token_ids, self.params, self.priority))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +81,9 @@ class RequestDelta:
     error: str | None = None
     logprobs: list[Any] | None = None  # one entry per new token, when the request asked
     engine_failed: bool = False
+    # Per prompt token (the first None), once, on the request's first delta, when it asked
+    # for ``prompt_logprobs``.
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -98,6 +102,7 @@ class RequestDelta:
             later.error,
             logprobs,
             later.engine_failed,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
         )
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -106,7 +111,7 @@ class RequestDelta:
         return (
             RequestDelta,
             (self.request_id, self.new_token_ids, self.num_output_tokens, self.finish_reason,
-             self.error, self.logprobs, self.engine_failed),
+             self.error, self.logprobs, self.engine_failed, self.prompt_logprobs),
         )  # fmt: skip
 
 
@@ -124,6 +129,10 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    num_constrained_steps: int = 0  # steps with a structured-output request (host sampler)
+    # Tokens of admitted requests looked up in the prefix cache, and those found (cumulative).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -12,7 +12,10 @@ and the chat template as ``tokenizer.*`` metadata. A byte-level BPE vocabulary
 (``tokenizer.ggml.model = gpt2``, SmolLM2's and most BPE models') is rebuilt here with the
 ``tokenizers`` library, splitting text the way the vocabulary's ``tokenizer.ggml.pre`` says
 (llama.cpp's ``llama-vocab.cpp`` lists the splits); any other vocabulary goes through
-transformers' own GGUF converter (``from_pretrained(..., gguf_file=...)``, slower).
+transformers' own GGUF converter (``from_pretrained(..., gguf_file=...)``, slower): for an
+architecture whose tokenizer class is known (Gemma 3: ``GemmaTokenizer``, SentencePiece BPE with
+its merges rebuilt from the vocabulary order, BOS added) that class directly, which skips
+transformers' parse of the model config; else ``AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from pieceworks.engine.inputs import check_unicode
-from pieceworks.models.loading.gguf_loader import gguf_tokenizer_metadata
+from pieceworks.models.loading.gguf_loader import (
+    gguf_tokenizer_metadata,
+    metadata_value,
+    open_gguf,
+)
 from pieceworks.models.loading.sources import ModelSource, resolve_model_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -32,6 +39,8 @@ TOKEN_TYPE_USER_DEFINED = 4
 # tokenizer.ggml.model values with a tokenizer here: SentencePiece BPE (llama, through
 # transformers' converter) and byte-level BPE (gpt2).
 GGUF_TOKENIZER_MODELS = ("llama", "gpt2")
+# general.architecture -> the transformers tokenizer class its GGUF vocabulary converts to.
+GGUF_TOKENIZER_CLASSES = {"gemma3": "GemmaTokenizer"}
 
 # tokenizer.ggml.pre values whose text split is "each digit alone, then GPT-2's regex"
 # (llama.cpp: LLAMA_VOCAB_PRE_TYPE_STARCODER, _REFACT, _COMMAND_R, _SMOLLM, _CODESHELL, ...).
@@ -86,9 +95,13 @@ def apply_chat_template(
     conversation: list[dict[str, Any]],
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt token ids of a conversation under ``tokenizer``'s chat template (or
-    ``chat_template``); ``LLM.chat`` and the server's chat endpoint both render through here."""
+    ``chat_template``); ``LLM.chat`` and the server's chat endpoint both render through here.
+    ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` entries) reach the template
+    as its ``tools`` variable (transformers' convention), which renders them as the model
+    expects."""
     if tokenizer is None:
         raise ValueError(
             "chat needs a tokenizer with a chat template; this model has no tokenizer "
@@ -111,6 +124,7 @@ def apply_chat_template(
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            tools=tools or None,
         )
     except (
         Exception
@@ -144,7 +158,7 @@ def _text_message(message: Any, index: int) -> dict[str, Any]:
                 )
             texts.append(part["text"])
         message = {**message, "content": "\n".join(texts)}
-    if isinstance(message["content"], str):
+    if isinstance(message.get("content"), str):
         check_unicode(message["content"], where)
     return message
 
@@ -170,10 +184,14 @@ def gguf_tokenizer(path: str | Path) -> Any:
         )
     if metadata.get("ggml.model") == "gpt2" and _byte_level_pre_tokenizer(metadata) is not None:
         return _byte_level_bpe_tokenizer(metadata)
-    from transformers import AutoTokenizer
+    import transformers
 
     path = Path(path)
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    architecture = metadata_value(open_gguf(path), "general.architecture", None)
+    tokenizer_class = getattr(
+        transformers, GGUF_TOKENIZER_CLASSES.get(architecture, "AutoTokenizer")
+    )
+    return tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @functools.cache

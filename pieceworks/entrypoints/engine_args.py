@@ -31,7 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None) 
     parser.add_argument(
         "--model",
         default=default_model,
-        help="a preset (llama-tiny, llama-125m, ...), smollm2-135m, a *.gguf file or an HF dir",
+        help=(
+            "a preset (llama-tiny, llama-125m, ...), smollm2-135m, gemma3-270m, a *.gguf file "
+            "or an HF dir"
+        ),
     )
     for flag, options in ENGINE_FLAGS:
         parser.add_argument(flag, **options)
@@ -41,6 +44,12 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str | None) 
         dest="async_scheduling",
         action="store_false",
         help="wait for each step's tokens before scheduling the next (default: overlap them)",
+    )
+    parser.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="compute every prompt in full (default: reuse the KV of cached prompt blocks)",
     )
     parser.add_argument(
         "-O", dest="level", type=int, choices=[0, 1, 2, 3], default=None, help="compilation level"
@@ -77,6 +86,8 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
         values["enforce_eager"] = True
     if not args.async_scheduling:
         values["async_scheduling"] = False
+    if not args.enable_prefix_caching:
+        values["enable_prefix_caching"] = False
     return values
 
 

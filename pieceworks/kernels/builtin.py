@@ -14,6 +14,7 @@ Ops:
 - ``rms_norm``: the torch form (the FP8 fusion pass makes it ``norm_quant/triton_norm_quant.py``);
 - ``silu_and_mul``: the Triton epilogue kernel (``activation/triton_silu_and_mul.py``) behind the
   gated GEMV where it takes too many tokens for the GEMV, or the torch form;
+- ``gelu_and_mul``: the GeGLU kernel (``activation/triton_gelu_and_mul.py``) or the torch form;
 - ``rotary``: the qkv GEMV's rotary epilogue (``gemv/triton_gemv_rope.py``) or the torch form;
 - ``argmax``: the greedy row argmax (``sampling/triton_argmax.py``) or ``torch.argmax``.
 """
@@ -47,6 +48,7 @@ BUILTIN_KERNELS: tuple[tuple[str, str, int, Supports], ...] = (
     ("fp8_linear", "triton_gemv", 10, dataclasses.replace(TRITON_ONLY, dtypes=KERNEL_FP8)),
     ("rms_norm", "torch", 0, Supports()),
     ("silu_and_mul", "triton_silu_and_mul", 10, TRITON_ONLY),
+    ("gelu_and_mul", "triton_gelu_and_mul", 10, TRITON_ONLY),
     ("rotary", "triton_gemv_rope", 10, TRITON_ONLY),
     ("argmax", "triton_argmax", 10, TRITON_ONLY),
 )

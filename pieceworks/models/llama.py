@@ -142,7 +142,13 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
             config=config,
             prefix=f"{prefix}.attn",
+            sliding_window=self.attention_window(hf_config),
         )
+
+    @staticmethod
+    def attention_window(hf_config: dict[str, Any]) -> int | None:
+        """The sliding window of every layer; Llama's: none, each query sees its whole context."""
+        return None
 
     @staticmethod
     def projection_biases(hf_config: dict[str, Any]) -> tuple[bool, bool]:

@@ -15,7 +15,21 @@ _MODELS: dict[str, str] = {
     "BambaForCausalLM": "pieceworks.models.bamba.BambaForCausalLM",
     "Qwen2ForCausalLM": "pieceworks.models.qwen2.Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "pieceworks.models.qwen3.Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "pieceworks.models.gemma3.Gemma3ForCausalLM",
+    "MistralForCausalLM": "pieceworks.models.mistral.MistralForCausalLM",
+    "NemotronHForCausalLM": "pieceworks.models.nemotron_h.NemotronHForCausalLM",
+    "Qwen3_5ForCausalLM": "pieceworks.models.qwen3_5.Qwen3_5ForCausalLM",
 }
+
+# Architectures with recurrent layers (Mamba2, Gated DeltaNet): each request keeps a fixed-size
+# state in a state slot, which a cached prefix of KV blocks cannot restore, so features that
+# reuse KV blocks across requests (prefix caching) must be off for them.
+HYBRID_ARCHITECTURES = frozenset({"BambaForCausalLM", "NemotronHForCausalLM", "Qwen3_5ForCausalLM"})
+
+
+def is_hybrid(hf_config: dict[str, Any]) -> bool:
+    """Whether the config's architecture keeps a recurrent state per request."""
+    return any(name in HYBRID_ARCHITECTURES for name in hf_config.get("architectures") or [])
 
 
 def supported_architectures() -> list[str]:

@@ -134,7 +134,9 @@ def probe_all() -> list[PlatformProbe]:
     return probes + [_probe_builtin(name) for name in BUILTIN_PLATFORMS]
 
 
-def _forced(name: str, probes: list[PlatformProbe]) -> PlatformProbe:
+def _forced(name: str, probes: list[PlatformProbe], asked_as: str | None = None) -> PlatformProbe:
+    """The available probe called ``name``; an error listing every platform otherwise.
+    ``asked_as``: how the user named it, for the message (default: the environment variable)."""
     matches = [p for p in probes if name in (p.name, p.source.removeprefix("plugin:"))]
     usable = [p for p in matches if p.available]
     if usable:
@@ -144,10 +146,16 @@ def _forced(name: str, probes: list[PlatformProbe]) -> PlatformProbe:
         for p in probes
     )
     what = "is not available here" if matches else "is not a known platform"
+    if asked_as is None:
+        asked_as, hint = (
+            f"PIECEWORKS_PLATFORM={name!r}",
+            "Unset PIECEWORKS_PLATFORM to pick automatically",
+        )
+    else:  # a plugin may decline unless the environment asks for it (simgraph does)
+        hint = f"A plugin that activates only on request needs PIECEWORKS_PLATFORM={name}"
     raise RuntimeError(
-        f"PIECEWORKS_PLATFORM={name!r} {what}. Platforms known:\n{known}\n"
-        "Unset PIECEWORKS_PLATFORM to pick automatically, or install the plugin "
-        "that provides it."
+        f"{asked_as} {what}. Platforms known:\n{known}\n{hint}, or install the plugin that "
+        "provides it."
     )
 
 
@@ -167,7 +175,7 @@ def platform_by_name(name: str) -> Platform:
     """A new instance of the platform called ``name`` (a built-in, or a plugin's platform or
     entry-point name), as ``PIECEWORKS_PLATFORM=<name>`` would choose it; the same error if it
     is unknown or unavailable (`pieceworks platforms --check NAME`)."""
-    chosen = _forced(name, probe_all())
+    chosen = _forced(name, probe_all(), asked_as=f"platform {name!r}")
     assert chosen.qualname is not None
     return resolve_obj_by_qualname(chosen.qualname)()
 

@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from pieceworks.scheduler.request import Request
 
@@ -97,6 +97,9 @@ class SchedulerOutput:
     # Decode steps run back to back (each scheduled request a decode when > 1); every field
     # above describes the first of them.
     num_steps: int = 1
+    # The structured-output token bitmask of the producing requests (a CPU int32 tensor, one
+    # row each), set by the engine core when one of them is constrained; None otherwise.
+    grammar_bitmask: Any = None
 
     @property
     def num_requests(self) -> int:
@@ -147,6 +150,7 @@ class SchedulerOutput:
             [item.detached() for item in self.scheduled_requests],
             [request.runner_view() for request in self.preempted_requests],
             self.num_steps,
+            self.grammar_bitmask,
         )
 
     @functools.cached_property

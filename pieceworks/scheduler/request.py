@@ -2,8 +2,9 @@
 
 Owns the token bookkeeping the scheduler and the model runner share: the prompt, the generated
 tokens, how many of them already have their KV (and Mamba state) computed, and which KV blocks and
-state slot hold that cache. It does not allocate anything itself: ``BlockManager`` and
-``StateSlotManager`` fill ``block_ids`` and ``state_slot``; the scheduler moves ``status``. Its
+state slot hold that cache, and the prefix-cache hashes of its full blocks. It does not allocate
+anything itself: ``BlockManager`` and ``StateSlotManager`` fill ``block_ids`` and ``state_slot``
+(``block_hash.py`` fills ``block_hashes``); the scheduler moves ``status``. Its
 ``priority`` and ``arrival_time`` are what a scheduling policy orders it by. ``check_stop`` says
 whether a newly appended token ends it.
 """
@@ -60,19 +61,27 @@ class Request:
 
     Invariant: the first ``num_computed_tokens`` of its tokens have their KV written (or are
     being written by a step already launched) in ``block_ids`` (and, for hybrid models, their
-    recurrent state folded into ``state_slot``). A decoding request has exactly one uncomputed
-    token: the one sampled last step. With async scheduling that token may still be on the device:
-    ``num_output_placeholders`` counts sampled tokens the host has not seen yet (one per decode
-    step in flight, so ``num_steps`` per multi-step output); they count in ``num_tokens`` but not
-    in ``output_token_ids``. Preemption resets
-    ``num_computed_tokens`` to 0 but keeps ``output_token_ids``, so on resume the prompt and the
-    generated tokens are recomputed together as one prefill.
+    recurrent state folded into ``state_slot``), except blocks wholly before a sliding window,
+    which may have been freed (``BlockManager.FREED_BLOCK_ID`` entries). A decoding request has
+    exactly one uncomputed token: the one sampled last step. With async scheduling that token may
+    still be on the device: ``num_output_placeholders`` counts sampled tokens the host has not
+    seen yet (one per decode step in flight, so ``num_steps`` per multi-step output); they count
+    in ``num_tokens`` but not in ``output_token_ids``. Preemption resets ``num_computed_tokens``
+    to 0 but keeps ``output_token_ids``, so on resume the prompt and the generated tokens are
+    recomputed together as one prefill (less what the prefix cache holds).
+
+    ``block_hashes[i]`` names the content of full block ``i`` of its known tokens (the prefix
+    cache's key); the first ``num_cached_blocks`` of ``block_ids`` are registered in the prefix
+    cache (found there on admission, or registered once their KV was computed).
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     eos_token_id: int | None = None
+    # The model's further EOS ids (a config listing several: Gemma's <end_of_turn>), which stop
+    # the request like eos_token_id, unless ignore_eos.
+    extra_eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -81,6 +90,8 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     num_preemptions: int = 0
     num_output_placeholders: int = 0  # sampled on the device, not yet known on the host
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_cached_blocks: int = 0
     # Per output token, when sampling_params.logprobs is set; per prompt token (the first None)
     # when sampling_params.prompt_logprobs is set. The engine fills both as steps come back.
     output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
@@ -111,6 +122,11 @@ class Request:
         )
 
     @property
+    def num_tokens_known(self) -> int:
+        """Prompt plus generated tokens the host has (those still on the device left out)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
@@ -135,6 +151,7 @@ class Request:
         past the request's end."""
         del self.output_token_ids[num_output_tokens:]
         del self.output_logprobs[num_output_tokens:]
+        self.block_hashes.clear()  # some named dropped tokens; recomputed if ever needed
 
     def finish(self, status: RequestStatus) -> None:
         """Mark the request finished with ``status`` and set its ``finish_reason``."""
@@ -145,7 +162,9 @@ class Request:
 def check_stop(request: Request, token_id: int) -> RequestStatus | None:
     """Stop on EOS (unless ignore_eos) or a stop token, else on max_tokens (stops win)."""
     params = request.sampling_params
-    if not params.ignore_eos and token_id == request.eos_token_id:
+    if not params.ignore_eos and (
+        token_id == request.eos_token_id or token_id in request.extra_eos_token_ids
+    ):
         return RequestStatus.FINISHED_STOPPED
     if token_id in params.stop_token_ids:
         return RequestStatus.FINISHED_STOPPED

@@ -23,16 +23,21 @@ not scheduled again, and one that stops on a token that arrives late has its ext
 dropped. Without it, a second ``schedule()`` before the update is an error.
 
 With ``num_scheduler_steps`` K > 1, a batch in which every scheduled request decodes (and none
-asks for logprobs, and nobody waits for a free seat) runs as one multi-step output
-(``SchedulerOutput.num_steps``): the runner runs up to K decode steps back to back on the device,
-each feeding its sampled ids to the next. ``schedule()`` reserves the KV blocks of all of them,
-limits the steps to the fewest tokens any request has left before ``max_tokens``, and counts K
-placeholders per request; ``update_from_output`` takes K tokens per request and applies them in
-step order, exactly as K single steps would, dropping the tokens after a request's stop.
+asks for logprobs or structured output, and nobody waits for a free seat) runs as one multi-step
+output (``SchedulerOutput.num_steps``): the runner runs up to K decode steps back to back on the
+device, each feeding its sampled ids to the next. ``schedule()`` reserves the KV blocks of all
+of them, limits the steps to the fewest tokens any request has left before ``max_tokens``, and
+counts K placeholders per request; ``update_from_output`` takes K tokens per request and applies
+them in step order, exactly as K single steps would, dropping the tokens after a request's stop.
 
-With speculative decoding a decoding request also computes the proposals it carries
-(``Request.spec_token_ids``), with KV slots allocated for them, and ``update_from_output`` takes
-the tokens its verification produced (``spec_decode.py``).
+With prefix caching (``CacheConfig.enable_prefix_caching``, ``block_manager.py``) a waiting
+request is admitted with the cached blocks its tokens start with counted as computed, so only the
+rest is prefilled (and chunked); a request that asks for ``prompt_logprobs`` computes its whole
+prompt. Each ``schedule()`` first registers the full blocks that the steps already launched
+computed, so a request admitted in the same step as another that is still computing a shared
+prefix recomputes it rather than reading KV not yet written. Hybrid models (Mamba state slots,
+which cannot be rewound to a block boundary) run without it.
+Speculative decodes also compute their proposals, in lookahead KV slots (``spec_decode.py``).
 """
 
 from __future__ import annotations
@@ -41,15 +46,14 @@ from collections import deque
 from collections.abc import Sequence
 
 from pieceworks.config import CacheConfig, SchedulerConfig
+from pieceworks.logger import init_logger
+from pieceworks.scheduler import spec_decode
 from pieceworks.scheduler.block_manager import BlockManager, StateSlotManager
 from pieceworks.scheduler.output import ScheduledRequest, SchedulerOutput, pair_sampled_tokens
 from pieceworks.scheduler.policy import make_scheduling_policy
 from pieceworks.scheduler.request import Request, RequestStatus, check_stop
-from pieceworks.scheduler.spec_decode import (
-    SpecDecodingStats,
-    apply_verified_tokens,
-    proposals_to_verify,
-)
+
+logger = init_logger(__name__)
 
 
 class Scheduler:
@@ -71,11 +75,23 @@ class Scheduler:
         num_blocks: int,
         num_state_slots: int = 0,
         async_scheduling: bool = False,
+        model_identity: str = "",
+        sliding_window: int | None = None,
     ) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size)
+        enable_prefix_caching = cache_config.enable_prefix_caching
+        if enable_prefix_caching and num_state_slots:
+            logger.info(
+                "prefix caching is off: this model has recurrent (Mamba or gated delta-rule) "
+                "layers, whose state cannot be "
+                "rewound to a cached block"
+            )
+            enable_prefix_caching = False
+        self.block_manager = BlockManager(
+            num_blocks, cache_config.block_size, enable_prefix_caching, model_identity
+        )
         # Only hybrid models (with Mamba layers) are given state slots.
         self.state_slot_manager = StateSlotManager(num_state_slots) if num_state_slots else None
         self.policy = make_scheduling_policy(scheduler_config.policy)
@@ -86,7 +102,10 @@ class Scheduler:
         self._pending_outputs: deque[SchedulerOutput] = deque()
         self.max_pending_outputs = 2 if async_scheduling else 1
         self.num_scheduler_steps = scheduler_config.num_scheduler_steps
-        self.spec_decoding_stats = SpecDecodingStats()
+        self.spec_decoding_stats = spec_decode.SpecDecodingStats()
+        # Set when every attention layer has a sliding window: blocks before a running request's
+        # window are freed as it advances (``BlockManager.free_blocks_outside_window``).
+        self.sliding_window = sliding_window
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; raise ``ValueError`` if it could never run to completion."""
@@ -126,6 +145,12 @@ class Scheduler:
                 f"schedule() called with {len(self._pending_outputs)} steps awaiting "
                 "update_from_output() (the most this scheduler allows); update first"
             )
+        block_manager = self.block_manager
+        if block_manager.enable_prefix_caching:
+            block_size = block_manager.block_size
+            for request in self.running:  # the KV of the steps launched so far
+                if request.num_computed_tokens >= (request.num_cached_blocks + 1) * block_size:
+                    block_manager.cache_computed_blocks(request)  # a block filled since
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         num_steps = self._num_decode_steps()
@@ -167,7 +192,8 @@ class Scheduler:
         tokens = pair_sampled_tokens(scheduler_output, sampled_token_ids)  # validate first
         self._pending_outputs.popleft()
         if scheduler_output.num_verify_columns > 1:
-            return self._update_verified(scheduler_output, tokens)
+            stats = self.spec_decoding_stats
+            return spec_decode.apply_verified_step(scheduler_output, tokens, stats, self._finish)
         finished = []
         for scheduled, token_id in tokens:
             request = scheduled.request
@@ -181,35 +207,14 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def _update_verified(
-        self, scheduler_output: SchedulerOutput, tokens: list[tuple[ScheduledRequest, int]]
-    ) -> list[Request]:
-        """``update_from_output`` for a step that verified proposals: each producing request
-        takes its run of tokens (``spec_decode.apply_verified_tokens``)."""
-        runs: dict[int, list[int]] = {}
-        for scheduled, token_id in tokens:
-            runs.setdefault(id(scheduled), []).append(token_id)
-        finished = []
-        for scheduled in scheduler_output.producing_requests:
-            request = scheduled.request
-            request.num_output_placeholders -= 1
-            if request.is_finished:
-                continue
-            num_proposals = len(scheduled.spec_token_ids)
-            run = runs.get(id(scheduled), [])
-            status = apply_verified_tokens(
-                request, num_proposals, run, check_stop, self.spec_decoding_stats
-            )
-            if status is not None:
-                self._finish(request, status)
-                finished.append(request)
-        return finished
-
     def drop_pending_outputs(self) -> list[SchedulerOutput]:
         """Forget the scheduled steps still awaiting their tokens (their step failed) and
         return them, oldest first; the caller finishes their requests."""
         outputs = list(self._pending_outputs)
         self._pending_outputs.clear()
+        for output in outputs:  # their KV may never be written: no later request may read it
+            for scheduled in output.scheduled_requests:
+                self.block_manager.uncache(scheduled.request)
         return outputs
 
     def _num_decode_steps(self) -> int:
@@ -228,6 +233,8 @@ class Scheduler:
                 return 1  # a prefill (or a prompt chunk) runs single-step
             if request.sampling_params.logprobs is not None:
                 return 1  # logprobs are taken per single step
+            if request.sampling_params.structured_outputs is not None:
+                return 1  # its grammar masks each step's logits on the host
             num_left = request.sampling_params.max_tokens - (
                 request.num_output_tokens + request.num_output_placeholders
             )
@@ -254,11 +261,11 @@ class Scheduler:
                 index += 1  # its pending token is its last: it finishes on the update
                 continue
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
-            proposals = proposals_to_verify(request, token_budget) if num_new_tokens == 1 else []
-            if not self.block_manager.can_allocate(request, num_new_tokens + len(proposals)):
-                proposals = []  # no preemption for a guess
+            proposals = spec_decode.proposals_to_verify(request, token_budget, self.block_manager)
             num_new_tokens += len(proposals)  # their KV slots: the lookahead slots
             num_kv_tokens = num_new_tokens + num_steps - 1  # the later steps' KV, reserved ahead
+            if self.sliding_window is not None:
+                self.block_manager.free_blocks_outside_window(request, self.sliding_window)
             if not self._allocate_or_preempt(request, num_kv_tokens, preempted):
                 break  # the request preempted itself: it was the last left in service order
             scheduled.append(ScheduledRequest(request, num_new_tokens, proposals))
@@ -286,20 +293,36 @@ class Scheduler:
             request = self.waiting.peek_request()
             if request.num_output_placeholders:
                 break  # preempted with a token still on the device: resume once it is known
-            num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
-            if not self._allocate_for_admission(request, num_new_tokens):
+            computed_blocks = self._computed_blocks(request)
+            num_hit_tokens = len(computed_blocks or ()) * self.block_manager.block_size
+            num_new_tokens = min(request.num_uncomputed_tokens - num_hit_tokens, token_budget)
+            if not self._allocate_for_admission(request, num_new_tokens, computed_blocks):
                 break  # no skipping ahead: the head of the queue waits for memory
+            if computed_blocks is not None:
+                self.block_manager.record_lookup(request, num_hit_tokens)
+            request.num_computed_tokens = num_hit_tokens
             self.waiting.pop_request()
             request.status = RequestStatus.RUNNING
             self.policy.add_running(self.running, request)
             scheduled.append(ScheduledRequest(request, num_new_tokens))
             token_budget -= num_new_tokens
 
-    def _allocate_for_admission(self, request: Request, num_new_tokens: int) -> bool:
+    def _computed_blocks(self, request: Request) -> list[int] | None:
+        """The cached blocks ``request`` starts with; None when it does not look (prefix caching
+        off, or it asks for ``prompt_logprobs``, which needs every prompt position computed)."""
+        if not self.block_manager.enable_prefix_caching:
+            return None
+        if request.sampling_params.prompt_logprobs is not None:
+            return None
+        return self.block_manager.get_computed_blocks(request)
+
+    def _allocate_for_admission(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None
+    ) -> bool:
         slots = self.state_slot_manager
         if slots is not None and slots.num_free_slots == 0:
             return False
-        if not self.block_manager.allocate(request, num_new_tokens):
+        if not self.block_manager.allocate(request, num_new_tokens, computed_blocks):
             return False
         if slots is not None:
             slots.allocate(request)

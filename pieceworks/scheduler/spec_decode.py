@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from pieceworks.scheduler.request import Request, RequestStatus
+from pieceworks.scheduler.block_manager import BlockManager
+from pieceworks.scheduler.output import ScheduledRequest, SchedulerOutput
+from pieceworks.scheduler.request import Request, RequestStatus, check_stop
 
 
 @dataclasses.dataclass
@@ -51,15 +53,48 @@ class SpecDecodingStats:
         }
 
 
-def proposals_to_verify(request: Request, token_budget: int) -> list[int]:
-    """The leading proposals of a decoding ``request`` that this step can verify: at most
-    ``token_budget - 1`` (its own token comes first) and at most ``max_tokens`` less the tokens it
-    has and one (the target's token after the last accepted proposal)."""
+def proposals_to_verify(
+    request: Request, token_budget: int, block_manager: BlockManager
+) -> list[int]:
+    """The leading proposals of ``request`` that this step can verify: none unless it decodes
+    (one uncomputed token); at most ``token_budget - 1`` (its own token comes first) and at most
+    ``max_tokens`` less the tokens it has and one (the target's token after the last accepted
+    proposal); none when their KV slots would need a preemption (a guess never evicts anyone)."""
     proposals = request.spec_token_ids
-    if not proposals:
-        return proposals
+    if not proposals or request.num_uncomputed_tokens != 1:
+        return []
     num_left = request.sampling_params.max_tokens - request.num_output_tokens - 1
-    return proposals[: max(min(num_left, token_budget - 1), 0)]
+    proposals = proposals[: max(min(num_left, token_budget - 1), 0)]
+    if not block_manager.can_allocate(request, 1 + len(proposals)):
+        return []
+    return proposals
+
+
+def apply_verified_step(
+    output: SchedulerOutput,
+    tokens: list[tuple[ScheduledRequest, int]],
+    stats: SpecDecodingStats,
+    finish: Callable[[Request, RequestStatus], None],
+) -> list[Request]:
+    """``Scheduler.update_from_output`` for a step that verified proposals: each producing
+    request takes its run of tokens (``apply_verified_tokens``); those that end are handed to
+    ``finish`` (the scheduler's) and returned."""
+    runs: dict[int, list[int]] = {}
+    for scheduled, token_id in tokens:
+        runs.setdefault(id(scheduled), []).append(token_id)
+    finished = []
+    for scheduled in output.producing_requests:
+        request = scheduled.request
+        request.num_output_placeholders -= 1
+        if request.is_finished:
+            continue
+        num_proposals = len(scheduled.spec_token_ids)
+        run = runs.get(id(scheduled), [])
+        status = apply_verified_tokens(request, num_proposals, run, check_stop, stats)
+        if status is not None:
+            finish(request, status)
+            finished.append(request)
+    return finished
 
 
 def apply_verified_tokens(

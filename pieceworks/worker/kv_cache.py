@@ -51,6 +51,16 @@ def attention_layers(config: EngineConfig) -> list[Attention]:
     return [layer for layer in layers if isinstance(layer, Attention)]
 
 
+def freeable_sliding_window(config: EngineConfig) -> int | None:
+    """The window outside which a request's KV blocks may be freed: the largest layer window when
+    every attention layer has one (Mistral); None when a layer attends to the whole context
+    (Gemma 3's global layers) or there is no attention layer."""
+    windows = [layer.sliding_window for layer in attention_layers(config)]
+    if not windows or None in windows:
+        return None
+    return max(w for w in windows if w is not None)
+
+
 def max_useful_blocks(config: EngineConfig) -> int:
     """Blocks that max_num_seqs sequences of max_model_len tokens could use at once."""
     max_model_len = config.model_config.max_model_len

@@ -1,6 +1,8 @@
-"""The Mamba2 state cache: one ``(conv_state, ssm_state)`` pair per Mamba layer, bound to it.
+"""The state-slot cache: one ``(conv_state, ssm_state)`` pair per recurrent layer, bound to it.
 
-A hybrid model's Mamba layers keep a fixed-size state per sequence instead of a growing KV cache.
+A hybrid model's recurrent layers (Mamba2 mixers, and Gated DeltaNet, whose recurrent state
+``(Hv, Dk, Dv)`` takes the SSM state's place and dtype) keep a fixed-size state per sequence
+instead of a growing KV cache.
 The runner allocates ``max_num_seqs + 1`` slots per layer once, before the profiling forward (so
 the KV-cache budget measured after it already excludes these bytes); slot 0 is the null slot that
 padded rows read and write, and the scheduler's ``StateSlotManager`` hands out the others, one per
@@ -18,14 +20,18 @@ import math
 import torch
 
 from pieceworks.config import EngineConfig
+from pieceworks.models.gated_delta_net.mixer import GatedDeltaNet
 from pieceworks.models.mamba.mixer import MambaMixer2
+
+# The layers with a fixed-size state per sequence; each has ``state_shapes()`` and ``mamba_cache``.
+StateLayer = MambaMixer2 | GatedDeltaNet
 
 
 @dataclasses.dataclass
 class MambaCacheSpec:
     """The Mamba layers, their slot count and the two state dtypes."""
 
-    layers: list[MambaMixer2]
+    layers: list[StateLayer]
     num_slots: int  # max_num_seqs + 1: slot 0 is the null slot
     conv_dtype: torch.dtype
     ssm_dtype: torch.dtype
@@ -41,9 +47,10 @@ class MambaCacheSpec:
         return self.num_slots * per_slot
 
 
-def mamba_layers(config: EngineConfig) -> list[MambaMixer2]:
+def mamba_layers(config: EngineConfig) -> list[StateLayer]:
+    """The Mamba2 and Gated DeltaNet layers: each gets a conv state and a recurrent state."""
     layers = config.compilation_config.static_forward_context.values()
-    return [layer for layer in layers if isinstance(layer, MambaMixer2)]
+    return [layer for layer in layers if isinstance(layer, (MambaMixer2, GatedDeltaNet))]
 
 
 def mamba_cache_spec(config: EngineConfig) -> MambaCacheSpec | None:

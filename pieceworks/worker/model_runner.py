@@ -43,13 +43,17 @@ from pieceworks.scheduler.block_manager import cdiv
 from pieceworks.scheduler.output import SchedulerOutput
 from pieceworks.worker.graph_capture import GraphCapture
 from pieceworks.worker.input_buffers import InputBuffers, StepShape
+from pieceworks.worker.kv_cache import freeable_sliding_window
 from pieceworks.worker.kv_cache_profiler import KVCacheProfiler
+from pieceworks.worker.logit_bias import has_logit_bias
 from pieceworks.worker.logprobs import TokenLogprobs, sample_logprobs, step_prompt_logprobs
 from pieceworks.worker.mamba_cache import mamba_cache_spec
 from pieceworks.worker.sampled_tokens import SampledTokens
 from pieceworks.worker.sampler import Sampler, make_generator, row_param_tensor
 from pieceworks.worker.spec_decode.rejection_sampler import RejectionSampler
+from pieceworks.worker.spec_decode.verify_batch import verify_rows
 from pieceworks.worker.step_inputs import StepInputs
+from pieceworks.worker.structured_output import apply_grammar_bitmask
 
 # Step plans kept (one per batch shape: token count, requests, longest query, uniform decode)
 # before the cache starts over; decode shapes are few, prefill and mixed ones many.
@@ -114,6 +118,8 @@ class ModelRunner:
         self.mamba_spec = mamba_cache_spec(config)
         # State slots the scheduler hands out (0: no Mamba layers, no slots).
         self.num_state_slots = self.mamba_spec.num_slots if self.mamba_spec else 0
+        # Every attention layer's window (None: some layer sees the whole context).
+        self.sliding_window = freeable_sliding_window(config)
         self.profiler = KVCacheProfiler(
             config, self.platform, self.device, self.graphs, self.mamba_spec, self.max_num_tokens
         )
@@ -203,6 +209,8 @@ class ModelRunner:
         if self.inputs.num_logits == 0:
             return SampledTokens(None, None, prompt_logprobs=prompt)
         logits = self.model.compute_logits(self.inputs.logits_rows(hidden_states))  # (S, V)
+        if output.grammar_bitmask is not None:  # structured output: constrained rows masked
+            apply_grammar_bitmask(logits, verify_rows(output, output.grammar_bitmask))
         if output.num_verify_columns > 1:  # (R, V): 1 + s rows per request verifying s
             token_ids, logprobs = self.rejection_sampler.verify_step(
                 output, logits, params, generators
@@ -242,7 +250,8 @@ class ModelRunner:
         self, output: SchedulerOutput, step: _PreparedStep, params: list[SamplingParams]
     ) -> bool:
         """Whether the step samples in captured decode tails: a FULL graph's step of decodes
-        only that fill its size, every row greedy, no log-probabilities asked for."""
+        only that fill its size, every row greedy, no log-probabilities or structured output
+        asked for (those need the host sampler path)."""
         descriptor = step.descriptor
         return (
             step.mode == CUDAGraphMode.FULL
@@ -250,6 +259,8 @@ class ModelRunner:
             and output.is_uniform_decode
             and descriptor.num_tokens == output.num_requests == len(params)
             and all(param.is_greedy and param.logprobs is None for param in params)
+            and output.grammar_bitmask is None
+            and not has_logit_bias(params)  # the tail's argmax is of the unbiased logits
         )
 
     def _run_decode_tails(self, step: _PreparedStep, num_steps: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ Runs after the model forward, outside any captured graph. Per step it builds the
 top-k and top-p as one tensor (a single host-to-device copy), masks with one sort, and samples by
 the exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` picks index ``i`` with probability
 ``probs[i]``, in float32. Rows with a ``seed`` draw ``q`` from their own ``torch.Generator`` (see
-``make_generator``), so a seeded request gets the same tokens in any batch. Greedy rows take the
+``make_generator``), so a seeded request gets the same tokens in any batch. A request's
+``logit_bias`` is added to its row first (``worker/logit_bias.py``). Greedy rows take the
 argmax of the raw logits in their own dtype (``row_argmax``: two Triton launches on GPUs, else
 torch); an all-greedy batch runs nothing else. The result stays on the logits'
 device; the runner copies it to the host without waiting (``SampledTokens``). Which rows to
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from pieceworks.kernels.sampling import triton_argmax
 from pieceworks.sampling_params import SamplingParams
+from pieceworks.worker.logit_bias import apply_logit_bias
 
 # Columns per chunk of the two-stage argmax: the max of every chunk in parallel, then the argmax
 # of the chunk maxima. One reduction over a 128k vocabulary row ran as a single slow reduction
@@ -56,6 +58,7 @@ class Sampler:
                 f"logits {tuple(logits.shape)} need one SamplingParams and one generator per row; "
                 f"got {len(params)} and {len(generators)}"
             )
+        logits = apply_logit_bias(logits, params)  # the same tensor unless a row has a bias
         greedy_token_ids = row_argmax(logits)  # (S,); the logits' own dtype orders as float32
         if all(param.is_greedy for param in params):
             return greedy_token_ids

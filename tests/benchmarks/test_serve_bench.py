@@ -3,7 +3,10 @@
 Proves: random prompts have the asked lengths (fixed, or within ``range_ratio``) and ids below
 ``vocab_size``; a text file gives one prompt per non-empty line, cycled; the summary's throughput
 is counts over duration and its TTFT, TPOT and ITL percentiles are those of the recorded times;
-failed requests are counted apart with their error.
+failed requests are counted apart with their error; the shared-prefix workload shares one prefix
+and the multi-turn one makes chats of the asked turns; the hit rate comes from the growth of the
+server's counters (None without them) and is printed beside the latencies; `--extra-body` is merged
+into every request body (a JSON object, nothing else).
 Run: pytest tests/benchmarks/test_serve_bench.py
 """
 
@@ -11,7 +14,17 @@ from __future__ import annotations
 
 import pytest
 
-from pieceworks.benchmarks.serve import RequestResult, sample_requests, summarize
+from pieceworks.benchmarks.serve import (
+    RequestResult,
+    format_summary,
+    sample_requests,
+    summarize,
+)
+from pieceworks.benchmarks.serve_workloads import (
+    multi_turn_chats,
+    prefix_cache_hit_rate,
+    shared_prefix_requests,
+)
 
 
 def test_random_prompts_fixed_and_sampled_lengths():
@@ -48,3 +61,55 @@ def test_summary_percentiles_and_throughput():
     assert summary["ttft_ms"]["p50"] == pytest.approx(550.0)
     assert summary["tpot_ms"]["mean"] == pytest.approx(100.0)  # (latency - ttft) / 10 tokens
     assert summary["itl_ms"]["p99"] == pytest.approx(90.0)
+
+
+def test_prefix_cache_workloads_and_hit_rate():
+    requests = shared_prefix_requests(4, prefix_len=10, input_len=3, output_len=2, seed=1)
+    assert all(r.prompt[:10] == requests[0].prompt[:10] for r in requests)
+    assert len({tuple(r.prompt[10:]) for r in requests}) == 4
+    assert all(r.prompt_len == len(r.prompt) == 13 and r.output_len == 2 for r in requests)
+    chats = multi_turn_chats(9, num_turns=4, input_len=5, output_len=3)
+    assert len(chats) == 2 and all(len(c.questions) == 4 for c in chats)
+    with pytest.raises(ValueError, match="num_turns"):
+        multi_turn_chats(4, num_turns=0, input_len=5, output_len=3)
+    rate = prefix_cache_hit_rate((100.0, 40.0), (300.0, 190.0))
+    assert rate == {"prefix_cache_queries": 200, "prefix_cache_hits": 150,
+                    "prefix_cache_hit_rate": 0.75}  # fmt: skip
+    assert prefix_cache_hit_rate(None, (1.0, 1.0))["prefix_cache_hit_rate"] is None
+    summary = summarize([RequestResult(4, success=True, output_tokens=1)], duration_s=1.0)
+    assert "Prefix cache hit rate:      75.0% (150 of 200 tokens)" in format_summary(
+        {**summary, **rate}
+    )
+    assert "Prefix cache" not in format_summary(summary)
+
+
+def test_extra_body_is_merged_into_every_request():
+    import asyncio
+
+    from pieceworks.benchmarks.serve import BenchRequest, send_request
+
+    sent = []
+
+    class Recorder:  # stands in for the HTTP client: records the body, answers nothing
+        def stream(self, method, url, json):
+            sent.append(json)
+            raise RuntimeError("not sent")
+
+    extra = {"response_format": {"type": "json_object"}, "temperature": 0.5}
+    with pytest.raises(RuntimeError, match="not sent"):
+        asyncio.run(
+            send_request(Recorder(), "m", BenchRequest([1, 2], 2, 4), RequestResult(2), True, extra)
+        )
+    assert sent[0]["response_format"] == {"type": "json_object"}
+    assert sent[0]["temperature"] == 0.5 and sent[0]["max_tokens"] == 4  # extra wins, rest kept
+
+
+def test_extra_body_must_be_a_json_object():
+    import argparse
+
+    from pieceworks.entrypoints.bench_serve import _json_object
+
+    assert _json_object('{"a": 1}') == {"a": 1}
+    for text in ("[1]", "{not json"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _json_object(text)

@@ -18,6 +18,7 @@ import pytest
 from pieceworks.config import EngineConfig, SchedulerConfig
 from pieceworks.core.config import (
     ATTENTION_OP,
+    GATED_DELTA_NET_OP,
     MAMBA_MIXER2_OP,
     CompilationConfig,
     CompilationLevel,
@@ -53,7 +54,7 @@ def test_padding_table():
 def test_defaults():
     compilation = CompilationConfig()
     assert compilation.level == CompilationLevel.PIECEWISE
-    assert compilation.splitting_ops == [ATTENTION_OP, MAMBA_MIXER2_OP]
+    assert compilation.splitting_ops == [ATTENTION_OP, MAMBA_MIXER2_OP, GATED_DELTA_NET_OP]
     assert compilation.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
     assert CompilationConfig(level=1).cudagraph_mode == CUDAGraphMode.NONE
 

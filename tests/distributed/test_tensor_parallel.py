@@ -1,7 +1,9 @@
 """Tensor parallelism on CPU: two gloo ranks, each with its own engine, match one process.
 
 Proves, in float32, for llama-tiny (4 query heads, 2 KV heads: both split), a Llama with one KV
-head (replicated on both ranks; attention and MLP biases, untied LM head), bamba-tiny (one B/C
+head (replicated on both ranks; attention and MLP biases, untied LM head), a Mistral with a
+sliding window of 8 (shorter than a 20-token prompt, whose first KV block the scheduler frees
+as it decodes; saved by transformers), bamba-tiny (one B/C
 group, so the gated norm sums across ranks) and a Bamba with two groups (split): at compilation
 level 0 and level 3 (eager backend) every rank's logits of every step equal the single-process
 engine's within 1e-4 of the logit scale (the all-reduce sums in another order) and the greedy
@@ -58,6 +60,8 @@ BAMBA_CONFIGS = {
     "bamba-1group": get_preset("bamba-tiny"),
     "bamba-2groups": {**get_preset("bamba-tiny"), "mamba_n_groups": 2},
 }
+# Saved by transformers (``tests/models/test_mistral_hf.py``); run in the Llama family's spawn.
+MISTRAL_CONFIGS = {"mistral-window": {"sliding_window": 8, "tie_word_embeddings": False}}
 MODES = ("eager", "compiled")  # level 0; level 3 without graphs (CPU has none)
 # Pieces at level 3: one per attention or Mamba layer plus the runs around them, 2L + 1.
 NUM_PIECES = {"llama": 2 * 2 + 1, "bamba": 2 * 4 + 1}
@@ -80,7 +84,13 @@ def runs_of(checkpoints: dict[str, str]) -> dict[str, tuple[str, str, dict]]:
 
 @pytest.fixture(scope="module")
 def llama_checkpoints(tmp_path_factory) -> dict[str, str]:
-    return save_checkpoints(tmp_path_factory, LLAMA_CONFIGS)
+    from tests.models.test_mistral_hf import save_hf_checkpoint
+
+    paths = save_checkpoints(tmp_path_factory, LLAMA_CONFIGS)
+    for name, fields in MISTRAL_CONFIGS.items():
+        paths[name] = str(tmp_path_factory.mktemp(name))
+        save_hf_checkpoint(paths[name], fields)
+    return paths
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +134,7 @@ def assert_matches_reference(output: dict, reference: tuple, what: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(LLAMA_CONFIGS))
+@pytest.mark.parametrize("name", [*LLAMA_CONFIGS, *MISTRAL_CONFIGS])
 def test_llama_tp2_equals_tp1(llama_tp, references, name, mode):
     for rank, outputs in enumerate(llama_tp):  # every rank holds the full logits
         assert_matches_reference(outputs[f"{name}/{mode}"], references[name], f"rank {rank}")

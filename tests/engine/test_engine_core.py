@@ -109,6 +109,9 @@ def test_core_stop_command_and_stats(llm):
         num_free_blocks=engine.scheduler.block_manager.num_blocks,
         num_steps=0,
         num_aborted=0,
+        # Cumulative over the engine's life (the module's engine has served earlier tests).
+        prefix_cache_queries=engine.scheduler.block_manager.num_prefix_cache_queries,
+        prefix_cache_hits=engine.scheduler.block_manager.num_prefix_cache_hits,
     )
     core.apply(AddRequest("s", [1, 2, 3], LONG))
     core.apply(AddRequest("a", [4, 5], LONG))

@@ -5,7 +5,7 @@ and queued as exactly those token ids (no second BOS), with the sampling paramet
 second, and generates what ``generate`` does for those ids, the text decoded by the tokenizer;
 a list of conversations gives one output per conversation in order, each with its own
 parameters; a template given third wins over the tokenizer's and ``add_generation_prompt``
-(fourth) leaves the generation prompt out.
+(fourth) leaves the generation prompt out; ``tools`` reach the template as its ``tools`` variable.
 The tokenizer is a byte-level stand-in of 256 tokens (llama-tiny's vocabulary size) built from
 GGUF-style metadata and saved as an HF directory; llama-tiny, eager, float32.
 Run: pytest tests/engine/test_llm_chat.py
@@ -104,3 +104,16 @@ def test_a_given_template_wins_and_the_generation_prompt_can_be_left_out(llm):
     assert without.prompt_token_ids == ids("system: Be brief.\nuser: Hi!\n")
     [own_template] = llm.chat(CONVERSATION, greedy(1), add_generation_prompt=False)
     assert own_template.prompt_token_ids == PROMPT[: -len(ids("<|im_start|>assistant\n"))]
+
+
+def test_tools_reach_the_template_as_its_tools_variable(llm):
+    template = "{% for t in tools or [] %}tool {{ t['function']['name'] }}\n{% endfor %}"
+    template += "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tools = [
+        {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "time", "parameters": {"type": "object"}}},
+    ]
+    [output] = llm.chat(CONVERSATION, greedy(1), template, tools=tools)
+    assert output.prompt_token_ids == ids("tool weather\ntool time\nsystem: Be brief.\nuser: Hi!\n")
+    [no_tools] = llm.chat(CONVERSATION, greedy(1), template)
+    assert no_tools.prompt_token_ids == ids("system: Be brief.\nuser: Hi!\n")

@@ -27,6 +27,7 @@ from pieceworks.sampling_params import SamplingParams
 def test_commands_and_outputs_survive_pickling():
     commands = [
         AddRequest("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4)),
+        AddRequest("p", [4], SamplingParams(), priority=-2),  # the priority travels too
         AbortRequest("a"),
         StopRequest("b"),
         Shutdown(),

@@ -23,6 +23,7 @@ Run: ``PIECEWORKS_PLATFORM=cpu pytest tests/engine/test_spec_decode_engine.py -q
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -279,3 +280,49 @@ def test_async_engine_streams_verified_runs():
         assert tokens == [token for chunk in plain_chunks for token in chunk]
         assert len(tokens) == 12 and len(spec_chunks) < len(tokens)
     assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+
+
+def test_logit_bias_and_structured_output_beside_verified_requests(checkpoint, tmp_path):
+    """A request whose logit_bias makes it repeat one token verifies n-gram proposals of it
+    (accepted only under its bias) beside constrained requests, which get none: the free tokens
+    equal decoding without speculation and the constrained outputs stay in their language."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("transformers")
+    from pieceworks.sampling_params import StructuredOutputsParams
+    from tests.engine.tiny_tokenizer import save_tiny_tokenizer
+
+    tokenizer = save_tiny_tokenizer(tmp_path)
+    prompts = [[1, 2, 3], [1, 2, 3], "a", "b"]
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    biased = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                            logit_bias={9: 12.0})  # fmt: skip
+    params = [
+        free,
+        biased,
+        SamplingParams(
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+            temperature=0.0,
+            max_tokens=50,
+        ),  # fmt: skip
+        SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex=r"[0-9]{2}-[a-c]"),
+            seed=1,
+            max_tokens=50,
+        ),  # fmt: skip
+    ]
+
+    def generate(speculative: bool):
+        llm = LLM(checkpoint, enforce_eager=True, dtype="float32", max_num_seqs=8,
+                  tokenizer=tokenizer, async_scheduling=False,
+                  speculative_config=SPEC if speculative else None)  # fmt: skip
+        outputs = [output.outputs[0] for output in llm.generate(prompts, params)]
+        stats = llm.engine.scheduler.spec_decoding_stats
+        llm.shutdown()
+        return outputs, stats
+
+    (plain, _), (spec, stats) = generate(False), generate(True)
+    assert [o.token_ids for o in spec[:2]] == [o.token_ids for o in plain[:2]]
+    assert spec[1].token_ids == [9] * 12 and spec[0].token_ids != spec[1].token_ids
+    assert spec[2].text in ("yes", "no") and spec[2].text == plain[2].text
+    assert re.fullmatch(r"[0-9]{2}-[a-c]", spec[3].text)
+    assert stats.num_accepted_tokens > 0

@@ -1,7 +1,8 @@
 """The engine and sampling flags every subcommand shares, and their translation.
 
 Proves: each engine flag reaches ``LLM``'s keyword arguments under vLLM's name, and an unset one
-is left out; ``--enforce-eager`` and ``--no-async-scheduling`` appear only when given; ``-O`` and
+is left out; ``--enforce-eager``, ``--no-async-scheduling`` and ``--no-enable-prefix-caching``
+appear only when given, and the last one turns ``CacheConfig.enable_prefix_caching`` off; ``-O`` and
 ``--compilation-config`` become ``CompilationConfig`` fields (``-O`` wins), and JSON that is not an
 object is refused naming the flag; the sampling flags give ``SamplingParams`` (greedy by default);
 the help text says what each documented flag does.
@@ -30,6 +31,7 @@ def test_unset_flags_give_no_engine_arguments():
     assert args.model == "llama-tiny"
     assert args.dtype == "auto" and args.level is None and args.compilation_config is None
     assert args.enforce_eager is False and args.async_scheduling is True
+    assert args.enable_prefix_caching is True
     assert ea.engine_args(args) == {"dtype": "auto"}
     assert ea.compilation_fields(args) == {}
     assert parser(None).parse_args([]).model is None
@@ -43,6 +45,7 @@ def test_every_engine_flag_reaches_the_engine_under_its_name():
         "--kv-cache-memory-bytes", "1000", "--quantization", "fp8",
         "--tensor-parallel-size", "2", "--seed", "4", "--num-scheduler-steps", "5",
         "--scheduling-policy", "priority", "--enforce-eager", "--no-async-scheduling",
+        "--no-enable-prefix-caching",
     ]  # fmt: skip
     args = parser().parse_args(argv)
     assert ea.engine_args(args) == {
@@ -61,7 +64,17 @@ def test_every_engine_flag_reaches_the_engine_under_its_name():
         "scheduling_policy": "priority",
         "enforce_eager": True,
         "async_scheduling": False,
+        "enable_prefix_caching": False,
     }
+
+
+def test_no_enable_prefix_caching_turns_the_cache_config_field_off():
+    from pieceworks.engine.arg_utils import build_engine_config
+
+    args = parser().parse_args(["--no-enable-prefix-caching"])
+    config = build_engine_config("llama-tiny", **ea.engine_args(args))
+    assert config.cache_config.enable_prefix_caching is False
+    assert build_engine_config("llama-tiny").cache_config.enable_prefix_caching is True
 
 
 @pytest.mark.parametrize("flag, value", [("-O", "4"), ("--dtype", "int8")])
@@ -122,9 +135,11 @@ def test_sampling_flags_give_sampling_params():
 def test_help_says_what_the_flags_do():
     text = " ".join(parser().format_help().split())
     for phrase in (
-        "a preset (llama-tiny, llama-125m, ...), smollm2-135m, a *.gguf file or an HF dir",
+        "a preset (llama-tiny, llama-125m, ...), smollm2-135m, gemma3-270m, a *.gguf file or "
+        "an HF dir",
         "no compilation, no graphs",
         "wait for each step's tokens before scheduling the next (default: overlap them)",
+        "compute every prompt in full (default: reuse the KV of cached prompt blocks)",
         "compilation level",
         """CompilationConfig fields as a JSON object, e.g. '{"level": 3}'""",
         "a stop string (repeat for several)",

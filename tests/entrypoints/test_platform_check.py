@@ -2,9 +2,8 @@
 skips what the CPU platform does not declare, and fails a wrapper that breaks the address contract
 with a message naming the fault.
 
-The simgraph run covers every check, with llama-tiny as the zoo model (bamba-tiny too in
-``pieceworks platforms --check``; left out here to keep the file short on CPU) and the eager
-compile backend.
+The simgraph run covers every check, with both zoo models (llama-tiny and bamba-tiny) and the
+eager compile backend.
 Run: pytest tests/entrypoints/test_platform_check.py
 """
 
@@ -23,7 +22,7 @@ from pieceworks.platforms.cpu import CpuPlatform
 simgraph = pytest.importorskip("pieceworks_simgraph.platform")
 simgraph_wrapper = pytest.importorskip("pieceworks_simgraph.wrapper")
 
-OPTIONS = CheckOptions(backend="eager", models=("llama-tiny",))
+OPTIONS = CheckOptions(backend="eager")  # every zoo model the CLI checks
 
 
 class StaleInputWrapper(simgraph_wrapper.SimGraphWrapper):
@@ -46,8 +45,9 @@ def simgraph_results():
 
 def test_simgraph_passes_every_check(simgraph_results):
     assert {name: r.status for name, r in simgraph_results.items() if r.status != PASS} == {}
-    # Every check ran: the devices, graphs, breakable capture, each graph mode, distributed.
-    assert len(simgraph_results) == 4 + 4 + 3 + 1
+    # Every check ran: 4 device, 4 graph (breakable capture among them), 3 graph modes for each
+    # of the 2 zoo models, and the distributed one.
+    assert len(simgraph_results) == 4 + 4 + 3 * 2 + 1
 
 
 def test_cpu_skips_what_it_does_not_declare(tmp_path, monkeypatch):

@@ -2,8 +2,11 @@
 
 Proves: completions, streamed and not, return exactly the offline ``LLM.generate`` greedy tokens
 and log-probabilities; ``n`` choices with a seed are reproducible; the model list, health and
-Prometheus metrics answer; a chat request to a model without a chat template, a wrong API key and
-a full engine are refused with their status and reason; a client that leaves is aborted. Each
+Prometheus metrics answer; the shared-prefix and multi-turn ``bench serve`` workloads hit the
+prefix cache exactly as often as their block counts say (a chat's later turns hit its earlier
+answers' blocks too), read from ``/metrics``; a chat request to a model without a chat
+template, a wrong API key and a full engine are refused with their status and reason; a client
+that leaves is aborted. Each
 test runs with the engine in its own process and on a thread of the server. The load test and
 the bad-request battery are in ``test_serve_load.py``.
 Run: pytest tests/entrypoints/test_serve.py
@@ -126,6 +129,8 @@ def test_models_health_metrics(server, client):
         "pieceworks:time_to_first_token_seconds_bucket",
         "pieceworks:time_per_output_token_seconds_bucket",
         "pieceworks:generation_tokens_total",
+        "pieceworks:prefix_cache_queries_total",
+        "pieceworks:prefix_cache_hits_total",
     ):
         assert name in text
 
@@ -190,6 +195,38 @@ def test_bench_serve_against_the_server(server, tmp_path):
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
     plot_serve(tmp_path / "serve.png", results, "test")
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_prefix_cache_workloads_report_their_hit_rate(server):
+    from pieceworks.benchmarks.serve import run_benchmark, summarize
+    from pieceworks.benchmarks.serve_workloads import (
+        multi_turn_chats,
+        prefix_cache_counts,
+        prefix_cache_hit_rate,
+        run_multi_turn,
+        shared_prefix_requests,
+    )
+
+    url = server[0]
+    # 6 prompts of 32 shared + 4 own tokens, one at a time: each after the first finds the
+    # prefix's 2 blocks of 16 (its own last block is computed): 5 * 32 of 6 * 36 tokens.
+    requests = shared_prefix_requests(6, prefix_len=32, input_len=4, output_len=3, seed=5)
+    before = prefix_cache_counts(url, API_KEY)
+    results, duration = asyncio.run(
+        run_benchmark(url, MODEL, requests, max_concurrency=1, api_key=API_KEY)
+    )
+    rate = prefix_cache_hit_rate(before, prefix_cache_counts(url, API_KEY))
+    assert summarize(results, duration)["completed"] == 6
+    assert (rate["prefix_cache_hits"], rate["prefix_cache_queries"]) == (160, 216)
+    # One chat of 3 turns (10-token questions, 8-token answers): prompts of 10, 28 and 46
+    # tokens. Turn 2 finds turn 1's first block (10 prompt + 6 generated tokens), turn 3 the
+    # first 2 blocks of turn 2's 35 KV tokens: 16 + 32 of 84.
+    chats = multi_turn_chats(3, num_turns=3, input_len=10, output_len=8, seed=6)
+    before = prefix_cache_counts(url, API_KEY)
+    results, _ = asyncio.run(run_multi_turn(url, MODEL, chats, api_key=API_KEY))
+    rate = prefix_cache_hit_rate(before, prefix_cache_counts(url, API_KEY))
+    assert [r.prompt_len for r in results] == [10, 28, 46]
+    assert (rate["prefix_cache_hits"], rate["prefix_cache_queries"]) == (48, 84)
 
 
 def test_non_streaming_client_that_leaves_is_aborted(server):

@@ -28,6 +28,7 @@ from pieceworks.entrypoints.serve.errors import (  # noqa: E402
 )
 from pieceworks.entrypoints.serve.protocol import (  # noqa: E402
     UNSUPPORTED_FIELDS,
+    UNSUPPORTED_HINTS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -89,7 +90,8 @@ def test_unsupported_fields_are_refused_unless_neutral(api, model):
             model.model_validate({**base, name: value})
         error = refusal(json.dumps({**base, name: "surely not neutral"}).encode(), model)
         assert error.param == name
-        assert f"this server does not implement {name}; leave it out" in error.message
+        hint = UNSUPPORTED_HINTS.get(name, "leave it out")
+        assert f"this server does not implement {name}; {hint}" in error.message
     refusal(json.dumps({**base, "min_p": True}).encode(), model)  # True is not 1
     refusal(json.dumps({**base, "use_beam_search": 0}).encode(), model)  # 0 is not False
     model.model_validate({**base, "repetition_penalty": 1})

@@ -3,9 +3,10 @@ captured decode graph replays correctly with new metadata values in the same buf
 
 Proves that `paged_attention_triton` equals `paged_attention_reference` with 32 q heads, 8 kv
 heads, head size 128, block size 16, contexts up to 8192 and batches of 1 to 64, for decode,
-prefill (with and without cached context) and mixed batches; and that `store_kv_cache_triton`
-plus a decode call captured once into a CUDA graph give the right answer when replayed after
-the runner rewrites query, slot_mapping, seq_lens and block_tables in place (padding included).
+prefill (with and without cached context) and mixed batches, also with sliding windows of 1, 100
+and 4096 positions; and that `store_kv_cache_triton` plus a decode call captured once into a CUDA
+graph give the right answer when replayed after the runner rewrites query, slot_mapping, seq_lens
+and block_tables in place (padding included).
 
 Run (GPU machine): PYTHONPATH=. python -m pytest tests/kernels/test_attention_kernels_gpu.py -q
 """
@@ -117,6 +118,22 @@ def test_mixed_batch():
     seq_lens = decode_lens + [700, 8192, 45]
     query_lens = [1] * 32 + [700, 256, 45]
     check(seq_lens, query_lens)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 100, 4096])
+@pytest.mark.parametrize(
+    "seq_lens,query_lens",
+    [
+        ([8192, 4097, 100, 1], [1, 1, 1, 1]),  # decode: windows below and above the context
+        ([8192, 4500, 700, 3000], [512, 300, 700, 1]),  # chunked prefill, prefill, decode
+    ],
+)
+def test_sliding_window(seq_lens, query_lens, sliding_window):
+    batch = make_batch(seq_lens, query_lens)
+    expected = attend(batch, paged_attention_reference, sliding_window=sliding_window)
+    actual = attend(batch, paged_attention_triton, max_query_len=max(query_lens),
+                    sliding_window=sliding_window)  # fmt: skip
+    assert_close_bf16(actual, expected)
 
 
 def test_decode_graph_replays_with_new_metadata():

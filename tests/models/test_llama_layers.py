@@ -509,6 +509,25 @@ def test_qwen3_weight_specs_match_hf_state_dict() -> None:
     }
 
 
+def test_gemma3_weight_specs_match_hf_state_dict() -> None:
+    """The Gemma-3-4B preset, shrunk: HF's tensors and shapes; norms drawn near 0 for (1 + w)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    hf_config = {
+        **presets.get_preset("gemma-3-4b"),
+        **{"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "layer_types": None},
+        **{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 128},
+    }
+    state_dict = Gemma3ForCausalLM(Gemma3TextConfig(**hf_config)).state_dict()
+    del state_dict["lm_head.weight"]  # tied: saved without it
+    specs = presets.hf_weight_specs(hf_config)
+    assert {name: spec.shape for name, spec in specs.items()} == {
+        name: tuple(tensor.shape) for name, tensor in state_dict.items()
+    }
+    norms = {spec.init for name, spec in specs.items() if "norm" in name}
+    assert norms == {"offset_norm"}
+
+
 def test_random_checkpoint_is_seeded_and_loads_in_hf(tmp_path) -> None:
     from tests.models.hf_reference import build_hf_llama, hf_logits
 
@@ -542,10 +561,17 @@ def test_registry_names_supported_architectures() -> None:
     assert "BambaForCausalLM" in str(error.value) and "LlamaForCausalLM" in str(error.value)
     assert registry.supported_architectures() == [
         "BambaForCausalLM",
+        "Gemma3ForCausalLM",
         "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "NemotronHForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3_5ForCausalLM",
     ]
+    hybrids = ["BambaForCausalLM", "NemotronHForCausalLM", "Qwen3_5ForCausalLM"]
+    assert [registry.is_hybrid({"architectures": [name]}) for name in hybrids] == [True] * 3
+    assert not registry.is_hybrid({"architectures": ["Qwen3ForCausalLM"]})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -139,7 +139,8 @@ def test_a_later_higher_priority_prefill_is_served_first_and_decodes_still_lead(
     scheduler = make_scheduler("priority")
     decoding = make_request("decoding", priority=1)
     first_step(scheduler, [decoding])
-    urgent = Request("urgent", list(range(1, 101)), PARAMS, priority=0, arrival_time=1.0)
+    # Its first block differs from the decoding request's: no prefix-cache hit shortens it.
+    urgent = Request("urgent", list(range(5, 105)), PARAMS, priority=0, arrival_time=1.0)
     scheduler.add_request(urgent)
     output = scheduler.schedule()  # the decode, then 63 of the 100 prompt tokens
     assert [(item.request, item.num_new_tokens) for item in output.scheduled_requests] == [

@@ -4,7 +4,8 @@ Proves: with ``scheduling_policy="priority"`` and a full batch (``max_num_seqs=1
 high-priority request added after a low-priority one is admitted first, while the default fcfs
 engine admits them in arrival order; ``LLM.generate(priority=[...])`` hands each prompt's
 priority to the engine, refuses a list of the wrong length, and under fcfs refuses a non-zero
-priority with the prompt's index, queuing nothing. llama-tiny at level 0 on CPU, float32.
+priority with the prompt's index, queuing nothing; a priority that is not an int is refused.
+llama-tiny at level 0 on CPU, float32.
 Run: pytest tests/scheduler/test_policy_engine.py
 """
 
@@ -90,3 +91,10 @@ def test_generate_under_fcfs_refuses_a_priority_and_queues_nothing(fcfs_llm):
         "pass scheduling_policy='priority' or leave priority at 0"
     )
     assert not fcfs_llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("priority", [True, 1.5, "1"])
+def test_a_priority_that_is_not_an_int_is_refused(priority_llm, priority):
+    with pytest.raises(ValueError, match="priority must be an int"):
+        priority_llm.engine.add_request([1, 2], SHORT, priority=priority)
+    assert not priority_llm.engine.has_unfinished_requests()

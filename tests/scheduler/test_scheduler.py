@@ -4,7 +4,8 @@ Proves: many more requests than ``max_num_seqs`` all finish; every step respects
 and the sequence limit and lists decodes first; chunked prefills stay within the budget and resume
 where they stopped; with a tiny block pool requests are preempted, resume by recomputing prompt +
 generated tokens, and produce exactly the tokens of an unpreempted run; no KV block or Mamba state
-slot is shared while held or leaked after the last request finishes; impossible requests are
+slot is shared while held (a prefix-cache block only, read by each holder) or leaked after the
+last request finishes; impossible requests are
 rejected with a message (matched in full); EOS, stop ids, ``ignore_eos`` and ``max_tokens`` stop
 generation; no step computes a request's last position (prompt + max_tokens - 1) or schedules a
 request whose pending token is its last, and such a request holds back no other; a full budget is
@@ -24,7 +25,7 @@ Run: pytest tests/scheduler/test_scheduler.py
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
 import pytest
@@ -126,10 +127,11 @@ def make_scheduler(
     block_size=4,
     num_state_slots=0,
     async_scheduling=False,
+    enable_prefix_caching=True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        CacheConfig(block_size=block_size),
+        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         max_model_len=256,
         num_blocks=num_blocks,
         num_state_slots=num_state_slots,
@@ -160,9 +162,15 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
     assert output.num_requests <= scheduler.max_num_seqs
     decode_flags = [scheduled.is_decode for scheduled in output.scheduled_requests]
     assert decode_flags == sorted(decode_flags, reverse=True), "decodes must come first"
-    held = [block for request in scheduler.running for block in request.block_ids]
-    assert len(held) == len(set(held)), "a block is held by two requests"
-    assert len(held) + scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    # A block is shared only while it is a prefix-cache block (read, never written) of each
+    # holder; the rest of a request's blocks are its own, and reference counts count holders.
+    manager = scheduler.block_manager
+    held = Counter(block for request in scheduler.running for block in request.block_ids)
+    for request in scheduler.running:
+        written = request.block_ids[request.num_cached_blocks :]
+        assert all(held[block] == 1 for block in written), "a block is held by two requests"
+    assert all(manager.ref_counts[block] == count for block, count in held.items())
+    assert len(held) + manager.num_free_blocks == manager.num_blocks
     for scheduled in output.scheduled_requests:
         request = scheduled.request
         needed = scheduled.num_computed_tokens + scheduled.num_new_tokens
@@ -298,9 +306,16 @@ def test_preemption_resumes_with_the_same_tokens(seed, num_state_slots, async_sc
         assert max(output.num_requests for output in outputs) <= min(4, num_state_slots - 1)
 
 
-def test_resumed_request_recomputes_prompt_and_generated_tokens():
-    """4 blocks of 4: two 4-token prompts decode side by side until each needs a third block."""
-    scheduler = make_scheduler(max_num_seqs=2, num_blocks=4)
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_resumed_request_recomputes_prompt_and_generated_tokens(enable_prefix_caching):
+    """4 blocks of 4: two 4-token prompts decode side by side until each needs a third block.
+    With prefix caching the resumed request finds its prompt's block still cached (its second
+    block, the tail, was evicted first to give ``first`` its third block) and recomputes the
+    rest."""
+    scheduler = make_scheduler(
+        max_num_seqs=2, num_blocks=4, enable_prefix_caching=enable_prefix_caching
+    )
+    num_cached = 4 if enable_prefix_caching else 0
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     first, second, third = (
         Request(name, prompt, params)
@@ -323,8 +338,8 @@ def test_resumed_request_recomputes_prompt_and_generated_tokens():
         for scheduled in output.scheduled_requests:
             if scheduled.request is second and second.num_preemptions and resumed is None:
                 resumed = scheduled
-                assert scheduled.num_computed_tokens == 0 and not scheduled.is_decode
-                assert scheduled.new_token_ids == [5, 6, 7, 8] + generated_before
+                assert scheduled.num_computed_tokens == num_cached and not scheduled.is_decode
+                assert scheduled.new_token_ids == ([5, 6, 7, 8] + generated_before)[num_cached:]
         scheduler.update_from_output(output, runner.execute(output))
     assert resumed is not None and second.num_preemptions == 1 and first.num_preemptions == 0
     check_matches_reference([first, second, third])

@@ -22,7 +22,8 @@ from pieceworks.scheduler.scheduler import Scheduler
 
 def decoding(scheduler: Scheduler, request_id: str, prompt_len: int, **params) -> Request:
     """A request admitted, prefilled and given its first token: a decode from now on."""
-    request = Request(request_id, list(range(1, prompt_len + 1)), SamplingParams(**params))
+    first = ord(request_id[0])  # prompts that share no prefix (no prefix-cache hits)
+    request = Request(request_id, list(range(first, first + prompt_len)), SamplingParams(**params))
     scheduler.add_request(request)
     output = scheduler.schedule()
     scheduler.update_from_output(output, [100] * len(output.producing_requests))

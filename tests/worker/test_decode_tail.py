@@ -9,7 +9,8 @@ launches they replace), one and four decode steps per host round trip, async sch
 off, with FULL and PIECEWISE graphs on simgraph (whose replay re-runs the tail on the buffers it
 captured, so a tail reading or writing the wrong rows would show). Proved: the same deltas in
 the same steps (token ids, text, finish reasons); tails ran, in runs of one step and of four;
-a step with a random row or a log-probability request takes the launches instead.
+a step with a random row, a log-probability request or a ``logit_bias`` takes the launches
+instead (the biased row's tokens are the forced ones).
 
 Run: ``PIECEWORKS_PLATFORM=cpu pytest tests/worker/test_decode_tail.py -q``
 """
@@ -117,8 +118,9 @@ def test_decode_tails_give_the_launches_tokens_step_for_step(
     [
         SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True),
         SamplingParams(temperature=0.0, logprobs=2, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.0, logit_bias={7: 100}, max_tokens=6, ignore_eos=True),
     ],
-    ids=["random row", "logprobs"],
+    ids=["random row", "logprobs", "logit_bias"],
 )
 def test_a_batch_with_a_random_or_logprobs_row_takes_the_launches(
     checkpoint, graph_platform, odd_one
@@ -129,6 +131,8 @@ def test_a_batch_with_a_random_or_logprobs_row_takes_the_launches(
     outputs = llm.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9], [3, 3]], [greedy] * 3 + [odd_one])
     assert runs == []
     assert all(len(out.outputs[0].token_ids) == 6 for out in outputs)
+    if odd_one.logit_bias:
+        assert outputs[3].outputs[0].token_ids == [7] * 6
     only_greedy = llm.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9], [3, 3]], greedy)
     assert runs  # the same batch, all greedy, samples in the tails
     assert [o.outputs[0].token_ids for o in only_greedy[:3]] == [

@@ -96,7 +96,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         ctx = build_process_context(spec, names[0], args.max_waiting_requests)
     try:
-        app = build_app(ctx, names, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        app = build_app(
+            ctx,
+            names,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+        )
         serve(app, args.host, args.port, args.uvicorn_log_level)
     finally:
         ctx.engine.shutdown()  # already done when the app shut down; not when uvicorn failed
@@ -127,6 +134,18 @@ def register(sub: Any) -> None:
         action="store_true",
         help="run the engine on a thread of the server process instead of its own process "
         "(debugging: it then shares the interpreter lock with the HTTP side)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json"],
+        help="how tool calls are found in free text (tool_choice auto): hermes reads "
+        "<tool_call>{json}</tool_call>, llama3_json a {name, parameters} object",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let requests send tool_choice "auto" (needs --tool-call-parser)',
     )
     parser.add_argument(
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]

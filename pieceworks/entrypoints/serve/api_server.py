@@ -1,12 +1,14 @@
 """The OpenAI-compatible HTTP app (FastAPI) and how it runs (uvicorn).
 
-``build_app`` wires the routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/metrics``) over a ``ServingContext``; ``serve`` runs it with uvicorn until
+``build_app`` wires the routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``
+and ``/v1/models/{id}``, ``/tokenize``, ``/detokenize``, ``/health``, ``/metrics``) over a
+``ServingContext``; ``serve`` runs it with uvicorn until
 SIGINT or SIGTERM. On a signal uvicorn stops accepting connections and waits for the requests in
 flight, streams included, to finish; then the app's shutdown stops the engine loop and frees the
 engine. A guard in front of the routes answers before any handler runs: 401 for a missing or
 wrong API key on ``/v1/*`` (``/health`` and ``/metrics`` stay open, as in vLLM) and 400 for a
-body over ``max_body_bytes``. Every refusal is JSON in OpenAI's error shape.
+body over ``max_body_bytes``. Every refusal is JSON in OpenAI's error shape, an unknown route
+(404) or a route called with the wrong method (405) included.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -26,11 +29,17 @@ from pieceworks.entrypoints.serve.chat import create_chat_completion
 from pieceworks.entrypoints.serve.completions import create_completion
 from pieceworks.entrypoints.serve.errors import APIError, error_body, error_response
 from pieceworks.entrypoints.serve.serving import ServingContext
+from pieceworks.entrypoints.serve.tokenization import detokenize, tokenize
+from pieceworks.entrypoints.serve.tool_calls import TOOL_CALL_PARSERS
 from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # far above any prompt max_model_len allows
+ROUTES = (
+    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, "
+    "POST /tokenize, POST /detokenize, GET /health, GET /metrics"
+)
 
 
 class RequestGuard:
@@ -110,8 +119,20 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     drain_timeout_s: float = 30.0,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> Any:
-    """The ASGI app serving ``ctx``: FastAPI routes behind the ``RequestGuard``."""
+    """The ASGI app serving ``ctx``: FastAPI routes behind the ``RequestGuard``. The tool
+    options are ``--tool-call-parser`` and ``--enable-auto-tool-choice`` (vLLM's)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"tool call parser {tool_call_parser!r} is unknown; use one of "
+            f"{', '.join(TOOL_CALL_PARSERS)}"
+        )
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
+    ctx.tool_call_parser = tool_call_parser
+    ctx.enable_auto_tool_choice = enable_auto_tool_choice
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -133,6 +154,22 @@ def build_app(
     async def api_error(request: Request, error: APIError) -> Response:
         return error_response(error)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+        route = f"{request.method} {request.url.path}"
+        if error.status_code == 404:
+            message = f"there is no route {route}; this server serves {ROUTES}"
+        elif error.status_code == 405:
+            headers = {key.lower(): value for key, value in (error.headers or {}).items()}
+            allowed = headers.get("allow", "another method")
+            message = f"{route} is not allowed: this route takes {allowed}"
+        else:
+            message = f"{route}: {error.detail}"
+        return JSONResponse(
+            error_body(error.status_code, message), error.status_code, headers=error.headers
+        )
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> Response:
         logger.exception("request failed")
@@ -148,21 +185,34 @@ def build_app(
         check_model(await _model_field(request))
         return await create_chat_completion(ctx, request)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pieceworks",
+            "root": ctx.model_name,
+            "max_model_len": ctx.limits.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        max_model_len = ctx.limits.max_model_len
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "pieceworks",
-                "root": ctx.model_name,
-                "max_model_len": max_model_len,
-            }
-            for name in served_model_names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card(model_id)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        check_model(await _model_field(request))
+        return await tokenize(ctx, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        check_model(await _model_field(request))
+        return await detokenize(ctx, request)
 
     @app.get("/health")
     async def health() -> Response:

@@ -3,7 +3,11 @@
 The conversation is rendered by ``LLM.apply_chat_template`` (the model's chat template, the
 assistant's turn opened unless ``add_generation_prompt`` is false, no second BOS), so the server's
 prompt is ``LLM.chat``'s. Streams follow OpenAI's shape: a first chunk per choice with
-the assistant role, content deltas, and a last chunk with the finish reason.
+the assistant role, content deltas, and a last chunk with the finish reason. ``response_format``
+and vLLM's structured-output fields constrain the answer (``structured.py``); with ``tools`` the
+answer may become tool calls (``tool_calls.py``): a streamed choice then holds back the text
+that may hold calls and sends, when it finishes, one chunk per call with its index, id, type and
+name (arguments "") and one with its arguments, as OpenAI streams them.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from pieceworks.entrypoints.serve.generation import (
 from pieceworks.entrypoints.serve.logprobs import chat_logprobs
 from pieceworks.entrypoints.serve.protocol import ChatCompletionRequest
 from pieceworks.entrypoints.serve.serving import ResponseFormat, ServingContext, respond
+from pieceworks.entrypoints.serve.structured import request_constraint
+from pieceworks.entrypoints.serve.tool_calls import ToolCalling, tool_calling
 from pieceworks.entrypoints.serve.validation import (
+    check_logit_bias,
     check_prompt,
     parse_body,
     resolve_max_tokens,
@@ -40,9 +47,9 @@ def render_chat(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
             "use /v1/completions with token-id prompts",
             "messages",
         )
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.template_message() for m in body.messages]
     try:
-        return ctx.apply_chat_template(messages, None, body.add_generation_prompt)
+        return ctx.apply_chat_template(messages, None, body.add_generation_prompt, body.tools)
     except Exception as error:  # a template may refuse a conversation (roles out of order)
         raise bad_request(
             f"the chat template refused these messages: {error}", "messages"
@@ -68,7 +75,52 @@ def _choice(
     return choice
 
 
-def chat_format(body: ChatCompletionRequest, tokenizer: Any) -> ResponseFormat:
+def _with_calls(
+    tools: ToolCalling | None, text: str, finish_reason: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished answer, tool calls parsed out, and its reason."""
+    content, calls = tools.parse(text) if tools is not None else (text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call.as_dict() for call in calls]
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return message, finish_reason
+
+
+def chat_format(
+    body: ChatCompletionRequest, tokenizer: Any, tools: ToolCalling | None = None
+) -> ResponseFormat:
+    texts: dict[int, str] = {}  # each streamed choice's text so far
+    sent: dict[int, int] = {}  # how much of it went out as content
+
+    def tool_chunks(header: dict[str, Any], delta: ChoiceDelta) -> list[dict[str, Any]]:
+        assert tools is not None
+        index = delta.index
+        text = texts[index] = texts.get(index, "") + delta.text
+        start = sent.get(index, 0)
+        if delta.finish_reason is None:
+            end = max(tools.streamable(text), start)
+            sent[index] = end
+            if end == start:
+                return []
+            return [_chunk(header, _choice(body, index, "delta", {"content": text[start:end]},
+                                          delta.token_ids, None))]  # fmt: skip
+        content, calls = tools.parse(text)
+        if not calls:
+            rest = {"content": text[start:]} if text[start:] else {}
+            return [_chunk(header, _choice(body, index, "delta", rest, None, delta.finish_reason))]
+        chunks = []
+        for position, call in enumerate(calls):
+            named = call.as_dict(position)
+            named["function"] = {"name": call.name, "arguments": ""}
+            arguments = {"index": position, "function": {"arguments": call.arguments}}
+            for piece in (named, arguments):
+                delta_body = {"tool_calls": [piece]}
+                chunks.append(_chunk(header, _choice(body, index, "delta", delta_body, None, None)))
+        reason = "tool_calls" if delta.finish_reason == "stop" else delta.finish_reason
+        chunks.append(_chunk(header, _choice(body, index, "delta", {}, None, reason)))
+        return chunks
+
     def first(header: dict[str, Any], num_choices: int) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
         return [
@@ -80,7 +132,9 @@ def chat_format(body: ChatCompletionRequest, tokenizer: Any) -> ResponseFormat:
             for index in range(num_choices)
         ]
 
-    def chunk(header: dict[str, Any], delta: ChoiceDelta) -> dict[str, Any]:
+    def chunk(header: dict[str, Any], delta: ChoiceDelta) -> Any:
+        if tools is not None:
+            return tool_chunks(header, delta)
         content = {"content": delta.text} if delta.text else {}
         choice = _choice(body, delta.index, "delta", content, delta.token_ids, delta.finish_reason)
         if delta.logprobs is not None:
@@ -90,14 +144,18 @@ def chat_format(body: ChatCompletionRequest, tokenizer: Any) -> ResponseFormat:
     def full(header: dict[str, Any], results: list[ChoiceResult]) -> dict[str, Any]:
         choices = []
         for r in results:
-            message = {"role": "assistant", "content": r.text}
-            choice = _choice(body, r.index, "message", message, r.token_ids, r.finish_reason)
+            message, finish_reason = _with_calls(tools, r.text, r.finish_reason)
+            choice = _choice(body, r.index, "message", message, r.token_ids, finish_reason)
             if r.logprobs is not None:
                 choice["logprobs"] = chat_logprobs(r.logprobs, tokenizer)
             choices.append(choice)
         return {**header, "object": "chat.completion", "choices": choices}
 
     return ResponseFormat("chatcmpl", chunk, first, full)
+
+
+def _chunk(header: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
+    return {**header, "object": "chat.completion.chunk", "choices": [choice]}
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -107,10 +165,27 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
             "top_logprobs needs logprobs=true (without it no log-probabilities are returned)",
             "top_logprobs",
         )
+    tools, tool_constraint = tool_calling(body, ctx.tool_call_parser, ctx.enable_auto_tool_choice)
+    asked = request_constraint(body)
+    if asked is not None and tool_constraint is not None:
+        raise bad_request(
+            f"tool_choice {body.tool_choice!r} constrains the answer; leave {asked[0]} out",
+            asked[0],
+        )
+    constraint = tool_constraint or (asked[1] if asked else None)
     ids = render_chat(ctx, body)
     max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(ids), ctx.limits)
     check_prompt(ids, max_tokens, ctx.limits)
+    check_logit_bias(body.logit_bias, ctx.limits)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    specs = [ChoiceSpec(ids, sampling_params(body, max_tokens, i, logprobs)) for i in range(body.n)]
+    specs = [
+        ChoiceSpec(
+            ids,
+            sampling_params(body, max_tokens, i, logprobs, structured_outputs=constraint),
+            priority=body.priority,
+        )
+        for i in range(body.n)
+    ]
     generation = Generation(ctx.engine, specs, ctx.tokenizer, ctx.metrics)
-    return await respond(ctx, request, generation, chat_format(body, ctx.tokenizer), body)
+    fmt = chat_format(body, ctx.tokenizer, tools)
+    return await respond(ctx, request, generation, fmt, body)

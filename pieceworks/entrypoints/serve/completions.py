@@ -4,6 +4,13 @@ OpenAI numbers the choices of a batch of prompts ``prompt_index * n + i``; this 
 same. A text prompt is tokenized as ``LLM.generate`` does it, so the server's greedy answer
 equals the offline one. With ``return_token_ids`` (vLLM's extension) every choice, and every
 streamed chunk, also carries its token ids, the only output of a model without a tokenizer.
+
+``echo`` puts the prompt before each choice's text (a text prompt as sent, token ids decoded),
+and with ``logprobs`` the prompt tokens' entries before the generated ones (the engine's
+``prompt_logprobs``; the first token's log-probability is null, as nothing predicts it). As in
+vLLM, a stream sends the prompt in each choice's first chunk, and ``max_tokens`` 0 (allowed only
+with ``echo``) returns the prompt alone with finish reason "length": how lm-evaluation-harness
+scores text.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from pieceworks.entrypoints.serve.generation import (
 from pieceworks.entrypoints.serve.logprobs import completion_logprobs
 from pieceworks.entrypoints.serve.protocol import CompletionRequest
 from pieceworks.entrypoints.serve.serving import ResponseFormat, ServingContext, respond
+from pieceworks.entrypoints.serve.structured import request_constraint
 from pieceworks.entrypoints.serve.validation import (
+    check_logit_bias,
     check_prompt,
     parse_body,
     resolve_max_tokens,
@@ -31,13 +40,14 @@ from pieceworks.entrypoints.serve.validation import (
 )
 
 
-def prompt_token_ids(ctx: ServingContext, prompt: Any) -> list[list[int]]:
-    """Every prompt of the request as token ids (text needs the model's tokenizer)."""
+def prompt_token_ids(ctx: ServingContext, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    """Every prompt of the request: its text (None for token ids) and its token ids (text
+    needs the model's tokenizer)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise bad_request("the prompt is empty; send text or at least one token id", "prompt")
-    encoded = []
+    encoded: list[tuple[str | None, list[int]]] = []
     for item in prompt:
         if isinstance(item, str):
             if ctx.tokenizer is None:
@@ -46,8 +56,9 @@ def prompt_token_ids(ctx: ServingContext, prompt: Any) -> list[list[int]]:
                     "as a list of token ids",
                     "prompt",
                 )
-            item = ctx.tokenizer.encode(item)
-        encoded.append(list(item))
+            encoded.append((item, ctx.tokenizer.encode(item)))
+        else:
+            encoded.append((None, list(item)))
     return encoded
 
 
@@ -65,19 +76,48 @@ def _choice(
     return choice
 
 
-def completion_format(body: CompletionRequest, tokenizer: Any) -> ResponseFormat:
+def completion_format(
+    body: CompletionRequest, tokenizer: Any, prompts: list[tuple[str, list[int]]]
+) -> ResponseFormat:
+    """The completions shapes; ``prompts`` is each choice's prompt (text, ids), for ``echo``."""
+    echoed: set[int] = set()
+
+    def echo_of(index: int) -> tuple[str, list[int]]:
+        """Choice ``index``'s prompt the first time its text is built with ``echo``; else none."""
+        if not body.echo or index in echoed:
+            return "", []
+        echoed.add(index)
+        return prompts[index]
+
+    def logprobs(
+        prompt_ids: list[int], prompt_entries: Any, entries: list[Any], offset: int
+    ) -> dict[str, Any]:
+        """The legacy shape of the prompt's entries (when echoed) and then the generated ones."""
+        if not prompt_ids:
+            return completion_logprobs(entries, tokenizer, offset)
+        token_ids = [*prompt_ids, *(entry.token_id for entry in entries)]
+        all_entries = [*(prompt_entries or [None] * len(prompt_ids)), *entries]
+        return completion_logprobs(all_entries, tokenizer, offset, token_ids)
+
     def chunk(header: dict[str, Any], delta: ChoiceDelta) -> dict[str, Any]:
-        choice = _choice(body, delta.index, delta.text, delta.token_ids, delta.finish_reason)
+        prompt_text, prompt_ids = echo_of(delta.index)
+        text = prompt_text + delta.text
+        choice = _choice(body, delta.index, text, delta.token_ids, delta.finish_reason)
         if delta.logprobs is not None:
-            choice["logprobs"] = completion_logprobs(delta.logprobs, tokenizer, delta.text_offset)
+            # Later chunks' offsets count the prompt text the first chunk echoed.
+            shift = len(prompts[delta.index][0]) if body.echo else 0
+            offset = 0 if prompt_ids else shift + delta.text_offset
+            entries = delta.logprobs
+            choice["logprobs"] = logprobs(prompt_ids, delta.prompt_logprobs, entries, offset)
         return {**header, "object": "text_completion", "choices": [choice]}
 
     def full(header: dict[str, Any], results: list[ChoiceResult]) -> dict[str, Any]:
         choices = []
         for r in results:
-            choice = _choice(body, r.index, r.text, r.token_ids, r.finish_reason)
+            prompt_text, prompt_ids = echo_of(r.index)
+            choice = _choice(body, r.index, prompt_text + r.text, r.token_ids, r.finish_reason)
             if r.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(r.logprobs, tokenizer, 0)
+                choice["logprobs"] = logprobs(prompt_ids, r.prompt_logprobs, r.logprobs, 0)
             if body.return_token_ids:
                 choice["prompt_token_ids"] = r.prompt_token_ids
             choices.append(choice)
@@ -88,12 +128,33 @@ def completion_format(body: CompletionRequest, tokenizer: Any) -> ResponseFormat
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     body = parse_body(await request.body(), CompletionRequest)
-    specs = []
-    for ids in prompt_token_ids(ctx, body.prompt):
-        max_tokens = resolve_max_tokens(body.max_tokens, len(ids), ctx.limits)
+    check_logit_bias(body.logit_bias, ctx.limits)
+    asked = request_constraint(body)  # (field, constraint) or None
+    constraint = asked[1] if asked else None
+    # With echo the prompt's entries come first: k alternatives per prompt token too (vLLM's).
+    prompt_logprobs = body.logprobs if body.echo else None
+    specs, prompts = [], []
+    for prompt_index, (text, ids) in enumerate(prompt_token_ids(ctx, body.prompt)):
+        max_tokens = resolve_max_tokens(body.max_tokens, len(ids), ctx.limits, body.echo)
         check_prompt(ids, max_tokens, ctx.limits)
+        if text is None:
+            text = ctx.tokenizer.decode(ids) if ctx.tokenizer is not None else ""
         for i in range(body.n):
-            params = sampling_params(body, max_tokens, i, body.logprobs)
-            specs.append(ChoiceSpec(ids, params))
+            # max_tokens 0: the engine generates one token, which the choice drops.
+            params = sampling_params(
+                body,
+                max(max_tokens, 1),
+                i,
+                body.logprobs,
+                prompt_logprobs=prompt_logprobs,
+                structured_outputs=constraint,
+            )
+            specs.append(
+                ChoiceSpec(
+                    ids, params, prompt_index, priority=body.priority, prompt_only=max_tokens == 0
+                )
+            )
+            prompts.append((text, ids))
     generation = Generation(ctx.engine, specs, ctx.tokenizer, ctx.metrics)
-    return await respond(ctx, request, generation, completion_format(body, ctx.tokenizer), body)
+    fmt = completion_format(body, ctx.tokenizer, prompts)
+    return await respond(ctx, request, generation, fmt, body)

@@ -15,6 +15,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     413: "BadRequestError",
     503: "ServiceUnavailableError",
     500: "InternalServerError",

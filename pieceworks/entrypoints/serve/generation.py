@@ -35,6 +35,7 @@ class ChoiceDelta:
     finish_reason: str | None = None
     logprobs: list[Any] | None = None  # the engine's entries for ``token_ids``, when asked
     text_offset: int = 0  # where ``text`` starts in the choice's whole text
+    prompt_logprobs: list[Any] | None = None  # per prompt token (the first None), first delta
 
 
 @dataclasses.dataclass
@@ -45,14 +46,23 @@ class ChoiceResult:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclasses.dataclass
 class ChoiceSpec:
-    """One choice to generate: its prompt and sampling parameters."""
+    """One choice to generate: its prompt and sampling parameters.
+
+    ``prompt_index`` says which prompt of the request it continues (usage counts each prompt
+    once, however many choices continue it). A ``prompt_only`` choice (``max_tokens`` 0) runs
+    as an engine request of one token, which is dropped: it ends after the prefill with reason
+    "length" and no text of its own (vLLM's way of serving ``echo`` with ``max_tokens`` 0)."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
+    prompt_index: int = 0
+    priority: int = 0  # the request's (vLLM's ``priority`` field)
+    prompt_only: bool = False
 
 
 class Generation:
@@ -70,7 +80,8 @@ class Generation:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.request_id = uuid.uuid4().hex
-        self.num_prompt_tokens = sum(len(choice.prompt_token_ids) for choice in choices)
+        prompts = {choice.prompt_index: choice.prompt_token_ids for choice in choices}
+        self.num_prompt_tokens = sum(len(ids) for ids in prompts.values())
         self.results = [
             ChoiceResult(index, choice.prompt_token_ids) for index, choice in enumerate(choices)
         ]
@@ -84,7 +95,11 @@ class Generation:
         self.arrival = time.perf_counter()
         self._pending = [
             self.engine.generate(
-                choice.prompt_token_ids, choice.params, f"{self.request_id}-{i}", reserved=True
+                choice.prompt_token_ids,
+                choice.params,
+                f"{self.request_id}-{i}",
+                reserved=True,
+                priority=choice.priority,
             )
             for i, choice in enumerate(self.choices)
         ]
@@ -100,7 +115,11 @@ class Generation:
         refused = [delta.error for delta in self._firsts if delta.error is not None]
         if refused:
             await self.close()
-            raise bad_request(refused[0], param="prompt")
+            # the engine refuses a prompt (its ids, length, capacity) or a priority: the
+            # scheduling policy's message names "priority=", the type check starts with it
+            priority = refused[0].startswith("priority") or "has priority=" in refused[0]
+            param = "priority" if priority else "prompt"
+            raise bad_request(refused[0], param=param)
         self.metrics.observe_first_token(time.perf_counter() - self.arrival)
 
     async def stream(self) -> AsyncIterator[ChoiceDelta]:
@@ -143,6 +162,8 @@ class Generation:
                 if delta.new_token_ids and delta is not self._firsts[index]:
                     self.metrics.observe_token_gap(now - last, len(delta.new_token_ids))
                 last = now
+                if spec.prompt_only:
+                    delta = _without_tokens(delta)
                 choice = self._choice_delta(index, delta, text, result)
                 if choice is not None:
                     await merged.put(choice)
@@ -170,10 +191,20 @@ class Generation:
         result.token_ids.extend(new_token_ids)
         if delta.logprobs is not None:
             result.logprobs = (result.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            result.prompt_logprobs = delta.prompt_logprobs
         if finish_reason is None and not piece and not new_token_ids:
             return None
         result.finish_reason = finish_reason
-        return ChoiceDelta(index, piece, new_token_ids, finish_reason, delta.logprobs, offset)
+        return ChoiceDelta(
+            index,
+            piece,
+            new_token_ids,
+            finish_reason,
+            delta.logprobs,
+            offset,
+            delta.prompt_logprobs,
+        )
 
     async def close(self) -> None:
         """Close every choice's engine stream; one still running is aborted."""
@@ -183,3 +214,13 @@ class Generation:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(result.token_ids) for result in self.results)
+
+
+def _without_tokens(delta: RequestDelta) -> RequestDelta:
+    """A prompt-only choice's delta: its one generated token dropped, its end ("length") kept."""
+    logprobs: list[Any] | None = [] if delta.logprobs is not None else None
+    # The dropped token may be EOS or a stop token: the choice still ends for its length, 0.
+    reason = "length" if delta.finish_reason == "stop" else delta.finish_reason
+    return dataclasses.replace(
+        delta, new_token_ids=[], num_output_tokens=0, logprobs=logprobs, finish_reason=reason
+    )

@@ -28,17 +28,26 @@ def _top(entry: Any, tokenizer: Any) -> list[tuple[str, float]]:
     ]
 
 
-def completion_logprobs(entries: Sequence[Any], tokenizer: Any, text_offset: int) -> dict[str, Any]:
-    """The legacy completions shape for ``entries``, whose text starts at ``text_offset``."""
+def completion_logprobs(
+    entries: Sequence[Any | None],
+    tokenizer: Any,
+    text_offset: int,
+    token_ids: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """The legacy completions shape for ``entries``, whose text starts at ``text_offset``. An
+    entry may be None (an echoed prompt's first token, which nothing predicts): its token is
+    ``token_ids[i]`` and its log-probability and alternatives are null."""
+    if token_ids is None:
+        token_ids = [entry.token_id for entry in entries if entry is not None]
     tokens, offsets = [], []
-    for entry in entries:
+    for token_id in token_ids:
         offsets.append(text_offset)
-        tokens.append(token_text(tokenizer, entry.token_id))
+        tokens.append(token_text(tokenizer, token_id))
         text_offset += len(tokens[-1])
     return {
         "tokens": tokens,
-        "token_logprobs": [float(entry.logprob) for entry in entries],
-        "top_logprobs": [dict(_top(entry, tokenizer)) for entry in entries],
+        "token_logprobs": [None if e is None else float(e.logprob) for e in entries],
+        "top_logprobs": [None if e is None else dict(_top(e, tokenizer)) for e in entries],
         "text_offset": offsets,
     }
 

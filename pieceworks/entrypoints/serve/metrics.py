@@ -1,11 +1,13 @@
 """``ServerMetrics``: the server's Prometheus metrics, in a registry of its own.
 
 Names follow vLLM's ``vllm:`` metrics under a ``pieceworks:`` prefix: running and waiting
-requests and KV-cache usage (gauges read from the engine loop's ``EngineStats`` at scrape time),
+requests, KV-cache usage and the steps that held a structured-output request (gauges read from
+the engine loop's ``EngineStats`` at scrape time),
 time to first token and time per output token (histograms, seconds), generated and prompt tokens
-and finished requests by finish reason (counters), and with speculative decoding the verified
-and accepted proposals (``spec_decode_*`` counters, from the stats' totals). One registry per
-server, so several servers in one process (tests) never share counts.
+and finished requests by finish reason (counters), the prefix cache's queried and hit tokens and,
+with speculative decoding, the verified and accepted proposals (``spec_decode_*``) (counters
+advanced to the engine's cumulative counts at scrape time). One registry per server, so several
+servers in one process (tests) never share counts.
 """
 
 from __future__ import annotations
@@ -119,6 +121,28 @@ class ServerMetrics:
             for field, name, text in _SPEC_COUNTERS
         }
         self._spec_totals = dict.fromkeys(self.spec_counters, 0)
+        self.constrained_steps = Gauge(
+            "pieceworks:structured_output_steps",
+            "Engine steps whose batch held a structured-output request: sampled on the host, "
+            "never multi-step, never in a captured decode tail",
+            labels,
+            registry=self.registry,
+        )
+        self.prefix_cache_queries = Counter(
+            "pieceworks:prefix_cache_queries",
+            "Tokens of admitted requests looked up in the prefix cache",
+            labels,
+            registry=self.registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "pieceworks:prefix_cache_hits",
+            "Tokens of admitted requests found in the prefix cache",
+            labels,
+            registry=self.registry,
+        )
+        self.prefix_cache_queries.labels(model_name)  # exported from the start, at 0
+        self.prefix_cache_hits.labels(model_name)
+        self._prefix_cache_seen = (0, 0)  # the engine's counts at the last scrape
         self.model_name = model_name
 
     def observe_first_token(self, seconds: float) -> None:
@@ -150,4 +174,12 @@ class ServerMetrics:
             if total > self._spec_totals[field]:
                 counter.labels(self.model_name).inc(total - self._spec_totals[field])
                 self._spec_totals[field] = total
+        self.constrained_steps.labels(self.model_name).set(stats.num_constrained_steps)
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        seen_queries, seen_hits = self._prefix_cache_seen
+        if queries > seen_queries:
+            self.prefix_cache_queries.labels(self.model_name).inc(queries - seen_queries)
+        if hits > seen_hits:
+            self.prefix_cache_hits.labels(self.model_name).inc(hits - seen_hits)
+        self._prefix_cache_seen = (max(queries, seen_queries), max(hits, seen_hits))
         return generate_latest(self.registry)

@@ -37,8 +37,11 @@ class ServingContext:
     model_name: str
     limits: ModelLimits
     metrics: ServerMetrics
-    # (conversation, chat_template, add_generation_prompt) -> prompt ids: ``LLM.chat``'s own
-    apply_chat_template: Callable[[list[dict[str, str]], str | None, bool], list[int]]
+    # (conversation, chat_template, add_generation_prompt, tools) -> prompt ids: ``LLM.chat``'s
+    apply_chat_template: Callable[..., list[int]]
+    # ``--tool-call-parser`` and ``--enable-auto-tool-choice`` (``tool_calls.py``)
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 @dataclasses.dataclass
@@ -46,7 +49,8 @@ class ResponseFormat:
     """How one endpoint shapes its answer: chunk and body builders over a shared header."""
 
     object_prefix: str  # "cmpl" or "chatcmpl": the id's prefix
-    chunk: Callable[[dict[str, Any], ChoiceDelta], dict[str, Any]]
+    # one chunk per delta, or several (a delta that completes tool calls), or none
+    chunk: Callable[[dict[str, Any], ChoiceDelta], dict[str, Any] | list[dict[str, Any]]]
     first_chunks: Callable[[dict[str, Any], int], list[dict[str, Any]]]
     body: Callable[[dict[str, Any], list[ChoiceResult]], dict[str, Any]]
 
@@ -121,7 +125,9 @@ async def _events(
             yield _sse(chunk)
         try:
             async for delta in stream:
-                yield _sse(fmt.chunk(header, delta))
+                chunks = fmt.chunk(header, delta)
+                for chunk in chunks if isinstance(chunks, list) else [chunks]:
+                    yield _sse(chunk)
         except EngineDeadError as error:  # headers are sent: the stream ends with the error
             yield _sse(error_body(503, str(error)))
             yield "data: [DONE]\n\n"

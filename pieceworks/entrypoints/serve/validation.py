@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from pieceworks.engine.inputs import PromptError, check_token_ids
 from pieceworks.entrypoints.serve.errors import bad_request
 from pieceworks.entrypoints.serve.protocol import SamplingFields
-from pieceworks.sampling_params import SamplingParams
+from pieceworks.sampling_params import SamplingParams, StructuredOutputsParams
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -101,21 +101,46 @@ def check_prompt(prompt_token_ids: list[int], max_tokens: int, limits: ModelLimi
         )
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, limits: ModelLimits) -> int:
+def resolve_max_tokens(
+    requested: int | None, num_prompt_tokens: int, limits: ModelLimits, allow_zero: bool = False
+) -> int:
     """The request's ``max_tokens``, or, when it gave none, what is left of the context (and of
-    the KV cache: the last token's KV is never stored, hence the + 1)."""
+    the KV cache: the last token's KV is never stored, hence the + 1). 0 only with
+    ``allow_zero`` (``echo`` of completions: the prompt alone)."""
     if requested is None:
         room = limits.max_model_len - num_prompt_tokens
         if limits.max_kv_tokens is not None:
             room = min(room, limits.max_kv_tokens - num_prompt_tokens + 1)
         return max(room, 1)
+    if requested == 0 and allow_zero:
+        return 0
     if requested <= 0:
-        raise bad_request(f"max_tokens={requested} must be at least 1", param="max_tokens")
+        least = "0 (with echo) or 1" if allow_zero else "1 (0 only with echo=true)"
+        raise bad_request(f"max_tokens={requested} must be at least {least}", param="max_tokens")
     return requested
 
 
+def check_logit_bias(bias: dict[int, float] | None, limits: ModelLimits) -> None:
+    """Refuse ``logit_bias`` token ids outside the vocabulary."""
+    vocab_size = limits.vocab_size
+    if vocab_size is None:
+        return  # the engine checks the ids against the model's own vocabulary
+    outside = [token for token in bias or () if token >= vocab_size]
+    if outside:
+        raise bad_request(
+            f"logit_bias names token ids {outside[:5]} outside this model's vocabulary of "
+            f"{vocab_size} tokens (ids 0 to {vocab_size - 1})",
+            param="logit_bias",
+        )
+
+
 def sampling_params(
-    body: SamplingFields, max_tokens: int, index: int = 0, logprobs: int | None = None
+    body: SamplingFields,
+    max_tokens: int,
+    index: int = 0,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for choice ``index`` of ``body`` (400 if unsupported).
 
@@ -136,7 +161,10 @@ def sampling_params(
         "ignore_eos": body.ignore_eos,
         "stop": body.stop_strings(),
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "skip_special_tokens": body.skip_special_tokens,
+        "structured_outputs": structured_outputs,
+        "logit_bias": body.logit_bias,
     }
     try:
         return SamplingParams(**fields)

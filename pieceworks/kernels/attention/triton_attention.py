@@ -22,6 +22,13 @@ sequences, causal positions `seq_lens[s] - q_s + i`, GQA, padded sequences skipp
   row is one (query token, q head) pair of the kv head's group, so decode rows in a mixed batch
   waste little of the tile.
 
+Sliding window (`sliding_window` W, Mistral's): a query at position p sees keys `p - W + 1 .. p`.
+The decode splits cut only the last `min(seq_len, W)` positions (the split count, too, looks at
+no more than W), and the prefill tile loop starts at its query block's first window start, so
+no K/V row before a window is loaded (block-table entries there may be freed: never read) and
+a decode step costs at most W keys. It is a run-time argument behind the constexpr
+`HAS_WINDOW`: full attention compiles the kernels without it.
+
 FP8 output (`output_scale`, for an FP8 `o_proj`): the result is written as
 `static_scaled_fp8_quant(result in the query dtype, output_scale)`. The decode kernel that writes
 the output (the reduce, or the only split) does it in its epilogue (no kernel of its own); the
@@ -71,7 +78,8 @@ LOG2_E = 1.4426950408889634
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int) -> int:
-    """Decode splits from shapes only: enough programs to fill the GPU, at most one per tile."""
+    """Decode splits from shapes only: enough programs to fill the GPU, at most one per tile
+    of ``max_context_len`` (the most keys one query sees: at most the sliding window)."""
     wanted = triton.cdiv(TARGET_DECODE_PROGRAMS, max(num_seqs * num_kv_heads, 1))
     useful = triton.cdiv(max(max_context_len, 1), DECODE_BLOCK_N)
     return max(1, min(wanted, useful, MAX_KV_SPLITS))
@@ -91,6 +99,7 @@ def paged_attention_triton(
     num_kv_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     output_scale: torch.Tensor | None = None,  # 0-d float32: output is float8_e4m3fn
+    sliding_window: int | None = None,  # None: the whole context
 ) -> None:
     """Causal paged attention; `max_query_len` (host int, >= every query length) picks the path.
 
@@ -100,7 +109,7 @@ def paged_attention_triton(
     launch = plan_paged_attention(
         query, key_cache, value_cache, output, block_tables=block_tables, scale=scale,
         max_query_len=max_query_len, num_kv_splits=num_kv_splits, workspace=workspace,
-        quantize_output=output_scale is not None,
+        quantize_output=output_scale is not None, sliding_window=sliding_window,
     )  # fmt: skip
     if launch is None:
         return
@@ -178,6 +187,7 @@ def plan_paged_attention(
     workspace: DecodeWorkspace | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # (T, Hkv, D) each
     quantize_output: bool = False,
+    sliding_window: int | None = None,  # None: the whole context
 ) -> PagedAttentionLaunch | None:
     """Check the layouts and bind the launches for these shapes; None when there is no work.
 
@@ -187,28 +197,35 @@ def plan_paged_attention(
     into the cache (``DecodeLaunch.stores_kv``); a prefill plan ignores it (store separately).
     With ``quantize_output`` the output is float8_e4m3fn and every call passes ``output_scale``:
     a decode plan quantizes in its reduce, a prefill plan is a ``QuantizedOutputLaunch``.
+    With ``sliding_window`` each query sees only that many last positions (module docstring).
     """
     _check_attention_inputs(query, key_cache, value_cache, output, block_tables, quantize_output)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window {sliding_window} must be at least 1 (or None)")
     if block_tables.shape[0] == 0 or query.shape[0] == 0:
         return None
     if max_query_len <= 1:
         return _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
-                            workspace, new_kv, quantize_output)  # fmt: skip
-    if not quantize_output:
-        return _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len)
-    scratch = torch.empty(output.shape, dtype=query.dtype, device="meta")  # its layout only
-    launch = _plan_prefill(query, key_cache, scratch, block_tables, scale, max_query_len)
-    return QuantizedOutputLaunch(launch)
+                            workspace, new_kv, quantize_output, sliding_window)  # fmt: skip
+    if quantize_output:
+        output = torch.empty(output.shape, dtype=query.dtype, device="meta")  # scratch layout
+    launch = _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len,
+                           sliding_window)  # fmt: skip
+    return QuantizedOutputLaunch(launch) if quantize_output else launch
 
 
-def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
-                 workspace, new_kv=None, quantize_output=False) -> DecodeLaunch:  # fmt: skip
+def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits, workspace,
+                 new_kv=None, quantize_output=False,
+                 sliding_window=None) -> DecodeLaunch:  # fmt: skip
     """Split-KV decode: partials per (seq, kv head, split), then one reduce per (seq, q head)."""
     num_seqs, max_blocks = block_tables.shape
     _, block_size, num_kv_heads, head_size = key_cache.shape
     num_heads = query.shape[1]
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_blocks * block_size)
+        max_visible = max_blocks * block_size
+        if sliding_window is not None:
+            max_visible = min(max_visible, sliding_window)
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_visible)
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     if num_kv_splits == 1:  # no partials: the split kernel writes the output itself
@@ -227,50 +244,60 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits,
     # the split's wait, so the three overlap instead of running one after the other.
     pdl = programmatic_launch(query.device)
     output_options = dict(ROUND_DTYPE=TRITON_DTYPES[query.dtype], QUANT_OUT=quantize_output)
+    window = _window_arguments(sliding_window)
     split = KernelLaunch(
         _decode_split_kv_kernel,
         (num_seqs, num_kv_heads, num_kv_splits),
         (scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
          key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-         key.stride(0), key.stride(1), value.stride(0), value.stride(1)),
+         key.stride(0), key.stride(1), value.stride(0), value.stride(1), window["window"]),
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
              NUM_KV_SPLITS=num_kv_splits,
              BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=DECODE_BLOCK_N,
              STORE_KV=new_kv is not None,
              num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, PDL=pdl,
              # without PDL the plain loop (the peeled tile measured slower there)
-             PEEL_FIRST_TILE=pdl,
+             PEEL_FIRST_TILE=pdl, HAS_WINDOW=window["HAS_WINDOW"],
              **launch_options(pdl), **output_options),
     )  # fmt: skip
     reduce = None if num_kv_splits == 1 else KernelLaunch(
         _decode_reduce_kernel,
         (num_seqs, num_heads),
-        (output.stride(0), output.stride(1)),
+        (output.stride(0), output.stride(1), window["window"]),
         dict(HEAD_SIZE=head_size, NUM_KV_SPLITS=num_kv_splits,
              BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), BLOCK_N=DECODE_BLOCK_N,
-             num_warps=4,
+             num_warps=4, HAS_WINDOW=window["HAS_WINDOW"],
              PDL=pdl, **launch_options(pdl), **output_options),
     )  # fmt: skip
     return DecodeLaunch(split, reduce, partial_out, partial_lse,
                         stores_kv=new_kv is not None, quantizes_output=quantize_output)  # fmt: skip
 
 
-def _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len) -> KernelLaunch:
+def _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len,
+                  sliding_window=None) -> KernelLaunch:  # fmt: skip
     """Flash attention over (seq, query block, kv head); decode rows of a mixed batch too."""
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_size = key_cache.shape
     num_queries_per_kv = query.shape[1] // num_kv_heads
     block_m = _prefill_block_m(max_query_len * num_queries_per_kv, num_queries_per_kv)
     block_q = block_m // num_queries_per_kv
+    window = _window_arguments(sliding_window)
     return KernelLaunch(
         _prefill_kernel,
         (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads),
         (scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
-         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0)),
+         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+         window["window"]),
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
              BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
+             HAS_WINDOW=window["HAS_WINDOW"],
              num_warps=8 if block_m >= 128 else 4, num_stages=PREFILL_NUM_STAGES),
     )  # fmt: skip
+
+
+def _window_arguments(sliding_window: int | None) -> dict:
+    """The kernels' window argument (unread without one: 0) and their HAS_WINDOW constexpr."""
+    return {"window": sliding_window or 0, "HAS_WINDOW": sliding_window is not None}
 
 
 def _prefill_block_m(max_rows: int, num_queries_per_kv: int) -> int:

@@ -36,11 +36,12 @@ def _decode_split_kv_kernel(
     stride_cache_block, stride_cache_offset, stride_cache_h,
     stride_block_tables,
     stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    sliding_window,  # read only with HAS_WINDOW: the query sees the last this many positions
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, STORE_KV: tl.constexpr,
     ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
-    PEEL_FIRST_TILE: tl.constexpr,
+    PEEL_FIRST_TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     # One program: sequence `seq`, the q heads of kv head `kv_head`, context slice `split`.
     # Launched early (PDL), it is scheduled while q/k/v's producer may still run and reads, before
@@ -53,14 +54,19 @@ def _decode_split_kv_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     if query_end == query_start:  # padded sequence
         return
-    if split >= _used_splits(seq_len, NUM_KV_SPLITS, BLOCK_N):
+    # The splits cut the visible keys [window_start, seq_len): with a sliding window only its
+    # last positions, so keys before the window are never loaded and the cost is bounded by it.
+    visible_len = _visible_len(seq_len, sliding_window, HAS_WINDOW)
+    if split >= _used_splits(visible_len, NUM_KV_SPLITS, BLOCK_N):
         # An empty split (the context is shorter than the splits cover) exits before its wait,
         # writing nothing: the reduce reads only the used splits, by the same rule. Launched
         # early, an empty split that waited would hold its place on the GPU through q/k/v's
         # producer (at batch 1 and 1088 tokens, 47 of 64 splits per kv head are empty).
         return
-    tokens_per_split = _tokens_per_split(seq_len, NUM_KV_SPLITS, BLOCK_N)
+    tokens_per_split = _tokens_per_split(visible_len, NUM_KV_SPLITS, BLOCK_N)
     kv_start = split * tokens_per_split
+    if HAS_WINDOW:
+        kv_start += seq_len - visible_len  # the window's first position
     kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
     dims = tl.arange(0, HEAD_SIZE)
     last = seq_len - 1  # the position of this step's token
@@ -152,9 +158,11 @@ def _decode_reduce_kernel(
     partial_out_ptr, partial_lse_ptr, output_ptr, query_start_loc_ptr, seq_lens_ptr,
     output_scale_ptr,  # read only with QUANT_OUT
     stride_o_t, stride_o_h,
+    sliding_window,  # read only with HAS_WINDOW
     HEAD_SIZE: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROUND_DTYPE: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     # One program: merge the splits of sequence `seq`, q head `head` into its output row.
     seq, head = tl.program_id(0), tl.program_id(1)
@@ -166,7 +174,8 @@ def _decode_reduce_kernel(
     splits = tl.arange(0, BLOCK_SPLITS)
     dims = tl.arange(0, HEAD_SIZE)
     workspace_row = (seq * tl.num_programs(1) + head) * NUM_KV_SPLITS + splits  # (BLOCK_SPLITS,)
-    used = splits < _used_splits(seq_len, NUM_KV_SPLITS, BLOCK_N)
+    visible_len = _visible_len(seq_len, sliding_window, HAS_WINDOW)
+    used = splits < _used_splits(visible_len, NUM_KV_SPLITS, BLOCK_N)
     output_scale = _output_scale(output_scale_ptr, QUANT_OUT)  # a parameter: before the wait too
     if PDL:  # launched early: wait for the split kernel
         pdl_start()
@@ -185,6 +194,15 @@ def _decode_reduce_kernel(
     out = out / tl.maximum(tl.sum(weights, axis=0), 1e-30)  # no key at all: zeros, not NaN
     out_offsets = query_start.to(tl.int64) * stride_o_t + head * stride_o_h + dims
     _store_output(output_ptr + out_offsets, out, output_scale, True, ROUND_DTYPE, QUANT_OUT)
+
+
+@triton.jit
+def _visible_len(seq_len, sliding_window, HAS_WINDOW: tl.constexpr):
+    """How many of the context's last positions a decode query sees: all ``seq_len`` of them,
+    or with a sliding window at most ``sliding_window``."""
+    if HAS_WINDOW:
+        return tl.minimum(seq_len, sliding_window)
+    return seq_len
 
 
 @triton.jit

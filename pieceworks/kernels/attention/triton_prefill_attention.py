@@ -2,8 +2,10 @@
 
 ``_prefill_kernel`` runs over (seq, query block, kv head); a tile row is one (query token, q head)
 pair of the kv head's group, so decode rows in a mixed batch waste little of the tile. Causal
-positions are ``seq_lens[s] - q_s + i``. Planned and launched by ``triton_attention.py``; the
-shared tile helpers are in ``triton_attention_tiles.py``.
+positions are ``seq_lens[s] - q_s + i``. With ``HAS_WINDOW`` a query at position p sees keys
+``p - sliding_window + 1 .. p``: the tile loop starts at the block's first query's window start
+(no key before it is loaded) and the mask drops the keys each row's window excludes. Planned and
+launched by ``triton_attention.py``; the shared tile helpers are in ``triton_attention_tiles.py``.
 """
 
 import triton
@@ -25,8 +27,10 @@ def _prefill_kernel(
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_cache_block, stride_cache_offset, stride_cache_h,
     stride_block_tables,
+    sliding_window,  # read only with HAS_WINDOW
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     # One program: sequence `seq`, its query tokens [q_block * BLOCK_Q, +BLOCK_Q), all the q heads
     # of kv head `kv_head`. Tile row r is query token r // NUM_QUERIES_PER_KV of the block and
@@ -54,7 +58,10 @@ def _prefill_kernel(
     # Causal: the last query of this block sees keys up to its own position, no further.
     kv_end = context_len + tl.minimum((q_block + 1) * BLOCK_Q, query_len)
     block_table = block_tables_ptr + seq * stride_block_tables
-    for tile_start in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if HAS_WINDOW:  # the block's first query sees no key before its window
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         kv_pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
         kv_mask = kv_pos < kv_end
         kv_offsets = _paged_offsets(block_table, kv_pos, kv_mask, kv_head, stride_cache_block,
@@ -62,6 +69,8 @@ def _prefill_kernel(
         k = _load_tile(key_cache_ptr, kv_offsets, dims, kv_mask)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk_scale
         visible = (kv_pos[None, :] <= query_pos[:, None]) & kv_mask[None, :]
+        if HAS_WINDOW:
+            visible &= kv_pos[None, :] > query_pos[:, None] - sliding_window
         scores = tl.where(visible, scores, float("-inf"))  # (BLOCK_M, BLOCK_N)
         v = _load_tile(value_cache_ptr, kv_offsets, dims, kv_mask)
         m_i, l_i, acc = _online_softmax_step(scores, v.to(q.dtype), m_i, l_i, acc)

@@ -175,10 +175,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def plan(cls, layer, query, key, value, output, metadata) -> TritonAttentionPlan:
-        if layer.sliding_window is not None:
-            raise NotImplementedError(
-                "the Triton attention kernels do not implement sliding-window attention yet"
-            )
         key_cache, value_cache = layer.bound_kv_cache()
         query, key, value, output = head_views(layer, query, key, value, output)
         attend = plan_paged_attention(
@@ -193,6 +189,7 @@ class TritonAttentionBackend(AttentionBackend):
             new_kv=(key, value),  # a decode plan stores them itself: one launch fewer
             quantize_output=output.dtype
             == KERNEL_FP8_DTYPE,  # a decode plan quantizes in its reduce
+            sliding_window=layer.sliding_window,
         )
         # Planned either way: it checks the K/V and slot layouts for both paths.
         store = plan_store_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)

@@ -4,8 +4,8 @@ Activations are flattened tokens, ``(num_tokens, hidden_size)`` with no batch di
 the Mamba2 mixer are not here: they are opaque custom ops (``models/attention``, ``models/mamba``).
 """
 
-from pieceworks.models.layers.activation import silu_and_mul
-from pieceworks.models.layers.layernorm import RMSNorm
+from pieceworks.models.layers.activation import GeluAndMul, SiluAndMul, silu_and_mul
+from pieceworks.models.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pieceworks.models.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -18,6 +18,8 @@ from pieceworks.models.layers.vocab_embedding import ParallelLMHead, VocabParall
 
 __all__ = [
     "ColumnParallelLinear",
+    "GeluAndMul",
+    "GemmaRMSNorm",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",
@@ -25,6 +27,7 @@ __all__ = [
     "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
+    "SiluAndMul",
     "VocabParallelEmbedding",
     "get_rope",
     "silu_and_mul",

@@ -1,11 +1,15 @@
-"""``RMSNorm``: root-mean-square normalisation, with vLLM's fused residual-add form.
+"""``RMSNorm`` and ``GemmaRMSNorm``: root-mean-square normalisation, with vLLM's fused
+residual-add form.
 
 Plain ATen, so Inductor fuses the add, the reduction and the scale into one kernel. The arithmetic
 is ``core.norm_quant.rms_norm`` / ``add_rms_norm``: the FP8 fusion pass in ``core/passes``
 pattern-matches exactly what those functions trace to, so the layer calls them rather than repeating
 them. Where an out-of-tree platform registered its own ``rms_norm`` (``kernels/chooser.py``), the
-layer calls that instead, chosen when the model is built (``choose_kernels``). Activations are
-flattened tokens: ``(num_tokens, hidden_size)``.
+layer calls that instead, chosen when the model is built (``choose_kernels``). ``GemmaRMSNorm``
+is Gemma's: the checkpoint stores ``weight - 1`` and the scale ``1 + weight`` multiplies in float32
+before the cast back (transformers' ``Gemma3RMSNorm``); it is always its torch form (the platform
+kernel and the FP8 fusion pass take ``weight * x``). Activations are flattened tokens:
+``(num_tokens, hidden_size)``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,41 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.variance_epsilon)  # (T, hidden)
         return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}"
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """``x / sqrt(mean(x**2) + eps) * (1 + weight)``, all in float32, cast back once."""
+    orig_dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    return (x * (1.0 + weight.to(torch.float32))).to(orig_dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's ``(1 + weight) * x / sqrt(mean(x**2) + eps)`` (a zero weight is the identity
+    scale), computed in float32 and cast back.
+
+    ``forward(x)`` returns ``norm(x)``; ``forward(x, residual)`` returns
+    ``(norm(x + residual), x + residual)``, the sum in the activations' dtype, as transformers
+    adds the residual stream.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return gemma_rms_norm(x, self.weight, self.variance_epsilon)  # (T, hidden)
+        x = x + residual
+        return gemma_rms_norm(x, self.weight, self.variance_epsilon), x
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"

@@ -12,65 +12,34 @@ files and builds nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
+from pieceworks.models.layers.activation import HF_GELU_APPROXIMATE
 from pieceworks.models.layers.linear import divide, shard_or_replicate
 from pieceworks.models.layers.rotary_embedding import SUPPORTED_ROPE_TYPES, get_rope_parameters
 from pieceworks.models.loading.config_defaults import with_architecture_defaults
+from pieceworks.models.loading.field_rules import REQUIRED as _REQUIRED
+from pieceworks.models.loading.field_rules import FieldRule, ModelConfigError
+from pieceworks.models.loading.field_rules import is_bool as _is_bool
+from pieceworks.models.loading.field_rules import is_int as _is_int
+from pieceworks.models.loading.field_rules import is_number as _is_number
+from pieceworks.models.loading.field_rules import neutral as _neutral
+from pieceworks.models.loading.field_rules import non_negative_number as _non_negative_number
+from pieceworks.models.loading.field_rules import one_of as _one_of
+from pieceworks.models.loading.field_rules import positive_int as _positive_int
+from pieceworks.models.loading.field_rules import size as _size
+from pieceworks.models.loading.hybrid_rules import (
+    NEMOTRON_H_DROPPED,
+    NEMOTRON_H_FIELDS,
+    QWEN3_5_DROPPED,
+    QWEN3_5_FIELDS,
+    check_nemotron_h_layers,
+    check_qwen3_5_layers,
+)
 from pieceworks.models.registry import supported_architectures
 
-_REQUIRED = object()  # FieldRule.default of a field config.json must carry
-
-
-class ModelConfigError(ValueError):
-    """A config.json field pieceworks does not implement, or a value it cannot run."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(value: Any) -> bool:
-    return _is_int(value) and value > 0
-
-
-def _non_negative_number(value: Any) -> bool:
-    return _is_number(value) and value >= 0
-
-
-def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
-
-
-def _one_of(*choices: Any) -> Callable[[Any], bool]:
-    return lambda value: value in choices
-
-
-def _neutral(*neutral: Any) -> Callable[[Any], bool]:
-    """For features pieceworks does not implement: only the values that switch them off pass."""
-    return lambda value: value is None or value in neutral
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldRule:
-    """One config.json field: which values are implemented (``supported`` says it in words)."""
-
-    name: str
-    accepts: Callable[[Any], bool]
-    supported: str
-    default: Any = None  # the value when the field is absent; _REQUIRED: it must be present
-
-
-def _size(name: str) -> FieldRule:
-    return FieldRule(name, _positive_int, "a positive integer", _REQUIRED)
-
+__all__ = ["FieldRule", "ModelConfigError", "check_hf_config", "check_tensor_parallel"]
 
 _DTYPE_NAMES = ("float32", "float", "bfloat16", "float16", "half")
 
@@ -181,6 +150,18 @@ _QWEN_SLIDING_WINDOW_RULES = (
     ),
 )
 
+# HF's Mistral has no bias anywhere (it reads neither bias field) and slides every layer's window.
+MISTRAL_RULES = _replace_rules(
+    COMMON_RULES,
+    FieldRule(
+        "sliding_window",
+        _positive_int,
+        "a positive integer (each layer sees that many last positions) or null (the whole "
+        "context); absent: 4096, as MistralConfig",
+    ),
+    drop=("attention_bias", "mlp_bias"),
+)
+
 # HF's Qwen2 has biases on q, k and v and none on o or the MLP, whatever attention_bias and
 # mlp_bias say: it reads neither, and neither does pieceworks'.
 QWEN2_RULES = _replace_rules(
@@ -189,18 +170,52 @@ QWEN2_RULES = _replace_rules(
 # HF's Qwen3 reads attention_bias (q, k, v and o) but its MLP never has a bias.
 QWEN3_RULES = _replace_rules(COMMON_RULES, *_QWEN_SLIDING_WINDOW_RULES, drop=("mlp_bias",))
 
+_GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+_GELU_NAMES = " or ".join(f"{name!r}" for name in HF_GELU_APPROXIMATE)
+_positive_number = lambda value: _is_number(value) and value > 0  # noqa: E731
+
+# HF's Gemma 3 reads hidden_activation (not hidden_act) and has no MLP bias; its sliding window,
+# layer types, attention scale and final soft-capping are implemented (models/gemma3.py).
+GEMMA3_RULES = _replace_rules(
+    COMMON_RULES,
+    FieldRule("hidden_activation", _one_of(*HF_GELU_APPROXIMATE), f"{_GELU_NAMES} (GeGLU MLP)"),
+    FieldRule("sliding_window", _positive_int, "a positive integer (the sliding layers' window)"),
+    FieldRule(
+        "layer_types",
+        lambda value: isinstance(value, list) and all(t in _GEMMA3_LAYER_TYPES for t in value),
+        "a list of 'sliding_attention' and 'full_attention', one per layer",
+    ),
+    FieldRule("sliding_window_pattern", _positive_int, "a positive integer"),
+    FieldRule("query_pre_attn_scalar", _positive_number, "a positive number"),
+    FieldRule("rope_local_base_freq", _positive_number, "a positive number"),
+    FieldRule("final_logit_softcapping", _positive_number, "null or a positive number"),
+    FieldRule("attn_logit_softcapping", _neutral(), "null (not implemented)"),
+    FieldRule("use_bidirectional_attention", _neutral(False), "false (attention is causal)"),
+    drop=("hidden_act", "mlp_bias"),
+)
+
 ARCHITECTURE_RULES: dict[str, list[FieldRule]] = {
     "LlamaForCausalLM": LLAMA_RULES,
     "BambaForCausalLM": BAMBA_RULES,
     "Qwen2ForCausalLM": QWEN2_RULES,
     "Qwen3ForCausalLM": QWEN3_RULES,
+    "Gemma3ForCausalLM": GEMMA3_RULES,
+    "MistralForCausalLM": MISTRAL_RULES,
+    "NemotronHForCausalLM": _replace_rules(
+        COMMON_RULES, *NEMOTRON_H_FIELDS, drop=NEMOTRON_H_DROPPED
+    ),
+    "Qwen3_5ForCausalLM": _replace_rules(COMMON_RULES, *QWEN3_5_FIELDS, drop=QWEN3_5_DROPPED),
 }
-# Bamba rotates part of each head; HF's Llama and Qwen rotate all of it.
+# Bamba rotates part of each head; HF's Llama, Qwen and Gemma 3 rotate all of it.
 _PARTIAL_ROTARY = {
     "LlamaForCausalLM": False,
     "BambaForCausalLM": True,
     "Qwen2ForCausalLM": False,
     "Qwen3ForCausalLM": False,
+    "Gemma3ForCausalLM": False,
+    "MistralForCausalLM": False,
+    "NemotronHForCausalLM": False,  # no rotary embedding; rope fields are not read
+    "Qwen3_5ForCausalLM": True,
 }
 
 
@@ -231,9 +246,16 @@ def check_hf_config(hf_config: Any, source: str = "config.json") -> str:
     for rule in ARCHITECTURE_RULES[architecture]:
         _check_field(hf_config, rule, architecture, source)
     _check_heads(hf_config, source)
-    _check_rope(hf_config, architecture, source)
+    if architecture == "Gemma3ForCausalLM":
+        _check_gemma3_layers(hf_config, source)
+    else:
+        _check_rope(hf_config, architecture, source)
     if architecture == "BambaForCausalLM":
         _check_bamba_layers(hf_config, source)
+    if architecture == "NemotronHForCausalLM":
+        check_nemotron_h_layers(hf_config, source)
+    if architecture == "Qwen3_5ForCausalLM":
+        check_qwen3_5_layers(hf_config, source)
     return architecture
 
 
@@ -292,7 +314,7 @@ def _check_rope(hf_config: dict[str, Any], architecture: str, source: str) -> No
         raise ModelConfigError(f"{source}: rope_theta={base} must be a positive number")
     if _PARTIAL_ROTARY[architecture]:
         top_level = hf_config.get("partial_rotary_factor")
-        if top_level is not None and top_level != 0.5:
+        if architecture == "BambaForCausalLM" and top_level is not None and top_level != 0.5:
             raise ModelConfigError(
                 f"{source}: partial_rotary_factor={top_level} at the top level is not supported "
                 f"by {architecture}: transformers' BambaConfig ignores it and rotates half of "
@@ -307,6 +329,24 @@ def _check_rope(hf_config: dict[str, Any], architecture: str, source: str) -> No
             f"{source}: partial_rotary_factor={partial} is not supported by {architecture} "
             "(HF's Llama rotates every dim of a head); supported: 1.0"
         )
+
+
+def _check_gemma3_layers(hf_config: dict[str, Any], source: str) -> None:
+    """A type per layer and a valid rope per layer type (``config_defaults`` derives both from
+    older keys where the types allow)."""
+    layer_types, num_layers = hf_config.get("layer_types"), hf_config["num_hidden_layers"]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise ModelConfigError(f"{source}: layer_types must type each of the {num_layers} layers")
+    ropes = hf_config.get("rope_parameters")
+    if not isinstance(ropes, dict) or {type(ropes.get(t)) for t in _GEMMA3_LAYER_TYPES} != {dict}:
+        raise ModelConfigError(
+            f"{source}: rope_parameters={ropes!r} is not supported; supported: "
+            "{'sliding_attention': {...}, 'full_attention': {...}} or the older rope_theta, "
+            "rope_local_base_freq and rope_scaling"
+        )
+    for layer_type in _GEMMA3_LAYER_TYPES:
+        layer_view = {"rope_parameters": ropes[layer_type]}
+        _check_rope(layer_view, "Gemma3ForCausalLM", f"{source} ({layer_type} layers)")
 
 
 def _check_bamba_layers(hf_config: dict[str, Any], source: str) -> None:

@@ -9,15 +9,14 @@ tensor)`` pairs one tensor at a time into ``loader.load_weights``, each dequanti
 ``gguf.quants``) right before it is yielded, so memory stays near one copy of the dequantized
 weights. ``gguf_tokenizer_metadata`` hands the tokenizer keys to ``engine/tokenizer.py``.
 
-llama.cpp's converter permutes the rows of the query and key projections (it pairs rotary halves
-as adjacent rows, GPT-J style); ``unpermute_rows`` undoes that, so the HF-style rotary of the
-models sees the rows in HF's order. Only the ``llama`` architecture is mapped; the reader is the
-``gguf`` library's ``GGUFReader`` (memory-mapped; one per file and process, see ``open_gguf``).
+What differs per architecture (key and tensor names, llama's query/key row permutation, Gemma's
+norm weights stored with 1 added) is declared in ``gguf_architectures.py``; this module applies
+it. The architectures mapped are ``llama`` and ``gemma3``; the reader is the ``gguf`` library's
+``GGUFReader`` (memory-mapped; one per file and process, see ``gguf_metadata.open_gguf``).
 """
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,39 +25,39 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from pieceworks.models.loading.gguf_architectures import (
+    ARCHITECTURES,
+    TOP_TENSORS,
+    GGUFArchitecture,
+)
+from pieceworks.models.loading.gguf_metadata import (
+    GGUFMetadataError,
+    metadata_value,
+    open_gguf,
+)
 from pieceworks.models.loading.weight_utils import WeightLoadingError
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
 
-GGUF_SUFFIX = ".gguf"
-SUPPORTED_ARCHITECTURES = ("llama",)
-_REQUIRED = object()
+__all__ = [
+    "GGUFMetadataError",
+    "dequantize_tensor",
+    "gguf_architecture",
+    "gguf_hf_config",
+    "gguf_tokenizer_metadata",
+    "gguf_weights_iterator",
+    "hf_tensor_name",
+    "is_gguf_path",
+    "metadata_value",
+    "open_gguf",
+    "unpermute_rows",
+]
 
-# GGUF tensor names of a transformer block -> the HF module names (llama.cpp's gguf-py
-# tensor_mapping, read in the other direction).
-_BLOCK_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_TENSORS = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+GGUF_SUFFIX = ".gguf"
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
-
-
-class GGUFMetadataError(ValueError):
-    """A GGUF file lacks a metadata key pieceworks needs, or describes a model it cannot build."""
 
 
 def is_gguf_path(model: str | Path) -> bool:
@@ -66,181 +65,34 @@ def is_gguf_path(model: str | Path) -> bool:
     return str(model).lower().endswith(GGUF_SUFFIX)
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_reader(path: str, mtime_ns: int) -> GGUFReader:
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
-
-
-def open_gguf(path: str | Path) -> GGUFReader:
-    """The memory-mapped reader of ``path``, parsed once per process (config, tokenizer and
-    weights all read the same file; parsing the metadata costs seconds)."""
-    resolved = Path(path).resolve()
-    if not resolved.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    try:
-        return _cached_reader(str(resolved), resolved.stat().st_mtime_ns)
-    except (ValueError, OSError, IndexError) as error:  # gguf's parse errors are ValueErrors
+def gguf_architecture(reader: GGUFReader) -> GGUFArchitecture:
+    """The conventions of the file's ``general.architecture``; an error naming it if unmapped."""
+    arch = metadata_value(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
         raise GGUFMetadataError(
-            f"{path} is not a readable GGUF file ({error}); it may be truncated or not a GGUF "
-            "model: re-download or re-convert it"
-        ) from None
-
-
-def metadata_value(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
-    """The value of metadata ``key`` (a number, string, bool or list); ``default`` if absent,
-    a ``GGUFMetadataError`` naming the key and the file if absent and required."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is _REQUIRED:
-            raise GGUFMetadataError(
-                f"{reader.data.filename}: the GGUF metadata has no {key!r}, which pieceworks needs "
-                "to build the model; the file is incomplete or was not written by llama.cpp's "
-                "convert_hf_to_gguf.py (re-convert it, or load the HF directory instead)"
-            )
-        return default
-    return field.contents()
-
-
-def _float32_value(value: float) -> float:
-    """A float stored as float32, as the shortest decimal that rounds to it (1e-05, not
-    9.999999747378752e-06), which is what the original config.json said."""
-    return float(str(np.float32(value)))
-
-
-def _file_dtype(reader: GGUFReader) -> str:
-    """The ``torch_dtype`` the config reports: the file's float type, bfloat16 when quantized."""
-    from gguf import GGMLQuantizationType as Q
-
-    types = {tensor.tensor_type for tensor in reader.tensors}
-    if types <= {Q.F32}:
-        return "float32"
-    if types <= {Q.F32, Q.F16}:
-        return "float16"
-    return "bfloat16"
-
-
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise GGUFMetadataError(
-            f"{reader.data.filename}: the file carries per-frequency rope factors "
-            "(rope_freqs.weight, llama3 rope scaling), which pieceworks does not read from GGUF; "
-            "load the model's HF directory instead"
+            f"{reader.data.filename}: general.architecture={arch!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}); load the model's HF directory instead"
         )
-    scaling_type = metadata_value(reader, f"{arch}.rope.scaling.type", None)
-    if scaling_type is None:  # older files: only the linear factor, 1.0 meaning none
-        scale = metadata_value(reader, f"{arch}.rope.scale_linear", 1.0)
-        return None if scale == 1.0 else {"rope_type": "linear", "factor": _float32_value(scale)}
-    if scaling_type == "none":
-        return None
-    if scaling_type != "linear":
-        raise GGUFMetadataError(
-            f"{reader.data.filename}: {arch}.rope.scaling.type={scaling_type!r} is not supported "
-            "from GGUF (supported: none, linear); load the model's HF directory instead"
-        )
-    factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
-    return {"rope_type": "linear", "factor": _float32_value(factor)}
-
-
-# Metadata keys of features llama.cpp's llama may carry that pieceworks does not implement, and
-# the value that switches each off (absent is off too).
-_UNSUPPORTED_KEYS = {
-    "expert_count": 0,  # mixture of experts
-    "attention.sliding_window": 0,
-    "attention.clamp_kqv": 0,
-    "logit_scale": 1.0,
-}
-
-
-def _refuse_unsupported(reader: GGUFReader, arch: str, head_dim: int) -> None:
-    """A metadata key that changes the computation in a way pieceworks does not implement."""
-    filename = reader.data.filename
-    for name, off in _UNSUPPORTED_KEYS.items():
-        value = metadata_value(reader, f"{arch}.{name}", off)
-        if value != off:
-            raise GGUFMetadataError(
-                f"{filename}: {arch}.{name}={value!r} is not supported (pieceworks' llama "
-                f"needs it absent or {off!r}); load the model's HF directory instead"
-            )
-    value_length = metadata_value(reader, f"{arch}.attention.value_length", head_dim)
-    rotary_dim = metadata_value(reader, f"{arch}.rope.dimension_count", head_dim)
-    for key, value in (
-        ("attention.value_length", value_length),
-        ("rope.dimension_count", rotary_dim),
-    ):
-        if value != head_dim:
-            raise GGUFMetadataError(
-                f"{filename}: {arch}.{key}={value} is not supported: pieceworks' llama needs it "
-                f"equal to the head dimension ({arch}.attention.key_length or embedding_length "
-                f"/ head_count = {head_dim})"
-            )
+    return ARCHITECTURES[arch]
 
 
 def gguf_hf_config(path: str | Path) -> dict[str, Any]:
-    """The config.json dict (HF ``LlamaConfig`` keys) that the GGUF file's metadata describes."""
+    """The config.json dict (HF keys of the file's architecture) its metadata describes."""
     reader = open_gguf(path)
-    arch = metadata_value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFMetadataError(
-            f"{path}: general.architecture={arch!r} is not supported (supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}); load the model's HF directory instead"
-        )
-
-    def key(name: str, default: Any = _REQUIRED) -> Any:
-        return metadata_value(reader, f"{arch}.{name}", default)
-
-    hidden_size = int(key("embedding_length"))
-    num_heads = int(key("attention.head_count"))
-    num_kv_heads = key("attention.head_count_kv", num_heads)
-    if not isinstance(num_kv_heads, int):
-        raise GGUFMetadataError(
-            f"{path}: {arch}.attention.head_count_kv={num_kv_heads!r}: per-layer KV head counts "
-            "are not supported (one integer for every layer is)"
-        )
-    head_dim = int(key("attention.key_length", hidden_size // num_heads))
-    _refuse_unsupported(reader, arch, head_dim)
-    tensor_names = {tensor.name for tensor in reader.tensors}
-    vocab_size = key("vocab_size", None)
-    if vocab_size is None:
-        vocab_size = len(metadata_value(reader, "tokenizer.ggml.tokens"))
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden_size,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": int(num_kv_heads),
-        "head_dim": head_dim,
-        "max_position_embeddings": int(key("context_length")),
-        "rms_norm_eps": _float32_value(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32_value(key("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(reader, arch),
-        "vocab_size": int(vocab_size),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
-        "hidden_act": "silu",
-        "bos_token_id": metadata_value(reader, "tokenizer.ggml.bos_token_id", None),
-        "eos_token_id": metadata_value(reader, "tokenizer.ggml.eos_token_id", None),
-        "torch_dtype": _file_dtype(reader),
-    }
-    return config
+    return gguf_architecture(reader).hf_config(reader)
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF checkpoint name of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``), None for a name llama.cpp's llama has not."""
+    ``model.layers.3.self_attn.q_proj.weight``), None for a name ``arch`` has not."""
     match = _BLOCK_NAME.match(gguf_name)
     if match:
         layer, module, leaf = match.groups()
-        hf_module = _BLOCK_TENSORS.get(module)
+        hf_module = ARCHITECTURES[arch].block_tensors.get(module)
         return None if hf_module is None else f"model.layers.{layer}.{hf_module}.{leaf}"
     match = _TOP_NAME.match(gguf_name)
-    if match and match.group(1) in _TOP_TENSORS:
-        return f"{_TOP_TENSORS[match.group(1)]}.{match.group(2)}"
+    if match and match.group(1) in TOP_TENSORS:
+        return f"{TOP_TENSORS[match.group(1)]}.{match.group(2)}"
     return None
 
 
@@ -291,26 +143,30 @@ def gguf_weights_iterator(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every tensor of the file, one at a time.
 
-    Query and key rows are put back in HF order (``unpermute=False`` keeps llama.cpp's order,
-    which only a test that checks the permutation matters wants). A tensor with no HF name is a
-    ``WeightLoadingError`` naming it.
+    Undone here, as the architecture declares: llama's query/key row permutation (put back in HF
+    order; ``unpermute=False`` keeps llama.cpp's order, which only a test that checks the
+    permutation wants) and Gemma's 1 added to every norm weight (subtracted, as transformers'
+    GGUF loader does). A tensor with no HF name is a ``WeightLoadingError`` naming it.
     """
     reader = open_gguf(path)
+    architecture = gguf_architecture(reader)
     num_heads = hf_config["num_attention_heads"]
     num_kv_heads = hf_config.get("num_key_value_heads", num_heads)
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, architecture.name)
         if name is None:
             raise WeightLoadingError(
-                f"GGUF tensor {tensor.name!r} has no place in a llama model "
+                f"GGUF tensor {tensor.name!r} has no place in a {architecture.name} model "
                 "(is the file's general.architecture right?)",
                 tensor_name=tensor.name,
             )
         weight = dequantize_tensor(tensor)
-        if unpermute and ".self_attn.q_proj." in name:
+        if unpermute and architecture.permuted_qk and ".self_attn.q_proj." in name:
             weight = unpermute_rows(weight, num_heads)
-        elif unpermute and ".self_attn.k_proj." in name:
+        elif unpermute and architecture.permuted_qk and ".self_attn.k_proj." in name:
             weight = unpermute_rows(weight, num_kv_heads)
+        if architecture.norm_offset and tensor.name.endswith("norm.weight"):
+            weight -= architecture.norm_offset
         yield name, weight
 
 

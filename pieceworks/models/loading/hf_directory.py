@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pieceworks.models.loading.text_config import text_model_config
 from pieceworks.models.loading.weight_utils import WeightLoadingError
 
 CONFIG_NAME = "config.json"
@@ -56,9 +57,10 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
             "(config.json + *.safetensors)"
         )
     try:
-        return parse_hf_config(path.read_text())
+        config = parse_hf_config(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is not valid JSON ({error}); fix or re-download it") from None
+    return text_model_config(config)  # a vision-language config: its text model's fields
 
 
 def read_json_file(path: Path) -> Any:

@@ -168,9 +168,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     tensors of a parameter that holds NaN or infinity.
     """
     seen: list[str] = []
+    # A model whose checkpoints name its modules otherwise maps each name first (vLLM's
+    # ``hf_to_vllm_mapper``), e.g. Nemotron-H's ``backbone.`` -> ``model.``.
+    rename = getattr(model, "map_checkpoint_name", None)
 
     def tracked() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
+            name = rename(name) if rename is not None else name
             seen.append(name)
             check_checkpoint_dtype(name, tensor)
             yield name, tensor

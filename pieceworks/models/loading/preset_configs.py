@@ -53,6 +53,27 @@ def _qwen3_config(**overrides: Any) -> dict[str, Any]:
     return config
 
 
+def _gemma3_config(**overrides: Any) -> dict[str, Any]:
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "initializer_range": INIT_STD,
+        "rms_norm_eps": 1e-6,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+    config.update(overrides)
+    return config
+
+
 def _bamba_config(**overrides: Any) -> dict[str, Any]:
     config = {
         "architectures": ["BambaForCausalLM"],
@@ -155,6 +176,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         bos_token_id=151643,
         eos_token_id=151645,
         tie_word_embeddings=False,
+    ),
+    # google/gemma-3-4b-it's text_config, as a text-only Gemma3ForCausalLM: every sixth layer
+    # global (rope base 1e6, linear scaling 8), the rest a 1,024-token window (base 1e4).
+    "gemma-3-4b": _gemma3_config(
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        layer_types=[
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)
+        ],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        vocab_size=262208,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
     ),
     # Four layers, attention at layer 2, the rest Mamba2, for tests.
     "bamba-tiny": _bamba_config(

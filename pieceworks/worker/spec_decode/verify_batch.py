@@ -49,3 +49,13 @@ class VerifyBatch:
             num_proposals=torch.from_numpy(counts - 1).to(device),
             counts=counts.tolist(),
         )
+
+
+def verify_rows(output: SchedulerOutput, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` ``(S, ...)``, one per producing request, repeated for each of its logits rows
+    (``1 + s`` for a request verifying ``s`` proposals); ``rows`` itself in a step without
+    proposals."""
+    if output.num_verify_columns == 1:
+        return rows
+    counts = [1 + len(item.spec_token_ids) for item in output.producing_requests]
+    return rows.repeat_interleave(torch.tensor(counts, device=rows.device), dim=0)

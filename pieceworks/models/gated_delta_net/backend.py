@@ -1,0 +1,115 @@
+"""The gated delta-rule mixer core over the state slots: causal conv, then the delta rule.
+
+``GatedDeltaNetBackend.forward`` owns the split Mamba's backends share (``mamba/backends.py``):
+the step's leading ``metadata.num_decodes`` sequences (one token each, continuing from their
+slot) take the single-step path, written without a host synchronisation so that a FULL decode
+graph can hold it (gather the slots' states, one step, scatter them back; padded rows go to the
+null slot 0); the other sequences (prefills and continued chunked prefills, ``has_initial_state``
+saying which) take the varlen path: the packed causal conv (``causal_conv1d_ref``, shared with
+Mamba2: depthwise, SiLU, the last ``d_conv - 1`` inputs left in the slot), then the chunked
+delta rule per sequence from its slot's state (or zeros), its final state written back. The
+delta rule's torch forms are ``kernels/gated_delta_rule``; they are the only implementation so
+far, on every platform (``docs/kernels.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from pieceworks.kernels.gated_delta_rule.torch_gated_delta_rule import (
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+from pieceworks.models.attention.metadata import AttentionMetadata
+from pieceworks.models.mamba.ops import causal_conv1d_ref
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNetParams:
+    """One layer's conv weights and head layout (what the core needs besides the step)."""
+
+    conv_weight: torch.Tensor  # (conv_dim, d_conv)
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    def split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(T, conv_dim)`` -> q, k ``(1, T, Hk, Dk)`` and v ``(1, T, Hv, Dv)`` (views)."""
+        num_tokens, key_dim = conv_out.shape[0], self.num_k_heads * self.head_k_dim
+        q, k, v = conv_out.split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
+        key_shape = (1, num_tokens, self.num_k_heads, self.head_k_dim)
+        value_shape = (1, num_tokens, self.num_v_heads, self.head_v_dim)
+        return q.view(key_shape), k.view(key_shape), v.view(value_shape)
+
+
+class GatedDeltaNetBackend:
+    """The torch forms (every platform); the decode half is capturable in a FULL graph."""
+
+    name = "torch"
+
+    @classmethod
+    def forward(
+        cls,
+        mixed_qkv: torch.Tensor,  # (T, conv_dim): [q, k, v] before the conv
+        g: torch.Tensor,  # (T, Hv) float32, log decay
+        beta: torch.Tensor,  # (T, Hv)
+        output: torch.Tensor,  # (T, Hv * Dv), written in place
+        cache: tuple[torch.Tensor, torch.Tensor],  # conv (slots, conv_dim, d_conv - 1), state
+        params: GatedDeltaNetParams,
+        metadata: AttentionMetadata,
+    ) -> None:
+        if metadata.num_decodes > 0:
+            cls._decode(mixed_qkv, g, beta, output, cache, params, metadata)
+        if metadata.num_seqs > metadata.num_decodes:
+            cls._prefill(mixed_qkv, g, beta, output, cache, params, metadata)
+
+    @staticmethod
+    def _decode(mixed_qkv, g, beta, output, cache, params, metadata) -> None:
+        """Sequence i < num_decodes is token i: one conv step and one delta-rule step each."""
+        conv_state, recurrent_state = cache
+        num_decodes = metadata.num_decodes
+        slots = metadata.state_indices[:num_decodes].long()
+        x = mixed_qkv[:num_decodes]  # (S, conv_dim)
+        window = torch.cat([conv_state[slots], x[:, :, None].to(conv_state.dtype)], dim=-1)
+        conv_state.index_copy_(0, slots, window[:, :, 1:])
+        weight = params.conv_weight.float()  # (conv_dim, d_conv)
+        conv_out = F.silu((window.float() * weight).sum(dim=-1)).to(x.dtype)  # (S, conv_dim)
+        q, k, v = (t.transpose(0, 1) for t in params.split_qkv(conv_out))  # (S, 1, H, D)
+        out, state = recurrent_gated_delta_rule(
+            q, k, v, g[:num_decodes, None], beta[:num_decodes, None], recurrent_state[slots]
+        )
+        recurrent_state.index_copy_(0, slots, state.to(recurrent_state.dtype))
+        output[:num_decodes] = out.reshape(num_decodes, -1)
+
+    @staticmethod
+    def _prefill(mixed_qkv, g, beta, output, cache, params, metadata) -> None:
+        """Sequences from num_decodes on, over their tokens [num_decodes, num_actual_tokens)."""
+        conv_state, recurrent_state = cache
+        start, end = metadata.num_decodes, metadata.num_actual_tokens
+        query_start_loc = metadata.query_start_loc[start:] - start
+        slots = metadata.state_indices[start:]
+        has_initial_state = metadata.has_initial_state[start:]
+        conv_out = causal_conv1d_ref(
+            mixed_qkv[start:end], params.conv_weight, None, conv_state,
+            query_start_loc, slots, has_initial_state,
+        )  # fmt: skip
+        q, k, v = params.split_qkv(conv_out)
+        bounds = query_start_loc.tolist()
+        for seq_idx, (first, last) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if last == first:
+                continue  # a padded sequence: no tokens, no state
+            slot = int(slots[seq_idx])
+            starts_from_slot = slot >= 0 and bool(has_initial_state[seq_idx])
+            initial_state = recurrent_state[slot : slot + 1] if starts_from_slot else None
+            tokens = slice(first, last)
+            out, state = chunk_gated_delta_rule(
+                q[:, tokens], k[:, tokens], v[:, tokens],
+                g[start:end][None, tokens], beta[start:end][None, tokens], initial_state,
+            )  # fmt: skip
+            output[start + first : start + last] = out[0].reshape(last - first, -1)
+            if slot >= 0:
+                recurrent_state[slot] = state[0].to(recurrent_state.dtype)

@@ -1,0 +1,227 @@
+"""Structured output: xgrammar grammars, one matcher per constrained request, the token bitmask.
+
+A request whose ``SamplingParams.structured_outputs`` is set may only sample tokens that keep its
+output inside a grammar (a JSON schema, a regex, a choice of strings, an EBNF grammar, any JSON
+object). ``StructuredOutputManager`` belongs to the engine core, beside the scheduler (vLLM's
+placement): it compiles each grammar once per engine, cached by (kind, spec), with a
+``GrammarCompiler`` built lazily from the engine's tokenizer (its vocabulary padded to the
+model's logits); it keeps one ``GrammarMatcher`` per running constrained request, brings it up
+to the request's output tokens before each step (accepting the new ones, rolling back any the
+scheduler dropped), and writes the step's ``grammar_bitmask``: one row per producing request,
+all bits set for a free row. The runner applies that bitmask to the logits where the host
+sampler runs (``apply_grammar_bitmask``); a request whose matcher terminates (it accepted a stop
+token) finishes with reason "stop".
+
+Preemption keeps a request's generated tokens (recompute preemption), so its matcher stays valid;
+the sync by token count also covers tokens dropped after a stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pieceworks.logger import init_logger
+from pieceworks.sampling_params import StructuredOutputsParams
+from pieceworks.scheduler.output import SchedulerOutput
+from pieceworks.scheduler.request import Request
+
+logger = init_logger(__name__)
+
+# The most whitespace characters JSON may put between two tokens (xgrammar's
+# ``max_whitespace_cnt``): enough for indented output, and a model that keeps choosing
+# whitespace cannot run to max_tokens inside it.
+MAX_JSON_WHITESPACE = 16
+# xgrammar prefixes its errors with "[time] /path/file.cc:line: "; the rest is the reason.
+_XGRAMMAR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*(Check failed: .*? is false: )?")
+
+
+def _xgrammar() -> Any:
+    import xgrammar
+
+    return xgrammar
+
+
+def grammar_error(error: Exception) -> str:
+    """xgrammar's reason for refusing a grammar, without its source location."""
+    return _XGRAMMAR_PREFIX.sub("", str(error).strip()).splitlines()[0]
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (each a JSON-escaped literal)."""
+    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+
+
+def check_grammar(constraint: StructuredOutputsParams) -> None:
+    """Parse ``constraint`` without a tokenizer; ValueError naming the problem if xgrammar
+    cannot (the server calls this before a request reaches the engine)."""
+    xgr = _xgrammar()
+    kind = constraint.kind
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(constraint.json)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(constraint.regex)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(constraint.grammar)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(constraint.choice or ()))
+    except Exception as error:  # xgrammar raises RuntimeError (and ValueError) for bad specs
+        name = "json schema" if kind == "json" else kind
+        raise ValueError(f"the {name} does not compile: {grammar_error(error)}") from None
+
+
+@dataclasses.dataclass
+class _RequestGrammar:
+    """One request's matcher and how many of its output tokens it has accepted."""
+
+    matcher: Any
+    num_accepted: int = 0
+    failed: bool = False
+
+
+class StructuredOutputManager:
+    """Compiled grammars of one engine and the matchers of its constrained requests."""
+
+    def __init__(
+        self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._compiler: Any = None
+        self._compiled: dict[tuple[str, str, bool], Any] = {}
+        self._grammars: dict[str, _RequestGrammar] = {}
+
+    @property
+    def compiler(self) -> Any:
+        """The engine's ``GrammarCompiler``, built on first use from its tokenizer."""
+        if self._compiler is None:
+            xgr = _xgrammar()
+            tokenizer = self._load_tokenizer()
+            if tokenizer is None:
+                raise ValueError(
+                    "structured output needs the model's tokenizer, and this model has none "
+                    "(presets have random weights): pass tokenizer=<a directory or GGUF file>"
+                )
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer,
+                vocab_size=self.vocab_size,
+                stop_token_ids=self.stop_token_ids or None,
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+    def compile(self, constraint: StructuredOutputsParams) -> Any:
+        """The ``CompiledGrammar`` of ``constraint`` (compiled once per engine); ValueError
+        naming the problem when it does not compile."""
+        key = constraint.key
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            check_grammar(constraint)
+            try:
+                compiled = self._compile(constraint)
+            except Exception as error:
+                raise ValueError(
+                    f"the {constraint.kind} does not compile: {grammar_error(error)}"
+                ) from None
+            self._compiled[key] = compiled
+        return compiled
+
+    def _compile(self, constraint: StructuredOutputsParams) -> Any:
+        compiler, kind = self.compiler, constraint.kind
+        any_whitespace = not constraint.disable_any_whitespace
+        whitespace = MAX_JSON_WHITESPACE if any_whitespace else None
+        if kind == "json":
+            return compiler.compile_json_schema(
+                constraint.json, any_whitespace=any_whitespace, max_whitespace_cnt=whitespace
+            )
+        if kind == "json_object":
+            schema = json.dumps({"type": "object"})
+            return compiler.compile_json_schema(
+                schema, any_whitespace=any_whitespace, max_whitespace_cnt=whitespace
+            )
+        if kind == "regex":
+            return compiler.compile_regex(constraint.regex)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_ebnf(constraint.choice or ()))
+        return compiler.compile_grammar(constraint.grammar)
+
+    # --- per step -----------------------------------------------------------------------------
+    def grammar_bitmask(self, output: SchedulerOutput) -> torch.Tensor | None:
+        """The step's bitmask ``(S, ceil(V / 32))`` int32 over its producing requests, or None
+        when none of them is constrained. Free rows, and rows whose grammar has ended (a token
+        sampled after the stop, which the scheduler drops), allow every token."""
+        rows = [scheduled.request for scheduled in output.producing_requests]
+        if not any(request.sampling_params.structured_outputs for request in rows):
+            return None
+        xgr = _xgrammar()
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all bits set
+        for row, request in enumerate(rows):
+            if request.is_finished:  # stopped on the previous step's token: this one is dropped
+                continue
+            grammar = self._synced(request)
+            if grammar is not None and not grammar.failed and not grammar.matcher.is_terminated():
+                grammar.matcher.fill_next_token_bitmask(bitmask, row)
+        return bitmask
+
+    def finished_requests(self, requests: Sequence[Request]) -> list[Request]:
+        """The unfinished requests among ``requests`` whose grammar has ended (the matcher
+        accepted a stop token) or refused a token, after accepting their new output tokens."""
+        ended = []
+        for request in requests:
+            if request.is_finished or not request.sampling_params.structured_outputs:
+                continue
+            grammar = self._synced(request)
+            if grammar is not None and (grammar.failed or grammar.matcher.is_terminated()):
+                ended.append(request)
+        return ended
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's matcher."""
+        self._grammars.pop(request_id, None)
+
+    def _synced(self, request: Request) -> _RequestGrammar | None:
+        """``request``'s matcher, made on first use, having accepted exactly its output
+        tokens (the new ones accepted, any the scheduler dropped rolled back)."""
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            return None
+        grammar = self._grammars.get(request.request_id)
+        if grammar is None:
+            matcher = _xgrammar().GrammarMatcher(self.compile(constraint))
+            grammar = self._grammars[request.request_id] = _RequestGrammar(matcher)
+        tokens = request.output_token_ids
+        if grammar.num_accepted > len(tokens):
+            grammar.matcher.rollback(grammar.num_accepted - len(tokens))
+            grammar.num_accepted = len(tokens)
+        for token_id in tokens[grammar.num_accepted :]:
+            if grammar.failed or grammar.matcher.is_terminated():
+                break
+            if not grammar.matcher.accept_token(token_id):
+                logger.warning(
+                    "request %s: its grammar refused token %d; finishing it",
+                    request.request_id,
+                    token_id,
+                )
+                grammar.failed = True
+                break
+            grammar.num_accepted += 1
+        return grammar
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits`` ``(S, V)`` to -inf where ``bitmask`` ``(S, ceil(V / 32))`` has a 0 bit
+    (bit ``j % 32`` of word ``j // 32`` allows token ``j``), in place, in torch ops on the logits'
+    device (one host-to-device copy of the packed mask)."""
+    num_rows, vocab_size = logits.shape
+    words = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = (words.unsqueeze(-1) >> shifts) & 1  # (S, W, 32)
+    allowed = allowed.view(num_rows, -1)[:, :vocab_size].bool()
+    logits.masked_fill_(~allowed, float("-inf"))

@@ -1,0 +1,84 @@
+"""Structured output in the engine: constrained and free requests in one batch, on llama-tiny.
+
+Proves (random weights, the 256-token byte tokenizer, async scheduling and 4 scheduler steps):
+a free request's greedy tokens are the same with or without a constrained request beside it
+(the mask touches only constrained rows; the batch falls back from multi-step, which the free
+run uses, and the tokens still match); each constrained output is in its grammar's language
+(a choice, a regex, a bounded JSON schema) and ends on EOS with reason "stop";
+``num_constrained_steps`` counts the steps that held one; a grammar that does not compile is
+refused when the request is added.
+Run: pytest tests/engine/test_structured_output_engine.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("transformers")
+
+from pieceworks.engine.llm import LLM  # noqa: E402
+from pieceworks.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from tests.engine.tiny_tokenizer import save_tiny_tokenizer  # noqa: E402
+
+FREE_PROMPTS = [[5, 17, 42, 99, 3], [7, 7, 200, 31]]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green"]},
+        "size": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["color", "size"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    tokenizer = save_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    return LLM("llama-tiny", enforce_eager=True, dtype="float32", max_num_seqs=8,
+               num_scheduler_steps=4, tokenizer=tokenizer)  # fmt: skip
+
+
+def free_params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def constrained(constraint: StructuredOutputsParams, **options) -> SamplingParams:
+    return SamplingParams(max_tokens=200, structured_outputs=constraint, **options)
+
+
+def test_free_tokens_unchanged_and_constrained_outputs_valid(llm):
+    alone = [o.outputs[0].token_ids for o in llm.generate(FREE_PROMPTS, free_params())]
+    steps_before = llm.engine.num_constrained_steps
+    mixed = llm.generate(
+        [*FREE_PROMPTS, "a", "b", "c", "d"],
+        [
+            free_params(),
+            free_params(),
+            constrained(StructuredOutputsParams(choice=["yes", "no"]), temperature=0.0),
+            constrained(StructuredOutputsParams(regex=r"[0-9]{2}-[a-c]"), seed=1),
+            constrained(StructuredOutputsParams(json=SCHEMA), seed=2),
+            constrained(StructuredOutputsParams(json_object=True), temperature=0.0),
+        ],
+    )
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+    choice, regex, schema, json_object = (o.outputs[0] for o in mixed[2:])
+    assert choice.text in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{2}-[a-c]", regex.text)
+    value = json.loads(schema.text)
+    assert set(value) == {"color", "size"} and value["color"] in ("red", "green")
+    assert isinstance(value["size"], int) and 0 <= value["size"] <= 9
+    for output in (choice, regex, schema):
+        assert output.finish_reason == "stop" and output.token_ids[-1] == 2  # EOS
+    assert json_object.finish_reason in ("stop", "length")
+    assert json_object.text.startswith("{")
+    assert llm.engine.num_constrained_steps > steps_before
+
+
+def test_a_bad_grammar_is_refused_when_added(llm):
+    with pytest.raises(ValueError, match="regex does not compile"):
+        llm.generate(["a"], constrained(StructuredOutputsParams(regex="a(b")))
