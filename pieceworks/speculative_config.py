@@ -145,10 +145,3 @@ class SpeculativeConfig:
                 "speculative decoding with tensor_parallel_size > 1 is not implemented; use one "
                 "rank or no speculative_config"
             )
-        hf_config = config.model_config.hf_config
-        if any(key.startswith("mamba") for key in hf_config):
-            raise ValueError(
-                f"speculative decoding cannot run {config.model_config.model!r}: a hybrid "
-                "(Mamba) model's recurrent state cannot be rewound past rejected tokens; drop "
-                "speculative_config"
-            )

@@ -3,8 +3,7 @@
 Proves: the JSON text of ``--speculative-config`` and the dict give the same config; one lookup
 bound sets the other and neither gives vLLM's default; unknown keys, unknown methods,
 ``draft_model`` without a model or with n-gram bounds, a missing ``num_speculative_tokens``,
-bad bounds,
-``num_scheduler_steps > 1``, tensor parallelism and a hybrid (Mamba) model are refused with a
+bad bounds, ``num_scheduler_steps > 1`` and a hybrid (recurrent-state) model are refused with a
 message naming them; speculation turns async scheduling off; the CLI flag reaches the engine
 arguments.
 
@@ -66,7 +65,7 @@ def test_bad_fields_are_refused_by_name(fields, message):
 def test_combinations_not_implemented_are_refused_by_name():
     with pytest.raises(ValueError, match="num_scheduler_steps=4"):
         build_engine_config("llama-tiny", speculative_config=NGRAM, num_scheduler_steps=4)
-    with pytest.raises(ValueError, match="hybrid \\(Mamba\\)"):
+    with pytest.raises(ValueError, match="hybrid \\(recurrent-state\\)"):
         build_engine_config("bamba-tiny", speculative_config=NGRAM)
 
 

@@ -23,6 +23,7 @@ from pieceworks.models.loading.config_checks import check_hf_config, check_tenso
 from pieceworks.models.loading.config_defaults import with_architecture_defaults
 from pieceworks.models.loading.presets import is_preset
 from pieceworks.models.loading.sources import model_hf_config
+from pieceworks.models.registry import is_hybrid
 
 
 @dataclasses.dataclass
@@ -89,6 +90,8 @@ def build_engine_config(
     hf_config = resolve_hf_config(model)
     check_hf_config(hf_config, source=config_source(model))
     check_tensor_parallel(hf_config, args.tensor_parallel_size, config_source(model))
+    if args.speculative_config is not None:
+        check_not_hybrid(hf_config, model)
     model_config = ModelConfig(
         model=model,
         hf_config=with_architecture_defaults(hf_config),  # absent fields: transformers' values
@@ -141,11 +144,7 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig | None:
             f"{hf_config.get('vocab_size')} tokens, the target {target_vocab}; a draft model "
             "must share the target's vocabulary"
         )
-    if any(key.startswith("mamba") for key in hf_config):
-        raise ValueError(
-            f"speculative_config model {spec.model!r} is a hybrid (Mamba) model, whose state "
-            "cannot be rewound past rejected tokens; use a transformer draft"
-        )
+    check_not_hybrid(hf_config, spec.model)
     model = config.model_config
     return EngineConfig(
         model_config=ModelConfig(
@@ -160,3 +159,14 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig | None:
         parallel_config=dataclasses.replace(config.parallel_config),
         compilation_config=_compilation(config.compilation_config, enforce_eager=False),
     )
+
+
+def check_not_hybrid(hf_config: dict[str, Any], model: str) -> None:
+    """Refuse speculative decoding for a hybrid model (target or draft): its recurrent state
+    cannot be rewound past rejected tokens."""
+    if is_hybrid(hf_config):
+        raise ValueError(
+            f"speculative decoding cannot run {model!r}: a hybrid (recurrent-state) model's "
+            "state cannot be rewound past rejected tokens; drop speculative_config or use a "
+            "transformer model"
+        )

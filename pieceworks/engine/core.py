@@ -33,9 +33,10 @@ import time
 
 from pieceworks.config import CompilationLevel, EngineConfig
 from pieceworks.engine.arg_utils import draft_engine_config
+from pieceworks.engine.step_logprobs import drop_logprobs_past_stops, record_logprobs
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
-from pieceworks.scheduler.output import REJECTED_TOKEN_ID, SchedulerOutput
+from pieceworks.scheduler.output import SchedulerOutput
 from pieceworks.scheduler.request import Request, RequestStatus
 from pieceworks.scheduler.scheduler import Scheduler
 from pieceworks.worker.executor import make_executor
@@ -259,12 +260,9 @@ class EngineCore:
         self._in_flight = None
         self._applying = output
         token_ids = sampled.tolist()
-        _record_logprobs(output, sampled, token_ids)
+        record_logprobs(output, sampled, token_ids)
         finished = self.scheduler.update_from_output(output, token_ids)
-        if output.num_verify_columns > 1 and sampled.logprobs is not None:
-            for scheduled in output.producing_requests:  # a stop inside an accepted run
-                request = scheduled.request
-                del request.output_logprobs[request.num_output_tokens :]
+        drop_logprobs_past_stops(output, sampled)  # a stop inside a verified run
         if output.grammar_bitmask is not None:  # a grammar that ended finishes its request
             ended = self.structured_output.finished_requests(
                 [scheduled.request for scheduled in output.producing_requests]
@@ -386,35 +384,3 @@ def _check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:
                 f"{name}={value} is more than this model's vocabulary of {vocab_size} tokens; "
                 f"ask for at most {vocab_size}"
             )
-
-
-def _record_logprobs(output: SchedulerOutput, sampled: SampledTokens, token_ids: list[int]) -> None:
-    """Append a step's log-probabilities to the requests that asked, before its tokens are.
-
-    A sampled token's entry goes only where ``update_from_output`` will append the token (its
-    request is not finished yet). Prompt entries continue where the request's list ends, so a
-    prefill recomputed after a preemption adds nothing twice. A speculative step has
-    ``num_verify_columns`` rows per request: one entry per token it produced (``_finish_in_flight``
-    drops those past a stop).
-    """
-    if sampled.logprobs is None and sampled.prompt_logprobs is None:
-        return  # nobody asked: nothing per request
-    by_row = sampled.logprobs_by_row()
-    columns = output.num_verify_columns
-    for row, scheduled in enumerate(output.producing_requests):
-        if scheduled.request.is_finished:
-            continue
-        for flat_row in range(row * columns, (row + 1) * columns):
-            if flat_row in by_row and token_ids[flat_row] != REJECTED_TOKEN_ID:
-                scheduled.request.output_logprobs.append(by_row[flat_row])
-    prompt_rows = sampled.prompt_logprobs_by_request()
-    if not prompt_rows:
-        return
-    for scheduled in output.scheduled_requests:
-        request = scheduled.request
-        if request.request_id not in prompt_rows:
-            continue
-        first, values = prompt_rows[request.request_id]
-        have = len(request.prompt_logprobs)
-        if first <= have:
-            request.prompt_logprobs.extend(values[have - first :])
