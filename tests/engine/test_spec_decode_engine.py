@@ -4,18 +4,19 @@ A random model's greedy text rarely repeats, so the n-gram proposer would seldom
 main test therefore swaps in an oracle proposer that proposes each request's next tokens from a
 run without speculation (right for some requests, wrong at a rotating position for others,
 nothing for one), so accepted runs of every length, mismatches and bonus tokens all happen. A
-mixed workload (arrivals over time, a small KV cache that forces preemption, a stop token and a
-stop string inside accepted runs, an abort, ``max_tokens`` of 1) runs through ``OutputProcessor``
-streaming with and without ``speculative_config`` (k = 3), in eager mode and with PIECEWISE and
-FULL_AND_PIECEWISE graphs on simgraph. Proved, per request: the same tokens, text and finish
-reason (the aborted request: one a prefix of the other); no delta after a finish; proposals were
-accepted and rejected; nothing leaked; requests preempted while others verify resume with the
-same tokens; with FULL graphs, uniform verify batches replayed the
-FULL graph captured for 4 query tokens per sequence. The real n-gram proposer on llama-tiny at
-its preset scale (whose greedy text repeats one token) accepts nearly every proposal and gives
-the same tokens as decoding without it; logprobs of accepted tokens equal those without
-speculation; a seeded sampled request gives the same tokens twice; ``AsyncLLMEngine`` streams
-the same tokens, several per delta, and its stats carry the acceptance totals.
+mixed workload (arrivals over time, a small KV cache, a stop token and a stop string inside
+accepted runs, an abort, ``max_tokens`` of 1) runs through ``OutputProcessor`` streaming with
+and without ``speculative_config`` (k = 3), in eager mode and with PIECEWISE, FULL_AND_PIECEWISE
+and breakable (level 0) graphs on simgraph. Proved, per request: the same tokens, text and
+finish reason (the aborted request: one a prefix of the other); no delta after a finish;
+proposals were accepted and rejected; nothing leaked; with FULL graphs, uniform verify batches
+replayed the FULL graph captured for 4 query tokens per sequence. Requests preempted while
+others verify resume with the same tokens. The real n-gram proposer on llama-tiny at its preset
+scale (whose greedy text repeats one token) accepts nearly every proposal and gives the same
+tokens as decoding without it; logprobs of accepted tokens equal those without speculation; a
+seeded sampled request gives the same tokens twice; ``AsyncLLMEngine`` streams the same tokens,
+several per delta, and its stats carry the acceptance totals; a request with ``logit_bias``
+verifies under its bias and structured-output requests beside verified ones keep their grammar.
 
 Run: ``PIECEWORKS_PLATFORM=cpu pytest tests/engine/test_spec_decode_engine.py -q``
 """
@@ -157,7 +158,7 @@ def run_unbounded(llm: LLM, arrivals: dict[int, list[tuple]]) -> list:
 
 
 @pytest.mark.platform_agnostic
-@pytest.mark.parametrize("mode", ["eager", "piecewise", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", ["eager", "piecewise", "full_and_piecewise", "breakable"])
 def test_verified_greedy_tokens_equal_decoding_without_speculation(
     checkpoint, plain_run, graph_platform, mode
 ):
@@ -188,7 +189,7 @@ def test_verified_greedy_tokens_equal_decoding_without_speculation(
     assert spec["b"][2] == "stop" and spec["c"][2] == "stop"
     assert [len(spec[rid][0]) for rid in "adfg"] == [12, 20, 8, 1]
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    if mode == "full_and_piecewise":
+    if mode in ("full_and_piecewise", "breakable"):
         verify_modes = {
             (mode_, descriptor.uniform_query_len)
             for output, (_, mode_, descriptor) in planned
