@@ -13,10 +13,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pieceworks import envs
 from pieceworks.core.config import CompilationConfig, CompilationLevel, CUDAGraphMode, PassConfig
+from pieceworks.logger import init_logger
+from pieceworks.speculative_config import SpeculativeConfig
 from pieceworks.utils import hash_factors
 
 if TYPE_CHECKING:
     import torch
+
+logger = init_logger(__name__)
 
 # ``SchedulerConfig.policy`` values: each names a policy in ``scheduler/policy.py``.
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -223,8 +227,13 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     compilation_config: CompilationConfig = dataclasses.field(default_factory=CompilationConfig)
+    # None: no speculative decoding (docs/engine.md, "Speculative decoding").
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_fields(self.speculative_config)
+        if self.speculative_config is not None:
+            self._check_speculative()
         if envs.torch_compile_disabled():
             # torch.compile would return the model unchanged; run it as vLLM does, uncompiled.
             self.compilation_config.run_uncompiled(
@@ -238,6 +247,15 @@ class EngineConfig:
         platform = _platform_provider()
         platform.check_and_update_config(self)
         platform.apply_declared_defaults(self)  # also where an override skipped the base class
+
+    def _check_speculative(self) -> None:
+        """Refuse what speculation does not implement; schedule synchronously (a proposal
+        needs the last token on the host)."""
+        assert self.speculative_config is not None
+        self.speculative_config.check_engine(self)
+        if self.scheduler_config.async_scheduling:
+            self.scheduler_config.async_scheduling = False
+            logger.info("speculative decoding schedules synchronously: async_scheduling off")
 
     def compute_hash(self) -> str:
         """Hash of every field that changes compiled code."""
@@ -270,6 +288,7 @@ __all__ = [
     "ParallelConfig",
     "PassConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "resolve_dtype",
     "set_platform_provider",
 ]

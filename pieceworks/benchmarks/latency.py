@@ -204,6 +204,12 @@ def _measure_engine(
         "kernels_chosen": runner.kernels.describe(),  # this engine's choices
         "first_output_token_ids": outputs[0].outputs[0].token_ids[:16] if outputs else [],
     }
+    if llm.config.speculative_config is not None:  # over warm-ups and timed runs alike
+        result["speculative"] = {
+            "method": llm.config.speculative_config.method,
+            "num_speculative_tokens": llm.config.speculative_config.num_speculative_tokens,
+            **llm.engine.scheduler.spec_decoding_stats.as_dict(),
+        }
     if bandwidth:
         floor_ms = decode_bytes(llm, case) / bandwidth * 1e3
         result["floor_ms"] = floor_ms

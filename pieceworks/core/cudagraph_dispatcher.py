@@ -3,6 +3,8 @@
 Keys are ``BatchDescriptor``s registered per runtime mode from the capture sizes and the graph
 mode. ``dispatch`` tries, in the seed's order: FULL for the exact descriptor, FULL for the same
 token count as a general batch, PIECEWISE for the general batch, else NONE (run without graphs).
+With speculative decoding, the FULL decode keys also hold the verify batches: every sequence a
+decode with ``1 + k`` query tokens, one key per decode capture size of sequences.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ class CudagraphDispatcher:
             self.cudagraph_keys[CUDAGraphMode.FULL] |= {
                 BatchDescriptor(size, uniform_decode=True) for size in sizes if size <= max_num_seqs
             }
+            self.cudagraph_keys[CUDAGraphMode.FULL] |= self._verify_keys()
+
+    def _verify_keys(self) -> set[BatchDescriptor]:
+        """The uniform verify batches of speculative decoding (none without it): ``S`` sequences
+        of ``1 + k`` tokens each (``SpeculativeConfig.verify_graph_sizes``)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return set()
+        query_len = 1 + spec.num_speculative_tokens
+        return {
+            BatchDescriptor(num_tokens, uniform_decode=True, uniform_query_len=query_len)
+            for num_tokens in spec.verify_graph_sizes(self.config)
+        }
 
     def dispatch(self, descriptor: BatchDescriptor) -> tuple[CUDAGraphMode, BatchDescriptor | None]:
         """(runtime mode, the descriptor to capture/replay under) for a padded batch."""

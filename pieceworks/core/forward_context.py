@@ -23,7 +23,10 @@ class BatchDescriptor:
     """The key a static graph is captured under: padded token count and batch shape."""
 
     num_tokens: int
-    uniform_decode: bool = False  # every sequence adds exactly one token
+    uniform_decode: bool = False  # every sequence is a decode with uniform_query_len tokens
+    # Query tokens per sequence of a uniform batch: 1 for plain decodes, 1 + k for the verify
+    # step of speculative decoding (k proposals per sequence).
+    uniform_query_len: int = 1
 
     @property
     def non_uniform(self) -> BatchDescriptor:

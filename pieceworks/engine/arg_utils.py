@@ -23,6 +23,7 @@ from pieceworks.models.loading.config_checks import check_hf_config, check_tenso
 from pieceworks.models.loading.config_defaults import with_architecture_defaults
 from pieceworks.models.loading.presets import is_preset
 from pieceworks.models.loading.sources import model_hf_config
+from pieceworks.models.registry import is_hybrid
 
 
 @dataclasses.dataclass
@@ -46,6 +47,7 @@ class EngineArgs:
     async_scheduling: bool = True
     num_scheduler_steps: int = 1
     scheduling_policy: str = "fcfs"
+    speculative_config: Any = None  # vLLM's dict (or its JSON text); see SpeculativeConfig
     enable_prefix_caching: bool = True
 
 
@@ -88,6 +90,8 @@ def build_engine_config(
     hf_config = resolve_hf_config(model)
     check_hf_config(hf_config, source=config_source(model))
     check_tensor_parallel(hf_config, args.tensor_parallel_size, config_source(model))
+    if args.speculative_config is not None:
+        check_not_hybrid(hf_config, model)
     model_config = ModelConfig(
         model=model,
         hf_config=with_architecture_defaults(hf_config),  # absent fields: transformers' values
@@ -118,4 +122,51 @@ def build_engine_config(
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         compilation_config=_compilation(compilation_config, args.enforce_eager),
+        speculative_config=args.speculative_config,
     )
+
+
+def draft_engine_config(config: EngineConfig) -> EngineConfig | None:
+    """The draft model's engine config for ``speculative_config`` method ``draft_model`` (None
+    otherwise): the target's settings (dtype, lengths, KV block size, batch limits, compilation)
+    for the draft checkpoint, scheduled synchronously. A draft of another vocabulary, or a hybrid
+    (Mamba) draft whose state cannot be rewound, is refused naming it."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    assert spec.model is not None
+    hf_config = resolve_hf_config(spec.model)
+    check_hf_config(hf_config, source=config_source(spec.model))
+    target_vocab = config.model_config.hf_config.get("vocab_size")
+    if hf_config.get("vocab_size") != target_vocab:
+        raise ValueError(
+            f"speculative_config model {spec.model!r} has a vocabulary of "
+            f"{hf_config.get('vocab_size')} tokens, the target {target_vocab}; a draft model "
+            "must share the target's vocabulary"
+        )
+    check_not_hybrid(hf_config, spec.model)
+    model = config.model_config
+    return EngineConfig(
+        model_config=ModelConfig(
+            model=spec.model,
+            hf_config=with_architecture_defaults(hf_config),
+            dtype=model.dtype,
+            max_model_len=model.max_model_len,
+            seed=model.seed,
+        ),
+        cache_config=dataclasses.replace(config.cache_config),
+        scheduler_config=dataclasses.replace(config.scheduler_config, async_scheduling=False),
+        parallel_config=dataclasses.replace(config.parallel_config),
+        compilation_config=_compilation(config.compilation_config, enforce_eager=False),
+    )
+
+
+def check_not_hybrid(hf_config: dict[str, Any], model: str) -> None:
+    """Refuse speculative decoding for a hybrid model (target or draft): its recurrent state
+    cannot be rewound past rejected tokens."""
+    if is_hybrid(hf_config):
+        raise ValueError(
+            f"speculative decoding cannot run {model!r}: a hybrid (recurrent-state) model's "
+            "state cannot be rewound past rejected tokens; drop speculative_config or use a "
+            "transformer model"
+        )

@@ -11,6 +11,9 @@ and prepares step N+1 while the device still runs step N; the tokens of a step, 
 it finishes, then come back from the next ``step`` call. With ``num_scheduler_steps`` K > 1 a
 batch of decodes only is one multi-step output: one ``step`` call launches K decode steps and
 later reads their K tokens per request at once (the scheduler applies them in step order).
+With a ``speculative_config`` a proposer guesses each decoding request's next tokens before the
+step is scheduled (``Request.spec_token_ids``); the step verifies them and may append several
+tokens per request (docs/engine.md, "Speculative decoding").
 Start-up (load, compile, KV cache, capture) happens in the constructor and is timed for the report.
 
 A request with ``SamplingParams.structured_outputs`` has its grammar compiled when it is added
@@ -29,6 +32,8 @@ import threading
 import time
 
 from pieceworks.config import CompilationLevel, EngineConfig
+from pieceworks.engine.arg_utils import draft_engine_config
+from pieceworks.engine.step_logprobs import drop_logprobs_past_stops, record_logprobs
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.output import SchedulerOutput
@@ -36,6 +41,8 @@ from pieceworks.scheduler.request import Request, RequestStatus
 from pieceworks.scheduler.scheduler import Scheduler
 from pieceworks.worker.executor import make_executor
 from pieceworks.worker.sampled_tokens import SampledTokens
+from pieceworks.worker.spec_decode import make_proposer
+from pieceworks.worker.spec_decode.proposer import propose_for_running
 from pieceworks.worker.structured_output import StructuredOutputManager
 
 logger = init_logger(__name__)
@@ -75,6 +82,10 @@ class EngineCore:
             sliding_window=self.runner.sliding_window,  # frees KV blocks outside the window
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
+        spec = config.speculative_config
+        with _ENGINE_LOCK:
+            draft_config = draft_engine_config(config)  # None unless a draft model proposes
+            self.proposer = make_proposer(spec, draft_config) if spec is not None else None
         # The launched step whose tokens have not been read yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
         # The step whose tokens are being applied (a failure there abandons it too).
@@ -210,6 +221,8 @@ class EngineCore:
 
     def _step(self) -> list[Request]:
         start = time.perf_counter()
+        if self.proposer is not None:
+            propose_for_running(self.proposer, self.scheduler.running)
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
             return self._finish_in_flight()  # nothing new to launch: only drain
@@ -223,7 +236,8 @@ class EngineCore:
         if len(step_seconds) >= MAX_STEP_TIMINGS:
             del step_seconds[: MAX_STEP_TIMINGS // 2]
         seconds_per_step = (time.perf_counter() - start) / output.num_steps
-        timing = (output.is_uniform_decode, output.num_requests, seconds_per_step)
+        decodes_only = output.uniform_decode_query_len > 0  # verify batches included
+        timing = (decodes_only, output.num_requests, seconds_per_step)
         step_seconds.extend([timing] * output.num_steps)
         return finished
 
@@ -246,8 +260,9 @@ class EngineCore:
         self._in_flight = None
         self._applying = output
         token_ids = sampled.tolist()
-        _record_logprobs(output, sampled)
+        record_logprobs(output, sampled, token_ids)
         finished = self.scheduler.update_from_output(output, token_ids)
+        drop_logprobs_past_stops(output, sampled)  # a stop inside a verified run
         if output.grammar_bitmask is not None:  # a grammar that ended finishes its request
             ended = self.structured_output.finished_requests(
                 [scheduled.request for scheduled in output.producing_requests]
@@ -286,9 +301,12 @@ class EngineCore:
         return request_ids
 
     def _release(self, request_id: str) -> None:
-        """Free a finished request's per-request state: generator, grammar matcher."""
+        """Free a finished request's per-request state: generator, grammar matcher, proposer
+        state."""
         self.executor.release(request_id)
         self.structured_output.release(request_id)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def _load_tokenizer(self) -> object:
         from pieceworks.engine.tokenizer import load_tokenizer
@@ -310,6 +328,8 @@ class EngineCore:
         """Free the captured graphs; stop tensor-parallel workers and free the process group."""
         self._shut_down = True
         with _ENGINE_LOCK:
+            if self.proposer is not None:
+                self.proposer.shutdown()
             self.executor.shutdown()
 
 
@@ -364,29 +384,3 @@ def _check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:
                 f"{name}={value} is more than this model's vocabulary of {vocab_size} tokens; "
                 f"ask for at most {vocab_size}"
             )
-
-
-def _record_logprobs(output: SchedulerOutput, sampled: SampledTokens) -> None:
-    """Append a step's log-probabilities to the requests that asked, before its tokens are.
-
-    A sampled token's entry goes only where ``update_from_output`` will append the token (its
-    request is not finished yet). Prompt entries continue where the request's list ends, so a
-    prefill recomputed after a preemption adds nothing twice.
-    """
-    if sampled.logprobs is None and sampled.prompt_logprobs is None:
-        return  # nobody asked: nothing per request
-    by_row = sampled.logprobs_by_row()
-    for row, scheduled in enumerate(output.producing_requests):
-        if row in by_row and not scheduled.request.is_finished:
-            scheduled.request.output_logprobs.append(by_row[row])
-    prompt_rows = sampled.prompt_logprobs_by_request()
-    if not prompt_rows:
-        return
-    for scheduled in output.scheduled_requests:
-        request = scheduled.request
-        if request.request_id not in prompt_rows:
-            continue
-        first, values = prompt_rows[request.request_id]
-        have = len(request.prompt_logprobs)
-        if first <= have:
-            request.prompt_logprobs.extend(values[have - first :])

@@ -153,6 +153,7 @@ class EngineCoreLoop:
     def stats(self) -> EngineStats:
         scheduler = self.engine_core.scheduler
         blocks = scheduler.block_manager
+        spec = scheduler.spec_decoding_stats
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -160,6 +161,9 @@ class EngineCoreLoop:
             num_free_blocks=blocks.num_free_blocks,
             num_steps=self._num_steps,
             num_aborted=self._num_aborted,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
             num_constrained_steps=self.engine_core.num_constrained_steps,
             prefix_cache_queries=blocks.num_prefix_cache_queries,
             prefix_cache_hits=blocks.num_prefix_cache_hits,

@@ -125,6 +125,10 @@ class EngineStats:
     num_free_blocks: int = 0
     num_steps: int = 0
     num_aborted: int = 0  # requests aborted while unfinished (callers that went away)
+    # Speculative decoding totals (``scheduler/spec_decode.py``: SpecDecodingStats); 0 without.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     num_constrained_steps: int = 0  # steps with a structured-output request (host sampler)
     # Tokens of admitted requests looked up in the prefix cache, and those found (cumulative).
     prefix_cache_queries: int = 0

@@ -22,6 +22,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--num-scheduler-steps", {"type": int, "default": None}),
     # config.SCHEDULING_POLICIES (this module imports no torch, so the names are repeated here).
     ("--scheduling-policy", {"default": None, "choices": ["fcfs", "priority"]}),
+    # vLLM's JSON object, checked by SpeculativeConfig (unknown keys and methods refused).
+    ("--speculative-config", {"default": None}),
 ]
 
 

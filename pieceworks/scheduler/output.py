@@ -4,7 +4,9 @@ the tokens a step sampled with the requests that produce them.
 ``Scheduler.schedule`` builds a ``SchedulerOutput``; the model runner reads it (the worker may
 import these types, never the scheduler itself) and ``Scheduler.update_from_output`` takes it back
 with the sampled tokens. ``PLACEHOLDER_TOKEN_ID`` marks a token still on the device (async
-scheduling).
+scheduling). A speculative decode also computes its proposals (``ScheduledRequest.spec_token_ids``)
+and gets up to one token per proposal plus one (``SchedulerOutput.num_verify_columns`` per request,
+``REJECTED_TOKEN_ID`` past its accepted run).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pieceworks.scheduler.request import Request
 
 # Stands in for a token sampled on the device that the host has not seen yet (async scheduling).
 PLACEHOLDER_TOKEN_ID: Final = -1
+# Fills a speculative decode's columns past the tokens it produced (its rejected proposals).
+REJECTED_TOKEN_ID: Final = -1
 
 
 @dataclasses.dataclass
@@ -32,11 +36,14 @@ class ScheduledRequest:
     prompt that stops short of its end produces no token. ``is_decode``: one token on top of a
     computed context, sampled (the shape a decode graph serves). ``new_token_ids`` are the token
     ids this step computes; one still on the device (async scheduling) is
-    ``PLACEHOLDER_TOKEN_ID``.
+    ``PLACEHOLDER_TOKEN_ID``. A speculative decode (``spec_token_ids``, the proposer's guesses for
+    the tokens after its last one) computes them too: ``num_new_tokens`` is one plus their number
+    and ``new_token_ids`` ends with them; it is still ``is_decode``.
     """
 
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = dataclasses.field(init=False)
     produces_token: bool = dataclasses.field(init=False)
     is_decode: bool = dataclasses.field(init=False)
@@ -45,10 +52,12 @@ class ScheduledRequest:
     def __post_init__(self) -> None:
         request, num_new_tokens = self.request, self.num_new_tokens
         self.num_computed_tokens = computed = request.num_computed_tokens
-        end = computed + num_new_tokens
+        num_spec_tokens = len(self.spec_token_ids)
+        end = computed + num_new_tokens - num_spec_tokens  # the proposals are not its tokens yet
         self.produces_token = end == request.num_tokens
-        self.is_decode = num_new_tokens == 1 and self.produces_token and computed > 0
-        self.new_token_ids = _token_ids(request, computed, end)
+        self.is_decode = num_new_tokens - num_spec_tokens == 1 and self.produces_token
+        self.is_decode = self.is_decode and computed > 0
+        self.new_token_ids = _token_ids(request, computed, end) + self.spec_token_ids
 
     def detached(self) -> ScheduledRequest:
         """A copy for another rank: the snapshot plus a request holding only what a runner reads
@@ -112,7 +121,27 @@ class SchedulerOutput:
     @property
     def is_uniform_decode(self) -> bool:
         """Every scheduled request is a decode (one token each): a full decode graph can run it."""
-        return bool(self.scheduled_requests) and self.num_decodes == self.num_requests
+        return self.uniform_decode_query_len == 1
+
+    @functools.cached_property
+    def num_spec_tokens(self) -> int:
+        """Proposals verified this step, over all requests."""
+        return sum(len(scheduled.spec_token_ids) for scheduled in self.scheduled_requests)
+
+    @functools.cached_property
+    def uniform_decode_query_len(self) -> int:
+        """The query length shared by every scheduled request when all are decodes with the same
+        number of proposals (1: plain decodes; 1 + k: a uniform verify batch), else 0."""
+        if not self.scheduled_requests or self.num_decodes != self.num_requests:
+            return 0
+        query_lens = {scheduled.num_new_tokens for scheduled in self.scheduled_requests}
+        return query_lens.pop() if len(query_lens) == 1 else 0
+
+    @functools.cached_property
+    def num_verify_columns(self) -> int:
+        """Tokens the runner returns per producing request: one more than the most proposals
+        any of them verifies (1 without speculation)."""
+        return 1 + max((len(item.spec_token_ids) for item in self.producing_requests), default=0)
 
     def detached(self) -> SchedulerOutput:
         """The step as another rank's runner needs it (see ``ScheduledRequest.detached``),
@@ -135,6 +164,8 @@ def pair_sampled_tokens(
 ) -> list[tuple[ScheduledRequest, int]]:
     """Pair each token with its request: step 0's tokens first, each step in scheduled order."""
     num_steps = scheduler_output.num_steps
+    if scheduler_output.num_verify_columns > 1:
+        return _verified_tokens(scheduler_output, sampled_token_ids)
     if num_steps == 1:
         return _tokens_per_request(scheduler_output, sampled_token_ids)
     producing = scheduler_output.producing_requests
@@ -165,3 +196,21 @@ def _tokens_per_request(
         f"got {len(sampled_token_ids)} sampled tokens for a step of {len(scheduled_requests)} "
         f"requests of which {len(producing)} produce a token; pass one token per producing request"
     )
+
+
+def _verified_tokens(
+    scheduler_output: SchedulerOutput, sampled_token_ids: Sequence[int]
+) -> list[tuple[ScheduledRequest, int]]:
+    """A speculative step's tokens: ``num_verify_columns`` per producing request, row by row,
+    ``REJECTED_TOKEN_ID`` past each request's produced run (dropped here)."""
+    producing, columns = scheduler_output.producing_requests, scheduler_output.num_verify_columns
+    if len(sampled_token_ids) != columns * len(producing):
+        raise ValueError(
+            f"got {len(sampled_token_ids)} tokens for a speculative step of {len(producing)} "
+            f"producing requests; pass {columns} per request (REJECTED_TOKEN_ID past its run)"
+        )
+    return [
+        (producing[index // columns], int(token))
+        for index, token in enumerate(sampled_token_ids)
+        if token != REJECTED_TOKEN_ID
+    ]

@@ -99,6 +99,9 @@ class Request:
     # The priority policy schedules lower values first, ties by arrival (scheduler/policy.py).
     priority: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    # A proposer's guesses for the tokens after the last one (speculative decoding), set by the
+    # engine before each step; the scheduler verifies as many as fit.
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -37,6 +37,7 @@ prompt. Each ``schedule()`` first registers the full blocks that the steps alrea
 computed, so a request admitted in the same step as another that is still computing a shared
 prefix recomputes it rather than reading KV not yet written. Hybrid models (Mamba state slots,
 which cannot be rewound to a block boundary) run without it.
+Speculative decodes also compute their proposals, in lookahead KV slots (``spec_decode.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from collections.abc import Sequence
 
 from pieceworks.config import CacheConfig, SchedulerConfig
 from pieceworks.logger import init_logger
+from pieceworks.scheduler import spec_decode
 from pieceworks.scheduler.block_manager import BlockManager, StateSlotManager
 from pieceworks.scheduler.output import ScheduledRequest, SchedulerOutput, pair_sampled_tokens
 from pieceworks.scheduler.policy import make_scheduling_policy
@@ -100,6 +102,7 @@ class Scheduler:
         self._pending_outputs: deque[SchedulerOutput] = deque()
         self.max_pending_outputs = 2 if async_scheduling else 1
         self.num_scheduler_steps = scheduler_config.num_scheduler_steps
+        self.spec_decoding_stats = spec_decode.SpecDecodingStats()
         # Set when every attention layer has a sliding window: blocks before a running request's
         # window are freed as it advances (``BlockManager.free_blocks_outside_window``).
         self.sliding_window = sliding_window
@@ -188,6 +191,9 @@ class Scheduler:
             )
         tokens = pair_sampled_tokens(scheduler_output, sampled_token_ids)  # validate first
         self._pending_outputs.popleft()
+        if scheduler_output.num_verify_columns > 1:
+            stats = self.spec_decoding_stats
+            return spec_decode.apply_verified_step(scheduler_output, tokens, stats, self._finish)
         finished = []
         for scheduled, token_id in tokens:
             request = scheduled.request
@@ -255,12 +261,14 @@ class Scheduler:
                 index += 1  # its pending token is its last: it finishes on the update
                 continue
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
+            proposals = spec_decode.proposals_to_verify(request, token_budget, self.block_manager)
+            num_new_tokens += len(proposals)  # their KV slots: the lookahead slots
             num_kv_tokens = num_new_tokens + num_steps - 1  # the later steps' KV, reserved ahead
             if self.sliding_window is not None:
                 self.block_manager.free_blocks_outside_window(request, self.sliding_window)
             if not self._allocate_or_preempt(request, num_kv_tokens, preempted):
                 break  # the request preempted itself: it was the last left in service order
-            scheduled.append(ScheduledRequest(request, num_new_tokens))
+            scheduled.append(ScheduledRequest(request, num_new_tokens, proposals))
             token_budget -= num_new_tokens
             index += 1
         return token_budget

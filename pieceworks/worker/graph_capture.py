@@ -132,7 +132,9 @@ class GraphCapture:
         return {
             descriptor
             for mode, descriptor in self.dispatcher.capture_descriptors()
-            if mode == CUDAGraphMode.FULL and descriptor.num_tokens <= max_num_seqs
+            if mode == CUDAGraphMode.FULL
+            and descriptor.num_tokens <= max_num_seqs
+            and descriptor.uniform_query_len == 1  # a verify batch samples by launches
         }
 
     # --- dummy steps -------------------------------------------------------------------------
@@ -145,16 +147,18 @@ class GraphCapture:
 
     def capture_shape(self, descriptor: BatchDescriptor) -> StepShape:
         """The layout a graph of ``descriptor`` is captured with (and a FULL step replays)."""
-        num_tokens = descriptor.num_tokens
-        if descriptor.uniform_decode:
-            return StepShape(num_tokens, num_tokens, num_tokens, num_tokens, 1)
+        num_tokens, query_len = descriptor.num_tokens, descriptor.uniform_query_len
+        if descriptor.uniform_decode:  # query_len tokens per sequence (1 + k: a verify batch)
+            num_seqs = num_tokens // query_len
+            return StepShape(num_tokens, num_tokens, num_seqs, num_seqs, query_len)
         num_seqs = min(num_tokens, self.config.scheduler_config.max_num_seqs)
         return StepShape(num_tokens, num_tokens, num_seqs, num_seqs, num_tokens)
 
     def warm_up_shapes(self) -> list[BatchDescriptor]:
         """One descriptor per distinct shape the capture sizes warm up, largest first."""
         descriptors = [descriptor for _, descriptor in self.dispatcher.capture_descriptors()]
-        return list({(d.num_tokens, d.uniform_decode): d for d in descriptors}.values())
+        shapes = {(d.num_tokens, d.uniform_decode, d.uniform_query_len): d for d in descriptors}
+        return list(shapes.values())
 
     def dummy_forward(
         self,
@@ -165,7 +169,12 @@ class GraphCapture:
         """One dummy step: the layout of ``descriptor`` (a warm-up or a capture in ``mode``), or
         the profiling layout of ``num_tokens`` tokens; then its decode tails, where it has any."""
         shape = self.capture_shape(descriptor) if descriptor else self.profile_shape(num_tokens)
-        uniform_decode = descriptor is not None and descriptor.uniform_decode
+        # One token per sequence: marked decodes (a verify batch's sequences are not).
+        uniform_decode = (
+            descriptor is not None
+            and descriptor.uniform_decode
+            and descriptor.uniform_query_len == 1
+        )
         metadata = self.inputs.prepare_dummy(shape, uniform_decode)
         with set_forward_context(
             metadata, self.config, cudagraph_runtime_mode=mode, batch_descriptor=descriptor

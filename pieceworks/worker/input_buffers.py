@@ -90,11 +90,16 @@ class InputBuffers:
         pin_memory: bool,
         create_event: Callable[[], Any] = lambda: None,
         max_num_steps: int = 1,
+        max_num_logits: int | None = None,
     ) -> None:
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
-        self.fields = _layout(max_num_tokens, max_num_seqs, max_blocks_per_seq, max_num_steps)
+        # Rows sampled per step: one per sequence, or 1 + k per speculative decode.
+        max_num_logits = max_num_logits or max_num_seqs
+        self.fields = _layout(
+            max_num_tokens, max_num_seqs, max_blocks_per_seq, max_num_steps, max_num_logits
+        )
         num_bytes = self.fields[-1].offset + self.fields[-1].row_bytes * self.fields[-1].shape[0]
         self.packed_device = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
         self.device_buffers = {f.name: _field_view(self.packed_device, f) for f in self.fields}
@@ -213,7 +218,11 @@ class InputBuffers:
 
 
 def _layout(
-    max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, max_num_steps: int = 1
+    max_num_tokens: int,
+    max_num_seqs: int,
+    max_blocks_per_seq: int,
+    max_num_steps: int = 1,
+    max_num_logits: int | None = None,
 ) -> list[Field]:
     """Fields in packed order: small per-sequence ones, per-token ones, block tables last."""
     num_step_slots = (max_num_steps - 1) * max_num_seqs  # 0 without multi-step decode
@@ -222,7 +231,7 @@ def _layout(
         ("seq_lens", "seqs", (max_num_seqs,), torch.int32),
         ("state_indices", "seqs", (max_num_seqs,), torch.int32),
         ("has_initial_state", "seqs", (max_num_seqs,), torch.bool),
-        ("logits_indices", "logits", (max_num_seqs,), torch.int64),
+        ("logits_indices", "logits", (max_num_logits or max_num_seqs,), torch.int64),
         ("placeholder_dst", "placeholders", (max_num_seqs,), torch.int64),
         ("placeholder_src", "placeholders", (max_num_seqs,), torch.int64),
         ("step_slots", "step_slots", (num_step_slots,), torch.int64),

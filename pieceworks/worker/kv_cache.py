@@ -86,6 +86,9 @@ def estimate_graph_memory(
     if num_graphs == 0:
         return 0
     max_capture_size = config.compilation_config.max_capture_size
+    if config.speculative_config is not None:  # a verify graph holds S * (1 + k) tokens
+        verify_sizes = config.speculative_config.verify_graph_sizes(config)
+        max_capture_size = max([max_capture_size, *verify_sizes])
     return int(activation_bytes_per_token * max_capture_size) + num_graphs * GRAPH_OVERHEAD_BYTES
 
 

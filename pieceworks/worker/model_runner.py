@@ -9,6 +9,9 @@ a uniform decode batch) then runs the same graph again ``num_steps - 1`` times, 
 ``StepInputs.advance_decode`` has fed the sampled ids back as input ids and moved positions,
 lengths and slots on by one on the device (``worker/multi_step.py``); the ids of all its steps
 go to the host in one copy.
+A step that verifies speculative proposals computes logits for each proposal's row too and keeps
+the tokens ``RejectionSampler`` accepts (``worker/spec_decode/``); a batch of decodes that all
+verify ``k`` proposals replays a FULL graph captured for ``1 + k`` query tokens per sequence.
 A FULL decode step whose batch fills its graph's size, all greedy, samples in captured decode
 tails instead (``worker/decode_tail.py``): each step is its FULL graph and its tail, which also
 advances the buffers to the next step of the run.
@@ -47,6 +50,8 @@ from pieceworks.worker.logprobs import TokenLogprobs, sample_logprobs, step_prom
 from pieceworks.worker.mamba_cache import mamba_cache_spec
 from pieceworks.worker.sampled_tokens import SampledTokens
 from pieceworks.worker.sampler import Sampler, make_generator, row_param_tensor
+from pieceworks.worker.spec_decode.rejection_sampler import RejectionSampler
+from pieceworks.worker.spec_decode.verify_batch import verify_rows
 from pieceworks.worker.step_inputs import StepInputs
 from pieceworks.worker.structured_output import apply_grammar_bitmask
 
@@ -76,6 +81,11 @@ class ModelRunner:
         )
         max_model_len = config.model_config.max_model_len or 0
         self.block_size = config.cache_config.block_size
+        spec = config.speculative_config
+        # Tokens a request gets per step: one per step of a run, or 1 + k verified.
+        tokens_per_request = max(
+            scheduler_config.num_scheduler_steps, 1 + (spec.num_speculative_tokens if spec else 0)
+        )
         buffers = InputBuffers(
             self.max_num_tokens,
             scheduler_config.max_num_seqs,
@@ -84,6 +94,7 @@ class ModelRunner:
             self.platform.pin_memory(),
             self.platform.create_event,
             max_num_steps=scheduler_config.num_scheduler_steps,
+            max_num_logits=scheduler_config.max_num_seqs * tokens_per_request,
         )
         self.inputs = StepInputs(buffers, self.block_size)
         self.graphs = GraphCapture(
@@ -95,7 +106,7 @@ class ModelRunner:
         self.last_sampled_rows: dict[str, int] = {}
         self._token_staging = [
             torch.zeros(
-                scheduler_config.max_num_seqs * scheduler_config.num_scheduler_steps,
+                scheduler_config.max_num_seqs * tokens_per_request,
                 dtype=torch.int64,
                 pin_memory=self.platform.pin_memory(),
             )
@@ -103,7 +114,7 @@ class ModelRunner:
         ]
         self._token_events = [self.platform.create_event() for _ in range(2)]
         self._num_steps = 0
-        self._plans: dict[tuple[int, int, int, bool], Any] = {}  # batch shape -> plan()
+        self._plans: dict[tuple[int, int, int, int], Any] = {}  # batch shape -> plan()
         self.mamba_spec = mamba_cache_spec(config)
         # State slots the scheduler hands out (0: no Mamba layers, no slots).
         self.num_state_slots = self.mamba_spec.num_slots if self.mamba_spec else 0
@@ -114,6 +125,7 @@ class ModelRunner:
         )
         self.num_blocks = 0
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         self.generators: dict[str, torch.Generator | None] = {}
 
     # --- start-up ----------------------------------------------------------------------------
@@ -141,7 +153,7 @@ class ModelRunner:
             output.num_scheduled_tokens,
             output.num_requests,
             output.max_query_len,
-            output.is_uniform_decode,
+            output.uniform_decode_query_len,
         )
         planned = self._plans.get(key)
         if planned is None:
@@ -151,22 +163,31 @@ class ModelRunner:
         return planned
 
     def _plan(
-        self, num_tokens: int, num_seqs: int, max_query_len: int, uniform: bool
+        self, num_tokens: int, num_seqs: int, max_query_len: int, uniform_query_len: int
     ) -> tuple[StepShape, CUDAGraphMode, BatchDescriptor | None]:
+        if uniform_query_len > 1 and num_seqs <= self.compilation.max_capture_size:
+            # A uniform verify batch: padded by sequences, each 1 + k tokens.
+            padded_seqs = self.compilation.pad_for_cudagraph(num_seqs)
+            verify = BatchDescriptor(padded_seqs * uniform_query_len, True, uniform_query_len)
+            if verify in self.dispatcher.cudagraph_keys[CUDAGraphMode.FULL]:
+                return self._full_shape(verify, num_tokens, num_seqs), CUDAGraphMode.FULL, verify
+        uniform = uniform_query_len == 1
         if num_tokens <= self.compilation.max_capture_size:
             padded = self.compilation.pad_for_cudagraph(num_tokens)
             mode, descriptor = self.dispatcher.dispatch(BatchDescriptor(padded, uniform))
         else:
             padded, mode, descriptor = num_tokens, CUDAGraphMode.NONE, None
-        if mode == CUDAGraphMode.FULL:  # the captured layout, holding the real batch
+        if mode == CUDAGraphMode.FULL:
             assert descriptor is not None
-            shape = dataclasses.replace(
-                self.graphs.capture_shape(descriptor), num_tokens=num_tokens, num_seqs=num_seqs
-            )
-            return shape, mode, descriptor
+            return self._full_shape(descriptor, num_tokens, num_seqs), mode, descriptor
         if mode == CUDAGraphMode.NONE:
             padded = num_tokens
         return StepShape(num_tokens, padded, num_seqs, num_seqs, max_query_len), mode, descriptor
+
+    def _full_shape(self, descriptor: BatchDescriptor, num_tokens: int, num_seqs: int) -> StepShape:
+        """The layout a FULL graph was captured with, holding the real batch."""
+        shape = self.graphs.capture_shape(descriptor)
+        return dataclasses.replace(shape, num_tokens=num_tokens, num_seqs=num_seqs)
 
     def execute(self, output: SchedulerOutput) -> list[int]:
         """Run one scheduled step; return one sampled token per request that produces one."""
@@ -189,7 +210,12 @@ class ModelRunner:
             return SampledTokens(None, None, prompt_logprobs=prompt)
         logits = self.model.compute_logits(self.inputs.logits_rows(hidden_states))  # (S, V)
         if output.grammar_bitmask is not None:  # structured output: constrained rows masked
-            apply_grammar_bitmask(logits, output.grammar_bitmask)
+            apply_grammar_bitmask(logits, verify_rows(output, output.grammar_bitmask))
+        if output.num_verify_columns > 1:  # (R, V): 1 + s rows per request verifying s
+            token_ids, logprobs = self.rejection_sampler.verify_step(
+                output, logits, params, generators
+            )
+            return self._finish_launch(token_ids, rows, logprobs, prompt)
         token_ids = self.sampler.sample(logits, params, generators)
         token_ids = same_on_every_rank(token_ids)
         logprobs = sample_logprobs(logits, params, token_ids)  # None unless a request asked

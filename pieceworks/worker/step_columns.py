@@ -24,6 +24,7 @@ class StepColumns:
     state_slots: list[int]
     token_ids: list[int]  # every scheduled token; a placeholder stays PLACEHOLDER_TOKEN_ID
     producing_rows: list[int]  # rows of the requests that sample a token
+    logits_counts: list[int]  # per producing row: its rows sampled (1 + its proposals)
     placeholder_dst: list[int]  # token rows whose id is still on the device ...
     placeholder_src: list[int]  # ... and their rows in the previous step's sampled ids
     num_decodes: int
@@ -49,10 +50,12 @@ class StepColumns:
             state_slots=[s.request.state_slot or 0 for s in scheduled],
             token_ids=token_ids,
             producing_rows=[row for row, s in enumerate(scheduled) if s.produces_token],
+            logits_counts=[1 + len(s.spec_token_ids) for s in scheduled if s.produces_token],
             # Only a decode's one token can be pending, so these are its request's rows.
             placeholder_dst=[i for i, t in enumerate(token_ids) if t == PLACEHOLDER_TOKEN_ID],
             placeholder_src=placeholder_src,
-            num_decodes=[s.is_decode for s in scheduled].count(True),
+            # Decodes of one query token (the attention and Mamba decode paths' sequences).
+            num_decodes=[s.is_decode and not s.spec_token_ids for s in scheduled].count(True),
         )
 
     def layout(self, shape: StepShape) -> tuple:
@@ -64,6 +67,7 @@ class StepColumns:
             self.query_lens,
             self.state_slots,
             self.producing_rows,
+            self.logits_counts,
             self.placeholder_dst,
             self.placeholder_src,
         )

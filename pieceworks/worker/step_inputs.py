@@ -93,8 +93,8 @@ class StepInputs:
             buffers, computed, shape.num_seqs, self.block_size, num_steps
         )
         if not same_layout:
-            self._fill_logits_indices(columns.producing_rows, shape.num_seqs)
-        self.num_logits = len(columns.producing_rows)
+            self._fill_logits_indices(columns.producing_rows, columns.logits_counts, shape.num_seqs)
+        self.num_logits = sum(columns.logits_counts)
         self._logits_rows_lead = self._logits_lead[index]
         buffers.copy_to_device(shape, self.num_logits, self.num_placeholders, self.num_step_slots)
         if self.num_placeholders:  # decode tokens still on the device
@@ -212,11 +212,23 @@ class StepInputs:
         host["positions"][num_tokens:padded] = 0
         host["slot_mapping"][num_tokens:padded] = -1  # padded tokens are never stored
 
-    def _fill_logits_indices(self, producing_rows: list[int], num_seqs: int) -> None:
-        """The last token row of each request that samples a token."""
+    def _fill_logits_indices(
+        self, producing_rows: list[int], counts: list[int], num_seqs: int
+    ) -> None:
+        """The last token row of each request that samples a token; for a speculative decode,
+        its last ``counts[i]`` rows (its own token's and its proposals')."""
         host = self.buffers.host
-        indices = host["query_start_loc"][1 : num_seqs + 1][producing_rows] - 1
-        host["logits_indices"][: len(producing_rows)] = indices
+        ends = host["query_start_loc"][1 : num_seqs + 1][producing_rows].astype(np.int64)
+        num_logits = sum(counts)
+        if num_logits == len(producing_rows):
+            indices = ends - 1
+        else:
+            counts_array = np.asarray(counts, dtype=np.int64)
+            first_index = np.repeat(np.cumsum(counts_array) - counts_array, counts_array)
+            indices = np.repeat(ends - counts_array, counts_array) + (
+                np.arange(num_logits) - first_index
+            )
+        host["logits_indices"][:num_logits] = indices
         self._logits_lead[self.buffers.staging_index] = _is_range(indices, start=0)
 
     def fill_placeholders(self, sampled: torch.Tensor) -> None:

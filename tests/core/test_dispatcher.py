@@ -77,3 +77,22 @@ def test_capture_order_is_largest_first(graph_platform):
         (FULL, BD(1, True)),
         (PIECEWISE, BD(1)),
     ]
+
+
+def test_speculative_decoding_adds_full_keys_for_uniform_verify_batches(graph_platform):
+    """k = 3: S sequences of 4 tokens for each decode size S whose 4 * S tokens fit a step."""
+    compilation = CompilationConfig(
+        backend="eager",
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        cudagraph_capture_sizes=[1, 2, 4, 8],
+    )
+    config = EngineConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8),
+        compilation_config=compilation,
+        speculative_config={"num_speculative_tokens": 3},
+    )
+    d = CudagraphDispatcher(config)
+    verify = {BD(4, True, 4), BD(8, True, 4)}  # 1 and 2 sequences; 4 would be 16 tokens
+    assert d.cudagraph_keys[FULL] == {BD(s, True) for s in (1, 2, 4)} | verify
+    assert d.dispatch(BD(8, True, 4)) == (FULL, BD(8, True, 4))
+    assert d.dispatch(BD(8, True)) == (PIECEWISE, BD(8))  # 8 decodes: more than max_num_seqs

@@ -4,9 +4,10 @@ Names follow vLLM's ``vllm:`` metrics under a ``pieceworks:`` prefix: running an
 requests, KV-cache usage and the steps that held a structured-output request (gauges read from
 the engine loop's ``EngineStats`` at scrape time),
 time to first token and time per output token (histograms, seconds), generated and prompt tokens
-and finished requests by finish reason (counters), and the prefix cache's queried and hit tokens
-(counters advanced to the engine's cumulative counts at scrape time). One registry per server, so
-several servers in one process (tests) never share counts.
+and finished requests by finish reason (counters), the prefix cache's queried and hit tokens and,
+with speculative decoding, the verified and accepted proposals (``spec_decode_*``) (counters
+advanced to the engine's cumulative counts at scrape time). One registry per server, so several
+servers in one process (tests) never share counts.
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ _TPOT_BUCKETS = (
 )
 
 
+# (EngineStats field, counter name, help): speculative decoding, as vLLM names them.
+_SPEC_COUNTERS = (
+    ("spec_num_drafts", "num_drafts", "Requests verified with proposals"),
+    ("spec_num_draft_tokens", "num_draft_tokens", "Proposed tokens verified"),
+    ("spec_num_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted"),
+)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -106,6 +115,12 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        # vLLM's speculative decoding counters; totals from the engine's stats at each render.
+        self.spec_counters = {
+            field: Counter(f"pieceworks:spec_decode_{name}", text, labels, registry=self.registry)
+            for field, name, text in _SPEC_COUNTERS
+        }
+        self._spec_totals = dict.fromkeys(self.spec_counters, 0)
         self.constrained_steps = Gauge(
             "pieceworks:structured_output_steps",
             "Engine steps whose batch held a structured-output request: sampled on the host, "
@@ -154,6 +169,11 @@ class ServerMetrics:
         self.running.labels(self.model_name).set(stats.num_running)
         self.waiting.labels(self.model_name).set(stats.num_waiting)
         self.kv_usage.labels(self.model_name).set(stats.kv_cache_usage)
+        for field, counter in self.spec_counters.items():
+            total = getattr(stats, field)
+            if total > self._spec_totals[field]:
+                counter.labels(self.model_name).inc(total - self._spec_totals[field])
+                self._spec_totals[field] = total
         self.constrained_steps.labels(self.model_name).set(stats.num_constrained_steps)
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         seen_queries, seen_hits = self._prefix_cache_seen
