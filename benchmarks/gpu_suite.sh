@@ -173,8 +173,8 @@ for name in $steps; do
     smollm2) bench smollm2_135m --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 32 --output-len 128 --modes full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     fp8) bench llama8b_fp8 "${EIGHT_B[@]}" --quantization fp8 --batch-size 1,64 --modes full_and_piecewise --compare --peers gpt_fast ;;
-    qwen3) bench qwen3_8b --model qwen3-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes piecewise,full_and_piecewise ;;
-    gemma3) bench gemma3_4b --model gemma-3-4b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes piecewise,full_and_piecewise ;;
+    qwen3) bench qwen3_8b --model qwen3-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes full_and_piecewise ;;
+    gemma3) bench gemma3_4b --model gemma-3-4b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes full_and_piecewise ;;
     bamba) bench bamba9b_b1 --model bamba-9b --batch-size 1 --input-len 128 --output-len 32 --num-iters-warmup 1 --num-iters 3 --modes piecewise,full_and_piecewise --compare ;;
     breakable) bench breakable_125m --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --num-iters-warmup 1 --num-iters 3 --modes breakable,breakable_piecewise,piecewise,full_and_piecewise
                bench breakable_8b "${EIGHT_B[@]}" --batch-size 1,64 --modes breakable,breakable_piecewise,piecewise,full_and_piecewise ;;
