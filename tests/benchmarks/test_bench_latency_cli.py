@@ -183,3 +183,23 @@ def test_epilogue_fusions_sums_every_compiled_module_by_kind():
     )  # fmt: skip
     assert epilogue_fusions(model) == {"gemv_act": 3, "rope": 2, "attn_quant": 3}
     assert epilogue_fusions(torch.nn.Linear(1, 1)) == {}
+
+
+def test_speculative_config_reaches_the_engine_and_the_row_reports_acceptance(tmp_path):
+    """n-gram speculation: the tokens are those of plain greedy decoding, and the row counts
+    what was proposed and accepted (a random model rarely repeats, so few proposals)."""
+    flags = ["--model", "llama-tiny", "--enforce-eager", "--output-len", "12"]
+    code, plain = bench_latency(tmp_path, *flags)
+    assert code == 0 and "speculative" not in plain["results"][0]
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'
+    code, payload = bench_latency(tmp_path, *flags, "--speculative-config", spec)
+    assert code == 0
+    (row,) = payload["results"]
+    assert row["first_output_token_ids"] == plain["results"][0]["first_output_token_ids"]
+    stats = row["speculative"]
+    assert (stats["method"], stats["num_speculative_tokens"]) == ("ngram", 2)
+    assert set(stats) == {
+        "method", "num_speculative_tokens", "num_drafts", "num_draft_tokens",
+        "num_accepted_tokens", "acceptance_rate", "mean_accepted_length",
+    }  # fmt: skip
+    assert 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
