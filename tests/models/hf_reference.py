@@ -41,3 +41,31 @@ def hf_logits(
     position_ids = None if positions is None else torch.as_tensor(positions)[None]
     output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     return output.logits[0].float()
+
+
+def hf_greedy(hf_model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """HF ``generate``'s greedy continuation of ``prompt``: ``max_tokens`` new token ids."""
+    with torch.no_grad():
+        output = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, min_new_tokens=0
+        )
+    return output[0, len(prompt) :].tolist()
+
+
+def greedy_tokens(
+    path: str, mode: str, prompts: list[list[int]], max_tokens: int, **engine_args: Any
+) -> list[list[int]]:
+    """pieceworks' greedy tokens of ``prompts`` (float32, EOS ignored) in graph ``mode``
+    (``benchmarks.modes``), the eager compile backend."""
+    from pieceworks.benchmarks.modes import compilation_for_mode
+    from pieceworks.engine.llm import LLM
+    from pieceworks.sampling_params import SamplingParams
+
+    llm = LLM(
+        path,
+        compilation_config=compilation_for_mode(mode, {"backend": "eager"}),
+        dtype="float32",
+        **engine_args,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]

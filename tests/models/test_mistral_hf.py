@@ -19,12 +19,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
 from pieceworks.models.loading.config_checks import ModelConfigError, check_hf_config
 from pieceworks.models.mistral import mistral_sliding_window
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.scheduler.block_manager import BlockManager
+from tests.models.hf_reference import greedy_tokens, hf_greedy
 from tests.models.test_llama_hf import run_and_compare
 
 transformers = pytest.importorskip("transformers")
@@ -100,26 +100,10 @@ PROMPTS = [[3, 17, 92, 5, 8, 1, 44, 9, 61, 7, 250, 13], [200, 1, 44, 9, 61, 7, 2
 MAX_TOKENS = 6
 
 
-def hf_greedy(hf_model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    with torch.no_grad():
-        output = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, min_new_tokens=0
-        )
-    return output[0, len(prompt) :].tolist()
-
-
 def assert_greedy_tokens_equal_hf(saved, mode: str) -> None:
     path, hf_model, _ = saved
-    llm = LLM(
-        path,
-        compilation_config=compilation_for_mode(mode, {"backend": "eager"}),
-        dtype="float32",
-        max_num_seqs=2,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, params)
-    assert [out.outputs[0].token_ids for out in outputs] == [
-        hf_greedy(hf_model, prompt) for prompt in PROMPTS
+    assert greedy_tokens(path, mode, PROMPTS, MAX_TOKENS, max_num_seqs=2) == [
+        hf_greedy(hf_model, prompt, MAX_TOKENS) for prompt in PROMPTS
     ]
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pieceworks.benchmarks.modes import compilation_for_mode
 from pieceworks.engine.llm import LLM
 from pieceworks.models.loading.config_checks import ModelConfigError, check_hf_config
 from pieceworks.sampling_params import SamplingParams
+from tests.models.hf_reference import greedy_tokens, hf_greedy
 from tests.models.test_bamba_hf import make_llm, prompt_maker, run_and_compare
 
 transformers = pytest.importorskip("transformers")
@@ -104,40 +104,24 @@ PROMPTS = [[7], [3, 17, 92, 5], [200, 1, 44, 9, 61, 7, 250, 13, 8, 99, 4]]
 MAX_TOKENS = 5
 
 
-def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        output = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=0
-        )
-    return output[0, len(prompt) :].tolist()
-
-
 @pytest.fixture(scope="module")
 def hf_tokens(saved) -> list[list[int]]:
-    return [hf_greedy(saved[1], prompt) for prompt in PROMPTS]
+    return [hf_greedy(saved[1], prompt, MAX_TOKENS) for prompt in PROMPTS]
 
 
-def greedy_tokens(path: str, mode: str, **engine_args) -> list[list[int]]:
-    llm = LLM(
-        path,
-        compilation_config=compilation_for_mode(mode, {"backend": "eager"}),
-        dtype="float32",
-        max_num_seqs=4,
-        **engine_args,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
+def model_greedy_tokens(path: str, mode: str) -> list[list[int]]:
+    return greedy_tokens(path, mode, PROMPTS, MAX_TOKENS, max_num_seqs=4)
 
 
 @pytest.mark.platform_agnostic
 def test_greedy_tokens_equal_hf_generate(saved, hf_tokens):
-    assert greedy_tokens(saved[0], "eager") == hf_tokens
+    assert model_greedy_tokens(saved[0], "eager") == hf_tokens
 
 
 @pytest.mark.platform_agnostic
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
 def test_greedy_tokens_equal_hf_generate_with_graphs(saved, hf_tokens, mode, graph_platform):
-    assert greedy_tokens(saved[0], mode) == hf_tokens
+    assert model_greedy_tokens(saved[0], mode) == hf_tokens
 
 
 def test_preempted_request_recomputes_its_state(saved):
