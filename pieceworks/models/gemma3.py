@@ -34,16 +34,15 @@ from torch import nn
 
 from pieceworks.config import EngineConfig, resolve_dtype
 from pieceworks.core.decorators import support_torch_compile
-from pieceworks.models.attention.layer import Attention
 from pieceworks.models.causal_lm import CausalLM, maybe_prefix
 from pieceworks.models.layers.activation import HF_GELU_APPROXIMATE, GeluAndMul
 from pieceworks.models.layers.layernorm import GemmaRMSNorm
-from pieceworks.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from pieceworks.models.layers.quantization import Fp8Config, get_quant_config
 from pieceworks.models.layers.rotary_embedding import RotaryEmbedding, get_rope
 from pieceworks.models.layers.vocab_embedding import VocabParallelEmbedding
 from pieceworks.models.llama import LlamaMLP, _head_dim
 from pieceworks.models.loading.config_defaults import with_architecture_defaults
+from pieceworks.models.qwen3 import Qwen3Attention
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -86,9 +85,12 @@ class Gemma3MLP(LlamaMLP):
         self.act_fn = GeluAndMul(HF_GELU_APPROXIMATE[hidden_activation])  # type: ignore[assignment]
 
 
-class Gemma3Attention(nn.Module):
-    """qkv projection -> GemmaRMSNorm per q and k head -> rotary -> paged attention (sliding or
-    global) -> output projection."""
+class Gemma3Attention(Qwen3Attention):
+    """Qwen3's attention (q/k head norms before the rotary) with Gemma's ``(1 + w)`` head norms,
+    the ``query_pre_attn_scalar ** -0.5`` scale and this layer's own rotary and window (sliding
+    layers: ``sliding_window``; global ones: None)."""
+
+    head_norm_cls = GemmaRMSNorm
 
     def __init__(
         self,
@@ -99,56 +101,14 @@ class Gemma3Attention(nn.Module):
         config: EngineConfig,
         prefix: str,
     ) -> None:
-        super().__init__()
-        hidden_size = hf_config["hidden_size"]
-        self.head_dim = _head_dim(hf_config)
-        total_num_heads = hf_config["num_attention_heads"]
-        total_num_kv_heads = hf_config.get("num_key_value_heads") or total_num_heads
-        bias = bool(hf_config["attention_bias"])
-        quant_config = get_quant_config(config.model_config)
-        self.qkv_proj = QKVParallelLinear(
-            hidden_size,
-            self.head_dim,
-            total_num_heads,
-            total_num_kv_heads,
-            bias,
-            prefix=f"{prefix}.qkv_proj",
-            quant_config=quant_config,
-        )
-        self.num_heads = self.qkv_proj.num_heads  # this rank's
-        self.num_kv_heads = self.qkv_proj.num_kv_heads  # this rank's (replicated if few)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(
-            total_num_heads * self.head_dim,
-            hidden_size,
-            bias,
-            prefix=f"{prefix}.o_proj",
-            quant_config=quant_config,
-        )
-        eps = hf_config["rms_norm_eps"]
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps)
-        self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            hf_config["query_pre_attn_scalar"] ** -0.5,
-            self.num_kv_heads,
+        super().__init__(
+            hf_config,
+            rotary_emb,
             config=config,
-            prefix=f"{prefix}.attn",
+            prefix=prefix,
+            scale=hf_config["query_pre_attn_scalar"] ** -0.5,
             sliding_window=sliding_window,
         )
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # (T, (Hq + 2 * Hkv) * D)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # Each head on its own row: (T * H, D) normalised over D, then back to (T, H * D).
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        attn_output = self.attn(q, k, v)  # (T, Hq * D)
-        return self.o_proj(attn_output)  # (T, hidden)
 
 
 class Gemma3DecoderLayer(nn.Module):

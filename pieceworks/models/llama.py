@@ -97,7 +97,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """qkv projection -> rotary -> paged attention (custom op) -> output projection."""
+    """qkv projection -> rotary -> paged attention (custom op) -> output projection.
+
+    ``scale`` (default ``head_dim ** -0.5``) and ``sliding_window`` (default the architecture's
+    ``attention_window``) are given where they differ per model or per layer (Gemma 3)."""
 
     def __init__(
         self,
@@ -106,6 +109,8 @@ class LlamaAttention(nn.Module):
         *,
         config: EngineConfig,
         prefix: str,
+        scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         hidden_size = hf_config["hidden_size"]
@@ -138,11 +143,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if scale is None else scale,
             self.num_kv_heads,
             config=config,
             prefix=f"{prefix}.attn",
-            sliding_window=self.attention_window(hf_config),
+            sliding_window=sliding_window or self.attention_window(hf_config),
         )
 
     @staticmethod

@@ -12,9 +12,10 @@ normalises its own heads with the whole weight.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from pieceworks.config import EngineConfig
 from pieceworks.models.causal_lm import CausalLM
@@ -24,7 +25,12 @@ from pieceworks.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMode
 
 
 class Qwen3Attention(LlamaAttention):
-    """qkv projection -> RMSNorm per q and k head -> rotary -> paged attention -> output."""
+    """qkv projection -> RMSNorm per q and k head -> rotary -> paged attention -> output.
+
+    ``head_norm_cls`` is the norm of each head (Gemma 3 subclasses this with its ``(1 + w)``
+    norm); ``scale`` and ``sliding_window`` go to ``LlamaAttention``."""
+
+    head_norm_cls: ClassVar[type[nn.Module]] = RMSNorm
 
     def __init__(
         self,
@@ -33,11 +39,20 @@ class Qwen3Attention(LlamaAttention):
         *,
         config: EngineConfig,
         prefix: str,
+        scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
-        super().__init__(hf_config, rotary_emb, config=config, prefix=prefix)
+        super().__init__(
+            hf_config,
+            rotary_emb,
+            config=config,
+            prefix=prefix,
+            scale=scale,
+            sliding_window=sliding_window,
+        )
         eps = hf_config["rms_norm_eps"]
-        self.q_norm = RMSNorm(self.head_dim, eps)
-        self.k_norm = RMSNorm(self.head_dim, eps)
+        self.q_norm = self.head_norm_cls(self.head_dim, eps)
+        self.k_norm = self.head_norm_cls(self.head_dim, eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # (T, (Hq + 2 * Hkv) * D)
