@@ -19,7 +19,6 @@ import torch
 
 from pieceworks.engine.tokenizer import load_tokenizer
 from pieceworks.models.loading import gguf_loader, sources
-from pieceworks.models.registry import supported_architectures
 from pieceworks.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -128,14 +127,8 @@ def hf_tokens(hf_model, prompts) -> list[list[int]]:
     return outputs
 
 
-def _needs_model_class() -> None:
-    if "Gemma3ForCausalLM" not in supported_architectures():
-        pytest.skip("no Gemma3ForCausalLM in this pieceworks tree")
-
-
 @pytest.mark.parametrize("level", [0, 3])
 def test_greedy_tokens_equal_transformers(prompts, hf_tokens, level):
-    _needs_model_class()
     from pieceworks.engine.llm import LLM
 
     compilation = {"level": level, "backend": "eager"} if level else {"level": 0}
@@ -148,7 +141,6 @@ def test_greedy_tokens_equal_transformers(prompts, hf_tokens, level):
 
 
 def test_cli_generate_answers_in_text(capsys):
-    _needs_model_class()
     from pieceworks.entrypoints.cli import main
 
     argv = ["generate", "--model", MODEL, "-O", "0", "--max-tokens", "8"]
