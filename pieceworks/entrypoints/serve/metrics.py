@@ -140,8 +140,15 @@ class ServerMetrics:
             labels,
             registry=self.registry,
         )
-        self.prefix_cache_queries.labels(model_name)  # exported from the start, at 0
-        self.prefix_cache_hits.labels(model_name)
+        for metric in (  # exported from the start (at 0), as a scraper expects, not first when used
+            self.ttft,
+            self.tpot,
+            self.generation_tokens,
+            self.prompt_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+        ):
+            metric.labels(model_name)
         self._prefix_cache_seen = (0, 0)  # the engine's counts at the last scrape
         self.model_name = model_name
 
