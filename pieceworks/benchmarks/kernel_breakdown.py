@@ -143,7 +143,11 @@ def kernel_breakdown(
             "between_steps_us_per_step": sum(between) / num_steps if spans else None,
         },
         "top_kernels": top_kernels(events, num_steps, NUM_TOP_KERNELS),
-        "note": None if spans else "no step annotations in the trace: gaps not split by step",
+        # device events no annotated step call launched (0 where every step call is annotated)
+        "num_outside_steps": sum(event.step is None for event in events),
+        "note": None
+        if spans
+        else "no device event belongs to an annotated step call: gaps not split by step",
     }
 
 

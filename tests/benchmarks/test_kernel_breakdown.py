@@ -60,7 +60,7 @@ def test_counts_times_and_holes_of_synthetic_steps():
     assert gaps["sum_us_per_step"] == pytest.approx(4.0)  # holes of 1, 1 and 2 us
     assert gaps["num_per_step"] == 3 and gaps["median_us"] == 1.0
     assert gaps["between_steps_us_per_step"] == pytest.approx(64 / 2)  # 36..100, once in 2
-    assert breakdown["note"] is None
+    assert breakdown["note"] is None and breakdown["num_outside_steps"] == 0
 
 
 def test_top_kernels_group_the_copies_of_one_kernel():
@@ -83,7 +83,8 @@ def test_without_step_annotations_the_holes_are_not_split():
     breakdown = kernel_breakdown(events, num_steps=2, num_layers=None)
     assert breakdown["gaps"]["sum_us_per_step"] is None
     assert breakdown["kernels_per_layer"] is None
-    assert "no step annotations" in breakdown["note"]
+    assert "no device event belongs to an annotated step call" in breakdown["note"]
+    assert breakdown["num_outside_steps"] == len(events)
 
 
 @pytest.mark.parametrize(
