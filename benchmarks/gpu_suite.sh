@@ -3,8 +3,11 @@
 # docs/performance.md as bench JSON (and a plot per file), then run the GPU tests.
 #
 # Usage: OUT=dir bash benchmarks/gpu_suite.sh [steps...]
-#   steps (default: all, in this order): install versions bench125m smollm2 bench8b fp8 qwen3
-#   gemma3 bamba breakable serve structured prefix throughput startup tests kernels
+#   steps (default: all, in this order): install versions bench125m smollm2 small bench8b fp8
+#   qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests kernels
+#   (small: the small-model decode budget, llama-125m, the SmolLM2-135M shape and Llama-3.2-1B at
+#   batch 1 and 64 with --kernel-breakdown, estimated at 3 min on an H100; its table:
+#   python benchmarks/kernel_table.py "$OUT"/bench_small_*.json)
 #   (tests_parallel: the tests and kernels steps in four concurrent groups, for a call with a time
 #   limit; structured: TPOT with and without a json_schema constraint; prefix: a shared system
 #   prompt with and without prefix caching)
@@ -30,7 +33,7 @@ mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
 COMMIT=${COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
-steps=${*:-"install versions bench125m smollm2 bench8b fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests kernels"}
+steps=${*:-"install versions bench125m smollm2 small bench8b fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests kernels"}
 failed=()
 
 step() {  # name, command...: log to $OUT/logs/<name>.log and the console, never stop the suite
@@ -159,6 +162,16 @@ parallel_tests() {  # the GPU tests in three concurrent groups and the compiled 
   [ "$rc" -eq 0 ] || failed+=("tests_parallel")
 }
 
+small() {  # the decode-step budget of the small models, kernel by kernel (docs/performance.md)
+  local flags=(--batch-size 1,64 --input-len 32 --output-len 64 --num-iters-warmup 1 --num-iters 2
+               --modes full_and_piecewise --kernel-breakdown)
+  bench small_llama125m --model llama-125m "${flags[@]}"
+  bench small_smollm2 --model "$(smollm2_model)" "${flags[@]}"
+  bench small_llama1b --model llama-3.2-1b "${flags[@]}"
+  echo "=== budget (python benchmarks/kernel_table.py $OUT/bench_small_*.json):"
+  python3 benchmarks/kernel_table.py "$OUT"/bench_small_*.json || true
+}
+
 EIGHT_B=(--model llama-3.1-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3)
 
 for name in $steps; do
@@ -169,6 +182,7 @@ for name in $steps; do
              step install python3 -m pip install -q --no-deps --no-build-isolation -e . -e examples/pieceworks-simgraph ;;
     versions) step versions python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
               step platforms python3 -m pieceworks.entrypoints.cli platforms ;;
+    small) small ;;
     bench125m) bench llama125m_b8 --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --compare ;;
     smollm2) bench smollm2_135m --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 32 --output-len 128 --modes full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
@@ -197,7 +211,7 @@ for name in $steps; do
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 bench8b fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 small bench8b fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
   esac
 done
 

@@ -8,7 +8,8 @@ step's wall time is the loop's period, device-accurate; decode steps are the uni
 of the whole batch; their min, median and max are reported. The floor is the bytes a decode step
 must read over the device copy bandwidth measured at the start of the run. After the timed runs a
 few decode steps run under the profiler for the device-busy time per step and the share of the
-(unprofiled median) step the device sat idle (``device_busy``; "n/a" on the CPU).
+(unprofiled median) step the device sat idle (``device_busy``; "n/a" on the CPU), and with
+``LatencyCase.kernel_breakdown`` the per-kernel budget of those steps (``kernel_breakdown``).
 
 Each row states what it measured: the effective compile level, graph mode and backend after the
 platform's adjustments. A mode or baseline that raises becomes a row with ``status`` "failed" and
@@ -63,6 +64,7 @@ class LatencyCase:
     num_iters: int = 5
     engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     compilation: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kernel_breakdown: bool = False  # the per-kernel budget from the device-busy profile
 
 
 def measure_copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -179,7 +181,8 @@ def _measure_engine(
             if uniform and num_requests == case.batch_size
         ]
     decode_ms = _stats([s * 1e3 for s in decode_steps])
-    busy = with_idle_share(engine_device_busy(llm, prompts, params), decode_ms["median"])
+    busy = engine_device_busy(llm, prompts, params, breakdown=case.kernel_breakdown)
+    busy = with_idle_share(busy, decode_ms["median"])
     result: dict[str, Any] = {
         "mode": plan.name,
         "merged_modes": list(plan.merged),

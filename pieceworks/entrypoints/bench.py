@@ -25,6 +25,7 @@ def _case(args: argparse.Namespace, batch_size: int) -> Any:
         args.num_iters,
         {"max_num_seqs": max(batch_size, 8), **engine_args(args)},
         compilation_fields(args),
+        kernel_breakdown=args.kernel_breakdown,
     )
 
 
@@ -142,6 +143,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     The JSON is rewritten after every row, so a run killed part-way keeps what it measured.
     """
     from pieceworks.benchmarks.baselines import applicable_baselines
+    from pieceworks.benchmarks.kernel_report import format_kernel_breakdown
     from pieceworks.benchmarks.latency import measure_copy_bandwidth, run_environment
     from pieceworks.benchmarks.report import (
         format_mode_table,
@@ -185,6 +187,9 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
             if args.output_json:
                 write_json(Path(args.output_json), payload)
     print(format_mode_table(results))
+    breakdown = format_kernel_breakdown(results)
+    if breakdown:
+        print(breakdown)
     notes = format_notes(results, skipped)
     if notes:
         print(notes)
@@ -286,6 +291,14 @@ def register(sub: Any) -> None:
         "--peers",
         default=None,
         help="with --compare: comma list of the peers to run (default: every one that applies)",
+    )
+    latency.add_argument(
+        "--kernel-breakdown",
+        action="store_true",
+        help="from the device-busy profile, also each row's per-kernel budget of a decode step "
+        "(kernels per step and per layer, kernel time, gaps between kernels, the top kernels): "
+        "printed, and a kernel_breakdown object in each JSON row; n/a where the platform "
+        "traces no device work (the CPU)",
     )
     latency.add_argument("--output-json", default=None)
     latency.add_argument("--plot", default=None, help="PNG path")

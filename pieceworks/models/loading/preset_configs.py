@@ -162,6 +162,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         tie_word_embeddings=False,
     ),
+    # meta-llama/Llama-3.2-1B config.json: the small-model decode benchmarks' largest shape.
+    "llama-3.2-1b": _llama_config(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_id=128001,
+        rope_theta=500000.0,
+        rope_scaling={
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        tie_word_embeddings=True,
+    ),
     # Qwen/Qwen3-8B config.json.
     "qwen3-8b": _qwen3_config(
         hidden_size=4096,
