@@ -16,7 +16,9 @@ Ops:
   gated GEMV where it takes too many tokens for the GEMV, or the torch form;
 - ``gelu_and_mul``: the GeGLU kernel (``activation/triton_gelu_and_mul.py``) or the torch form;
 - ``rotary``: the qkv GEMV's rotary epilogue (``gemv/triton_gemv_rope.py``) or the torch form;
-- ``argmax``: the greedy row argmax (``sampling/triton_argmax.py``) or ``torch.argmax``.
+- ``argmax``: the greedy row argmax (``sampling/triton_argmax.py``) or ``torch.argmax``;
+- ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``: flash-linear-attention's kernels
+  or the torch forms, each with its ``fn`` (``gated_delta_rule/registration.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import dataclasses
 import torch
 
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
+from pieceworks.kernels.gated_delta_rule.registration import gated_delta_rule_kernels
 from pieceworks.kernels.implementation import KernelImpl, Supports
 from pieceworks.platforms.capability import FP8_GEMM, TRITON, WARPGROUP_MMA
 
@@ -55,8 +58,8 @@ BUILTIN_KERNELS: tuple[tuple[str, str, int, Supports], ...] = (
 
 
 def builtin_kernels() -> list[KernelImpl]:
-    """Every built-in implementation: the jitted kernels, ``torch._scaled_mm`` for FP8, and each
-    op's native torch form."""
+    """Every built-in implementation: the jitted kernels, ``torch._scaled_mm`` for FP8, each
+    op's native torch form, and the gated delta rule's family."""
     entries = [
         KernelImpl(op, name, supports, priority=priority, jitted=True)
         for op, name, priority, supports in BUILTIN_KERNELS
@@ -66,4 +69,4 @@ def builtin_kernels() -> list[KernelImpl]:
     entries.append(KernelImpl("fp8_linear", "scaled_mm", scaled_mm, priority=5))
     for op in sorted({op for op, *_ in BUILTIN_KERNELS}):
         entries.append(KernelImpl(op, "torch", native=True))
-    return entries
+    return entries + gated_delta_rule_kernels()

@@ -69,9 +69,15 @@ class KernelChooser:
         return cls.for_platform(current_platform(), compilation)
 
     def choose(
-        self, op: str, *, dtype: torch.dtype | None = None, prefer_native: bool | None = None
+        self,
+        op: str,
+        *,
+        dtype: torch.dtype | None = None,
+        head_size: int | None = None,
+        prefer_native: bool | None = None,
     ) -> Choice:
-        """The implementation ``op`` runs for ``dtype`` (remembered for the report).
+        """The implementation ``op`` runs for ``dtype`` and ``head_size`` (an attention-like
+        op's largest head dimension; None: not a question), remembered for the report.
         ``prefer_native``: the op's torch form, the others passed over as switched off; None: as
         ``custom_ops`` says. A ValueError if nothing is supported (every op registers a native
         form, so only a misregistered op gets it)."""
@@ -80,7 +86,7 @@ class KernelChooser:
         chosen: KernelImpl | None = None
         passed_over: list[tuple[str, str]] = []
         for impl in implementations(op):
-            why = impl.supports.why_not(self.platform_name, self.capability, dtype)
+            why = impl.supports.why_not(self.platform_name, self.capability, dtype, head_size)
             if why is None and prefer_native and not impl.native:
                 why = "switched off (custom_ops)"
             if why is None and chosen is None:

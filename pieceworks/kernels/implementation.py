@@ -8,6 +8,8 @@ Plain records, shared by the registry of implementations (``registry.py``), the 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -20,17 +22,27 @@ from pieceworks.platforms.capability import DeviceCapability
 class Supports:
     """What an implementation needs. ``vendors`` None: any vendor; ``features``: every one of
     them on the device; ``dtypes`` None: any dtype; ``platform``: only on the platform of that
-    name (an out-of-tree platform's own kernels)."""
+    name (an out-of-tree platform's own kernels); ``max_head_size``: the largest head size it
+    takes (None: any); ``packages``: Python packages that must be installed, from pieceworks'
+    optional dependency ``extra`` (a third-party kernel library)."""
 
     vendors: frozenset[str] | None = None
     features: frozenset[str] = frozenset()
     dtypes: frozenset[torch.dtype] | None = None
     platform: str | None = None
+    max_head_size: int | None = None
+    packages: tuple[str, ...] = ()
+    extra: str | None = None
 
     def why_not(
-        self, platform_name: str, capability: DeviceCapability, dtype: torch.dtype | None
+        self,
+        platform_name: str,
+        capability: DeviceCapability,
+        dtype: torch.dtype | None,
+        head_size: int | None = None,
     ) -> str | None:
-        """Why this does not hold on that platform and device for ``dtype``, or None if it does."""
+        """Why this does not hold on that platform and device for ``dtype`` and ``head_size``, or
+        None if it does."""
         if self.platform is not None and self.platform != platform_name:
             return f"only for platform {self.platform!r}"
         if self.vendors is not None and capability.vendor not in self.vendors:
@@ -40,7 +52,21 @@ class Supports:
             return f"needs {', '.join(missing)}"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             return f"does not take {str(dtype).removeprefix('torch.')}"
+        if head_size is not None and self.max_head_size is not None:
+            if head_size > self.max_head_size:
+                return f"takes head sizes up to {self.max_head_size}, not {head_size}"
+        absent = [name for name in self.packages if not package_installed(name)]
+        if absent:
+            install = f"pip install 'pieceworks[{self.extra}]'" if self.extra else "install them"
+            return f"needs the package(s) {', '.join(absent)}, not installed ({install})"
         return None
+
+
+@functools.cache
+def package_installed(name: str) -> bool:
+    """Whether the top-level package ``name`` is installed (found, not imported: a kernel
+    library's import can take seconds, and only a layer that runs it pays for that)."""
+    return importlib.util.find_spec(name) is not None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,39 +3,43 @@
 ``GatedDeltaNetBackend.forward`` owns the split Mamba's backends share (``mamba/backends.py``):
 the step's leading ``metadata.num_decodes`` sequences (one token each, continuing from their
 slot) take the single-step path, written without a host synchronisation so that a FULL decode
-graph can hold it (gather the slots' states, one step, scatter them back; padded rows go to the
-null slot 0); the other sequences (prefills and continued chunked prefills, ``has_initial_state``
-saying which) take the varlen path: the packed causal conv (``causal_conv1d_ref``, shared with
-Mamba2: depthwise, SiLU, the last ``d_conv - 1`` inputs left in the slot), then the chunked
-delta rule per sequence from its slot's state (or zeros), its final state written back. The
-delta rule's torch forms are ``kernels/gated_delta_rule``; they are the only implementation so
-far, on every platform (``docs/kernels.md``).
+graph can hold it (one conv step, then the ``recurrent_gated_delta_rule`` op over the slots;
+padded rows go to the null slot 0); the other sequences (prefills and continued chunked
+prefills, ``has_initial_state`` saying which) take the varlen path: the packed causal conv
+(``causal_conv1d_ref``, shared with Mamba2: depthwise, SiLU, the last ``d_conv - 1`` inputs left
+in the slot), then the ``chunk_gated_delta_rule`` op over the packed sequences, each from its
+slot's state (or zeros), its final state written back. Which implementation each op runs (the
+torch forms or flash-linear-attention's kernels) the engine's kernel chooser decides when the
+model is built (``GatedDeltaNet.choose_kernels``, ``docs/kernels.md``); the params carry it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from pieceworks.kernels.gated_delta_rule.torch_gated_delta_rule import (
-    chunk_gated_delta_rule,
-    recurrent_gated_delta_rule,
-)
+from pieceworks.kernels.gated_delta_rule import torch_state_slots
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.mamba.ops import causal_conv1d_ref
 
 
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaNetParams:
-    """One layer's conv weights and head layout (what the core needs besides the step)."""
+    """One layer's conv weights, head layout and delta-rule implementations (what the core
+    needs besides the step)."""
 
     conv_weight: torch.Tensor  # (conv_dim, d_conv)
     num_k_heads: int
     num_v_heads: int
     head_k_dim: int
     head_v_dim: int
+    chunk_kernel: Callable[..., torch.Tensor] = torch_state_slots.chunk_gated_delta_rule_varlen
+    recurrent_kernel: Callable[..., torch.Tensor] = (
+        torch_state_slots.recurrent_gated_delta_rule_slots
+    )
 
     def split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(T, conv_dim)`` -> q, k ``(1, T, Hk, Dk)`` and v ``(1, T, Hv, Dv)`` (views)."""
@@ -47,7 +51,8 @@ class GatedDeltaNetParams:
 
 
 class GatedDeltaNetBackend:
-    """The torch forms (every platform); the decode half is capturable in a FULL graph."""
+    """The conv in torch and the delta rule as chosen; the decode half is capturable in a FULL
+    graph with either implementation."""
 
     name = "torch"
 
@@ -64,7 +69,8 @@ class GatedDeltaNetBackend:
     ) -> None:
         if metadata.num_decodes > 0:
             cls._decode(mixed_qkv, g, beta, output, cache, params, metadata)
-        if metadata.num_seqs > metadata.num_decodes:
+        # a FULL decode graph pads the batch with sequences of no tokens: nothing to prefill
+        if metadata.num_actual_tokens > metadata.num_decodes:
             cls._prefill(mixed_qkv, g, beta, output, cache, params, metadata)
 
     @staticmethod
@@ -79,10 +85,9 @@ class GatedDeltaNetBackend:
         weight = params.conv_weight.float()  # (conv_dim, d_conv)
         conv_out = F.silu((window.float() * weight).sum(dim=-1)).to(x.dtype)  # (S, conv_dim)
         q, k, v = (t.transpose(0, 1) for t in params.split_qkv(conv_out))  # (S, 1, H, D)
-        out, state = recurrent_gated_delta_rule(
-            q, k, v, g[:num_decodes, None], beta[:num_decodes, None], recurrent_state[slots]
-        )
-        recurrent_state.index_copy_(0, slots, state.to(recurrent_state.dtype))
+        out = params.recurrent_kernel(
+            q, k, v, g[:num_decodes, None], beta[:num_decodes, None], recurrent_state, slots
+        )  # (S, 1, Hv, Dv); the slots' states stepped in place
         output[:num_decodes] = out.reshape(num_decodes, -1)
 
     @staticmethod
@@ -97,19 +102,9 @@ class GatedDeltaNetBackend:
             mixed_qkv[start:end], params.conv_weight, None, conv_state,
             query_start_loc, slots, has_initial_state,
         )  # fmt: skip
-        q, k, v = params.split_qkv(conv_out)
-        bounds = query_start_loc.tolist()
-        for seq_idx, (first, last) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if last == first:
-                continue  # a padded sequence: no tokens, no state
-            slot = int(slots[seq_idx])
-            starts_from_slot = slot >= 0 and bool(has_initial_state[seq_idx])
-            initial_state = recurrent_state[slot : slot + 1] if starts_from_slot else None
-            tokens = slice(first, last)
-            out, state = chunk_gated_delta_rule(
-                q[:, tokens], k[:, tokens], v[:, tokens],
-                g[start:end][None, tokens], beta[start:end][None, tokens], initial_state,
-            )  # fmt: skip
-            output[start + first : start + last] = out[0].reshape(last - first, -1)
-            if slot >= 0:
-                recurrent_state[slot] = state[0].to(recurrent_state.dtype)
+        q, k, v = params.split_qkv(conv_out)  # (1, T, H, D)
+        out = params.chunk_kernel(
+            q, k, v, g[None, start:end], beta[None, start:end], recurrent_state,
+            query_start_loc, slots, has_initial_state,
+        )  # fmt: skip
+        output[start:end] = out[0].reshape(end - start, -1)

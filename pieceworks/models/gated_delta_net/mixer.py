@@ -12,7 +12,9 @@ Semantics are transformers' ``Qwen3_5GatedDeltaNet``: ``in_proj_qkv``, ``in_proj
 ``in_proj_b`` and ``in_proj_a`` (one merged GEMM here, ``in_proj``),
 ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``, q and k L2-normalised in the
 core, then ``out_proj(norm(core) * silu(z))`` with the RMS norm taken per value head (norm before
-gate). Tensor parallelism is not implemented for this layer: a tensor-parallel size above one is
+gate). The delta rule's implementations (the ops ``chunk_gated_delta_rule`` and
+``recurrent_gated_delta_rule``) come from the engine's kernel chooser (``choose_kernels``).
+Tensor parallelism is not implemented for this layer: a tensor-parallel size above one is
 refused when it is built.
 """
 
@@ -27,12 +29,14 @@ from torch import nn
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.forward_context import get_forward_context
 from pieceworks.distributed.parallel_state import tensor_parallel_rank_and_size
+from pieceworks.kernels.gated_delta_rule import torch_state_slots
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.gated_delta_net.backend import GatedDeltaNetBackend, GatedDeltaNetParams
 from pieceworks.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
     from pieceworks.config import EngineConfig
+    from pieceworks.kernels.chooser import KernelChooser
 
 
 def gated_delta_net(
@@ -134,6 +138,8 @@ class GatedDeltaNet(nn.Module):
         )
         self.layer_name = prefix
         self.backend = GatedDeltaNetBackend
+        self.chunk_kernel = torch_state_slots.chunk_gated_delta_rule_varlen  # until chosen
+        self.recurrent_kernel = torch_state_slots.recurrent_gated_delta_rule_slots
         self.mamba_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.op = gated_delta_net_op()
         config.compilation_config.register_layer(prefix, self)
@@ -164,6 +170,16 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv = projected_states[:, : self.conv_dim]
         self.backend.forward(mixed_qkv, g, beta, output, self.mamba_cache, self.params(), metadata)
 
+    def choose_kernels(self, kernels: KernelChooser) -> None:
+        """The delta rule's two implementations for this layer's dtype and key head size."""
+        dtype = self.norm.weight.dtype  # the model dtype: q, k and v are in it
+        chosen = {
+            op: kernels.choose(op, dtype=dtype, head_size=self.head_k_dim).impl.fn
+            for op in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule")
+        }
+        self.chunk_kernel = chosen["chunk_gated_delta_rule"] or self.chunk_kernel
+        self.recurrent_kernel = chosen["recurrent_gated_delta_rule"] or self.recurrent_kernel
+
     def params(self) -> GatedDeltaNetParams:
         return GatedDeltaNetParams(
             conv_weight=self.conv1d.weight[:, 0],  # (conv_dim, d_conv)
@@ -171,6 +187,8 @@ class GatedDeltaNet(nn.Module):
             num_v_heads=self.num_v_heads,
             head_k_dim=self.head_k_dim,
             head_v_dim=self.head_v_dim,
+            chunk_kernel=self.chunk_kernel,
+            recurrent_kernel=self.recurrent_kernel,
         )
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
