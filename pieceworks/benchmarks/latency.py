@@ -1,8 +1,11 @@
 """Latency measurement shared by `pieceworks run` and `pieceworks bench latency`.
 
 For each mode: build an engine (timing load, compile and capture, and counting what the pipeline
-did), generate ``output_len`` tokens for ``batch_size`` random prompts of ``input_len`` tokens with
-greedy sampling and ``ignore_eos``, warm-ups first, then ``num_iters`` timed runs. Each engine step
+did), generate ``output_len`` tokens for ``batch_size`` prompts of ``input_len`` tokens with
+greedy sampling and ``ignore_eos``, warm-ups first, then ``num_iters`` timed runs; once per prompt
+kind (``benchmarks/prompts.py``: random, repeating, a text to copy) on the same engine, a row
+each, with its output tokens per second (batch x output_len / median latency) and, under
+speculative decoding, the acceptance of that kind's runs alone. Each engine step
 ends in a host sync (with async scheduling, on the previous step's tokens), so in steady state a
 step's wall time is the loop's period, device-accurate; decode steps are the uniform-decode steps
 of the whole batch; their min, median and max are reported. The floor is the bytes a decode step
@@ -20,9 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import random
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,6 +33,7 @@ import torch
 from pieceworks.benchmarks.device_busy import engine_device_busy, with_idle_share
 from pieceworks.benchmarks.mode_plan import ModePlan
 from pieceworks.benchmarks.modes import MODES
+from pieceworks.benchmarks.prompts import latency_prompts
 from pieceworks.core.counters import compilation_counter
 from pieceworks.core.decorators import piecewise_backends
 from pieceworks.engine.arg_utils import build_engine_config
@@ -65,6 +69,7 @@ class LatencyCase:
     engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     compilation: dict[str, Any] = dataclasses.field(default_factory=dict)
     kernel_breakdown: bool = False  # the per-kernel budget from the device-busy profile
+    prompt_kind: str = "random"  # benchmarks/prompts.py
 
 
 def measure_copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -113,10 +118,21 @@ def _attention_layers(runner: Any) -> list[Any]:
 
 
 def _prompts(case: LatencyCase, vocab_size: int) -> list[list[int]]:
-    rng = random.Random(0)
-    return [
-        [rng.randrange(vocab_size) for _ in range(case.input_len)] for _ in range(case.batch_size)
-    ]
+    """The case's prompts (its ``prompt_kind``), the same for every engine and peer of a run."""
+    tokenizer = None
+    if case.prompt_kind == "copy":
+        from pieceworks.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(case.model, case.engine_args.get("tokenizer"))
+    return latency_prompts(case.prompt_kind, case.batch_size, case.input_len, vocab_size, tokenizer)
+
+
+def with_output_rate(result: dict[str, Any], case: LatencyCase) -> dict[str, Any]:
+    """``result`` with its prompt kind and output tokens per second (batch x output_len over
+    the median latency of one generation of the batch; ``ignore_eos`` makes that count exact)."""
+    median = result.get("latency_s", {}).get("median")
+    rate = case.batch_size * case.output_len / median if median else None
+    return {**result, "prompt_kind": case.prompt_kind, "output_tokens_per_s": rate}
 
 
 def resolve_effective(
@@ -130,25 +146,42 @@ def resolve_effective(
 
 
 def measure_mode(
-    case: LatencyCase, plan: ModePlan | str, bandwidth: float | None = None
-) -> dict[str, Any]:
-    """Build the engine for ``plan`` (or a mode name), time generation; a JSON-ready result."""
+    case: LatencyCase,
+    plan: ModePlan | str,
+    bandwidth: float | None = None,
+    prompt_kinds: Sequence[str] = (),
+) -> list[dict[str, Any]]:
+    """Build the engine for ``plan`` (or a mode name) once and time generation on each of
+    ``prompt_kinds`` (default: the case's); a JSON-ready result per kind, in that order.
+
+    A kind that raises becomes a failed row and the next kind runs on the same engine. The
+    counters (compiles, captures) are the engine's, the same in each of its rows.
+    """
     if isinstance(plan, str):
         plan = ModePlan(plan, {**case.compilation, **_mode_fields(plan)})
     before = compilation_counter.clone()
     start = time.perf_counter()
     llm = LLM(case.model, compilation_config=plan.compilation, **case.engine_args)
     startup_seconds = time.perf_counter() - start
+    results = []
     try:
-        result = _measure_engine(llm, case, plan, startup_seconds, bandwidth)
+        for kind in prompt_kinds or [case.prompt_kind]:
+            kind_case = dataclasses.replace(case, prompt_kind=kind)
+            try:
+                result = _measure_engine(llm, kind_case, plan, startup_seconds, bandwidth)
+            except Exception as error:  # noqa: BLE001 (reported in its row; the next kind runs)
+                result = failed_result(
+                    plan.name, error, level=plan.level, graph_mode=plan.graph_mode
+                )
+            results.append(with_output_rate(result, kind_case))
     finally:  # also when a step raised: the graphs and the KV cache go before the next row
         llm.shutdown()
         del llm
         free_device_memory()
-    result["counters"] = {
+    counters = {
         name: getattr(compilation_counter, name) - getattr(before, name) for name in _COUNTERS
     }
-    return result
+    return [{**result, "counters": counters} for result in results]
 
 
 def free_device_memory() -> None:
@@ -165,6 +198,7 @@ def _measure_engine(
     compilation = llm.config.compilation_config
     prompts = _prompts(case, llm.config.model_config.hf_config["vocab_size"])
     params = SamplingParams(temperature=0.0, max_tokens=case.output_len, ignore_eos=True)
+    spec_before = dataclasses.replace(llm.engine.scheduler.spec_decoding_stats)
     for _ in range(case.num_iters_warmup):
         llm.generate(prompts, params)
     latencies, decode_steps, outputs = [], [], None
@@ -207,17 +241,28 @@ def _measure_engine(
         "kernels_chosen": runner.kernels.describe(),  # this engine's choices
         "first_output_token_ids": outputs[0].outputs[0].token_ids[:16] if outputs else [],
     }
-    if llm.config.speculative_config is not None:  # over warm-ups and timed runs alike
+    if llm.config.speculative_config is not None:  # this kind's warm-ups and timed runs
         result["speculative"] = {
             "method": llm.config.speculative_config.method,
             "num_speculative_tokens": llm.config.speculative_config.num_speculative_tokens,
-            **llm.engine.scheduler.spec_decoding_stats.as_dict(),
+            **_stats_since(spec_before, llm.engine.scheduler.spec_decoding_stats).as_dict(),
         }
     if bandwidth:
         floor_ms = decode_bytes(llm, case) / bandwidth * 1e3
         result["floor_ms"] = floor_ms
         result["ratio_to_floor"] = decode_ms["median"] / floor_ms if decode_steps else None
     return result
+
+
+def _stats_since(before: Any, after: Any) -> Any:
+    """The speculative-decoding totals of ``after`` less those of ``before``."""
+    return dataclasses.replace(
+        after,
+        **{
+            field.name: getattr(after, field.name) - getattr(before, field.name)
+            for field in dataclasses.fields(after)
+        },
+    )
 
 
 def _mode_fields(name: str) -> dict[str, Any]:

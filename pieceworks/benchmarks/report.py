@@ -48,6 +48,19 @@ def column_help() -> str:
     )
 
 
+def row_label(r: dict[str, Any]) -> str:
+    """The row's name in tables and plots: its mode or peer, then its speculation (``ngram k=4``)
+    and its prompt kind where not the default random ids (``full_and_piecewise, ngram k=4,
+    repeat``), so rows of one mode that differ in either never share a name."""
+    label = r["mode"]
+    spec = r.get("speculative")
+    if spec:
+        label += f", {spec['method']} k={spec['num_speculative_tokens']}"
+    if r.get("prompt_kind", "random") != "random":
+        label += f", {r['prompt_kind']}"
+    return label
+
+
 def _number(value: Any, spec: str, missing: str = "-") -> str:
     return missing if value is None or value != value else format(value, spec)
 
@@ -74,7 +87,7 @@ def _row_cells(r: dict[str, Any], only_meaningful_floors: bool = False) -> list[
     if only_meaningful_floors and not floor_is_meaningful(r):
         ratio = None
     return [
-        r["mode"], "-" if level is None else level, r["graph_mode"],
+        row_label(r), "-" if level is None else level, r["graph_mode"],
         _number(steps["median"], ".2f"), _number(steps["min"], ".2f"),
         _number(steps["max"], ".2f"), _number(ratio, ".2f"),
         _number(busy, ".3f", "n/a"), "n/a" if idle is None else f"{idle:.0%}",
@@ -94,13 +107,14 @@ def format_mode_table(results: list[dict[str, Any]], only_meaningful_floors: boo
     run``'s report) ``x floor`` is ``-`` where the floor is below ``MIN_MEANINGFUL_FLOOR_MS``
     (``format_floor_note`` says why); ``bench latency`` shows every ratio.
     """
-    header = _table_row([title for title, _, _ in MODE_TABLE_COLUMNS])
+    mode_width = max([18, *(len(row_label(r)) for r in results)])  # the first column fits all
+    header = _table_row([title for title, _, _ in MODE_TABLE_COLUMNS], mode_width)
     lines = [header, "-" * len(header)]
     for r in results:
         if r.get("status", "ok") != "ok":
-            lines.append(f"{r['mode']:<18} {r.get('status')}: {r.get('error', '')}")
+            lines.append(f"{row_label(r):<{mode_width}} {r.get('status')}: {r.get('error', '')}")
             continue
-        lines.append(_table_row(_row_cells(r, only_meaningful_floors)))
+        lines.append(_table_row(_row_cells(r, only_meaningful_floors), mode_width))
     return "\n".join(lines)
 
 
@@ -134,7 +148,7 @@ def format_speedups(results: list[dict[str, Any]]) -> str:
     if eager is None or not others:
         return ""
     base = eager["decode_step_ms"]["median"]
-    cells = [f"{r['mode']} {base / r['decode_step_ms']['median']:.2f}x" for r in others]
+    cells = [f"{row_label(r)} {base / r['decode_step_ms']['median']:.2f}x" for r in others]
     return f"decode step vs eager ({base:.2f} ms): " + ", ".join(cells) + " (above 1x: faster)"
 
 
@@ -155,10 +169,11 @@ def format_notes(results: list[dict[str, Any]], skipped: list[dict[str, str]]) -
     return "\n".join(lines)
 
 
-def _table_row(cells: list[Any]) -> str:
+def _table_row(cells: list[Any], mode_width: int = 18) -> str:
+    widths = [-mode_width] + [width for _, width, _ in MODE_TABLE_COLUMNS[1:]]
     return " ".join(
         f"{cell!s:<{-width}}" if width < 0 else f"{cell!s:>{width}}"
-        for cell, (_, width, _) in zip(cells, MODE_TABLE_COLUMNS, strict=True)
+        for cell, width in zip(cells, widths, strict=True)
     ).rstrip()
 
 
@@ -241,7 +256,9 @@ def performance_rows(payload: dict[str, Any]) -> list[list[str]]:
         peers = [
             p
             for p in results
-            if p.get("graph_mode") == "baseline" and p["batch_size"] == r["batch_size"]
+            if p.get("graph_mode") == "baseline"
+            and p["batch_size"] == r["batch_size"]
+            and p.get("prompt_kind") == r.get("prompt_kind")
         ]
         if r.get("status", "ok") == "ok":
             steps = r["decode_step_ms"]
@@ -258,7 +275,7 @@ def performance_rows(payload: dict[str, Any]) -> list[list[str]]:
             )
         else:
             step, ratio, busy_cell = f"failed: {r.get('error', '')}", "-", "-"
-        mode = f"{r['mode']} (level {r.get('level')}, {r.get('graph_mode')})"
+        mode = f"{row_label(r)} (level {r.get('level')}, {r.get('graph_mode')})"
         if (r.get("num_scheduler_steps") or 1) > 1:  # a row of its own beside one step per trip
             mode += f", {r['num_scheduler_steps']} decode steps per round trip"
         rows.append([
@@ -307,7 +324,7 @@ def plot_latency(path: Path, results: list[dict[str, Any]], title: str) -> bool:
         logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
         return False
     measured = [r for r in results if r.get("status", "ok") == "ok"]
-    names = list(dict.fromkeys(r["mode"] for r in measured))
+    names = list(dict.fromkeys(row_label(r) for r in measured))
     batches = sorted({r["batch_size"] for r in measured})
     if not names:
         logger.warning("no measured rows: no plot written")
@@ -315,7 +332,7 @@ def plot_latency(path: Path, results: list[dict[str, Any]], title: str) -> bool:
     width = 0.8 / len(names)
     figure, axes = plt.subplots(figsize=(max(6.0, 1.2 + 0.55 * len(names) * len(batches)), 4.2))
     for index, name in enumerate(names):
-        rows = {r["batch_size"]: r for r in measured if r["mode"] == name}
+        rows = {r["batch_size"]: r for r in measured if row_label(r) == name}
         xs = [group + (index - (len(names) - 1) / 2) * width for group, b in enumerate(batches)]
         steps = [rows[b]["decode_step_ms"] if b in rows else None for b in batches]
         medians = [s["median"] if s else 0.0 for s in steps]

@@ -29,6 +29,19 @@ def _case(args: argparse.Namespace, batch_size: int) -> Any:
     )
 
 
+def prompt_kinds(args: argparse.Namespace) -> list[str]:
+    """``--prompt-kind``'s kinds; ``copy`` refused, naming the option, for a model without a
+    tokenizer (before any engine is built)."""
+    from pieceworks.benchmarks.prompts import check_prompt_kinds, parse_prompt_kinds
+
+    kinds = parse_prompt_kinds(args.prompt_kind)
+    if "copy" in kinds:
+        from pieceworks.engine.tokenizer import load_tokenizer
+
+        check_prompt_kinds(kinds, load_tokenizer(args.model))
+    return kinds
+
+
 def plan_rows(args: argparse.Namespace, case: Any) -> Any:
     """The pieceworks rows of this run (``benchmarks.mode_plan``): flags honoured, conflicts an
     error, rows of the same effective configuration merged."""
@@ -47,38 +60,58 @@ def plan_rows(args: argparse.Namespace, case: Any) -> Any:
     )
 
 
-def measure_rows(case: Any, plans: list[Any], baselines: list[str], bandwidth: float) -> Any:
-    """Each mode, then each baseline, as result dicts; one that raises becomes a failed row."""
+def measure_rows(
+    case: Any,
+    plans: list[Any],
+    baselines: list[str],
+    bandwidth: float,
+    prompt_kinds: list[str] | None = None,
+) -> Any:
+    """Each mode (one engine, a row per prompt kind), then each baseline per prompt kind, as
+    result dicts; one that raises becomes a failed row."""
+    import dataclasses
     from functools import partial
 
     from pieceworks.benchmarks.baselines import BASELINES
-    from pieceworks.benchmarks.latency import measure_mode
+    from pieceworks.benchmarks.latency import measure_mode, with_output_rate
 
+    kinds = prompt_kinds or [case.prompt_kind]
     for plan in plans:
-        yield _guarded(
-            partial(measure_mode, case, plan, bandwidth),
+        yield from _guarded(
+            partial(measure_mode, case, plan, bandwidth, prompt_kinds=kinds),
             plan.name,
+            kinds,
             level=plan.level,
             graph_mode=plan.graph_mode,
         )
     # After the engines: the static loops reset torch.compile's global state when they finish.
     for name in baselines:
-        yield _guarded(
-            partial(BASELINES[name], case, bandwidth), name, level=None, graph_mode="baseline"
-        )
+        for kind in kinds:
+            kind_case = dataclasses.replace(case, prompt_kind=kind)
+            measure = partial(BASELINES[name], kind_case, bandwidth)
+            (row,) = _guarded(
+                lambda m=measure, c=kind_case: [with_output_rate(m(), c)],
+                name,
+                [kind],
+                level=None,
+                graph_mode="baseline",
+            )
+            yield row
 
 
-def _guarded(measure: Any, name: str, **fields: Any) -> dict[str, Any]:
-    """``measure()``, or the failed row of what it raised (after the exception, and the frames
-    holding a failed engine's memory, are gone, that memory is returned)."""
+def _guarded(measure: Any, name: str, kinds: list[str], **fields: Any) -> list[dict[str, Any]]:
+    """``measure()`` (its rows), or a failed row per prompt kind of what it raised (after the
+    exception, and the frames holding a failed engine's memory, are gone, that memory is
+    returned)."""
     from pieceworks.benchmarks.latency import failed_result, free_device_memory
 
     try:
         return measure()
     except Exception as error:  # noqa: BLE001 (reported in its row; the run goes on)
-        result = failed_result(name, error, **fields)
+        failed = failed_result(name, error, **fields)
+        results = [{**failed, "prompt_kind": kind, "output_tokens_per_s": None} for kind in kinds]
     free_device_memory()
-    return result
+    return results
 
 
 def choose_peers(
@@ -122,19 +155,27 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def _print_progress(result: dict[str, Any]) -> None:
+    from pieceworks.benchmarks.report import row_label
+
+    label = f"batch {result['batch_size']} {row_label(result)}"
     if result.get("status") != "ok":
-        print(
-            f"batch {result['batch_size']} {result['mode']}: FAILED {result['error']}", flush=True
-        )
+        print(f"{label}: FAILED {result['error']}", flush=True)
         return
     steps = result["decode_step_ms"]
     level = "-" if result["level"] is None else result["level"]
-    print(
-        f"batch {result['batch_size']} {result['mode']} (level {level}, "
-        f"{result['graph_mode']}): median {result['latency_s']['median']:.4f} s, "
-        f"{steps['median']:.3f} ms/step (min {steps['min']:.3f}, max {steps['max']:.3f})",
-        flush=True,
+    rate = result.get("output_tokens_per_s")
+    line = (
+        f"{label} (level {level}, {result['graph_mode']}): median "
+        f"{result['latency_s']['median']:.4f} s, {rate or float('nan'):.1f} output tokens/s, "
+        f"{steps['median']:.3f} ms/step (min {steps['min']:.3f}, max {steps['max']:.3f})"
     )
+    spec = result.get("speculative")
+    if spec:
+        line += (
+            f", acceptance {spec['acceptance_rate']:.0%}, mean accepted length "
+            f"{spec['mean_accepted_length']:.2f}"
+        )
+    print(line, flush=True)
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
@@ -155,6 +196,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
     platform = current_platform()
     batch_sizes = [int(b) for b in args.batch_size.split(",")]
+    kinds = prompt_kinds(args)
     plans_case = _case(args, batch_sizes[0])
     plans = plan_rows(args, plans_case)  # conflicts fail before any work
     baselines, skipped = applicable_baselines(plans_case) if args.compare else ([], [])
@@ -172,6 +214,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "batch_sizes": batch_sizes,
+        "prompt_kinds": kinds,
         "num_scheduler_steps": num_scheduler_steps,
         "command": command_line(args),
         **run_environment(args.model, engine_args(args), args.commit),
@@ -181,7 +224,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     }
     results = payload["results"]
     for batch_size in batch_sizes:
-        for result in measure_rows(_case(args, batch_size), plans, baselines, bandwidth):
+        rows = measure_rows(_case(args, batch_size), plans, baselines, bandwidth, kinds)
+        for result in rows:
             results.append({**result, "batch_size": batch_size})
             _print_progress(results[-1])
             if args.output_json:
@@ -262,9 +306,9 @@ def register(sub: Any) -> None:
     latency = bench.add_parser(
         "latency",
         help="vLLM's benchmark_latency shape, modes side by side",
-        description="Time generation of --batch-size random prompts of --input-len tokens, "
-        "--output-len tokens each (greedy, ignore_eos), for each mode (and peer with --compare) "
-        "in one run.",
+        description="Time generation of --batch-size prompts (--prompt-kind) of --input-len "
+        "tokens, --output-len tokens each (greedy, ignore_eos), for each mode (and peer with "
+        "--compare) in one run.",
         epilog=column_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -272,6 +316,14 @@ def register(sub: Any) -> None:
     latency.add_argument("--batch-size", default="8", help="one or a comma list")
     latency.add_argument("--input-len", type=int, default=32)
     latency.add_argument("--output-len", type=int, default=128)
+    latency.add_argument(
+        "--prompt-kind",
+        default="random",
+        help="one or a comma list, each a row per mode on the same engine: random (random token "
+        "ids), repeat (a random passage of about input-len/4 tokens repeated: n-gram "
+        "speculation finds matches), copy (an English passage and an instruction to repeat it, "
+        "in the chat template; needs a model with a tokenizer)",
+    )
     latency.add_argument("--num-iters-warmup", type=int, default=2)
     latency.add_argument("--num-iters", type=int, default=5)
     latency.add_argument(

@@ -64,10 +64,10 @@ def test_compare_on_a_hybrid_model_runs_hf_eager_and_says_what_it_skipped(tmp_pa
 def test_a_failing_mode_is_reported_in_its_row_and_the_rest_complete(tmp_path, monkeypatch):
     measure_mode = latency.measure_mode
 
-    def flaky(case, plan, bandwidth=None):
+    def flaky(case, plan, bandwidth=None, **kwargs):
         if plan.name == "eager":
             raise RuntimeError("out of device memory (simulated)")
-        return measure_mode(case, plan, bandwidth)
+        return measure_mode(case, plan, bandwidth, **kwargs)
 
     monkeypatch.setattr(latency, "measure_mode", flaky)
     code, payload = bench_latency(
