@@ -4,7 +4,7 @@
 #
 # Usage: OUT=dir bash benchmarks/gpu_suite.sh [steps...]
 #   steps (default: all, in this order): install versions bench125m smollm2 small bench8b specdec
-#   fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests kernels
+#   fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests kernels
 #   (small: the small-model decode budget, llama-125m, the SmolLM2-135M shape and Llama-3.2-1B at
 #   batch 1 and 64 with --kernel-breakdown, estimated at 3 min on an H100; its table:
 #   python benchmarks/kernel_table.py "$OUT"/bench_small_*.json)
@@ -35,7 +35,7 @@ mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PIECEWORKS_CACHE_ROOT=${PIECEWORKS_CACHE_ROOT:-/tmp/pw_cache}
 COMMIT=${COMMIT:-$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)}
-steps=${*:-"install versions bench125m smollm2 small bench8b specdec fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests kernels"}
+steps=${*:-"install versions bench125m smollm2 small bench8b specdec fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests kernels"}
 failed=()
 
 step() {  # name, command...: log to $OUT/logs/<name>.log and the console, never stop the suite
@@ -215,6 +215,7 @@ for name in $steps; do
     specdec) specdec ;;
     fp8) bench llama8b_fp8 "${EIGHT_B[@]}" --quantization fp8 --batch-size 1,64 --modes full_and_piecewise --compare --peers gpt_fast ;;
     qwen3) bench qwen3_8b --model qwen3-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes full_and_piecewise ;;
+    qwen3_5) bench qwen3_5_9b --model qwen3.5-9b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes piecewise,full_and_piecewise ;;
     gemma3) bench gemma3_4b --model gemma-3-4b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes full_and_piecewise ;;
     bamba) bench bamba9b_b1 --model bamba-9b --batch-size 1 --input-len 128 --output-len 32 --num-iters-warmup 1 --num-iters 3 --modes piecewise,full_and_piecewise --compare ;;
     breakable) bench breakable_125m --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --num-iters-warmup 1 --num-iters 3 --modes breakable,breakable_piecewise,piecewise,full_and_piecewise
@@ -238,7 +239,7 @@ for name in $steps; do
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 small bench8b specdec fp8 qwen3 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 small bench8b specdec fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
   esac
 done
 

@@ -9,9 +9,10 @@ speculative decoding, the acceptance of that kind's runs alone. Each engine step
 ends in a host sync (with async scheduling, on the previous step's tokens), so in steady state a
 step's wall time is the loop's period, device-accurate; decode steps are the uniform-decode steps
 of the whole batch; their min, median and max are reported. The floor is the bytes a decode step
-must read over the device copy bandwidth measured at the start of the run. After the timed runs a
-few decode steps run under the profiler for the device-busy time per step and the share of the
-(unprofiled median) step the device sat idle (``device_busy``; "n/a" on the CPU), and with
+must move (weights, KV read, a recurrent layer's state read and written back) over the device
+copy bandwidth measured at the start of the run. After the timed runs a few decode steps run
+under the profiler for the device-busy time per step and the share of the (unprofiled median)
+step the device sat idle (``device_busy``; "n/a" on the CPU), and with
 ``LatencyCase.kernel_breakdown`` the per-kernel budget of those steps (``kernel_breakdown``).
 
 Each row states what it measured: the effective compile level, graph mode and backend after the
@@ -90,8 +91,9 @@ def measure_copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 10) -> float
 
 
 def decode_bytes(llm: LLM, case: LatencyCase) -> int:
-    """Bytes one decode step must read: weights (but the input-embedding table) + KV read (the
-    mean context, or a sliding-window layer's window where that is shorter)."""
+    """Bytes one decode step must move: weights (but the input-embedding table), each sequence's
+    KV read (the mean context, or a sliding-window layer's window where that is shorter) and its
+    recurrent state read and written back (``recurrent_state_bytes``)."""
     model = llm.engine.runner.model
     embedding = next(
         (m for name, m in model.named_modules() if name.endswith("embed_tokens")), None
@@ -108,13 +110,28 @@ def decode_bytes(llm: LLM, case: LatencyCase) -> int:
         * min(mean_context, layer.sliding_window or mean_context)
         for layer in _attention_layers(llm.engine.runner)
     )  # fmt: skip
-    return int(weight_bytes + case.batch_size * kv_bytes)
+    per_sequence = kv_bytes + recurrent_state_bytes(llm.engine.runner)
+    return int(weight_bytes + case.batch_size * per_sequence)
 
 
 def _attention_layers(runner: Any) -> list[Any]:
     from pieceworks.worker.kv_cache import attention_layers
 
     return attention_layers(runner.config)
+
+
+def recurrent_state_bytes(runner: Any) -> int:
+    """Bytes of one sequence's recurrent state that a decode step reads and writes back: each
+    Mamba2 or Gated DeltaNet layer's conv window and its SSM or delta-rule state (one state slot,
+    in the dtypes the state cache keeps them), counted twice; 0 without such layers."""
+    from pieceworks.worker.mamba_cache import mamba_layers
+
+    slot_bytes = 0
+    for layer in mamba_layers(runner.config):
+        assert layer.mamba_cache is not None  # bound by the runner before the first step
+        conv_state, ssm_state = layer.mamba_cache
+        slot_bytes += conv_state[0].nbytes + ssm_state[0].nbytes
+    return 2 * slot_bytes
 
 
 def _prompts(case: LatencyCase, vocab_size: int) -> list[list[int]]:

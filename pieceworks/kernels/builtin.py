@@ -18,7 +18,9 @@ Ops:
 - ``rotary``: the qkv GEMV's rotary epilogue (``gemv/triton_gemv_rope.py``) or the torch form;
 - ``argmax``: the greedy row argmax (``sampling/triton_argmax.py``) or ``torch.argmax``;
 - ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``: flash-linear-attention's kernels
-  or the torch forms, each with its ``fn`` (``gated_delta_rule/registration.py``).
+  or the torch forms, each with its ``fn`` (``gated_delta_rule/registration.py``);
+- ``causal_conv1d_update``, ``causal_conv1d_varlen``: the Mamba2 Triton conv kernels for the
+  Gated DeltaNet layer, or its torch forms (``mamba/registration.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
 from pieceworks.kernels.gated_delta_rule.registration import gated_delta_rule_kernels
 from pieceworks.kernels.implementation import KernelImpl, Supports
+from pieceworks.kernels.mamba.registration import causal_conv1d_kernels
 from pieceworks.platforms.capability import FP8_GEMM, TRITON, WARPGROUP_MMA
 
 GEMV_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -59,7 +62,7 @@ BUILTIN_KERNELS: tuple[tuple[str, str, int, Supports], ...] = (
 
 def builtin_kernels() -> list[KernelImpl]:
     """Every built-in implementation: the jitted kernels, ``torch._scaled_mm`` for FP8, each
-    op's native torch form, and the gated delta rule's family."""
+    op's native torch form, and the gated delta rule's and the causal conv's families."""
     entries = [
         KernelImpl(op, name, supports, priority=priority, jitted=True)
         for op, name, priority, supports in BUILTIN_KERNELS
@@ -69,4 +72,4 @@ def builtin_kernels() -> list[KernelImpl]:
     entries.append(KernelImpl("fp8_linear", "scaled_mm", scaled_mm, priority=5))
     for op in sorted({op for op, *_ in BUILTIN_KERNELS}):
         entries.append(KernelImpl(op, "torch", native=True))
-    return entries + gated_delta_rule_kernels()
+    return entries + gated_delta_rule_kernels() + causal_conv1d_kernels()

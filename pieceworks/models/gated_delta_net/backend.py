@@ -3,14 +3,15 @@
 ``GatedDeltaNetBackend.forward`` owns the split Mamba's backends share (``mamba/backends.py``):
 the step's leading ``metadata.num_decodes`` sequences (one token each, continuing from their
 slot) take the single-step path, written without a host synchronisation so that a FULL decode
-graph can hold it (one conv step, then the ``recurrent_gated_delta_rule`` op over the slots;
-padded rows go to the null slot 0); the other sequences (prefills and continued chunked
-prefills, ``has_initial_state`` saying which) take the varlen path: the packed causal conv
-(``causal_conv1d_ref``, shared with Mamba2: depthwise, SiLU, the last ``d_conv - 1`` inputs left
-in the slot), then the ``chunk_gated_delta_rule`` op over the packed sequences, each from its
-slot's state (or zeros), its final state written back. Which implementation each op runs (the
-torch forms or flash-linear-attention's kernels) the engine's kernel chooser decides when the
-model is built (``GatedDeltaNet.choose_kernels``, ``docs/kernels.md``); the params carry it.
+graph can hold it (one conv step, the ``causal_conv1d_update`` op, then the
+``recurrent_gated_delta_rule`` op over the slots; padded rows go to the null slot 0); the other
+sequences (prefills and continued chunked prefills, ``has_initial_state`` saying which) take the
+varlen path: the packed causal conv (the ``causal_conv1d_varlen`` op: depthwise, SiLU, the last
+``d_conv - 1`` inputs left in the slot), then the ``chunk_gated_delta_rule`` op over the packed
+sequences, each from its slot's state (or zeros), its final state written back. Which
+implementation each op runs (the torch forms here and in ``mamba/ops``, the Mamba2 Triton conv
+kernels, flash-linear-attention's delta-rule kernels) the engine's kernel chooser decides when
+the model is built (``GatedDeltaNet.choose_kernels``, ``docs/kernels.md``); the params carry it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,24 @@ import torch.nn.functional as F
 from pieceworks.kernels.gated_delta_rule import torch_state_slots
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.mamba.ops import causal_conv1d_ref
+
+
+def conv_update_torch(
+    x: torch.Tensor,  # (S, conv_dim), one new token per sequence
+    conv_state: torch.Tensor,  # (num_slots, conv_dim, d_conv - 1), mutated
+    weight: torch.Tensor,  # (conv_dim, d_conv)
+    bias: torch.Tensor | None,  # (conv_dim,)
+    state_indices: torch.Tensor,  # (S,)
+) -> torch.Tensor:
+    """One decode step of the conv + SiLU in torch (no host sync); ``x[s]`` shifted into its
+    slot. The torch form of the ``causal_conv1d_update`` op; returns (S, conv_dim), x.dtype."""
+    slots = state_indices.long()
+    window = torch.cat([conv_state[slots], x[:, :, None].to(conv_state.dtype)], dim=-1)
+    conv_state.index_copy_(0, slots, window[:, :, 1:])
+    conv = (window.float() * weight.float()).sum(dim=-1)  # (S, conv_dim)
+    if bias is not None:
+        conv = conv + bias.float()
+    return F.silu(conv).to(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +59,8 @@ class GatedDeltaNetParams:
     recurrent_kernel: Callable[..., torch.Tensor] = (
         torch_state_slots.recurrent_gated_delta_rule_slots
     )
+    conv_update_kernel: Callable[..., torch.Tensor] = conv_update_torch
+    conv_varlen_kernel: Callable[..., torch.Tensor] = causal_conv1d_ref
 
     def split_qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(T, conv_dim)`` -> q, k ``(1, T, Hk, Dk)`` and v ``(1, T, Hv, Dv)`` (views)."""
@@ -51,8 +72,8 @@ class GatedDeltaNetParams:
 
 
 class GatedDeltaNetBackend:
-    """The conv in torch and the delta rule as chosen; the decode half is capturable in a FULL
-    graph with either implementation."""
+    """The conv and the delta rule as chosen; the decode half is capturable in a FULL graph with
+    any of the implementations."""
 
     name = "torch"
 
@@ -79,11 +100,9 @@ class GatedDeltaNetBackend:
         conv_state, recurrent_state = cache
         num_decodes = metadata.num_decodes
         slots = metadata.state_indices[:num_decodes].long()
-        x = mixed_qkv[:num_decodes]  # (S, conv_dim)
-        window = torch.cat([conv_state[slots], x[:, :, None].to(conv_state.dtype)], dim=-1)
-        conv_state.index_copy_(0, slots, window[:, :, 1:])
-        weight = params.conv_weight.float()  # (conv_dim, d_conv)
-        conv_out = F.silu((window.float() * weight).sum(dim=-1)).to(x.dtype)  # (S, conv_dim)
+        conv_out = params.conv_update_kernel(
+            mixed_qkv[:num_decodes], conv_state, params.conv_weight, None, slots
+        )  # (S, conv_dim)
         q, k, v = (t.transpose(0, 1) for t in params.split_qkv(conv_out))  # (S, 1, H, D)
         out = params.recurrent_kernel(
             q, k, v, g[:num_decodes, None], beta[:num_decodes, None], recurrent_state, slots
@@ -98,7 +117,7 @@ class GatedDeltaNetBackend:
         query_start_loc = metadata.query_start_loc[start:] - start
         slots = metadata.state_indices[start:]
         has_initial_state = metadata.has_initial_state[start:]
-        conv_out = causal_conv1d_ref(
+        conv_out = params.conv_varlen_kernel(
             mixed_qkv[start:end], params.conv_weight, None, conv_state,
             query_start_loc, slots, has_initial_state,
         )  # fmt: skip

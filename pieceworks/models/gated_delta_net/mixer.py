@@ -13,7 +13,8 @@ Semantics are transformers' ``Qwen3_5GatedDeltaNet``: ``in_proj_qkv``, ``in_proj
 ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``, q and k L2-normalised in the
 core, then ``out_proj(norm(core) * silu(z))`` with the RMS norm taken per value head (norm before
 gate). The delta rule's implementations (the ops ``chunk_gated_delta_rule`` and
-``recurrent_gated_delta_rule``) come from the engine's kernel chooser (``choose_kernels``).
+``recurrent_gated_delta_rule``) and the conv's (``causal_conv1d_update`` and
+``causal_conv1d_varlen``) come from the engine's kernel chooser (``choose_kernels``).
 Tensor parallelism is not implemented for this layer: a tensor-parallel size above one is
 refused when it is built.
 """
@@ -31,8 +32,13 @@ from pieceworks.core.forward_context import get_forward_context
 from pieceworks.distributed.parallel_state import tensor_parallel_rank_and_size
 from pieceworks.kernels.gated_delta_rule import torch_state_slots
 from pieceworks.models.attention.metadata import AttentionMetadata
-from pieceworks.models.gated_delta_net.backend import GatedDeltaNetBackend, GatedDeltaNetParams
+from pieceworks.models.gated_delta_net.backend import (
+    GatedDeltaNetBackend,
+    GatedDeltaNetParams,
+    conv_update_torch,
+)
 from pieceworks.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pieceworks.models.mamba.ops import causal_conv1d_ref
 
 if TYPE_CHECKING:
     from pieceworks.config import EngineConfig
@@ -140,6 +146,8 @@ class GatedDeltaNet(nn.Module):
         self.backend = GatedDeltaNetBackend
         self.chunk_kernel = torch_state_slots.chunk_gated_delta_rule_varlen  # until chosen
         self.recurrent_kernel = torch_state_slots.recurrent_gated_delta_rule_slots
+        self.conv_update_kernel = conv_update_torch
+        self.conv_varlen_kernel = causal_conv1d_ref
         self.mamba_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.op = gated_delta_net_op()
         config.compilation_config.register_layer(prefix, self)
@@ -171,14 +179,26 @@ class GatedDeltaNet(nn.Module):
         self.backend.forward(mixed_qkv, g, beta, output, self.mamba_cache, self.params(), metadata)
 
     def choose_kernels(self, kernels: KernelChooser) -> None:
-        """The delta rule's two implementations for this layer's dtype and key head size."""
+        """The delta rule's two implementations for this layer's dtype and key head size, and
+        the conv's two for its dtype (a ``torch`` choice leaves the layer's torch form)."""
         dtype = self.norm.weight.dtype  # the model dtype: q, k and v are in it
         chosen = {
             op: kernels.choose(op, dtype=dtype, head_size=self.head_k_dim).impl.fn
             for op in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule")
         }
-        self.chunk_kernel = chosen["chunk_gated_delta_rule"] or self.chunk_kernel
-        self.recurrent_kernel = chosen["recurrent_gated_delta_rule"] or self.recurrent_kernel
+        chosen.update(
+            (op, kernels.choose(op, dtype=dtype).impl.fn)
+            for op in ("causal_conv1d_update", "causal_conv1d_varlen")
+        )
+        self.chunk_kernel = (
+            chosen["chunk_gated_delta_rule"] or torch_state_slots.chunk_gated_delta_rule_varlen
+        )
+        self.recurrent_kernel = (
+            chosen["recurrent_gated_delta_rule"]
+            or torch_state_slots.recurrent_gated_delta_rule_slots
+        )
+        self.conv_update_kernel = chosen["causal_conv1d_update"] or conv_update_torch
+        self.conv_varlen_kernel = chosen["causal_conv1d_varlen"] or causal_conv1d_ref
 
     def params(self) -> GatedDeltaNetParams:
         return GatedDeltaNetParams(
@@ -189,6 +209,8 @@ class GatedDeltaNet(nn.Module):
             head_v_dim=self.head_v_dim,
             chunk_kernel=self.chunk_kernel,
             recurrent_kernel=self.recurrent_kernel,
+            conv_update_kernel=self.conv_update_kernel,
+            conv_varlen_kernel=self.conv_varlen_kernel,
         )
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -99,6 +99,23 @@ def _bamba_config(**overrides: Any) -> dict[str, Any]:
     return config
 
 
+def _qwen3_5_config(**overrides: Any) -> dict[str, Any]:
+    config = {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": INIT_STD,
+        "rms_norm_eps": 1e-6,
+        "linear_conv_kernel_dim": 4,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+    }
+    config.update(overrides)
+    return config
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Two layers of everything, for tests: GQA (4 query heads, 2 kv heads) and tied embeddings.
     "llama-tiny": _llama_config(
@@ -257,6 +274,35 @@ PRESETS: dict[str, dict[str, Any]] = {
         mamba_expand=2,
         vocab_size=128256,
         max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    # Qwen/Qwen3.5-9B's text_config as a text-only Qwen3_5ForCausalLM: 32 layers, every fourth
+    # full attention (16 query heads with an output gate, 4 KV heads of 256, a quarter of each
+    # head rotated), the rest Gated DeltaNet (16 key heads, 32 value heads of 128). The vision
+    # tower and the multi-token-prediction layer are left out (docs/models.md).
+    "qwen3.5-9b": _qwen3_5_config(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        full_attention_interval=4,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+        },
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        eos_token_id=248044,
         tie_word_embeddings=False,
     ),
 }

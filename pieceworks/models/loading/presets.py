@@ -177,11 +177,61 @@ def bamba_weight_specs(config: dict[str, Any]) -> dict[str, WeightSpec]:
     return {**_embedding_specs(config, "final_layernorm"), **specs}
 
 
+def _gated_delta_net_specs(config: dict[str, Any], prefix: str) -> dict[str, WeightSpec]:
+    """HF ``Qwen3_5GatedDeltaNet``: four input projections, the conv over ``[q, k, v]``, the
+    decay and rate parameters, the per-head gated norm and ``out_proj`` (no biases)."""
+    hidden, num_v_heads = config["hidden_size"], config["linear_num_value_heads"]
+    key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = num_v_heads * config["linear_value_head_dim"]
+    conv_dim = 2 * key_dim + value_dim
+    return {
+        f"{prefix}.in_proj_qkv.weight": WeightSpec((conv_dim, hidden)),
+        f"{prefix}.in_proj_z.weight": WeightSpec((value_dim, hidden)),
+        f"{prefix}.in_proj_b.weight": WeightSpec((num_v_heads, hidden)),
+        f"{prefix}.in_proj_a.weight": WeightSpec((num_v_heads, hidden)),
+        f"{prefix}.conv1d.weight": WeightSpec((conv_dim, 1, config["linear_conv_kernel_dim"])),
+        f"{prefix}.dt_bias": WeightSpec((num_v_heads,), "ones"),
+        f"{prefix}.A_log": WeightSpec((num_v_heads,), "a_log"),
+        f"{prefix}.norm.weight": WeightSpec((config["linear_value_head_dim"],), "norm"),
+        f"{prefix}.out_proj.weight": WeightSpec((hidden, value_dim)),
+    }
+
+
+def qwen3_5_weight_specs(config: dict[str, Any]) -> dict[str, WeightSpec]:
+    """Every tensor of an HF ``Qwen3_5ForCausalLM`` checkpoint: per ``layer_types``, gated
+    attention (``q_proj`` twice as wide: each head's query and its gate; q/k norms) or Gated
+    DeltaNet, then the MLP. Its norms compute ``x * (1 + w)`` but the gated one's ``x * w``."""
+    hidden, head_dim = config["hidden_size"], _head_dim(config)
+    specs: dict[str, WeightSpec] = {}
+    for layer, layer_type in enumerate(config["layer_types"]):
+        prefix = f"model.layers.{layer}"
+        specs[f"{prefix}.input_layernorm.weight"] = WeightSpec((hidden,), "offset_norm")
+        if layer_type == "full_attention":
+            attention = _attention_specs(config, f"{prefix}.self_attn")
+            q_size = 2 * config["num_attention_heads"] * head_dim
+            attention[f"{prefix}.self_attn.q_proj.weight"] = WeightSpec((q_size, hidden))
+            if config["attention_bias"]:
+                attention[f"{prefix}.self_attn.q_proj.bias"] = WeightSpec((q_size,))
+            for norm in ("q_norm", "k_norm"):
+                attention[f"{prefix}.self_attn.{norm}.weight"] = WeightSpec(
+                    (head_dim,), "offset_norm"
+                )
+            specs.update(attention)
+        else:
+            specs.update(_gated_delta_net_specs(config, f"{prefix}.linear_attn"))
+        specs[f"{prefix}.post_attention_layernorm.weight"] = WeightSpec((hidden,), "offset_norm")
+        specs.update(_mlp_specs({**config, "mlp_bias": False}, f"{prefix}.mlp"))
+    embedding = _embedding_specs(config, "norm")
+    embedding["model.norm.weight"] = WeightSpec((hidden,), "offset_norm")
+    return {**embedding, **specs}
+
+
 _WEIGHT_SPECS: dict[str, Callable[[dict[str, Any]], dict[str, WeightSpec]]] = {
     "LlamaForCausalLM": llama_weight_specs,
     "BambaForCausalLM": bamba_weight_specs,
     "Qwen3ForCausalLM": qwen3_weight_specs,
     "Gemma3ForCausalLM": gemma3_weight_specs,
+    "Qwen3_5ForCausalLM": qwen3_5_weight_specs,
 }
 
 
