@@ -12,6 +12,8 @@ servers in one process (tests) never share counts.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pieceworks.engine.messages import EngineStats
@@ -144,6 +146,8 @@ class ServerMetrics:
         self.prefix_cache_hits.labels(model_name)
         self._prefix_cache_seen = (0, 0)  # the engine's counts at the last scrape
         self.model_name = model_name
+        self._tpot: Any = None  # the per-token metrics' labelled children, once first used
+        self._generation_tokens: Any = None
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
@@ -151,12 +155,17 @@ class ServerMetrics:
     def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
         """A delta of ``num_tokens`` tokens arrived ``seconds`` after the previous one."""
         per_token = seconds / max(num_tokens, 1)
+        # the labelled child, looked up once: ``labels()`` costs more than ``observe`` itself
+        tpot = self._tpot = self._tpot or self.tpot.labels(self.model_name)
         for _ in range(num_tokens):
-            self.tpot.labels(self.model_name).observe(per_token)
+            tpot.observe(per_token)
 
     def add_generated_tokens(self, num_tokens: int) -> None:
         if num_tokens:
-            self.generation_tokens.labels(self.model_name).inc(num_tokens)
+            self._generation_tokens = self._generation_tokens or self.generation_tokens.labels(
+                self.model_name
+            )
+            self._generation_tokens.inc(num_tokens)
 
     def add_request(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)

@@ -119,15 +119,19 @@ async def _events(
     header: dict[str, Any],
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    stream = generation.stream()
+    stream = generation.stream_batches()
     try:
         for chunk in fmt.first_chunks(header, len(generation.choices)):
             yield _sse(chunk)
         try:
-            async for delta in stream:
-                chunks = fmt.chunk(header, delta)
-                for chunk in chunks if isinstance(chunks, list) else [chunks]:
-                    yield _sse(chunk)
+            async for deltas in stream:  # one write per wake: every choice's chunks joined
+                events = []
+                for delta in deltas:
+                    chunks = fmt.chunk(header, delta)
+                    for chunk in chunks if isinstance(chunks, list) else [chunks]:
+                        events.append(_sse(chunk))
+                if events:
+                    yield "".join(events)
         except EngineDeadError as error:  # headers are sent: the stream ends with the error
             yield _sse(error_body(503, str(error)))
             yield "data: [DONE]\n\n"
