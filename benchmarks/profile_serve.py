@@ -14,7 +14,9 @@ clients) over the load only:
   (choice deltas, chunk dicts, logprobs, JSON), ``sse write`` (Starlette's and uvicorn's response
   path, the socket writes), ``event loop`` (asyncio: tasks, futures, queues, the selector) and
   ``other`` (request parsing, validation, metrics, ...). The profiler slows Python calls, so the
-  buckets are shares of a profiled run, scaled to the unprofiled CPU time per token.
+  buckets are shares of a profiled run, scaled to the unprofiled CPU time per token; the
+  profiled run also counts the Python function calls per token, a figure that, unlike CPU time,
+  does not move with the machine's other load.
 
     python benchmarks/profile_serve.py --concurrency 64 --num-prompts 256 --output-len 64 --profile
 """
@@ -189,6 +191,8 @@ def measure(args: argparse.Namespace, profile_out: str | None) -> dict[str, obje
         own = buckets(profile_out)
         total = sum(own.values())
         per_token = row["cpu_us_per_token"]
+        calls = pstats.Stats(profile_out).total_calls  # type: ignore[attr-defined]
+        row["python_calls_per_token"] = round(calls / num_tokens, 1)
         row["profiled_share"] = {k: round(v / total, 3) for k, v in own.items()}
         row["us_per_token"] = {
             k: round(v / total * float(per_token), 1)  # type: ignore[arg-type]
@@ -219,6 +223,7 @@ def main() -> None:
     row = measure(args, None)
     if args.profile:
         profiled = measure(args, args.profile_out)
+        row["python_calls_per_token"] = profiled["python_calls_per_token"]
         row["profiled_share"] = profiled["profiled_share"]
         row["us_per_token"] = {
             k: round(share * float(row["cpu_us_per_token"]), 1)  # type: ignore[arg-type]

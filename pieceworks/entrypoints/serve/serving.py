@@ -150,8 +150,12 @@ def _chunk_object(fmt: ResponseFormat) -> str:
     return "chat.completion.chunk" if fmt.object_prefix == "chatcmpl" else "text_completion"
 
 
+# ``json.dumps(chunk, ensure_ascii=False)`` builds an encoder per call; the stream's chunks share one.
+_ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def _sse(chunk: dict[str, Any]) -> str:
-    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    return f"data: {_ENCODE(chunk)}\n\n"
 
 
 def _count_finished(ctx: ServingContext, results: list[ChoiceResult]) -> None:
