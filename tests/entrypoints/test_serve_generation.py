@@ -5,13 +5,16 @@ text, token ids, log-probabilities and finish reason equal those of a reader tha
 turn on its own (also when a stop string spans the merged deltas: the text is cut before it,
 the engine gets one ``StopRequest``, and tokens still in flight after it are dropped); the reader
 wakes once per engine turn with every choice that changed in that turn; the detokenizer runs
-once per turn for all streams (``TextBatch``), not once per delta.
+once per turn for all streams (``TextBatch``), not once per delta; the server-sent events of one
+wake (every choice's chunk) go out as one write, each chunk a ``data:`` line of its own.
 Run: pytest tests/entrypoints/test_serve_generation.py
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import types
 
 import pytest
 
@@ -27,6 +30,7 @@ from pieceworks.engine.messages import (  # noqa: E402
 )
 from pieceworks.entrypoints.serve.generation import ChoiceSpec, Generation  # noqa: E402
 from pieceworks.entrypoints.serve.metrics import ServerMetrics  # noqa: E402
+from pieceworks.entrypoints.serve.serving import ResponseFormat, _events  # noqa: E402
 from pieceworks.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -146,3 +150,41 @@ def test_the_reader_wakes_once_per_turn_with_every_choice():
     # The fake tokenizer is not a fast tokenizer: two decodes per token and stream, all made in
     # the turn's one batch (a choice never decodes on its own).
     assert tokenizer.num_calls == 2 * 3 * len(TOKENS)
+
+
+def test_the_events_of_one_wake_go_out_as_one_write():
+    async def run_events():
+        client = FakeClient()
+        engine = AsyncLLMEngine(client, max_waiting_requests=4)
+        engine.start()
+        params = SamplingParams(temperature=0.0, max_tokens=3)
+        specs = [ChoiceSpec([1], params), ChoiceSpec([1], params)]
+        metrics = ServerMetrics("m")
+        generation = Generation(engine, specs, ByteTokenizer(), metrics)
+        starting = asyncio.ensure_future(generation.start())
+        await asyncio.sleep(0)
+        for step, token in enumerate(b"abc"):
+            reason = "length" if step == 2 else None
+            deltas = [
+                RequestDelta(f"{generation.request_id}-{i}", [token], step + 1, reason)
+                for i in range(2)
+            ]
+            client.on_outputs(EngineCoreOutputs(deltas, None))
+        await starting
+        fmt = ResponseFormat(
+            "cmpl",
+            lambda header, d: {**header, "choices": [{"index": d.index, "text": d.text}]},
+            lambda header, n: [],
+            lambda header, results: {},
+        )
+        ctx = types.SimpleNamespace(metrics=metrics)
+        return [w async for w in _events(ctx, generation, fmt, {"id": "x"}, False)]  # type: ignore[arg-type]
+
+    writes = asyncio.run(run_events())
+    assert writes[-1] == "data: [DONE]\n\n" and len(writes) == 2  # every turn in one wake
+    events = writes[0].split("\n\n")[:-1]
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events]
+    assert [c["choices"][0] for c in chunks] == [
+        {"index": 0, "text": "abc"},
+        {"index": 1, "text": "abc"},
+    ]

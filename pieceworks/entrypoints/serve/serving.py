@@ -150,7 +150,7 @@ def _chunk_object(fmt: ResponseFormat) -> str:
     return "chat.completion.chunk" if fmt.object_prefix == "chatcmpl" else "text_completion"
 
 
-# ``json.dumps(chunk, ensure_ascii=False)`` builds an encoder per call; the stream's chunks share one.
+# ``json.dumps(chunk, ensure_ascii=False)`` builds an encoder per call; all chunks share one.
 _ENCODE = json.JSONEncoder(ensure_ascii=False).encode
 
 
