@@ -13,9 +13,12 @@ stats) runs behind an ``EngineClient`` (``engine/core_client.py``):
 - ``InprocEngineClient``: the engine in a thread of this process (tests, debugging,
   ``pieceworks serve --engine-in-process``).
 
-Either way each turn's outputs reach ``_dispatch`` on the event loop, which puts each delta
-into its request's queue: the event loop never waits for a step, and a step never waits for
-the event loop. The number of live requests is bounded (``max_num_seqs`` running plus
+Either way each turn's outputs reach ``_dispatch`` on the event loop, in one callback, which
+hands each delta to its request's sink (``DeltaSink``: ``generate``'s ``DeltaCollector``, or a
+server's own through ``add_request``) and then runs the turn hooks (``add_turn_hook``: a server
+detokenizes every stream of the turn there, together): the event loop never waits for a step,
+a step never waits for the event loop, and a reader wakes at most once per turn.
+The number of live requests is bounded (``max_num_seqs`` running plus
 ``max_waiting_requests`` queued): past it ``generate`` raises ``QueueFullError`` at once
 instead of queueing without bound. A caller that stops iterating ``generate`` (a client that
 went away) aborts its request, which frees its KV blocks and state slot on the engine's next
@@ -27,7 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 from pieceworks.engine.core_client import EngineClient
 from pieceworks.engine.messages import (
@@ -52,6 +56,40 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served any more."""
 
 
+class DeltaSink(Protocol):
+    """Where a request's deltas go; ``put`` runs on the event loop, inside ``_dispatch``."""
+
+    def put(self, delta: RequestDelta) -> None: ...
+
+
+class DeltaCollector:
+    """A request's deltas for one reader: what piled up since the reader last took comes out
+    as one merged delta (vLLM's ``RequestOutputCollector``), and a reader waiting for it wakes
+    once however many deltas arrive before it runs. Nothing is merged past a finished delta."""
+
+    def __init__(self) -> None:
+        self._delta: RequestDelta | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, delta: RequestDelta) -> None:
+        if self._delta is None:
+            self._delta = delta
+        elif not self._delta.finished:
+            self._delta = self._delta.merge(delta)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> RequestDelta:
+        while self._delta is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        delta, self._delta = self._delta, None
+        return delta
+
+
 class AsyncLLMEngine:
     """The asyncio front end of an engine loop; ``generate`` streams a request's deltas."""
 
@@ -62,7 +100,8 @@ class AsyncLLMEngine:
         self.max_live_requests = client.max_num_seqs + max_waiting_requests
         self.stats = client.initial_stats
         self.error: str | None = None  # why the engine died, once it has
-        self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._sinks: dict[str, DeltaSink] = {}
+        self._turn_hooks: list[Callable[[], None]] = []
         self._num_live = 0
         self._started = False
         self._stopped = False
@@ -113,25 +152,45 @@ class AsyncLLMEngine:
         if not reserved:
             self.reserve(1)
         request_id = request_id or uuid.uuid4().hex
-        sink: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self._queues[request_id] = sink
+        sink = DeltaCollector()
         finished = False
         try:
-            if self.error is not None:
-                sink.put_nowait(_failed(request_id, self.error))
-            else:
-                self.client.send(AddRequest(request_id, list(prompt_token_ids), params, priority))
+            self.add_request(request_id, prompt_token_ids, params, sink, priority=priority)
             while not finished:
                 delta = await sink.get()
-                while not delta.finished and not sink.empty():  # the caller fell behind
-                    delta = delta.merge(sink.get_nowait())
                 finished = delta.finished
                 yield delta
-        finally:
-            del self._queues[request_id]
-            self._num_live -= 1
-            if not finished:  # the caller went away (or was cancelled): free its cache now
-                self.abort(request_id)
+        finally:  # unfinished: the caller went away (or was cancelled): free its cache now
+            self.release(request_id, finished)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: DeltaSink,
+        *,
+        priority: int = 0,
+    ) -> None:
+        """Send a request whose room ``reserve`` claimed; its deltas go to ``sink`` until
+        ``release``, which the caller owes once it is done with the request."""
+        self._sinks[request_id] = sink
+        if self.error is not None:
+            sink.put(_failed(request_id, self.error))
+        else:
+            self.client.send(AddRequest(request_id, list(prompt_token_ids), params, priority))
+
+    def release(self, request_id: str, finished: bool) -> None:
+        """Forget a request's sink and free its room; one not ``finished`` is aborted."""
+        if self._sinks.pop(request_id, None) is None:
+            return
+        self._num_live -= 1
+        if not finished:
+            self.abort(request_id)
+
+    def add_turn_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` after every engine turn's deltas reached their sinks."""
+        self._turn_hooks.append(hook)
 
     def abort(self, request_id: str) -> None:
         """Abort a request on the engine's next turn (unknown or finished ids are ignored)."""
@@ -154,18 +213,21 @@ class AsyncLLMEngine:
             self.client.send(command)
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
-        """One engine turn, on the event loop: each delta to its request's queue."""
+        """One engine turn, on the event loop: each delta to its request's sink, then the hooks."""
         if outputs.stats is not None:
             self.stats = outputs.stats
+        sinks = self._sinks
         for delta in outputs.deltas:
-            sink = self._queues.get(delta.request_id)
+            sink = sinks.get(delta.request_id)
             if sink is not None:  # None: its caller already left
-                sink.put_nowait(delta)
+                sink.put(delta)
         if outputs.failure is not None and self.error is None:
             logger.error("the engine stopped: %s", outputs.failure)
             self.error = outputs.failure
-            for request_id, sink in self._queues.items():
-                sink.put_nowait(_failed(request_id, outputs.failure))
+            for request_id, sink in list(sinks.items()):
+                sink.put(_failed(request_id, outputs.failure))
+        for hook in self._turn_hooks:
+            hook()
 
 
 def _failed(request_id: str, reason: str) -> RequestDelta:

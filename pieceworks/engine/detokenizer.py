@@ -15,11 +15,17 @@ over several tokens is found) and cuts the text before the first match. ``take_d
 text not yet streamed, holding back the last ``len(longest stop) - 1`` characters until the
 request finishes: they could still turn out to be the start of a stop string, and streamed text
 is never taken back. The engine, not this class, finishes a request whose text stopped.
+
+``update_batch`` advances many detokenizers at once, as a server does with every stream's tokens
+of one engine step: each round decodes one new token of every detokenizer in one call into the
+tokenizer (``batch_decoder``: the Rust tokenizer's ``decode_batch`` for a transformers fast
+tokenizer, which skips transformers' per-call Python; a loop of ``decode`` for any other). The
+text is the same as token-by-token ``update`` calls give.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # Prompt tokens kept as left context for the first generated token (vLLM's
@@ -29,6 +35,33 @@ INITIAL_CONTEXT_TOKENS = 5
 # again), so a long generation does not keep its whole id list twice.
 MAX_DEAD_TOKENS = 64
 REPLACEMENT_CHARACTER = "\ufffd"
+# transformers' fast-tokenizer decode methods, which only call the Rust tokenizer's ``decode`` (and
+# clean up spaces, which the detokenizer turns off): a subclass that overrides them is not bypassed.
+_PLAIN_DECODE = {"PreTrainedTokenizerBase.decode"}
+_PLAIN_BACKEND_DECODE = {"TokenizersBackend._decode", "PreTrainedTokenizerFast._decode"}
+
+BatchDecoder = Callable[[list[list[int]], bool], list[str]]
+
+
+def batch_decoder(tokenizer: Any) -> BatchDecoder:
+    """``decode(sequences, skip_special_tokens)``: each sequence's text, as
+    ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    cls = type(tokenizer)
+    plain = (
+        getattr(getattr(cls, "decode", None), "__qualname__", "") in _PLAIN_DECODE
+        and getattr(getattr(cls, "_decode", None), "__qualname__", "") in _PLAIN_BACKEND_DECODE
+    )
+    if backend is not None and plain and hasattr(backend, "decode_batch"):
+        return lambda sequences, skip: backend.decode_batch(sequences, skip_special_tokens=skip)
+
+    def decode_each(sequences: list[list[int]], skip: bool) -> list[str]:
+        return [
+            tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            for ids in sequences
+        ]
+
+    return decode_each
 
 
 class IncrementalDetokenizer:
@@ -42,6 +75,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
     ) -> None:
         self.tokenizer = tokenizer
+        self.decode_batch = batch_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.stop_buffer_length = max((len(s) for s in self.stop), default=1) - 1
@@ -59,17 +93,7 @@ class IncrementalDetokenizer:
 
         After a stop string is found further tokens (one may already be in flight) are ignored.
         """
-        for token_id in new_token_ids:
-            if self.stop_reason is not None:
-                return None
-            self.token_ids.append(token_id)
-            self.num_generated_tokens += 1
-            new_text = self._decode_next()
-            if new_text:
-                self.text += new_text
-                if self._find_stop(len(new_text)):
-                    return self.stop_reason
-        return None
+        return update_batch([self], [new_token_ids])[0]
 
     def take_delta(self, finished: bool) -> str:
         """Text not handed out yet; while unfinished, minus the tail a stop string could start."""
@@ -82,11 +106,25 @@ class IncrementalDetokenizer:
         self.num_streamed_chars = end
         return delta
 
-    def _decode_next(self) -> str:
+    def _append(self, token_id: int) -> tuple[list[int], list[int]]:
+        """Take in one generated token; the two id runs vLLM's step decodes for it."""
+        self.token_ids.append(token_id)
+        self.num_generated_tokens += 1
+        ids = self.token_ids
+        return ids[self.prefix_offset : self.read_offset], ids[self.prefix_offset :]
+
+    def _advance(self, prefix_text: str, full_text: str) -> str | None:
+        """The newest token's text from its two decoded runs; the stop string it completed."""
+        new_text = self._next_text(prefix_text, full_text)
+        if new_text:
+            self.text += new_text
+            if self._find_stop(len(new_text)):
+                return self.stop_reason
+        return None
+
+    def _next_text(self, prefix_text: str, full_text: str) -> str:
         """vLLM's prefix/read-offset step: the text the newest token completes, or ""."""
         ids = self.token_ids
-        prefix_text = self._decode(ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode(ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHARACTER):
             return ""  # an incomplete character (or a skipped special token): wait for more
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
@@ -95,13 +133,6 @@ class IncrementalDetokenizer:
             self.read_offset -= self.prefix_offset
             self.prefix_offset = 0
         return full_text[len(prefix_text) :]
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            token_ids,
-            skip_special_tokens=self.skip_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
 
     def _find_stop(self, num_new_chars: int) -> bool:
         """Cut the text before the earliest stop string in its new part (plus the characters a
@@ -119,3 +150,30 @@ class IncrementalDetokenizer:
         index, self.stop_reason = min(matches)
         self.text = self.text[:index]
         return True
+
+
+def update_batch(
+    detokenizers: Sequence[IncrementalDetokenizer], new_token_ids: Sequence[Sequence[int]]
+) -> list[str | None]:
+    """``detokenizer.update(ids)`` for each pair, decoding together: one tokenizer call per
+    round (a token of each detokenizer that has one left) and ``skip_special_tokens`` value."""
+    stops: list[str | None] = [None] * len(detokenizers)
+    queues = [
+        list(ids) if d.stop_reason is None else [] for d, ids in zip(detokenizers, new_token_ids)
+    ]
+    active = [i for i, queue in enumerate(queues) if queue]
+    while active:
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i in active:
+            key = (id(detokenizers[i].tokenizer), detokenizers[i].skip_special_tokens)
+            groups.setdefault(key, []).append(i)
+        for (_, skip), members in groups.items():
+            runs = [run for i in members for run in detokenizers[i]._append(queues[i].pop(0))]
+            texts = detokenizers[members[0]].decode_batch(runs, skip)
+            for position, i in enumerate(members):
+                stop = detokenizers[i]._advance(texts[2 * position], texts[2 * position + 1])
+                if stop is not None:
+                    stops[i] = stop
+                    queues[i].clear()  # tokens after the stop are never taken in
+        active = [i for i in active if queues[i]]
+    return stops

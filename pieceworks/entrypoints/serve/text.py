@@ -8,13 +8,20 @@ stop string found ends the choice with the text before it (the stop string itsel
 included, as in vLLM and OpenAI); the caller then aborts the engine request. Without a tokenizer
 (presets have random weights and no vocabulary) the text is always empty and only the token ids
 mean anything.
+
+A server decodes in two halves: ``add`` takes a stream's tokens as its delta arrives, and a
+``TextBatch`` (one per engine) runs ``update_batch`` over every stream that gained tokens once
+the engine turn's deltas are all in (``AsyncLLMEngine.add_turn_hook``): one tokenizer call per
+round for all streams, instead of two per stream per token. ``take`` then hands out the text.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
-from pieceworks.engine.detokenizer import IncrementalDetokenizer
+from pieceworks.engine.detokenizer import IncrementalDetokenizer, update_batch
 
 
 class TextStream:
@@ -28,6 +35,7 @@ class TextStream:
         skip_special_tokens: bool = True,
     ) -> None:
         self.token_ids: list[int] = []
+        self.unread: list[int] = []  # token ids added but not detokenized yet
         self.detokenizer = (
             IncrementalDetokenizer(
                 tokenizer, prompt_token_ids or [], skip_special_tokens, [s for s in stop or [] if s]
@@ -50,10 +58,60 @@ class TextStream:
         """Add tokens; return the text to send now (all that is left when ``finished``). Tokens
         after a stop string (several arrive at once with multi-step decode) are dropped from
         ``token_ids``."""
+        self.add(new_token_ids)
+        update_streams([self])
+        return self.take(finished)
+
+    def add(self, new_token_ids: list[int]) -> None:
+        """Take tokens in; their text comes with the next ``update_streams``."""
         self.token_ids.extend(new_token_ids)
+        if self.detokenizer is not None:
+            self.unread.extend(new_token_ids)
+
+    def take(self, finished: bool) -> str:
+        """The text to send now (all that is left when ``finished`` or stopped)."""
         if self.detokenizer is None:
             return ""
-        self.detokenizer.update(new_token_ids)
-        if self.stopped:  # the tokens after the one that completed the stop string are past its end
-            del self.token_ids[self.detokenizer.num_generated_tokens :]
         return self.detokenizer.take_delta(finished or self.stopped)
+
+
+def update_streams(streams: list[TextStream]) -> None:
+    """Detokenize every stream's unread tokens together; a stopped stream drops the tokens after
+    the one that completed its stop string (several arrive at once with multi-step decode)."""
+    streams = list({id(stream): stream for stream in streams if stream.unread}.values())
+    detokenizers = [stream.detokenizer for stream in streams]
+    update_batch(detokenizers, [stream.unread for stream in streams])  # type: ignore[arg-type]
+    for stream, detokenizer in zip(streams, detokenizers):
+        stream.unread = []
+        if detokenizer is not None and detokenizer.stop_reason is not None:
+            del stream.token_ids[detokenizer.num_generated_tokens :]
+
+
+class TextBatch:
+    """The streams of one engine that gained tokens in the current engine turn, detokenized
+    together when the turn's deltas are all in; then each one's ``after`` callback runs."""
+
+    _by_engine: weakref.WeakKeyDictionary[Any, TextBatch] = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[TextStream, Callable[[], None]]] = []
+
+    @classmethod
+    def of(cls, engine: Any) -> TextBatch:
+        """The batch of ``engine`` (an ``AsyncLLMEngine``), made and hooked on first use."""
+        batch = cls._by_engine.get(engine)
+        if batch is None:
+            batch = cls._by_engine[engine] = TextBatch()
+            engine.add_turn_hook(batch.flush)
+        return batch
+
+    def add(self, stream: TextStream, after: Callable[[], None]) -> None:
+        """Detokenize ``stream`` at the end of this turn, then call ``after``."""
+        self._pending.append((stream, after))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending:
+            update_streams([stream for stream, _ in pending])
+            for _, after in pending:
+                after()
