@@ -15,8 +15,10 @@ and times each step split into:
 - ``split op``: the attention op's host path (the direct call, the op's Python wrapper, the
   layer's plan lookup, the backend's run and its launch wrappers), without the kernels' work;
 - ``glue``: the rest of the forward (the trace-once dispatch and the stitched module's code);
-- ``sim device``: the simulated device work (the pieces re-run by simgraph's replay, and with
-  ``--attention torch`` the reference attention): on a GPU this is device time, not host time.
+- ``sim device``: the simulated device work (with ``--replay simulate`` the pieces re-run by
+  simgraph's replay, with ``--attention torch`` the reference attention): on a GPU this is
+  device time, not host time. By default (``--replay skip``) a replay returns the captured
+  outputs at once, as a device graph's launch does, and the step is host time only.
 
 ``--attention triton-stub`` (the default) runs the Triton attention backend, the GPU's, with
 kernels whose launch does nothing (bound once, then launched through ``BoundKernel`` as on a
@@ -186,6 +188,13 @@ def instrumented(llm: LLM, clock: Clock, attention: str) -> Iterator[None]:
             setattr(owner, name, original)
 
 
+def skip_replayed_work() -> None:
+    """Make simgraph's replay return the captured outputs without re-running the piece: a device
+    graph's replay is one launch, and the re-run's CPU time only adds noise to the host's."""
+    wrapper_cls = current_platform().static_graph_wrapper_cls()
+    wrapper_cls.replay = lambda self, entry, args, kwargs: entry.output  # type: ignore[method-assign]
+
+
 def use_attention(llm: LLM, attention: str) -> int:
     """Point every attention layer at the chosen backend; the number of layers."""
     layers = [
@@ -303,6 +312,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention", choices=["triton-stub", "torch"], default="triton-stub")
+    parser.add_argument(
+        "--replay",
+        choices=["skip", "simulate"],
+        default="skip",
+        help="skip: a replay returns the captured outputs (the default); simulate: simgraph's "
+        "replay re-runs the piece (the CPU's stand-in for device work)",
+    )
     parser.add_argument("--backend", default="eager", help="compile backend (eager | inductor)")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -331,11 +347,16 @@ def main() -> None:
             dtype="float32",
         )
         num_layers = use_attention(llm, args.attention)
+        if args.replay == "skip":
+            skip_replayed_work()
         rows = [measure_row(llm, size, False, args) for size in batch_sizes]
         if args.mixed:
             rows += [measure_row(llm, size, True, args) for size in batch_sizes]
         llm.engine.shutdown()
-    print(f"{num_layers} layers, tiny width, PIECEWISE graphs, attention {args.attention}")
+    print(
+        f"{num_layers} layers, tiny width, PIECEWISE graphs, attention {args.attention}, "
+        f"replay {args.replay}"
+    )
     print_rows(rows, num_layers)
     if args.out:
         meta = {"layers": num_layers, "attention": args.attention, "backend": args.backend}
