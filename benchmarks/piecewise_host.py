@@ -14,7 +14,10 @@ and times each step split into:
   entry lookup, the replay call), without the simulated device work inside;
 - ``split op``: the attention op's host path (the direct call, the op's Python wrapper, the
   layer's plan lookup, the backend's run and its launch wrappers), without the kernels' work;
-- ``glue``: the rest of the forward (the trace-once dispatch and the stitched module's code);
+- ``stitch``: the stitched module's own code between those calls;
+- ``dispatch``: the forward's way into the stitched module (a traced start: Dynamo's transformed
+  bytecode, which gathers every parameter of the model as a graph input; a warm start: the
+  stored ``GraphCall``, with the parameters bound once);
 - ``sim device``: the simulated device work (with ``--replay simulate`` the pieces re-run by
   simgraph's replay, with ``--attention torch`` the reference attention): on a GPU this is
   device time, not host time. By default (``--replay skip``) a replay returns the captured
@@ -30,9 +33,11 @@ Rows: decode batches of ``--batch-sizes`` (PIECEWISE graphs) and, with ``--mixed
 stream where every step holds one new prompt of ``--prompt-len`` tokens beside the decodes. Each
 figure is the mean per step (us) of ``--steps`` steps, the least disturbed of ``--repeats`` runs;
 ``host`` is the step without the simulated device work; ``per layer`` the forward's host time
-(replay + split op + glue) over the layer count. Times are this thread's CPU time (steadier than
-wall time on a shared machine): they show where the host's work goes and how a change moves it,
-not what a GPU machine's faster host takes.
+(replay + split op + stitch + dispatch) over the layer count. Times are this thread's CPU time
+(steadier than wall time on a shared machine): they show where the host's work goes and how a
+change moves it, not what a GPU machine's faster host takes. A model's first start traces it;
+later starts with the same configuration load the stored graph (``dispatch`` differs), and
+``PIECEWORKS_DISABLE_COMPILE_CACHE=1`` makes every start trace.
 
     PIECEWORKS_PLATFORM=simgraph python benchmarks/piecewise_host.py
     PIECEWORKS_PLATFORM=simgraph python benchmarks/piecewise_host.py --mixed --cprofile 30
@@ -60,6 +65,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pieceworks.benchmarks.modes import compilation_for_mode  # noqa: E402
+from pieceworks.core.decorators import piecewise_backends  # noqa: E402
 from pieceworks.core.splitting_call import SplittingCall  # noqa: E402
 from pieceworks.core.static_graph import StaticGraphWrapperBase  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
@@ -76,7 +82,7 @@ from pieceworks.sampling_params import SamplingParams  # noqa: E402
 # This thread's CPU time: steadier than the wall clock on a shared machine, and the host path is
 # CPU work (the CPU platform's "device" work is CPU work too, and separated out).
 NOW = time.thread_time
-PARTS = ("runner", "replay", "split op", "glue", "sim device")
+PARTS = ("runner", "replay", "split op", "stitch", "dispatch", "sim device")
 # The SmolLM2-135M shape's depth and head layout at a width where the CPU computes little.
 TINY_WIDTH = dict(
     hidden_size=64,
@@ -159,7 +165,9 @@ def instrumented(llm: LLM, clock: Clock, attention: str) -> Iterator[None]:
     (class attributes, restored after; the runner's forward as an instance attribute)."""
     runner = llm.engine.runner
     wrapper_cls = current_platform().static_graph_wrapper_cls()
+    (backend,) = piecewise_backends(runner.model)
     patches: list[tuple[Any, str, str]] = [
+        (type(backend.split_gm), "forward", "stitched"),
         (StaticGraphWrapperBase, "__call__", "wrapper"),
         (wrapper_cls, "replay", "sim device"),
         (SplittingCall, "__call__", "split call"),
@@ -169,15 +177,14 @@ def instrumented(llm: LLM, clock: Clock, attention: str) -> Iterator[None]:
             (TorchAttentionBackend, "store_kv", "attention kernels"),
             (TorchAttentionBackend, "forward", "attention kernels"),
         ]
-    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    # (owner, name, its own attribute, or None where the name comes from a base class)
+    originals = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patches]
     for owner, name, part in patches:
-        function = owner.__dict__[name]
-        wrapped = clock.timed(
-            part, function.__func__ if isinstance(function, staticmethod) else function
-        )
-        setattr(
-            owner, name, staticmethod(wrapped) if isinstance(function, staticmethod) else wrapped
-        )
+        function = owner.__dict__.get(name, getattr(owner, name))
+        if isinstance(function, staticmethod):
+            setattr(owner, name, staticmethod(clock.timed(part, function.__func__)))
+        else:
+            setattr(owner, name, clock.timed(part, function))
     forward_model = runner.forward_model  # an instance attribute (the compiled model's call)
     runner.forward_model = clock.timed("forward", forward_model)
     try:
@@ -185,7 +192,10 @@ def instrumented(llm: LLM, clock: Clock, attention: str) -> Iterator[None]:
     finally:
         runner.forward_model = forward_model
         for owner, name, original in originals:
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
 
 def skip_replayed_work() -> None:
@@ -212,15 +222,16 @@ def use_attention(llm: LLM, attention: str) -> int:
 
 def parts_per_step(clock: Clock, step_seconds: float, num_steps: int) -> dict[str, float]:
     """The step's parts in us per step (module docstring)."""
-    s = {part: clock.seconds.get(part, 0.0) for part in
-         ("forward", "wrapper", "sim device", "split call", "attention kernels")}  # fmt: skip
+    names = ("forward", "stitched", "wrapper", "sim device", "split call", "attention kernels")
+    s = {part: clock.seconds.get(part, 0.0) for part in names}
     parts = {
         "runner": step_seconds - s["forward"],
         "replay": s["wrapper"] - s["sim device"],
         "split op": s["split call"] - s["attention kernels"],
         "sim device": s["sim device"] + s["attention kernels"],
     }
-    parts["glue"] = s["forward"] - s["wrapper"] - s["split call"]
+    parts["stitch"] = s["stitched"] - s["wrapper"] - s["split call"]
+    parts["dispatch"] = s["forward"] - s["stitched"]
     return {part: seconds / num_steps * 1e6 for part, seconds in parts.items()}
 
 
@@ -295,7 +306,8 @@ def print_rows(rows: list[dict], num_layers: int) -> None:
     print(" | ".join(f"{name:>12}" for name in header))
     for row in rows:
         parts = row["parts_us"]
-        per_layer = (parts["replay"] + parts["split op"] + parts["glue"]) / num_layers
+        forward = ("replay", "split op", "stitch", "dispatch")
+        per_layer = sum(parts[part] for part in forward) / num_layers
         host = row["step_us"] - parts["sim device"]
         cells = [f"{row['kind']} {row['batch_size']}", f"{row['step_us']:.0f}", f"{host:.0f}"]
         cells += [f"{parts[part]:.0f}" for part in PARTS] + [f"{per_layer:.1f}"]
