@@ -22,11 +22,12 @@ the Triton versions pieceworks supports (3.6 to 3.9, torch 2.11 to 2.14); ``bind
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from pieceworks.utils import IdentityMemo
 
 ALIGNMENT = 16  # bytes: Triton's pointer specialization
 
@@ -84,11 +85,7 @@ class BoundKernel:
             i for i, tensor in enumerate(tensors) if tensor.data_ptr() % ALIGNMENT == 0
         )
         self.device_index = tensors[0].device.index if tensors else None
-        # The tensor objects of the last call accepted (by id), and weak references to them
-        # whose callback forgets that call when any of them goes, so a new tensor that reuses a
-        # dead one's id is never taken for it.
-        self.accepted_ids: tuple[int, ...] | None = None
-        self._accepted_refs: list[weakref.ref] = []
+        self.accepted = IdentityMemo()  # the tensor objects of the last call accepted
 
     def accepts(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether the bound binary is the one Triton would pick for ``tensors``.
@@ -98,8 +95,7 @@ class BoundKernel:
         alignment costs more than the launch: the very objects of the last accepted call, all
         still alive, are accepted at once. A tensor's dtype never changes, and its data pointer
         only through ``set_``, which nothing on a launch path calls."""
-        ids = tuple(map(id, tensors))
-        if ids == self.accepted_ids:
+        if self.accepted.get(tensors):
             return True
         if len(tensors) != len(self.dtypes):
             return False
@@ -109,12 +105,8 @@ class BoundKernel:
         for index in self.aligned:
             if tensors[index].data_ptr() % ALIGNMENT:
                 return False
-        self._accepted_refs = [weakref.ref(tensor, self._forget) for tensor in tensors]
-        self.accepted_ids = ids
+        self.accepted.put(tensors, True)
         return True
-
-    def _forget(self, _ref: weakref.ref) -> None:
-        self.accepted_ids = None
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> None:
         grid_x, grid_y, grid_z = self.grid

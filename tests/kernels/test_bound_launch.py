@@ -80,13 +80,13 @@ def test_the_last_accepted_tensors_are_accepted_again_until_one_goes():
     assert bound is not None
     fresh = torch.zeros(8)
     assert bound.accepts([fresh, out])
-    assert bound.accepted_ids == (id(fresh), id(out))
+    assert bound.accepted.ids == (id(fresh), id(out))
     assert bound.accepts([fresh, out])  # the same objects: no look at dtype or alignment
     del fresh  # its id may now be reused by a tensor Triton would specialize otherwise
-    assert bound.accepted_ids is None
+    assert bound.accepted.ids is None
     assert not bound.accepts([torch.zeros(9)[1:], out])
     assert not bound.accepts([x, torch.zeros(8, dtype=torch.float16)])
-    assert bound.accepted_ids is None  # a refused call is never remembered
+    assert bound.accepted.ids is None  # a refused call is never remembered
 
 
 def test_launch_hooks_count_as_set_only_while_they_hold_a_function():
