@@ -6,7 +6,8 @@ pays L + 1 wrapper calls and L attention calls of host time per step. On a GPU t
 device's idle time when the model is small. This script builds a model of the SmolLM2-135M shape's
 depth (30 layers, ``--layers``) at a tiny width, so that the CPU's own work is small, with
 PIECEWISE graphs only (every step, decode included, replays the pieces) on the simgraph platform,
-and times each step split into:
+and times each step split into (``--mode full`` replays FULL graphs instead, the general one for
+mixed steps: what the same steps cost the host routed to FULL graphs):
 
 - ``runner``: the engine's and runner's per-step work (scheduling, inputs, logits, sampling,
   update), i.e. the step minus the model's forward;
@@ -325,6 +326,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention", choices=["triton-stub", "torch"], default="triton-stub")
     parser.add_argument(
+        "--mode",
+        choices=["piecewise", "full"],
+        default="piecewise",
+        help="the graphs every step replays: PIECEWISE pieces, or FULL graphs (the general FULL "
+        "graph for mixed steps: the host time a mixed step would take routed to FULL graphs)",
+    )
+    parser.add_argument(
         "--replay",
         choices=["skip", "simulate"],
         default="skip",
@@ -349,7 +357,7 @@ def main() -> None:
         llm = LLM(
             str(random_hf_checkpoint(hf_config, Path(workdir) / "smollm2-shape")),
             compilation_config=compilation_for_mode(
-                "piecewise", {"backend": args.backend, "cudagraph_capture_sizes": capture_sizes}
+                args.mode, {"backend": args.backend, "cudagraph_capture_sizes": capture_sizes}
             ),
             max_num_seqs=max(batch_sizes) + 1,
             max_model_len=args.steps * (2 * args.repeats + 2)
@@ -366,7 +374,7 @@ def main() -> None:
             rows += [measure_row(llm, size, True, args) for size in batch_sizes]
         llm.engine.shutdown()
     print(
-        f"{num_layers} layers, tiny width, PIECEWISE graphs, attention {args.attention}, "
+        f"{num_layers} layers, tiny width, {args.mode} graphs, attention {args.attention}, "
         f"replay {args.replay}"
     )
     print_rows(rows, num_layers)
