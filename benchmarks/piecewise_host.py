@@ -351,7 +351,7 @@ def main() -> None:
     hf_config["num_hidden_layers"] = args.layers
     # Graphs up to the largest mixed step (every decode plus one prompt), so that no row runs
     # without graphs.
-    max_tokens = max(batch_sizes) + args.prompt_len
+    max_tokens = max(batch_sizes) + 1 + args.prompt_len  # max_num_seqs decodes, one prompt
     capture_sizes = [1, 2, 4, *range(8, max_tokens + 8, 8)]
     with tempfile.TemporaryDirectory() as workdir:
         llm = LLM(
