@@ -1,4 +1,5 @@
-"""Small helpers shared by every layer: lazy import by qualname, content and file hashing."""
+"""Small helpers shared by every layer: lazy import by qualname, content and file hashing, and a
+value remembered per identity of a sequence of objects."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import hashlib
 import importlib
 import json
 import os
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -43,3 +46,32 @@ def file_digest(path: str) -> str:
 def _file_digest(path: str, mtime_ns: int, size: int) -> str:
     with open(path, "rb") as file:
         return hashlib.sha256(file.read()).hexdigest()
+
+
+class IdentityMemo:
+    """A value remembered for one sequence of objects: ``get`` returns it for those very objects
+    (by identity) while all of them live, else None.
+
+    For host paths that see the same tensor objects call after call (graph outputs, persistent
+    buffer views) and would otherwise read their shapes, strides or dtypes every time. Each
+    object is held by a weak reference whose callback forgets the value when it goes, so a new
+    object that reuses a dead one's id is never taken for it, and nothing is kept alive.
+    """
+
+    def __init__(self) -> None:
+        self.ids: tuple[int, ...] | None = None
+        self.value: Any = None
+        self._refs: list[weakref.ref] = []
+
+    def get(self, objects: Sequence[Any]) -> Any:
+        return self.value if tuple(map(id, objects)) == self.ids else None
+
+    def put(self, objects: Sequence[Any], value: Any) -> None:
+        self._refs = [weakref.ref(obj, self._forget) for obj in objects]
+        self.ids, self.value = tuple(map(id, objects)), value
+
+    def clear(self) -> None:
+        self._refs, self.ids, self.value = [], None, None
+
+    def _forget(self, _ref: weakref.ref) -> None:
+        self.ids, self.value = None, None

@@ -38,13 +38,29 @@ class SplittingCall:
         args: list[ArgSource],
         kwargs: dict[str, ArgSource],
         result: Any,
+        num_inputs: int | None = None,
     ) -> None:
+        """``num_inputs``: how many inputs each call gets (the submodule's placeholders)."""
         self.implementation = implementation
         self.args = args
         self.kwargs = kwargs
         self.result = result
+        # The usual shape (the attention op's): every input once, in order, then constants, no
+        # keyword arguments. Then a call passes them straight on, with nothing to gather.
+        in_order = [("input", i) for i in range(num_inputs or 0)]
+        self.constants: tuple[Any, ...] | None = None
+        tail = args[len(in_order) :]
+        if (
+            args[: len(in_order)] == in_order
+            and not kwargs
+            and all(k == "constant" for k, _ in tail)
+        ):
+            self.constants = tuple(value for _, value in tail)
 
     def __call__(self, *inputs: Any) -> Any:
+        if self.constants is not None:
+            self.implementation(*inputs, *self.constants)
+            return self.result
         args = [inputs[v] if kind == "input" else v for kind, v in self.args]
         kwargs = {k: inputs[v] if kind == "input" else v for k, (kind, v) in self.kwargs.items()}
         self.implementation(*args, **kwargs)
@@ -73,7 +89,13 @@ def splitting_call(module: torch.fx.GraphModule) -> SplittingCall | None:
         return None
     args = sources[: len(call.args)]
     kwargs = dict(zip(call.kwargs, sources[len(call.args) :], strict=True))
-    return SplittingCall(implementation, args, kwargs, output.args[0])  # type: ignore[arg-type]
+    return SplittingCall(
+        implementation,
+        args,  # type: ignore[arg-type]
+        kwargs,  # type: ignore[arg-type]
+        output.args[0],
+        num_inputs=len(placeholders),
+    )
 
 
 def _source(arg: Any, index: dict[torch.fx.Node, int]) -> ArgSource | None:

@@ -19,6 +19,11 @@ the dims declared by ``support_torch_compile`` are dynamic and every other value
 At level 3 with the compile cache on, the first call first looks for the split graph a previous
 start traced (``warm_start.py``): found and valid, the forward runs as that graph's loaded pieces
 through a ``BoundGraphCall`` (no Dynamo, no bytecode); otherwise it traces, and stores the graph.
+Once that graph is stored, later calls of the traced start run through the same ``BoundGraphCall``
+too (``traced_forward``): Dynamo's bytecode gathers every parameter of the model as a graph input
+on every call, host time a PIECEWISE step pays, while the ``GraphCall`` binds them once. A start
+that cannot store its call (the compile cache off, a forward with Python side effects) keeps the
+bytecode.
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ class TraceOnceCompiler:
         self._no_compiled_functions: dict[str, None] = {}  # the same names, bound to None
         self.piecewise_backend: PiecewiseCompileBackend | None = None  # level 3 only
         self.warm_forward: BoundGraphCall | None = None  # level 3: the stored graph, loaded
+        # Level 3 after a trace whose call was stored: the same replay of the traced graph
+        self.traced_forward: BoundGraphCall | None = None
         # Seconds of the first call, of its Dynamo trace, of reading the stored graph instead
         # (a warm start) and of the backend's compile or load (level 3; else 0).
         self.first_call_seconds = 0.0
@@ -142,9 +149,12 @@ class TraceOnceCompiler:
         output = self.trace_first_call(*args, **kwargs)
         if store is not None and self.compiled_code is not None:
             assert backend is not None
-            save_traced_graph(
+            recorder = backend.first_call  # save_traced_graph releases what it recorded
+            graph_call = save_traced_graph(
                 store, backend, self.module, self.compiled_code, (args, kwargs), output
             )
+            if graph_call is not None and recorder is not None:
+                self.traced_forward = graph_call.bind(self.module, recorder.runnable)
         return output
 
     def trace_first_call(self, *args: Any, **kwargs: Any) -> Any:
@@ -243,8 +253,9 @@ class TraceOnceCompiler:
             module_globals.update(self._no_compiled_functions)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.warm_forward is not None:
-            return self.warm_forward(*args, **kwargs)
+        forward = self.warm_forward or self.traced_forward
+        if forward is not None:
+            return forward(*args, **kwargs)
         if self.compiled_code is None and self.level != CompilationLevel.DYNAMO_AS_IS:
             return self.compile_first_call(*args, **kwargs)
         if not self.uses_bytecode_dispatch:

@@ -27,19 +27,30 @@ from typing import Any
 
 import torch
 
+from pieceworks.utils import IdentityMemo
+
 ALIGNMENT = 16  # bytes: Triton's pointer specialization
+
+
+_hooks_holder: Any = None  # where Triton keeps its launch hooks; found on first use
 
 
 def launch_hooks_set() -> bool:
     """Whether Triton has a launch enter or exit hook to call (then every launch takes its
     path). Triton 3.6 and later keep each as a ``HookChain`` that is empty until a profiler adds
-    to it; before that a hook was None or a function."""
-    try:
-        from triton import knobs
-    except ImportError:  # before Triton's knobs: the hooks were CompiledKernel attributes
-        from triton.compiler.compiler import CompiledKernel as hooks
-    else:
-        hooks = knobs.runtime
+    to it; before that a hook was None or a function. Asked before every bound launch, so the
+    object holding the hooks is looked up once, not imported each time."""
+    global _hooks_holder
+    if _hooks_holder is None:
+        try:
+            from triton import knobs
+        except ImportError:  # before Triton's knobs: the hooks were CompiledKernel attributes
+            from triton.compiler.compiler import CompiledKernel
+
+            _hooks_holder = CompiledKernel
+        else:
+            _hooks_holder = knobs.runtime
+    hooks = _hooks_holder
     return _is_set(hooks.launch_enter_hook) or _is_set(hooks.launch_exit_hook)
 
 
@@ -74,14 +85,28 @@ class BoundKernel:
             i for i, tensor in enumerate(tensors) if tensor.data_ptr() % ALIGNMENT == 0
         )
         self.device_index = tensors[0].device.index if tensors else None
+        self.accepted = IdentityMemo()  # the tensor objects of the last call accepted
 
     def accepts(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether the bound binary is the one Triton would pick for ``tensors``."""
+        """Whether the bound binary is the one Triton would pick for ``tensors``.
+
+        A launch between replayed graph pieces gets the same tensor objects every step (graph
+        outputs, the runner's buffer views, the KV cache), and checking each one's dtype and
+        alignment costs more than the launch: the very objects of the last accepted call, all
+        still alive, are accepted at once. A tensor's dtype never changes, and its data pointer
+        only through ``set_``, which nothing on a launch path calls."""
+        if self.accepted.get(tensors):
+            return True
         if len(tensors) != len(self.dtypes):
             return False
-        if any(tensor.dtype != dtype for tensor, dtype in zip(tensors, self.dtypes)):
-            return False
-        return not any(tensors[i].data_ptr() % ALIGNMENT for i in self.aligned)
+        for tensor, dtype in zip(tensors, self.dtypes, strict=True):
+            if tensor.dtype != dtype:
+                return False
+        for index in self.aligned:
+            if tensors[index].data_ptr() % ALIGNMENT:
+                return False
+        self.accepted.put(tensors, True)
+        return True
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> None:
         grid_x, grid_y, grid_z = self.grid

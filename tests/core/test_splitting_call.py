@@ -4,9 +4,11 @@ A splitting submodule that is one call of an op registered by ``direct_register_
 the platform's dispatch key becomes a ``SplittingCall`` on the stitched module: every layer's
 does in the toy model, the op still runs once per layer per call (eagerly, between the pieces,
 also under PIECEWISE replay), outputs equal those of the submodules called through ``torch.ops``,
-and the stitched module still pickles as its graph. A submodule of more than the call, an op
-registered elsewhere or for another dispatch key, an argument that is neither an input nor a
-plain constant, or an op result the graph reads, keeps its ``GraphModule``.
+and the stitched module still pickles as its graph. A call whose op takes every input once, in
+order, then constants passes them straight on; any other gathers its arguments per call. A
+submodule of more than the call, an op registered elsewhere or for another dispatch key, an
+argument that is neither an input nor a plain constant, or an op result the graph reads, keeps
+its ``GraphModule``.
 Run: pytest tests/core/test_splitting_call.py
 """
 
@@ -87,6 +89,23 @@ def test_the_call_gets_inputs_in_place(graph_platform):
     out = torch.zeros(2, 3)
     assert call(q, k, v, out) == ()
     assert torch.equal(out, torch.full((2, 3), 7.0))
+    assert call.constants is not None  # every input in order: passed straight on
+
+
+def test_inputs_out_of_order_or_by_keyword_are_gathered_per_call():
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+
+    swapped = SplittingCall(record, [("input", 1), ("input", 0)], {}, (), num_inputs=2)
+    keyword = SplittingCall(record, [("input", 0)], {"b": ("input", 1)}, (), num_inputs=2)
+    unused = SplittingCall(record, [("input", 0), ("constant", 5)], {}, (), num_inputs=2)
+    assert (swapped.constants, keyword.constants, unused.constants) == (None, None, None)
+    swapped("a", "b")
+    keyword("a", "b")
+    unused("a", "b")
+    assert calls == [(("b", "a"), {}), (("a",), {"b": "b"}), (("a", 5), {})]
 
 
 def test_what_keeps_its_graph_module(graph_platform, monkeypatch):

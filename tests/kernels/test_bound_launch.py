@@ -3,7 +3,8 @@
 On the CPU (no compiled Triton) a stand-in kernel and binary show how the arguments are laid
 out: the launcher gets the grid, the stream, the binary's function and metadata, then every
 parameter in order (tensors, scalars, the given constexprs and the defaulted ones); a tensor of
-another dtype or one no longer 16-byte aligned where it was refuses the bound binary; a kernel
+another dtype or one no longer 16-byte aligned where it was refuses the bound binary, and the
+tensor objects of the last accepted call are accepted again while all of them live; a kernel
 with a parameter neither given nor defaulted is not bound, nor is any with
 ``PIECEWORKS_BOUND_TRITON_LAUNCH=0``. On a GPU (``gpu`` marker) a real kernel launched a hundred
 times through the bound binary gives Triton's results, a misaligned view and a set launch hook
@@ -69,6 +70,23 @@ def test_a_tensor_triton_would_specialize_otherwise_is_refused():
     assert not bound.accepts([torch.zeros(8, dtype=torch.float16), out])
     assert not bound.accepts([torch.zeros(9)[1:], out])  # 4 bytes past an aligned start
     assert not bound.accepts([x])
+
+
+def test_the_last_accepted_tensors_are_accepted_again_until_one_goes():
+    x, out = torch.zeros(8), torch.zeros(8)
+    bound = bind(
+        stand_in_kernel(), stand_in_binary([]), (1,), [x, out], (8, 0.5), {"BLOCK": 16}, STREAM
+    )
+    assert bound is not None
+    fresh = torch.zeros(8)
+    assert bound.accepts([fresh, out])
+    assert bound.accepted.ids == (id(fresh), id(out))
+    assert bound.accepts([fresh, out])  # the same objects: no look at dtype or alignment
+    del fresh  # its id may now be reused by a tensor Triton would specialize otherwise
+    assert bound.accepted.ids is None
+    assert not bound.accepts([torch.zeros(9)[1:], out])
+    assert not bound.accepts([x, torch.zeros(8, dtype=torch.float16)])
+    assert bound.accepted.ids is None  # a refused call is never remembered
 
 
 def test_launch_hooks_count_as_set_only_while_they_hold_a_function():

@@ -5,10 +5,12 @@ writes for decode, prefill and mixed steps, also when its plan is reused across 
 values in the same buffers (what a graph replay or a PIECEWISE step does); (2) two layers sharing
 one ``DecodeWorkspace`` (as the runner binds it) get the same scratch views and both stay right
 when run in turn; (3) a bad layout raises a clear ``ValueError`` on the first call of its shape
-and caches nothing, so it raises again; (4) one plan is built per shape signature, and binding a
-new KV cache forgets them; (5) ``DecodeWorkspace`` hands out the same views per shape, shares one
-buffer between shapes, and keeps outgrown buffers alive; (6) a call given an ``output_scale``
-(what the attention quant fusion pass passes for an FP8 ``o_proj``) writes
+and caches nothing, so it raises again; (4) one plan is built per shape signature, a call with
+the very tensors and ``max_query_len`` of the layer's last call takes its plan without reading
+the signature, and binding a new KV cache forgets them; (5) ``DecodeWorkspace`` hands out the
+same views per shape, shares one buffer between shapes, and keeps outgrown buffers alive; (6) a
+call given an ``output_scale`` (what the attention quant fusion pass passes for an FP8
+``o_proj``) writes
 ``static_scaled_fp8_quant`` of the unquantized output with that scale on both backends (the torch
 backend byte for byte, Triton within one e4m3 step), a new scale needs no new plan, and an FP8
 output without a scale (or a scale with another output) raises clearly. A GPU test captures two
@@ -192,6 +194,24 @@ def test_one_plan_per_signature_and_rebinding_forgets_them(backend):
     assert len(layer._plans) == 2
     layer.kv_cache = make_cache()
     assert not layer._plans
+
+
+def test_the_same_tensors_again_take_the_last_plan_without_its_signature(monkeypatch):
+    layer = make_layer(EngineConfig(), "memo", TorchAttentionBackend)
+    layer.kv_cache = make_cache()
+    _, views, decode = make_step([30, 40], [1, 1])
+    output = torch.empty_like(views[0])
+    planned = []
+    plan = layer._plan
+    monkeypatch.setattr(layer, "_plan", lambda *args: planned.append(1) or plan(*args))
+    prefill = dataclasses.replace(decode, max_query_len=2)  # the same tensors
+    for metadata in [decode, decode, prefill, prefill, decode]:
+        layer.attend(*views, output, metadata)
+    assert len(planned) == 3  # a call whose max_query_len differs from the last one looks it up
+    layer.kv_cache = make_cache()  # forgets the last plan too
+    layer.attend(*views, output, decode)
+    layer.attend(*views, torch.empty_like(output), decode)  # another output tensor
+    assert len(planned) == 5
 
 
 def test_bad_head_size_raises_on_every_first_call():

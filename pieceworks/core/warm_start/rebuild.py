@@ -88,8 +88,9 @@ def save_traced_graph(
     code: CodeType,
     call: tuple[tuple, dict[str, Any]],
     result: Any,
-) -> None:
-    """Store what the traced first call produced, so the next start can skip the trace."""
+) -> GraphCall | None:
+    """Store what the traced first call produced, so the next start can skip the trace; the
+    ``GraphCall`` stored (None when the call cannot be replayed without Dynamo's bytecode)."""
     recorder = backend.first_call
     try:
         if backend.cache_key_factors is None or backend.split_gm is None or recorder is None:
@@ -111,6 +112,7 @@ def save_traced_graph(
         store.save(record, backend.cache_key_factors["traced_files"])
         compilation_counter.num_traced_graphs_saved += 1
         logger.info("traced graph stored for warm starts: %s", store.directory)
+        return graph_call
     except UnsupportedGraphCall as reason:
         logger.info("traced graph not stored (%s): every start of this model traces", reason)
     except Exception as error:  # an unsaveable graph must not stop the model from running
@@ -118,6 +120,7 @@ def save_traced_graph(
     finally:
         if recorder is not None:
             recorder.release()
+    return None
 
 
 def load_traced_graph(

@@ -28,6 +28,7 @@ from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
 from pieceworks.models.attention.backends import AttentionBackend
 from pieceworks.models.attention.ops import DecodeWorkspace
 from pieceworks.platforms import current_platform
+from pieceworks.utils import IdentityMemo
 
 if TYPE_CHECKING:
     from pieceworks.config import EngineConfig
@@ -115,6 +116,8 @@ class Attention(nn.Module):
         # Split-KV scratch: this layer's own until the runner binds one shared by every layer.
         self.workspace = DecodeWorkspace()
         self._plans: dict[tuple, Any] = {}
+        # (max_query_len, plan) of the last call, by the identity of its tensors (``attend``)
+        self._last_plan = IdentityMemo()
         self._kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.op = attention_op()
         config.compilation_config.register_layer(prefix, self)
@@ -141,6 +144,7 @@ class Attention(nn.Module):
         if workspace is not None:
             self.workspace = workspace
         self._plans.clear()
+        self._last_plan.clear()
 
     def bound_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The caches, or a RuntimeError saying none are bound yet."""
@@ -166,7 +170,27 @@ class Attention(nn.Module):
         output_scale: torch.Tensor | None = None,  # 0-d float32: output is float8_e4m3fn
     ) -> None:
         """The op's body: store this step's K/V, then attend over the paged cache (and quantize
-        the result with ``output_scale`` when given)."""
+        the result with ``output_scale`` when given).
+
+        Between replayed graph pieces the op gets the same tensor objects every step of a shape
+        (the pieces' outputs, the runner's views), so the last call's plan is taken again for
+        the very same objects and ``max_query_len`` without reading every shape and stride."""
+        block_tables = metadata.block_tables
+        tensors = (query, key, value, output, metadata.slot_mapping, block_tables)
+        last = self._last_plan.get(tensors)
+        if last is not None and last[0] == metadata.max_query_len:
+            plan = last[1]
+        else:
+            plan = self._plan(query, key, value, output, metadata, output_scale)
+            self._last_plan.put(tensors, (metadata.max_query_len, plan))
+        if output_scale is None:
+            self.backend.run(plan, self, query, key, value, output, metadata)
+        else:
+            self.backend.run(plan, self, query, key, value, output, metadata, output_scale)
+
+    def _plan(self, query, key, value, output, metadata, output_scale) -> Any:
+        """The plan of this call's shape signature: every shape and stride the plan is built
+        from, the output dtype and ``max_query_len`` (planned the first time it is seen)."""
         block_tables = metadata.block_tables
         signature = (
             query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
@@ -174,13 +198,9 @@ class Attention(nn.Module):
             block_tables.shape, block_tables.stride(), metadata.max_query_len,
         )  # fmt: skip
         try:
-            plan = self._plans[signature]
+            return self._plans[signature]
         except KeyError:
-            plan = self._new_plan(signature, query, key, value, output, metadata, output_scale)
-        if output_scale is None:
-            self.backend.run(plan, self, query, key, value, output, metadata)
-        else:
-            self.backend.run(plan, self, query, key, value, output, metadata, output_scale)
+            return self._new_plan(signature, query, key, value, output, metadata, output_scale)
 
     def _new_plan(self, signature: tuple, query, key, value, output, metadata, output_scale) -> Any:
         """Check and plan a shape signature seen for the first time (raises if it is invalid)."""
