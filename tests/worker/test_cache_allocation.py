@@ -20,6 +20,7 @@ from torch import nn
 from pieceworks.config import EngineConfig
 from pieceworks.models.attention.layer import Attention
 from pieceworks.models.mamba.mixer import MambaMixer2
+from pieceworks.utils import IdentityMemo
 from pieceworks.worker.kv_cache import (
     GIB,
     KVCacheSpec,
@@ -41,6 +42,7 @@ class StandInAttention(Attention):
         nn.Module.__init__(self)
         self.num_kv_heads, self.head_size = num_kv_heads, head_size
         self._plans: dict = {}
+        self._last_plan = IdentityMemo()
 
 
 class StandInMixer(MambaMixer2):
