@@ -5,9 +5,10 @@ splitting ops: ``piece_a`` (a linear layer), the middle op in place on ``piece_a
 reads and writes the captured address, as attention writes into its output buffer), ``piece_b``
 (another linear layer). Each piece is wrapped in the platform's static-graph wrapper. The runner's
 side of the address contract is played here: inputs are copied into one static buffer sized to
-the largest capture size, and outputs are read where the capture left them. A wrapper that
-replays on copies of its inputs, on the argument instead of the captured buffer, or that moves
-its outputs fails ``toy piecewise capture/replay``.
+the largest capture size, and outputs are read where the capture left them. A capture records
+the device's work without running it (CUDA and HIP graphs do), so its own output is not compared;
+each replay's is. A wrapper that replays on copies of its inputs, on the argument instead of the
+captured buffer, or that moves its outputs fails ``toy piecewise capture/replay``.
 """
 
 from __future__ import annotations
@@ -102,9 +103,7 @@ def check_piecewise_replay(platform: Any, options: CheckOptions) -> str:
     for size in CAPTURE_SIZES:
         view = static_input[:size]
         view.copy_(torch.randn(size, HIDDEN_SIZE, generator=generator).to(device))
-        captured = forward(model, config, view, mode)
-        _expect_equal(captured, eager(view), f"the capture at size {size}")
-        address = captured.data_ptr()
+        address = forward(model, config, view, mode).data_ptr()  # the capture
         for _ in range(NUM_REPLAYS):
             view.copy_(torch.randn(size, HIDDEN_SIZE, generator=generator).to(device))
             replayed = forward(model, config, view, mode)
@@ -180,11 +179,12 @@ def check_full_and_piecewise_nesting(platform: Any, options: CheckOptions) -> st
     for mode in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE):
         for size in CAPTURE_SIZES:
             view = static_input[:size]
-            for seed in range(2):  # the capture, then a replay
+            for seed in range(3):  # the capture (recorded, not run), then two replays
                 view.copy_(torch.randn(size, HIDDEN_SIZE, generator=_generator(seed)).to(device))
                 result = forward(outer, config, view, mode)
                 platform.synchronize()
-                _expect_equal(result, eager(view), f"{mode.name} step at size {size}")
+                if seed > 0:
+                    _expect_equal(result, eager(view), f"{mode.name} step at size {size}")
     piece_a: Any = inner.piece_a
     num_full, num_pieces = len(outer.entries), len(piece_a.entries)
     if num_full != len(CAPTURE_SIZES) or num_pieces != len(CAPTURE_SIZES):
