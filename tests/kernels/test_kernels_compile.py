@@ -6,7 +6,7 @@ fails on the GPU (e.g. atomics compiled against the dummy pointers of a one-spli
 Triton's compiler itself needs no GPU. This test records the kernel launches (`kernel[grid](...)`)
 that the ops make for a set of shapes: paged attention (decode with one split and with several,
 with and without the fused KV store, bfloat16 and FP8 output; prefill) and the KV store; the GEMV
-(bfloat16 and FP8, plain, gated, with the rotary epilogue, with FP8 output); RMSNorm + FP8 quant
+(bfloat16 and FP8, plain, gated (SiLU; GELU in bfloat16), rotary, FP8 output); RMSNorm + FP8 quant
 (plain and residual form); the SiLU-and-mul and rotary kernels that follow a GEMM past 16 tokens;
 the Mamba2 mixer's conv1d, chunked scan and state update; the sampler's greedy argmax. It compiles
 each kernel for CUDA sm_90 with exactly the arguments the launch passes (those divisible by 16
@@ -233,6 +233,7 @@ def record_linear_and_norm() -> None:
             launch_gemv(x, weight, gated=True, **fp8_args)
             launch_gemv(x, qkv_weight, rope=rope, **fp8_args)
             launch_gemv(x, weight, gated=True, out_scale=scale, **fp8_args)
+        launch_gemv(x.to(bf16), weight.to(bf16), gated=True, activation="gelu_tanh")  # GeGLU
         normed = torch.zeros(num_tokens, hidden, dtype=fp8)
         rows = [torch.zeros(num_tokens, hidden, dtype=bf16) for _ in range(3)]
         rms_norm_static_fp8_quant(normed, rows[0], rows[1][0], scale, 1e-5)

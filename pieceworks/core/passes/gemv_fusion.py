@@ -3,12 +3,15 @@
 The layers call plain ops: ``gate_up_proj -> act_fn -> down_proj`` and ``qkv_proj -> split ->
 rotary_emb(positions, q, k)``. Where the chooser gave the linear layers the decode GEMV ops and the
 activation and rotary their kernel forms, the graph Dynamo captures holds, per decoder layer,
-``small_m_linear -> silu_and_mul`` and ``small_m_linear -> split -> rotary_embedding`` (FP8:
+``small_m_linear -> silu_and_mul`` (Gemma's GeGLU: ``gelu_and_mul``, tanh or erf) and
+``small_m_linear -> split -> rotary_embedding`` (FP8:
 ``small_m_fp8_linear``, and between the activation and ``down_proj`` the static quantization of
 ``down_proj``'s input, ``core.norm_quant.static_scaled_fp8_quant``). These passes replace them
 with the fused ops that exist for them:
 
     silu_and_mul(small_m_linear(x, W))  -> small_m_silu_and_mul_linear(x, W)
+    gelu_and_mul(small_m_linear(x, W), a)
+                                        -> small_m_gelu_and_mul_linear(x, W, a)
     quant(silu_and_mul(small_m_fp8_linear(x, W, si, sw)), s)
                                         -> small_m_fp8_silu_and_mul(x, W, si, sw, s)
     rotary_embedding(p, q, k, cache, D, neox), q, k of split(small_m_linear(x, W))
@@ -20,8 +23,12 @@ an elementwise kernel. They run on the whole graph Dynamo hands the level-3 back
 split (``core/backend.py``), for every compile backend (eager included), so the pieces Inductor
 compiles hold the fused ops and nothing else changes. A match needs: no bias, every intermediate
 read only by the next node of the sequence, and for the rotary neox style on every dim (what the
-epilogue rotates). ``PassConfig.enable_gemv_act_fusion`` and ``enable_rope_fusion`` switch them;
-level 0 runs the plain ops, so eager is the oracle of the fused graphs' numerics.
+epilogue rotates). GeGLU is fused after an unquantized gate/up GEMV only: there is no FP8 GEMV with
+the GELU and the next layer's quantization as its epilogue, so an FP8 Gemma's ``small_m_fp8_linear
+-> gelu_and_mul`` stays as it is. The GeGLU epilogue computes the GELU as the ``gelu_and_mul``
+kernel does, from the gate and up values rounded as the GEMV stores them.
+``PassConfig.enable_gemv_act_fusion`` and ``enable_rope_fusion`` switch them; level 0 runs the plain
+ops, so eager is the oracle of the fused graphs' numerics.
 """
 
 from __future__ import annotations
@@ -48,10 +55,12 @@ logger = init_logger(__name__)
 # The ops the passes read and write, in pieceworks' library namespace. They are registered by
 # the layers that use them (models/layers, kernels/); the passes only name them.
 ACTIVATION_OP = "silu_and_mul"
+GELU_ACTIVATION_OP = "gelu_and_mul"
 ROTARY_OP = "rotary_embedding"
 LINEAR_OP = "small_m_linear"
 FP8_LINEAR_OP = "small_m_fp8_linear"
 GATED_LINEAR_OP = "small_m_silu_and_mul_linear"
+GELU_GATED_LINEAR_OP = "small_m_gelu_and_mul_linear"
 FP8_GATED_LINEAR_OP = "small_m_fp8_silu_and_mul"
 ROPE_LINEAR_OP = "small_m_rope_linear"
 FP8_ROPE_LINEAR_OP = "small_m_fp8_rope_linear"
@@ -71,14 +80,35 @@ def _plain_linear(node: torch.fx.Node) -> bool:
 
 
 class GemvActivationFusionPass:
-    """``silu_and_mul`` after a gate/up GEMV (and the next FP8 layer's quantization) -> one op."""
+    """``silu_and_mul`` after a gate/up GEMV (and the next FP8 layer's quantization), or
+    ``gelu_and_mul`` after an unquantized one -> one op."""
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         num_fused = 0
         for activation in list(graph.nodes):
             if op_name(activation) == ACTIVATION_OP:
                 num_fused += self._fuse(graph, activation)
+            elif op_name(activation) == GELU_ACTIVATION_OP:
+                num_fused += self._fuse_gelu(graph, activation)
         return num_fused
+
+    def _fuse_gelu(self, graph: torch.fx.Graph, activation: torch.fx.Node) -> int:
+        """``gelu_and_mul(small_m_linear(x, W), approximate)`` -> ``small_m_gelu_and_mul_linear(x,
+        W, approximate)``; an FP8 gate/up GEMV keeps its activation (no FP8 GeGLU epilogue)."""
+        chain: list[torch.fx.Node] = []
+        linear = sole_source(activation.args[0], chain)  # type: ignore[arg-type]
+        fused_op = pieceworks_op(GELU_GATED_LINEAR_OP)
+        if op_name(linear) != LINEAR_OP or not _plain_linear(linear) or fused_op is None:
+            return 0
+        approximate = (
+            activation.args[1] if len(activation.args) > 1 else activation.kwargs["approximate"]
+        )
+        with graph.inserting_before(activation):
+            fused = graph.call_function(fused_op, (*linear.args[:2], approximate))
+        fused.meta = dict(activation.meta)  # the same (T, I) value
+        activation.replace_all_uses_with(fused)
+        erase_sequence(graph, [activation, *chain, linear])
+        return 1
 
     def _fuse(self, graph: torch.fx.Graph, activation: torch.fx.Node) -> int:
         chain: list[torch.fx.Node] = [activation]

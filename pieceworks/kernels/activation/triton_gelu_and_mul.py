@@ -5,7 +5,9 @@ halves of the token's row, computes in float32 ``gelu(gate) * up`` (the erf form
 approximation ``0.5 * g * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 * g**3)))``, torch's
 ``approximate="tanh"``, with ``tanh(y) = 1 - 2 / (exp(2y) + 1)`` on ``y`` clamped to
 ``[-10, 10]``, where float32's tanh is already +-1, so that ``exp`` never overflows) and
-stores the result in the input's dtype, rounded once.
+stores the result in the input's dtype, rounded once. The activation is the jitted ``gelu``,
+which the decode GEMV's gated epilogue calls too (``pieceworks::small_m_gelu_and_mul_linear``,
+``kernels/gemv/triton_gemv.py``).
 Operands: ``gate_up (T, 2d)`` with unit column stride, gate in columns ``[0, d)`` and up in
 ``[d, 2d)``; the output ``(T, d)`` is a new contiguous tensor. Invariants: nothing outside a row's
 ``2d`` columns is read; ``T = 0`` launches nothing.
@@ -35,6 +37,21 @@ _SQRT_HALF = tl.constexpr(math.sqrt(0.5))
 
 
 @triton.jit
+def gelu(gate, TANH: tl.constexpr):
+    """``gelu(gate)`` of a float32 block: the tanh approximation where ``TANH``, else the erf
+    form; shared with the gate/up GEMV's epilogue (``kernels/gemv/triton_gemv_kernel.py``), so
+    the fused and the unfused GeGLU compute the same float32 values."""
+    if TANH:
+        inner = _SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+        inner = tl.minimum(tl.maximum(inner, -10.0), 10.0)  # tanh(10) is 1.0 in float32
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        activated = 0.5 * gate * (1.0 + tanh)
+    else:
+        activated = 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF))
+    return activated
+
+
+@triton.jit
 def _gelu_and_mul_kernel(
     gate_up_ptr,
     out_ptr,
@@ -50,14 +67,7 @@ def _gelu_and_mul_kernel(
     row = gate_up_ptr + token * stride_in
     gate = tl.load(row + columns, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + out_features + columns, mask=mask, other=0.0).to(tl.float32)
-    if TANH:
-        inner = _SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
-        inner = tl.minimum(tl.maximum(inner, -10.0), 10.0)  # tanh(10) is 1.0 in float32
-        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-        activated = 0.5 * gate * (1.0 + tanh)
-    else:
-        activated = 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF))
-    result = activated * up
+    result = gelu(gate, TANH) * up
     tl.store(out_ptr + token * stride_out + columns, result.to(out_ptr.dtype.element_ty), mask=mask)
 
 

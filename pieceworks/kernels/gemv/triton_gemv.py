@@ -18,7 +18,9 @@ Three epilogues, applied after the K loop so they cost the pipelined loads nothi
 (an epilogue before the ``tl.dot`` would stall the pipelined loads):
 - gated: for a merged [gate; up] weight each program stacks the up rows of its columns under the
   gate rows (one ``tl.dot`` of a full tile; two half-height dots were 40% slower), splits the
-  accumulator and stores ``silu(gate) * up``, so the (M, 2N) product never reaches memory;
+  accumulator and stores ``act(gate) * up``, so the (M, 2N) product never reaches memory; the
+  activation is a constexpr: ``silu`` (Llama's SwiGLU), or GELU, tanh or erf (Gemma's GeGLU),
+  computed as the ``gelu_and_mul`` kernel computes it (``triton_gelu_and_mul.gelu``);
 - rope: for a merged qkv weight each program owns ``block_n`` pairs (i, i + D/2) of one head and
   stacks the first-half rows on their partners (the gated tile); the halves, rounded to the
   output dtype as an unfused GEMM stores them, are rotated with the cos/sin cache at each token's
@@ -38,7 +40,8 @@ choice is made inside the op at run time, because the token count is symbolic wh
 traces the op (inside a static graph it is fixed per capture size). Linear layers route
 here where the kernel chooser picks the GEMV for the platform (``quantization/base.py``,
 ``kernels/chooser.py``; ``PIECEWORKS_SMALL_M_GEMV`` overrides), eager and compiled alike.
-``pieceworks::small_m_silu_and_mul_linear`` is the gated form (the MLP's gate/up projection),
+``pieceworks::small_m_silu_and_mul_linear`` and ``pieceworks::small_m_gelu_and_mul_linear`` are
+the gated forms (the MLP's gate/up projection, SwiGLU and GeGLU),
 ``pieceworks::small_m_rope_linear`` (``triton_gemv_rope.py``) the rope form (the attention's qkv
 projection), and ``small_m_fp8.py`` registers the FP8 forms of all three. Beside this
 module: the jitted kernel (``triton_gemv_kernel.py``), the launch configurations
@@ -60,6 +63,7 @@ import triton
 from pieceworks.core.custom_op import direct_register_custom_op
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE
 from pieceworks.kernels import triton_device
+from pieceworks.kernels.activation.triton_gelu_and_mul import gelu_and_mul_2d
 from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_epilogue
 from pieceworks.kernels.gemv import triton_gemv_config
 from pieceworks.kernels.gemv.triton_gemv_config import (
@@ -72,7 +76,7 @@ from pieceworks.kernels.gemv.triton_gemv_config import (
     max_shared_bytes,
     rope_config,
 )
-from pieceworks.kernels.gemv.triton_gemv_kernel import _gemv_kernel
+from pieceworks.kernels.gemv.triton_gemv_kernel import GATED_ACTIVATIONS, _gemv_kernel
 from pieceworks.kernels.triton_launch import launch, launch_options, programmatic_launch
 from pieceworks.kernels.triton_rounding import TRITON_DTYPES
 
@@ -89,6 +93,7 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
     "releases_at_start",
     "rope_config",
     "silu_and_mul_epilogue",
+    "small_m_gelu_and_mul_linear",
     "small_m_linear",
     "small_m_silu_and_mul_linear",
     "uses_kernel",
@@ -97,6 +102,7 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
 MAX_GEMV_TOKENS = 16  # what small_m_linear routes to the kernel for any weight; above it, cuBLAS
 SMALL_WEIGHT_BYTES = 12 * 2**20  # up to this size a weight takes the kernel to MAX_KERNEL_TOKENS
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GELU_ACTIVATIONS = {"tanh": "gelu_tanh", "none": "gelu"}  # F.gelu's approximate -> the epilogue's
 
 
 def launch_gemv(
@@ -106,6 +112,7 @@ def launch_gemv(
     *,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     gated: bool = False,
+    activation: str = "silu",
     rope: RopeEpilogue | None = None,
     out_dtype: torch.dtype | None = None,
     out_scale: torch.Tensor | None = None,
@@ -113,12 +120,13 @@ def launch_gemv(
     """``x @ weight^T`` by the kernel, (M, N); x (M <= 64, K), weight (N, K).
 
     ``scales=(x_scale, weight_scale)`` (0-d float32): FP8 operands, the product times both
-    scales. ``gated``: the weight is ``[gate; up]`` (2N, K) and the result ``silu(gate) * up``
-    (M, N), the gate and up values rounded to ``out_dtype`` first, as an unfused GEMM stores
-    them. ``rope``: the weight is a merged qkv weight ((Hq + 2 Hkv) D, K) and the result (M, N)
-    has its first ``rope.num_rotary_heads`` heads rotated (neox, every dim), from values rounded
-    to ``out_dtype`` first. ``out_scale``: the result is quantized to float8_e4m3fn with that
-    static scale. ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
+    scales. ``gated``: the weight is ``[gate; up]`` (2N, K) and the result ``act(gate) * up`` (M,
+    N), the gate and up values rounded to ``out_dtype`` first, as an unfused GEMM stores them;
+    ``activation`` names ``act``: ``"silu"``, ``"gelu_tanh"`` or ``"gelu"`` (erf). ``rope``: the
+    weight is a merged qkv weight ((Hq + 2 Hkv) D, K) and the result (M, N) has its first
+    ``rope.num_rotary_heads`` heads rotated (neox, every dim), from values rounded to ``out_dtype``
+    first. ``out_scale``: the result is quantized to float8_e4m3fn with that static scale.
+    ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
     """
     num_tokens, in_features = x.shape
     stacked = gated or rope is not None  # 2 weight rows per column (ROPE: per pair)
@@ -127,6 +135,8 @@ def launch_gemv(
         raise ValueError("FP8 operands (scales=...) need the out_dtype of the scaled product")
     if rope is not None and (gated or out_scale is not None):
         raise ValueError("the rotary epilogue takes neither gated=True nor out_scale")
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}; supported: {GATED_ACTIVATIONS}")
     out_dtype = out_dtype or x.dtype
     config = launch_config(x, weight, config, stacked, rope)
     pdl = programmatic_launch(x.device)
@@ -166,6 +176,7 @@ def launch_gemv(
         UPCAST=triton_device.INTERPRETED and x.dtype == torch.bfloat16,
         SCALED=scales is not None,
         GATED=gated,
+        ACTIVATION=activation,
         ROPE=rope is not None,
         ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
@@ -274,4 +285,36 @@ def small_m_silu_and_mul_linear_op() -> Any:
         small_m_silu_and_mul_linear,
         mutates_args=[],
         fake_impl=small_m_silu_and_mul_linear_fake,
+    )
+
+
+def small_m_gelu_and_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, approximate: str
+) -> torch.Tensor:
+    """``gelu_and_mul(F.linear(x, weight), approximate)`` for a merged [gate; up] weight (2N, K):
+    (T, N). ``approximate``: ``"tanh"`` or ``"none"`` (erf), as ``F.gelu``'s.
+
+    The GEMV with the GELU as its epilogue when ``uses_kernel``, else ``F.linear`` and the
+    ``gelu_and_mul`` kernel (the torch form where that does not run either).
+    """
+    if not uses_kernel(x, weight):
+        return gelu_and_mul_2d(F.linear(x, weight), approximate)
+    if approximate not in GELU_ACTIVATIONS:
+        raise ValueError(f"gelu approximate={approximate!r}; supported: {tuple(GELU_ACTIVATIONS)}")
+    return launch_gemv(x, weight, gated=True, activation=GELU_ACTIVATIONS[approximate])
+
+
+def small_m_gelu_and_mul_linear_fake(
+    x: torch.Tensor, weight: torch.Tensor, approximate: str
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
+def small_m_gelu_and_mul_linear_op() -> Any:
+    """``torch.ops.pieceworks.small_m_gelu_and_mul_linear``, registered on first use."""
+    return direct_register_custom_op(
+        "small_m_gelu_and_mul_linear",
+        small_m_gelu_and_mul_linear,
+        mutates_args=[],
+        fake_impl=small_m_gelu_and_mul_linear_fake,
     )

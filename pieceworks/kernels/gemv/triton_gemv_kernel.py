@@ -2,10 +2,12 @@
 
 ``_gemv_kernel`` computes ``y = x W^T`` for at most 64 tokens: each program owns ``BLOCK_N``
 output columns for all M rows (padded to 16 for the tensor cores), walks K in ``BLOCK_K`` chunks
-and applies one epilogue after the K loop: gated (``silu(gate) * up`` from the stacked
-``_stacked_halves``), rope (the pairs rotated with ``_rotary_factors`` and ``_rotate_pairs``) or
-static FP8 quantization. The algorithm, the operand layout and its invariants are described in
-``triton_gemv.py``, which launches the kernel (``launch_gemv``) and registers its ops.
+and applies one epilogue after the K loop: gated (``act(gate) * up`` from the stacked
+``_stacked_halves``; ``ACTIVATION`` is one of ``GATED_ACTIVATIONS``: ``silu``, ``gelu_tanh`` or
+``gelu`` (erf), the GELUs by ``triton_gelu_and_mul.gelu``), rope (the pairs rotated with
+``_rotary_factors`` and ``_rotate_pairs``) or static FP8 quantization. The algorithm, the operand
+layout and its invariants are described in ``triton_gemv.py``, which launches the kernel
+(``launch_gemv``) and registers its ops.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import triton
 import triton.language as tl
 
 from pieceworks.core.norm_quant import KERNEL_FP8_MAX
+from pieceworks.kernels.activation.triton_gelu_and_mul import gelu
 from pieceworks.kernels.nvidia_pdl import gdc_launch_dependents, gdc_wait
 from pieceworks.kernels.triton_rounding import round_to, round_to_e4m3
 
 _FP8_MAX = tl.constexpr(KERNEL_FP8_MAX)
+# the gated epilogue's activations: silu, gelu's tanh approximation, gelu's erf form
+GATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
 @triton.jit
@@ -46,6 +51,7 @@ def _gemv_kernel(
     UPCAST: tl.constexpr,
     SCALED: tl.constexpr,
     GATED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     ROPE: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
@@ -109,9 +115,12 @@ def _gemv_kernel(
         gdc_launch_dependents()  # (it waits for this one)
     if SCALED:  # FP8: y = (x_fp8 W_fp8^T) * x_scale * weight_scale
         acc = acc * scale
-    if GATED:  # silu(gate) * up, from gate and up as the unfused GEMM would have stored them
+    if GATED:  # act(gate) * up, from gate and up as the unfused GEMM would have stored them
         gate, up = _stacked_halves(acc, BLOCK_N, BLOCK_M, ROUND_DTYPE)
-        acc = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK_N, BLOCK_M)
+        if ACTIVATION == "silu":
+            acc = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK_N, BLOCK_M)
+        else:  # "gelu_tanh" | "gelu": as the gelu_and_mul kernel computes it
+            acc = gelu(gate, ACTIVATION == "gelu_tanh") * up
     if QUANT_OUT:  # static FP8 quantization, rounded as static_scaled_fp8_quant rounds
         acc = round_to_e4m3(acc / out_scale, _FP8_MAX)
     out_rows = out_ptr + tokens.to(tl.int64)[None, :] * stride_out  # (1, M)

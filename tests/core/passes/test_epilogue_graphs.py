@@ -1,21 +1,21 @@
 """The epilogue fusions on hand-built FX graphs: what they refuse, and the count they return.
 
 ``tests/models/test_gemv_fusion.py`` runs them on llama-tiny, whose linear layers have no bias and
-whose attention always writes into a fresh ``torch.empty_like`` buffer. Here: a gate/up GEMV
-with a bias (positional or keyword) is not fused with its activation (the fused op has no bias),
-one without is; an attention whose output buffer is not a fresh ``empty_like`` is left alone and
-counted as no fusion. An attention followed by the static FP8 quantization of its output
-allocates an FP8 buffer and takes the scale (a placeholder, or a node before it), and ``o_proj``
-reads its output directly; each difference from that sequence (another allocation, no output
-argument, a scale already given, another step, another FP8 format, a scale computed after the
-attention, another reader) leaves the graph as it was. A rotary of the query and key of a qkv
-GEMV's split becomes one GEMV with the rotation, the number of rotated heads derived from the
-split, and each difference (not neox, partial rotary, an unknown cache, another split, items
-swapped or from two splits, a bias, another reader) leaves it. The FP8 gate/up GEMV fuses with
-the next layer's quantization and is kept without one. ``fuse_epilogues`` runs the enabled
-fusions, counts each, and logs the counts at debug level when one fused. The ops are
-pieceworks' own, registered as the layers register them; the graphs are only rewritten, never
-run.
+whose attention always writes into a fresh ``torch.empty_like`` buffer. Here: a gate/up GEMV with a
+bias (positional or keyword) is not fused with its activation (the fused op has no bias), one
+without is; Gemma's ``gelu_and_mul`` after a plain GEMV becomes one GEMV with the GELU, its
+``approximate`` kept, and is kept after a biased or an FP8 GEMV; an attention whose output buffer is
+not a fresh ``empty_like`` is left alone and counted as no fusion. An attention followed by the
+static FP8 quantization of its output allocates an FP8 buffer and takes the scale (a placeholder, or
+a node before it), and ``o_proj`` reads its output directly; each difference from that sequence
+(another allocation, no output argument, a scale already given, another step, another FP8 format, a
+scale computed after the attention, another reader) leaves the graph as it was. A rotary of the
+query and key of a qkv GEMV's split becomes one GEMV with the rotation, the number of rotated heads
+derived from the split, and each difference (not neox, partial rotary, an unknown cache, another
+split, items swapped or from two splits, a bias, another reader) leaves it. The FP8 gate/up GEMV
+fuses with the next layer's quantization and is kept without one. ``fuse_epilogues`` runs the
+enabled fusions, counts each, and logs the counts at debug level when one fused. The ops are
+pieceworks' own, registered as the layers register them; the graphs are only rewritten, never run.
 Run: pytest tests/core/passes/test_epilogue_graphs.py
 """
 
@@ -36,9 +36,14 @@ from pieceworks.core.passes.gemv_fusion import (
     fuse_epilogues,
 )
 from pieceworks.core.passes.graph_match import op_name
+from pieceworks.kernels.activation.triton_gelu_and_mul import gelu_and_mul_op
 from pieceworks.kernels.activation.triton_silu_and_mul import silu_and_mul_op
 from pieceworks.kernels.gemv.small_m_fp8 import register_small_m_fp8_ops
-from pieceworks.kernels.gemv.triton_gemv import small_m_linear_op, small_m_silu_and_mul_linear_op
+from pieceworks.kernels.gemv.triton_gemv import (
+    small_m_gelu_and_mul_linear_op,
+    small_m_linear_op,
+    small_m_silu_and_mul_linear_op,
+)
 from pieceworks.kernels.gemv.triton_gemv_rope import small_m_rope_linear_op
 from pieceworks.kernels.rope.torch_rotary import rotary_embedding_op
 from pieceworks.models.attention.layer import attention_op
@@ -74,6 +79,40 @@ def test_a_gate_up_gemv_without_a_bias_is_fused():
     graph = gate_up_graph(None)
     assert GemvActivationFusionPass()(graph) == 1
     assert ops_of(graph) == ["small_m_silu_and_mul_linear"]
+
+
+def gelu_graph(linear_op, *linear_extra) -> torch.fx.Graph:
+    """``gelu_and_mul(linear_op(x, w, *linear_extra), "tanh")``, Gemma's GeGLU."""
+    small_m_gelu_and_mul_linear_op()
+    graph = torch.fx.Graph()
+    x, weight = graph.placeholder("x"), graph.placeholder("weight")
+    linear = graph.call_function(linear_op, (x, weight, *linear_extra))
+    graph.output(graph.call_function(gelu_and_mul_op(), (linear, "tanh")))
+    return graph
+
+
+def test_a_gate_up_gemv_before_gelu_and_mul_is_fused_with_its_approximation():
+    graph = gelu_graph(small_m_linear_op())
+    assert GemvActivationFusionPass()(graph) == 1
+    (fused,) = [n for n in graph.nodes if n.op == "call_function"]
+    assert op_name(fused) == "small_m_gelu_and_mul_linear"
+    assert fused.args == (*(n for n in graph.nodes if n.op == "placeholder"), "tanh")
+
+
+def test_gelu_and_mul_after_a_biased_or_an_fp8_gemv_is_kept():
+    graph = torch.fx.Graph()
+    x, weight, bias = (graph.placeholder(name) for name in ("x", "weight", "bias"))
+    linear = graph.call_function(small_m_linear_op(), (x, weight, bias))
+    graph.output(graph.call_function(gelu_and_mul_op(), (linear, "tanh")))
+    assert GemvActivationFusionPass()(graph) == 0
+    assert ops_of(graph) == ["small_m_linear", "gelu_and_mul"]
+    fp8_linear, _ = register_small_m_fp8_ops()
+    fp8 = torch.fx.Graph()
+    args = [fp8.placeholder(name) for name in ("x", "w", "si", "sw")]
+    linear = fp8.call_function(fp8_linear, (*args, None, torch.float32, False))
+    fp8.output(fp8.call_function(gelu_and_mul_op(), (linear, "tanh")))
+    assert GemvActivationFusionPass()(fp8) == 0  # no FP8 GeGLU epilogue
+    assert ops_of(fp8) == ["small_m_fp8_linear", "gelu_and_mul"]
 
 
 def test_an_attention_into_a_buffer_it_did_not_allocate_is_not_counted():

@@ -11,7 +11,8 @@ and an out-of-tree platform's own ``linear`` where it registered one. The choice
 when the model is built (``choose_kernels``, called by the loader; until then a method runs the
 torch form), so eager (level 0) and compiled calls run the same ops and eager is an oracle for
 compiled numerics. The fused forms (the gate/up GEMV with the
-activation as its epilogue, ``pieceworks::small_m_silu_and_mul_linear``; the qkv GEMV with the
+activation as its epilogue, ``pieceworks::small_m_silu_and_mul_linear`` and
+``small_m_gelu_and_mul_linear``; the qkv GEMV with the
 rotary as its epilogue, ``pieceworks::small_m_rope_linear``) are registered here, when the GEMV
 ops are on, and put into compiled graphs by the fusion passes (``core/passes/gemv_fusion.py``).
 """
@@ -26,6 +27,7 @@ from torch import nn
 
 from pieceworks.kernels.chooser import KernelChooser
 from pieceworks.kernels.gemv.triton_gemv import (
+    small_m_gelu_and_mul_linear_op,
     small_m_linear_op,
     small_m_silu_and_mul_linear_op,
 )
@@ -72,6 +74,7 @@ class UnquantizedLinearMethod(LinearMethod):
         if self.small_m_gemv:
             self.small_m_linear = small_m_linear_op()
             small_m_silu_and_mul_linear_op()
+            small_m_gelu_and_mul_linear_op()
             small_m_rope_linear_op()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
