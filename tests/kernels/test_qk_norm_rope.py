@@ -53,21 +53,23 @@ def norm_operands(num_tokens: int, head_size: int, dtype: torch.dtype, unit_offs
     return qkv.to(DEVICE, dtype), positions, rotary_emb.cos_sin_cache, norm
 
 
-def reference(qkv, positions, cache, head_size: int, norm) -> torch.Tensor:
-    """In float64, rounded to qkv's dtype where the torch forms round."""
+def reference(qkv, positions, cache, heads: tuple[int, int, int], norm) -> torch.Tensor:
+    """In float64, rounded to qkv's dtype where the torch forms round; ``heads = (D, Hq, Hkv)``."""
+    head_size, num_heads, num_kv_heads = heads
     q_weight, k_weight, epsilon, unit_offset = norm
     dtype, num_tokens = qkv.dtype, qkv.shape[0]
     rounded = lambda t: t.to(dtype).double()  # noqa: E731
-    heads = qkv.double().view(num_tokens, -1, head_size)  # (T, H, D)
-    normed = heads[:, : NUM_HEADS + NUM_KV_HEADS]
-    weight = torch.cat([q_weight.double().expand(NUM_HEADS, -1),
-                        k_weight.double().expand(NUM_KV_HEADS, -1)])  # fmt: skip
+    all_heads = qkv.double().view(num_tokens, -1, head_size)  # (T, H, D)
+    num_normed = num_heads + num_kv_heads
+    normed = all_heads[:, :num_normed]
+    weight = torch.cat([q_weight.double().expand(num_heads, -1),
+                        k_weight.double().expand(num_kv_heads, -1)])  # fmt: skip
     scaled = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + epsilon)
     normed = rounded(scaled * (1 + weight)) if unit_offset else rounded(rounded(scaled) * weight)
     cos, sin = cache.double()[positions].unsqueeze(1).chunk(2, dim=-1)  # (T, 1, D / 2) each
     x1, x2 = normed.chunk(2, dim=-1)
     rotated = torch.cat([rounded(x1 * cos - x2 * sin), rounded(x2 * cos + x1 * sin)], dim=-1)
-    return torch.cat([rotated, heads[:, NUM_HEADS + NUM_KV_HEADS :]], dim=1).view(num_tokens, -1)
+    return torch.cat([rotated, all_heads[:, num_normed:]], dim=1).view(num_tokens, -1)
 
 
 @requires_triton
@@ -78,7 +80,7 @@ def test_kernel_matches_float64_reference(dtype, head_size, unit_offset, monkeyp
     monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     for num_tokens in (1, 5, 19):
         qkv, positions, cache, norm = norm_operands(num_tokens, head_size, dtype, unit_offset)
-        expected = reference(qkv, positions, cache, head_size, norm)
+        expected = reference(qkv, positions, cache, (head_size, NUM_HEADS, NUM_KV_HEADS), norm)
         stored = qkv.clone()
         args = (positions, stored, cache, head_size, NUM_HEADS, NUM_KV_HEADS, norm)
         output = norm_rotate_qk_heads(*args)

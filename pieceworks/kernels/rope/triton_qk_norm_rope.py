@@ -11,7 +11,9 @@ holds a whole head (its ``D / 2`` neox pairs ``(i, i + D/2)``) for ``BLOCK_TOKEN
 reads the head's values in float32, sums their squares per token, scales by
 ``rsqrt(mean + eps)`` and the norm weight (``q_weight`` for the first ``Hq`` heads, ``k_weight``
 for the next ``Hkv``), rotates the pairs with the cos/sin cache row of each token's position and
-writes the head back; the v heads are not touched. The rounding follows the torch forms the model
+writes the head back; the v heads are not touched. Under programmatic dependent launch it lets
+the next kernel (decode attention) be scheduled at its start and reads the weights, positions and
+cache before it waits for the GEMV. The rounding follows the torch forms the model
 traces (``core.norm_quant``): ``rms_norm`` rounds the normalised value to the model dtype and
 multiplies by the weight in the model dtype; ``gemma_rms_norm`` (``unit_offset``) multiplies by
 ``1 + weight`` in float32 and rounds once; the rotation is float32 math rounded once, as Inductor
@@ -29,8 +31,9 @@ import triton.language as tl
 
 from pieceworks.core.norm_quant import gemma_rms_norm, rms_norm
 from pieceworks.kernels import triton_device
+from pieceworks.kernels.nvidia_pdl import gdc_launch_dependents, gdc_wait
 from pieceworks.kernels.rope.torch_rotary import rotary_embedding
-from pieceworks.kernels.triton_launch import launch
+from pieceworks.kernels.triton_launch import launch, launch_options, programmatic_launch
 from pieceworks.kernels.triton_rounding import round_to
 
 NORM_BLOCK_TOKENS = 16  # tokens per program
@@ -52,8 +55,11 @@ def _qk_norm_rope_kernel(
     UNIT_OFFSET: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program: head tl.program_id(1) (q, then k) of BLOCK_TOKENS tokens, in place.
+    if PDL:  # decode attention comes next: it may be scheduled now and load its K/V (it waits
+        gdc_launch_dependents()  # for this kernel before it reads q or k)
     tokens = tl.program_id(0) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
     token_mask = tokens < num_tokens
     head = tl.program_id(1)
@@ -61,29 +67,33 @@ def _qk_norm_rope_kernel(
     pairs = tl.arange(0, BLOCK)
     pair_mask = pairs < half
     mask = token_mask[:, None] & pair_mask[None, :]  # (BLOCK_TOKENS, BLOCK)
-    rows = qkv_ptr + tokens.to(tl.int64)[:, None] * stride_qkv + head * HEAD_SIZE
-    x1_ptrs = rows + pairs[None, :]
-    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
     if head < num_q_heads:
         w1 = tl.load(q_weight_ptr + pairs, mask=pair_mask, other=0.0).to(tl.float32)
         w2 = tl.load(q_weight_ptr + half + pairs, mask=pair_mask, other=0.0).to(tl.float32)
     else:
         w1 = tl.load(k_weight_ptr + pairs, mask=pair_mask, other=0.0).to(tl.float32)
         w2 = tl.load(k_weight_ptr + half + pairs, mask=pair_mask, other=0.0).to(tl.float32)
+    # what no kernel of the step writes (parameters, the cache, the positions the runner copied
+    # before the step) is read before the wait; qkv, the GEMV's result, after it
+    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+    cos_ptrs = cos_sin_ptr + positions[:, None] * stride_cos_sin + pairs[None, :]
+    cos = tl.load(cos_ptrs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_ptrs + half, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    rows = qkv_ptr + tokens.to(tl.int64)[:, None] * stride_qkv + head * HEAD_SIZE
+    x1_ptrs = rows + pairs[None, :]
+    x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x1_ptrs + half, mask=mask, other=0.0).to(tl.float32)
     dtype: tl.constexpr = qkv_ptr.dtype.element_ty
     variance = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_SIZE  # (BLOCK_TOKENS,)
-    inv_rms = (1.0 / tl.sqrt(variance + epsilon))[:, None]
+    inv_rms = (1.0 / tl.sqrt_rn(variance + epsilon))[:, None]  # IEEE sqrt, not the fast one
     if UNIT_OFFSET:  # gemma_rms_norm: (x * inv_rms) * (1 + w) in float32, rounded once
         x1 = round_to(x1 * inv_rms * (1.0 + w1[None, :]), dtype)
         x2 = round_to(x2 * inv_rms * (1.0 + w2[None, :]), dtype)
     else:  # rms_norm: x * inv_rms rounded, times w rounded
         x1 = round_to(round_to(x1 * inv_rms, dtype) * w1[None, :], dtype)
         x2 = round_to(round_to(x2 * inv_rms, dtype) * w2[None, :], dtype)
-    positions = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
-    cos_ptrs = cos_sin_ptr + positions[:, None] * stride_cos_sin + pairs[None, :]
-    cos = tl.load(cos_ptrs, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(cos_ptrs + half, mask=mask, other=0.0).to(tl.float32)
     tl.store(x1_ptrs, round_to(x1 * cos - x2 * sin, dtype).to(dtype), mask=mask)
     tl.store(x1_ptrs + half, round_to(x2 * cos + x1 * sin, dtype).to(dtype), mask=mask)
 
@@ -149,6 +159,7 @@ def norm_rotate_qk_heads(
         )
     num_tokens = qkv.shape[0]
     grid = (triton.cdiv(num_tokens, NORM_BLOCK_TOKENS), num_q_heads + num_kv_heads)
+    pdl = programmatic_launch(qkv.device)
     launch(
         _qk_norm_rope_kernel,
         grid,
@@ -166,5 +177,7 @@ def norm_rotate_qk_heads(
         UNIT_OFFSET=unit_offset,
         BLOCK_TOKENS=NORM_BLOCK_TOKENS,
         BLOCK=triton.next_power_of_2(head_size // 2),
+        PDL=pdl,
+        **launch_options(pdl),
     )
     return qkv
