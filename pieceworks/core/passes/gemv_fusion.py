@@ -181,6 +181,8 @@ class GemvQKNormRopeFusionPass:
             return 0
         if (q_norm.epsilon, q_norm.unit_offset) != (k_norm.epsilon, k_norm.unit_offset):
             return 0
+        if len(q_norm.source.users) != 1 or len(k_norm.source.users) != 1:
+            return 0  # q or k also read unnormalised: the fused op no longer gives them
         split = _qkv_split(q_norm.source, k_norm.source)
         chain: list[torch.fx.Node] = []
         linear = sole_source(split.args[0], chain) if split is not None else None  # type: ignore[arg-type]
