@@ -101,6 +101,8 @@ class PassConfig:
     # into the qkv GEMV. They match only where the layers run the GEMV ops, so on by default.
     enable_gemv_act_fusion: bool = True
     enable_rope_fusion: bool = True
+    # The per-head q/k RMSNorm (Qwen3, Gemma 3) and the rotary after it, into the qkv GEMV's op.
+    enable_qk_norm_rope_fusion: bool = True
     # Attention writing FP8 for an FP8 o_proj (core/passes/attn_quant_fusion.py), where the
     # platform's FP8 format is the attention kernels' e4m3fn.
     enable_attn_quant_fusion: bool = True

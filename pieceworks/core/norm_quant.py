@@ -61,6 +61,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Ten
     return x.to(orig_dtype) * weight
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Gemma's ``x / sqrt(mean(x**2) + eps) * (1 + weight)``, all in float32, cast back once."""
+    orig_dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    return (x * (1.0 + weight.to(torch.float32))).to(orig_dtype)
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

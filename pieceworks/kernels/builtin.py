@@ -15,7 +15,8 @@ Ops:
 - ``silu_and_mul``: the Triton epilogue kernel (``activation/triton_silu_and_mul.py``) behind the
   gated GEMV where it takes too many tokens for the GEMV, or the torch form;
 - ``gelu_and_mul``: the GeGLU kernel (``activation/triton_gelu_and_mul.py``) or the torch form;
-- ``rotary``: the qkv GEMV's rotary epilogue (``gemv/triton_gemv_rope.py``) or the torch form;
+- ``rotary``: the qkv GEMV's rotary epilogue (``gemv/triton_gemv_rope.py``; after q/k head norms,
+  the GEMV and the norm-and-rotate kernel, ``rope/triton_qk_norm_rope.py``) or the torch form;
 - ``argmax``: the greedy row argmax (``sampling/triton_argmax.py``) or ``torch.argmax``;
 - ``chunk_gated_delta_rule``, ``recurrent_gated_delta_rule``: flash-linear-attention's kernels
   or the torch forms, each with its ``fn`` (``gated_delta_rule/registration.py``);

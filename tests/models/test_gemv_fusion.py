@@ -30,6 +30,7 @@ FORCED_OPS = ("linear", "fp8_linear", "silu_and_mul", "rotary")
 FUSIONS_OFF = {
     "enable_gemv_act_fusion": False,
     "enable_rope_fusion": False,
+    "enable_qk_norm_rope_fusion": False,
     "enable_attn_quant_fusion": False,
 }
 
@@ -90,6 +91,7 @@ def test_fusions_replace_every_match_and_keep_tokens_and_logits(op_forms, quanti
     assert backend.num_fusions == {
         "gemv_act": NUM_LAYERS,
         "rope": NUM_LAYERS,
+        "qk_norm_rope": 0,  # llama has no head norms
         "attn_quant": attn_quant,
     }
     assert len(attention_scales(backend)) == attn_quant  # the op got o_proj's input_scale
@@ -116,11 +118,14 @@ def test_fusions_replace_every_match_and_keep_tokens_and_logits(op_forms, quanti
 @pytest.mark.parametrize(
     "custom_ops,fusions",
     [
-        (["-silu_and_mul"], {"gemv_act": 0, "rope": NUM_LAYERS, "attn_quant": 0}),
-        (["-rotary"], {"gemv_act": NUM_LAYERS, "rope": 0, "attn_quant": 0}),
+        (
+            ["-silu_and_mul"],
+            {"gemv_act": 0, "rope": NUM_LAYERS, "qk_norm_rope": 0, "attn_quant": 0},
+        ),
+        (["-rotary"], {"gemv_act": NUM_LAYERS, "rope": 0, "qk_norm_rope": 0, "attn_quant": 0}),
         (
             ["none", "+linear", "+silu_and_mul"],
-            {"gemv_act": NUM_LAYERS, "rope": 0, "attn_quant": 0},
+            {"gemv_act": NUM_LAYERS, "rope": 0, "qk_norm_rope": 0, "attn_quant": 0},
         ),
     ],
 )
@@ -138,5 +143,5 @@ def test_custom_ops_pick_the_op_or_the_torch_form_and_so_the_fusions(op_forms, c
 def test_without_the_op_forms_nothing_matches():
     """The CPU's own choices (torch forms): the graph holds no GEMV op, the passes find nothing."""
     _, _, (backend,) = run(None, 3)
-    assert backend.num_fusions == {"gemv_act": 0, "rope": 0, "attn_quant": 0}
+    assert backend.num_fusions == {"gemv_act": 0, "rope": 0, "qk_norm_rope": 0, "attn_quant": 0}
     assert set(split_graph_ops(backend)) == {"unified_attention_with_output"}

@@ -81,7 +81,7 @@ def cache_key_factors(
 ) -> dict[str, Any]:
     """Every factor of the cache key, JSON-ready (the hash of this dict names the directory)."""
     from pieceworks import envs
-    from pieceworks.core.passes import attn_quant_fusion, gemv_fusion, graph_match
+    from pieceworks.core.passes import attn_quant_fusion, gemv_fusion, graph_match, head_norm_match
 
     return {
         "env": envs.compile_factors(),
@@ -89,7 +89,10 @@ def cache_key_factors(
         "traced_files": hash_source_files(traced_files),
         # the passes that rewrite Dynamo's graph before it is split (not traced by Dynamo)
         "graph_passes": hash_source_files(
-            [str(module.__file__) for module in (graph_match, gemv_fusion, attn_quant_fusion)]
+            [
+                str(module.__file__)
+                for module in (graph_match, head_norm_match, gemv_fusion, attn_quant_fusion)
+            ]
         ),
         "compiler": compiler.compute_hash_factors(),
     }

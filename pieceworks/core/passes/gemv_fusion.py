@@ -1,4 +1,5 @@
-"""GEMV epilogue fusions: the gated activation into the gate/up GEMV, the rotary into the qkv GEMV.
+"""GEMV epilogue fusions: the gated activation into the gate/up GEMV, the rotary (and the q/k
+head norms before it) into the qkv GEMV.
 
 The layers call plain ops: ``gate_up_proj -> act_fn -> down_proj`` and ``qkv_proj -> split ->
 rotary_emb(positions, q, k)``. Where the chooser gave the linear layers the decode GEMV ops and the
@@ -17,18 +18,26 @@ with the fused ops that exist for them:
     rotary_embedding(p, q, k, cache, D, neox), q, k of split(small_m_linear(x, W))
                                         -> q, k of split(small_m_rope_linear(x, W, p, cache, D, H))
                                         (H = Hq + Hkv rotated heads; FP8: small_m_fp8_rope_linear)
+    rotary_embedding(p, norm_q(q), norm_k(k), cache, D, neox), q, k of split(small_m_linear(x, W))
+                                        -> q, k of split(small_m_qk_norm_rope_linear(x, W, p,
+                                           cache, D, Hq, Hkv, w_q, w_k, eps, unit_offset))
 
 so the compiled decode graph runs one GEMV with the epilogue where the unfused graph runs a GEMV and
-an elementwise kernel. They run on the whole graph Dynamo hands the level-3 backend, before it is
-split (``core/backend.py``), for every compile backend (eager included), so the pieces Inductor
+an elementwise kernel. In the last, ``norm_q`` and ``norm_k`` are per-head RMSNorms (Qwen3,
+Gemma 3: ``q.reshape(-1, D)`` normalised, then viewed back) as ``head_norm_match.py`` finds them,
+both of one form (``rms_norm``, or Gemma's ``gemma_rms_norm``: ``unit_offset``) and one eps; that
+op runs the GEMV and then one kernel that normalises and rotates the q and k heads in place
+(``kernels/gemv/triton_gemv_qk_norm_rope.py`` says why not one kernel); FP8 GEMVs keep the
+unfused path there. The passes run on the whole graph Dynamo hands the level-3 backend, before it
+is split (``core/backend.py``), for every compile backend (eager included), so the pieces Inductor
 compiles hold the fused ops and nothing else changes. A match needs: no bias, every intermediate
 read only by the next node of the sequence, and for the rotary neox style on every dim (what the
 epilogue rotates). GeGLU is fused after an unquantized gate/up GEMV only: there is no FP8 GEMV with
 the GELU and the next layer's quantization as its epilogue, so an FP8 Gemma's ``small_m_fp8_linear
 -> gelu_and_mul`` stays as it is. The GeGLU epilogue computes the GELU as the ``gelu_and_mul``
 kernel does, from the gate and up values rounded as the GEMV stores them.
-``PassConfig.enable_gemv_act_fusion`` and ``enable_rope_fusion`` switch them; level 0 runs the plain
-ops, so eager is the oracle of the fused graphs' numerics.
+``PassConfig.enable_gemv_act_fusion``, ``enable_rope_fusion`` and ``enable_qk_norm_rope_fusion``
+switch them; level 0 runs the plain ops, so eager is the oracle of the fused graphs' numerics.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from pieceworks.core.passes.graph_match import (
     pieceworks_op,
     sole_source,
 )
+from pieceworks.core.passes.head_norm_match import head_norm_before
 from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
@@ -64,6 +74,7 @@ GELU_GATED_LINEAR_OP = "small_m_gelu_and_mul_linear"
 FP8_GATED_LINEAR_OP = "small_m_fp8_silu_and_mul"
 ROPE_LINEAR_OP = "small_m_rope_linear"
 FP8_ROPE_LINEAR_OP = "small_m_fp8_rope_linear"
+QK_NORM_ROPE_LINEAR_OP = "small_m_qk_norm_rope_linear"
 FP8_BIAS_INDEX = 4  # small_m_fp8_linear(x_fp8, weight, input_scale, weight_scale, bias, ...)
 
 
@@ -178,14 +189,72 @@ class GemvRopeFusionPass:
         return 1
 
 
+class GemvQKNormRopeFusionPass:
+    """``rotary_embedding`` of q and k heads normalised after a qkv GEMV's split -> one op that
+    runs the GEMV, the norms and the rotation."""
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        num_fused = 0
+        for rotary in list(graph.nodes):
+            if op_name(rotary) == ROTARY_OP:
+                num_fused += self._fuse(graph, rotary)
+        return num_fused
+
+    def _fuse(self, graph: torch.fx.Graph, rotary: torch.fx.Node) -> int:
+        positions, query, key, cos_sin_cache, head_size, is_neox_style = rotary.args
+        cache = example_value(cos_sin_cache)
+        if not is_neox_style or cache is None or cache.shape[1] != head_size:
+            return 0
+        q_norm, k_norm = head_norm_before(query, head_size), head_norm_before(key, head_size)  # type: ignore[arg-type]
+        if q_norm is None or k_norm is None or not _read_as_items(rotary):
+            return 0
+        if (q_norm.epsilon, q_norm.unit_offset) != (k_norm.epsilon, k_norm.unit_offset):
+            return 0
+        if len(q_norm.source.users) != 1 or len(k_norm.source.users) != 1:
+            return 0  # q or k also read unnormalised: the fused op no longer gives them
+        split = _qkv_split(q_norm.source, k_norm.source)
+        chain: list[torch.fx.Node] = []
+        linear = sole_source(split.args[0], chain) if split is not None else None  # type: ignore[arg-type]
+        fused_op = pieceworks_op(QK_NORM_ROPE_LINEAR_OP)
+        if linear is None or op_name(linear) != LINEAR_OP or not _plain_linear(linear):
+            return 0
+        produced, normed = example_value(linear), example_value(query)
+        if fused_op is None or produced is None or normed is None or produced.dtype != normed.dtype:
+            return 0
+        q_size, kv_size, _ = split.args[1]  # type: ignore[union-attr, misc]
+        norm = (q_norm.weight, k_norm.weight, q_norm.epsilon, q_norm.unit_offset)
+        heads = (head_size, q_size // head_size, kv_size // head_size)  # type: ignore[operator]
+        args = (*linear.args[:2], positions, cos_sin_cache, *heads, *norm)
+        with graph.inserting_before(linear):
+            fused = graph.call_function(fused_op, args)
+        fused.meta = dict(
+            linear.meta
+        )  # the same (T, (Hq + 2 Hkv) D) value, q and k normed, rotated
+        linear.replace_all_uses_with(fused)
+        for reader in list(rotary.users):  # getitem(rotary, 0 | 1): the split's q and k now
+            item = q_norm.source if reader.args[1] == 0 else k_norm.source
+            reader.replace_all_uses_with(item)
+        erase_sequence(graph, [*rotary.users, rotary, *q_norm.nodes, *k_norm.nodes, linear])
+        return 1
+
+
 def _split_of(query: Any, key: Any, rotary: torch.fx.Node) -> torch.fx.Node | None:
     """The ``qkv.split([q, kv, kv], dim=-1)`` whose items 0 and 1 are ``query`` and ``key``,
     read by ``rotary`` alone, and ``rotary``'s outputs read only as items."""
-    items = [query, key]
-    for index, item in enumerate(items):
+    split = _qkv_split(query, key)
+    if split is None or not _read_as_items(rotary):
+        return None
+    if set(query.users) != {rotary} or set(key.users) != {rotary}:
+        return None
+    return split
+
+
+def _qkv_split(query: Any, key: Any) -> torch.fx.Node | None:
+    """The ``qkv.split([q, kv, kv], dim=-1)`` whose items 0 and 1 are ``query`` and ``key``."""
+    for index, item in enumerate([query, key]):
         if not (isinstance(item, torch.fx.Node) and item.target is operator.getitem):
             return None
-        if item.args[1] != index or set(item.users) != {rotary}:
+        if item.args[1] != index:
             return None
     split = query.args[0]
     if key.args[0] is not split or split.op != "call_method" or split.target != "split":
@@ -193,9 +262,11 @@ def _split_of(query: Any, key: Any, rotary: torch.fx.Node) -> torch.fx.Node | No
     sizes = split.args[1] if len(split.args) > 1 else None
     if not isinstance(sizes, (list, tuple)) or len(sizes) != 3:
         return None
-    if any(reader.target is not operator.getitem for reader in rotary.users):
-        return None
     return split
+
+
+def _read_as_items(rotary: torch.fx.Node) -> bool:
+    return all(reader.target is operator.getitem for reader in rotary.users)
 
 
 def fuse_epilogues(gm: torch.fx.GraphModule, pass_config: PassConfig) -> dict[str, int]:
@@ -208,6 +279,8 @@ def fuse_epilogues(gm: torch.fx.GraphModule, pass_config: PassConfig) -> dict[st
         counts["gemv_act"] = GemvActivationFusionPass()(gm.graph)
     if pass_config.enable_rope_fusion:
         counts["rope"] = GemvRopeFusionPass()(gm.graph)
+    if pass_config.enable_qk_norm_rope_fusion:
+        counts["qk_norm_rope"] = GemvQKNormRopeFusionPass()(gm.graph)
     if pass_config.enable_attn_quant_fusion:
         counts["attn_quant"] = AttnQuantFusionPass()(gm.graph)
     if any(counts.values()):

@@ -2,8 +2,9 @@
 residual-add form.
 
 Plain ATen, so Inductor fuses the add, the reduction and the scale into one kernel. The arithmetic
-is ``core.norm_quant.rms_norm`` / ``add_rms_norm``: the FP8 fusion pass in ``core/passes``
-pattern-matches exactly what those functions trace to, so the layer calls them rather than repeating
+is ``core.norm_quant.rms_norm`` / ``add_rms_norm`` / ``gemma_rms_norm``: the fusion passes in
+``core/passes`` (FP8, and the q/k head norms' into the qkv GEMV) match exactly what those functions
+trace to, so the layer calls them rather than repeating
 them. Where an out-of-tree platform registered its own ``rms_norm`` (``kernels/chooser.py``), the
 layer calls that instead, chosen when the model is built (``choose_kernels``). ``GemmaRMSNorm``
 is Gemma's: the checkpoint stores ``weight - 1`` and the scale ``1 + weight`` multiplies in float32
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pieceworks.core.norm_quant import add_rms_norm, rms_norm
+from pieceworks.core.norm_quant import add_rms_norm, gemma_rms_norm, rms_norm
 from pieceworks.kernels.chooser import KernelChooser
 
 
@@ -57,14 +58,6 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
-
-
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """``x / sqrt(mean(x**2) + eps) * (1 + weight)``, all in float32, cast back once."""
-    orig_dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
-    return (x * (1.0 + weight.to(torch.float32))).to(orig_dtype)
 
 
 class GemmaRMSNorm(nn.Module):

@@ -347,17 +347,25 @@ def test_fuse_epilogues_counts_each_enabled_fusion_and_logs_them(caplog, monkeyp
     monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
     caplog.set_level(logging.DEBUG, logger="pieceworks.core.passes.gemv_fusion")
     gm = torch.fx.GraphModule(torch.nn.Module(), gate_up_graph(None))
-    assert fuse_epilogues(gm, PassConfig()) == {"gemv_act": 1, "rope": 0, "attn_quant": 0}
+    counts = {"gemv_act": 1, "rope": 0, "qk_norm_rope": 0, "attn_quant": 0}
+    assert fuse_epilogues(gm, PassConfig()) == counts
     assert "small_m_silu_and_mul_linear" in gm.code  # recompiled
     messages = {r.getMessage() for r in caplog.records if r.name.endswith("gemv_fusion")}
-    assert messages == {"epilogue fusions: {'gemv_act': 1, 'rope': 0, 'attn_quant': 0}"}
+    assert messages == {f"epilogue fusions: {counts}"}
     caplog.clear()
-    only_rope = PassConfig(enable_gemv_act_fusion=False, enable_attn_quant_fusion=False)
+    only_rope = PassConfig(
+        enable_gemv_act_fusion=False,
+        enable_qk_norm_rope_fusion=False,
+        enable_attn_quant_fusion=False,
+    )
     unfused = torch.fx.GraphModule(torch.nn.Module(), gate_up_graph(None))
     assert fuse_epilogues(unfused, only_rope) == {"rope": 0}
     assert not [r for r in caplog.records if r.name.endswith("gemv_fusion")]  # nothing fused
     assert ops_of(unfused.graph) == ["small_m_linear", "silu_and_mul"]
     off = PassConfig(
-        enable_gemv_act_fusion=False, enable_rope_fusion=False, enable_attn_quant_fusion=False
+        enable_gemv_act_fusion=False,
+        enable_rope_fusion=False,
+        enable_qk_norm_rope_fusion=False,
+        enable_attn_quant_fusion=False,
     )
     assert fuse_epilogues(unfused, off) == {}

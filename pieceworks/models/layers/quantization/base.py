@@ -12,8 +12,9 @@ when the model is built (``choose_kernels``, called by the loader; until then a 
 torch form), so eager (level 0) and compiled calls run the same ops and eager is an oracle for
 compiled numerics. The fused forms (the gate/up GEMV with the
 activation as its epilogue, ``pieceworks::small_m_silu_and_mul_linear`` and
-``small_m_gelu_and_mul_linear``; the qkv GEMV with the
-rotary as its epilogue, ``pieceworks::small_m_rope_linear``) are registered here, when the GEMV
+``small_m_gelu_and_mul_linear``; the qkv GEMV with the rotary as its epilogue,
+``pieceworks::small_m_rope_linear``, and after q/k head norms,
+``pieceworks::small_m_qk_norm_rope_linear``) are registered here, when the GEMV
 ops are on, and put into compiled graphs by the fusion passes (``core/passes/gemv_fusion.py``).
 """
 
@@ -31,6 +32,7 @@ from pieceworks.kernels.gemv.triton_gemv import (
     small_m_linear_op,
     small_m_silu_and_mul_linear_op,
 )
+from pieceworks.kernels.gemv.triton_gemv_qk_norm_rope import small_m_qk_norm_rope_linear_op
 from pieceworks.kernels.gemv.triton_gemv_rope import small_m_rope_linear_op
 
 
@@ -76,6 +78,7 @@ class UnquantizedLinearMethod(LinearMethod):
             small_m_silu_and_mul_linear_op()
             small_m_gelu_and_mul_linear_op()
             small_m_rope_linear_op()
+            small_m_qk_norm_rope_linear_op()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer_tensor(layer, "weight")
