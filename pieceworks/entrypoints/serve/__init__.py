@@ -41,15 +41,16 @@ def build_process_context(spec: Any, model_name: str, max_waiting_requests: int)
     """The ``ServingContext`` over an engine built from ``spec`` (an ``EngineSpec``) in a
     process of its own; an engine that cannot be built raises its error here."""
     from pieceworks.engine.core_client import EngineProcessClient
-    from pieceworks.engine.tokenizer import load_tokenizer
+    from pieceworks.engine.tokenizer import check_tokenizer_fits, load_tokenizer
 
     client = EngineProcessClient(spec)
     try:
+        info = client.info
         tokenizer = load_tokenizer(spec.model, spec.engine_args.get("tokenizer"))
+        check_tokenizer_fits(tokenizer, info.vocab_size, spec.engine_args.get("tokenizer"))
     except BaseException:
         client.shutdown()
         raise
-    info = client.info
     limits = _limits(info.max_model_len, info.vocab_size, info.kv_capacity_tokens)
     return _context(client, tokenizer, model_name, limits, max_waiting_requests)
 
