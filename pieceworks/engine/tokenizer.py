@@ -53,10 +53,13 @@ _LLAMA3_SPLIT = (
 _LLAMA3 = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"})
 
 
-def check_tokenizer_fits(tokenizer: Any, vocab_size: int, source: str | None) -> None:
+def check_tokenizer_fits(tokenizer: Any, vocab_size: int | None, source: str | None) -> None:
     """A tokenizer named apart from the model (``--tokenizer``) must not produce ids past the
-    model's vocabulary; a model's own may be smaller than its (padded) embedding."""
-    if tokenizer is not None and source is not None and len(tokenizer) > vocab_size:
+    model's vocabulary (when it is known); a model's own may be smaller than its (padded)
+    embedding."""
+    if tokenizer is None or source is None or vocab_size is None:
+        return
+    if len(tokenizer) > vocab_size:
         raise ValueError(
             f"tokenizer {source!r} has {len(tokenizer)} tokens, more than the model's vocabulary "
             f"of {vocab_size}: its ids would index past the embedding; pass the model's own "
