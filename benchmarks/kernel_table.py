@@ -11,26 +11,20 @@ share of the step's kernel time:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pieceworks.benchmarks.kernel_report import format_budget_table  # noqa: E402
+from pieceworks.benchmarks.report import read_latency_json  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="bench latency --kernel-breakdown JSON files")
     args = parser.parse_args()
-    payloads = []
-    for name in args.files:
-        payload = json.loads(Path(name).read_text())
-        if "results" not in payload:
-            print(f"skipping {name}: not a bench latency JSON (no 'results')", file=sys.stderr)
-            continue
-        payloads.append(payload)
+    payloads = read_latency_json(args.files)
     print(format_budget_table(payloads))
     return 0
 

@@ -11,13 +11,12 @@ tokens per second, their ratio, acceptance):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pieceworks.benchmarks.report import format_performance_table  # noqa: E402
+from pieceworks.benchmarks.report import format_performance_table, read_latency_json  # noqa: E402
 from pieceworks.benchmarks.spec_report import format_speculative_table  # noqa: E402
 
 
@@ -25,13 +24,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="bench latency --output-json files")
     args = parser.parse_args()
-    payloads = []
-    for name in args.files:
-        payload = json.loads(Path(name).read_text())
-        if "results" not in payload:
-            print(f"skipping {name}: not a bench latency JSON (no 'results')", file=sys.stderr)
-            continue
-        payloads.append(payload)
+    payloads = read_latency_json(args.files)
     print(format_performance_table(payloads))
     speculative = format_speculative_table(payloads)
     if speculative:

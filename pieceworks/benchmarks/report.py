@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,19 @@ def format_compile_cache(results: list[dict[str, Any]]) -> str:
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
+
+
+def read_latency_json(names: list[str]) -> list[dict[str, Any]]:
+    """The ``bench latency`` payloads among ``names``; any other JSON is skipped with a line on
+    stderr saying so (the table scripts take shell globs)."""
+    payloads = []
+    for name in names:
+        payload = json.loads(Path(name).read_text())
+        if "results" not in payload:
+            print(f"skipping {name}: not a bench latency JSON (no 'results')", file=sys.stderr)
+            continue
+        payloads.append(payload)
+    return payloads
 
 
 PERFORMANCE_COLUMNS = [

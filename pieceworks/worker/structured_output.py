@@ -107,7 +107,8 @@ class StructuredOutputManager:
             if tokenizer is None:
                 raise ValueError(
                     "structured output needs the model's tokenizer, and this model has none "
-                    "(presets have random weights): pass tokenizer=<a directory or GGUF file>"
+                    "(presets have random weights): pass --tokenizer (offline: tokenizer=) "
+                    "naming a directory, a GGUF file or smollm2-135m of the model's vocabulary"
                 )
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer,

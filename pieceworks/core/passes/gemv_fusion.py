@@ -146,21 +146,25 @@ class GemvActivationFusionPass:
         return 1
 
 
-class GemvRopeFusionPass:
-    """``rotary_embedding`` of the q and k a qkv GEMV produced -> the GEMV with the rotation."""
+class _RotaryFusionPass:
+    """A pass that replaces the qkv GEMV under each ``rotary_embedding`` it can match."""
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         num_fused = 0
         for rotary in list(graph.nodes):
-            if op_name(rotary) == ROTARY_OP:
+            if op_name(rotary) == ROTARY_OP and _rotates_every_dim_neox(rotary):
                 num_fused += self._fuse(graph, rotary)
         return num_fused
 
     def _fuse(self, graph: torch.fx.Graph, rotary: torch.fx.Node) -> int:
-        positions, query, key, cos_sin_cache, head_size, is_neox_style = rotary.args
-        cache = example_value(cos_sin_cache)
-        if not is_neox_style or cache is None or cache.shape[1] != head_size:
-            return 0
+        raise NotImplementedError
+
+
+class GemvRopeFusionPass(_RotaryFusionPass):
+    """``rotary_embedding`` of the q and k a qkv GEMV produced -> the GEMV with the rotation."""
+
+    def _fuse(self, graph: torch.fx.Graph, rotary: torch.fx.Node) -> int:
+        positions, query, key, cos_sin_cache, head_size, _ = rotary.args
         split = _split_of(query, key, rotary)
         if split is None:
             return 0
@@ -179,32 +183,16 @@ class GemvRopeFusionPass:
             args = (x_fp8, weight, input_scale, weight_scale, *rope, out_dtype, native)
         if fused_op is None:
             return 0
-        with graph.inserting_before(linear):
-            fused = graph.call_function(fused_op, tuple(args))
-        fused.meta = dict(linear.meta)  # the same (T, (Hq + 2 Hkv) D) value, q and k rotated
-        linear.replace_all_uses_with(fused)
-        for reader in list(rotary.users):  # getitem(rotary, 0 | 1): the split's q and k now
-            reader.replace_all_uses_with(query if reader.args[1] == 0 else key)  # type: ignore[arg-type]
-        erase_sequence(graph, [*rotary.users, rotary, linear])
+        _replace_linear_and_rotary(graph, rotary, linear, (fused_op, args), (query, key), [])
         return 1
 
 
-class GemvQKNormRopeFusionPass:
+class GemvQKNormRopeFusionPass(_RotaryFusionPass):
     """``rotary_embedding`` of q and k heads normalised after a qkv GEMV's split -> one op that
     runs the GEMV, the norms and the rotation."""
 
-    def __call__(self, graph: torch.fx.Graph) -> int:
-        num_fused = 0
-        for rotary in list(graph.nodes):
-            if op_name(rotary) == ROTARY_OP:
-                num_fused += self._fuse(graph, rotary)
-        return num_fused
-
     def _fuse(self, graph: torch.fx.Graph, rotary: torch.fx.Node) -> int:
-        positions, query, key, cos_sin_cache, head_size, is_neox_style = rotary.args
-        cache = example_value(cos_sin_cache)
-        if not is_neox_style or cache is None or cache.shape[1] != head_size:
-            return 0
+        positions, query, key, cos_sin_cache, head_size, _ = rotary.args
         q_norm, k_norm = head_norm_before(query, head_size), head_norm_before(key, head_size)  # type: ignore[arg-type]
         if q_norm is None or k_norm is None or not _read_as_items(rotary):
             return 0
@@ -225,17 +213,37 @@ class GemvQKNormRopeFusionPass:
         norm = (q_norm.weight, k_norm.weight, q_norm.epsilon, q_norm.unit_offset)
         heads = (head_size, q_size // head_size, kv_size // head_size)  # type: ignore[operator]
         args = (*linear.args[:2], positions, cos_sin_cache, *heads, *norm)
-        with graph.inserting_before(linear):
-            fused = graph.call_function(fused_op, args)
-        fused.meta = dict(
-            linear.meta
-        )  # the same (T, (Hq + 2 Hkv) D) value, q and k normed, rotated
-        linear.replace_all_uses_with(fused)
-        for reader in list(rotary.users):  # getitem(rotary, 0 | 1): the split's q and k now
-            item = q_norm.source if reader.args[1] == 0 else k_norm.source
-            reader.replace_all_uses_with(item)
-        erase_sequence(graph, [*rotary.users, rotary, *q_norm.nodes, *k_norm.nodes, linear])
+        items = (q_norm.source, k_norm.source)
+        _replace_linear_and_rotary(
+            graph, rotary, linear, (fused_op, args), items, [*q_norm.nodes, *k_norm.nodes]
+        )
         return 1
+
+
+def _rotates_every_dim_neox(rotary: torch.fx.Node) -> bool:
+    """What the fused rotations implement: neox style, on every dim of the head."""
+    _, _, _, cos_sin_cache, head_size, is_neox_style = rotary.args
+    cache = example_value(cos_sin_cache)
+    return bool(is_neox_style) and cache is not None and cache.shape[1] == head_size
+
+
+def _replace_linear_and_rotary(
+    graph: torch.fx.Graph,
+    rotary: torch.fx.Node,
+    linear: torch.fx.Node,
+    call: tuple[Any, tuple],
+    items: tuple[Any, Any],
+    also_erased: list[torch.fx.Node],
+) -> None:
+    """Put ``call`` (op, args: the same (T, (Hq + 2 Hkv) D) value with q and k done) where
+    ``linear`` was; ``rotary``'s q and k outputs become the split's ``items``; erase the rest."""
+    with graph.inserting_before(linear):
+        fused = graph.call_function(call[0], tuple(call[1]))
+    fused.meta = dict(linear.meta)
+    linear.replace_all_uses_with(fused)
+    for reader in list(rotary.users):  # getitem(rotary, 0 | 1): the split's q and k now
+        reader.replace_all_uses_with(items[0] if reader.args[1] == 0 else items[1])
+    erase_sequence(graph, [*rotary.users, rotary, *also_erased, linear])
 
 
 def _split_of(query: Any, key: Any, rotary: torch.fx.Node) -> torch.fx.Node | None:
