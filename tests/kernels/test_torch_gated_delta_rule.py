@@ -11,6 +11,8 @@ Run: pytest tests/kernels/test_torch_gated_delta_rule.py
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,10 @@ from pieceworks.kernels.gated_delta_rule.torch_gated_delta_rule import (
 )
 
 modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+# transformers swaps in flash-linear-attention's kernels where fla is installed; the oracle is
+# its torch form, which the decorator keeps as ``__wrapped__``.
+THEIR_CHUNK = inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
+THEIR_RECURRENT = inspect.unwrap(modeling.torch_recurrent_gated_delta_rule)
 
 BATCH, LENGTH, K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 21, 2, 4, 16, 8
 
@@ -41,8 +47,8 @@ def test_both_forms_equal_transformers(with_state):
     q, k, v, g, beta, state = inputs(0)
     initial = state if with_state else None
     for ours, theirs, extra in [
-        (chunk_gated_delta_rule, modeling.torch_chunk_gated_delta_rule, {"chunk_size": 8}),
-        (recurrent_gated_delta_rule, modeling.torch_recurrent_gated_delta_rule, {}),
+        (chunk_gated_delta_rule, THEIR_CHUNK, {"chunk_size": 8}),
+        (recurrent_gated_delta_rule, THEIR_RECURRENT, {}),
     ]:
         out, final = ours(q, k, v, g, beta, initial, **extra)
         expected, expected_final = theirs(

@@ -124,9 +124,10 @@ def test_rotate_leading_heads_rotates_only_the_first_heads(neox):
 @pytest.mark.parametrize("neox", [True, False])
 def test_rotary_embedding_and_its_op_rotate_query_and_key(neox):
     torch.manual_seed(4)
-    positions = torch.tensor([1, 4, 9])
-    query, key = torch.randn(3, 4 * 8), torch.randn(3, 2 * 8)
-    cache = cos_sin_cache(16, 8)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the op is registered
+    positions = torch.tensor([1, 4, 9], device=device)
+    query, key = torch.randn(3, 4 * 8, device=device), torch.randn(3, 2 * 8, device=device)
+    cache = cos_sin_cache(16, 8).to(device)
     q, k = rotary_embedding(positions, query, key, cache, 8, neox)
     assert torch.equal(q, rotate_heads_by_cache(positions, query, cache, 8, neox))
     assert torch.equal(k, rotate_heads_by_cache(positions, key, cache, 8, neox))

@@ -124,7 +124,7 @@ def test_op_has_a_fake_and_traces():
     op = gelu_and_mul_op()
     assert op is torch.ops.pieceworks.gelu_and_mul
     assert op(torch.empty(3, 10, device="meta"), "tanh").shape == (3, 5)
-    x = torch.randn(4, 12)
+    x = torch.randn(4, 12, device=DEVICE)  # the op is registered for the platform's device
     compiled = torch.compile(lambda t: op(t, "tanh") + 1, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), gelu_and_mul(x, "tanh") + 1)
 
