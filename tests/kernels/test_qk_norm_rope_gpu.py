@@ -1,8 +1,10 @@
 """The q/k head norm and rotary op at the Qwen3-8B and Gemma-3-4B attention shapes on a GPU.
 
 Proves that ``small_m_qk_norm_rope_linear`` (the GEMV, then the in-place norm-and-rotate kernel)
-in bfloat16 equals the float64 reference of ``test_qk_norm_rope.py`` applied to the GEMV's own
-result, for 1, 16 (the GEMV) and 64 tokens (cuBLAS, then the kernel), with Qwen3's ``rms_norm``
+in bfloat16 is as close to the float64 reference of ``test_qk_norm_rope.py`` (applied to the
+GEMV's own result) as the unfused torch forms are (or one ulp of its largest element), and within
+bfloat16's tolerance on 99 % of it, for 1, 16 (the GEMV) and 64 tokens (cuBLAS, then the kernel),
+with Qwen3's ``rms_norm``
 (32 q and 8 kv heads of 128, K 4096) and Gemma's ``1 + weight`` (8 q and 4 kv heads of 256,
 K 2560); and that captured in a CUDA graph (with programmatic dependent launch where the GPU has
 it) its replay on new inputs gives what an eager call gives.
@@ -16,6 +18,7 @@ import torch
 
 from pieceworks.kernels.gemv.triton_gemv import small_m_linear
 from pieceworks.kernels.gemv.triton_gemv_qk_norm_rope import small_m_qk_norm_rope_linear
+from pieceworks.kernels.rope.triton_qk_norm_rope import norm_rotate_qk_heads_torch
 from pieceworks.models.layers.rotary_embedding import get_rope
 from tests.kernels.test_qk_norm_rope import reference
 from tests.kernels.test_triton_gemv import TOLERANCES
@@ -51,8 +54,19 @@ def shape_operands(num_tokens: int, shape, seed: int = 0):
 def test_op_matches_the_reference_at_real_sizes(shape, num_tokens):
     x, weight, positions, cache, heads, norm = shape_operands(num_tokens, shape)
     output = small_m_qk_norm_rope_linear(x, weight, positions, cache, *heads, *norm)
-    expected = reference(small_m_linear(x, weight), positions, cache, heads, norm)
-    torch.testing.assert_close(output.double(), expected, **TOLERANCES[torch.bfloat16])
+    qkv = small_m_linear(x, weight)
+    expected = reference(qkv, positions, cache, heads, norm)
+    error = (output.double() - expected).abs()
+    # The yardstick is what the model runs unfused: the torch forms round where the reference
+    # rounds, but compute in bfloat16 between, so a rounding step flips one ulp of an
+    # intermediate (up to 0.03 at the largest heads) on about 0.6 % of the elements.
+    unfused = norm_rotate_qk_heads_torch(positions, qkv, cache, *heads, norm).double()
+    unfused_error = (unfused - expected).abs()
+    tight = TOLERANCES[torch.bfloat16]
+    outside = error > tight["atol"] + tight["rtol"] * expected.abs()
+    one_ulp_at_largest = 2**-7 * expected.abs().max()
+    assert error.max() <= max(unfused_error.max(), one_ulp_at_largest), error.max()
+    assert outside.double().mean() <= 0.01, outside.double().mean()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[shape[0] for shape in SHAPES])
