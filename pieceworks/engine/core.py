@@ -17,10 +17,11 @@ tokens per request (docs/engine.md, "Speculative decoding").
 Start-up (load, compile, KV cache, capture) happens in the constructor and is timed for the report.
 
 A request with ``SamplingParams.structured_outputs`` has its grammar compiled when it is added
-(a ValueError if it does not compile); a step whose batch holds one first applies the previous
-step's tokens (no overlap with the device for that step), then asks the
-``StructuredOutputManager`` for the step's token bitmask, which the runner applies before
-sampling; such a step never runs as a multi-step output or in captured decode tails, and
+(a ValueError if it does not compile). A step whose batch holds one is launched as any other;
+once the runner has launched its forward it asks for the step's token bitmask, and the engine
+then applies the previous step's tokens and has the ``StructuredOutputManager`` fill the bitmask
+while the device runs the forward; the runner masks the logits with it before sampling. Such a
+step never runs as a multi-step output or in captured decode tails, and
 ``num_constrained_steps`` counts them.
 """
 
@@ -30,6 +31,7 @@ import itertools
 import tempfile
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from pieceworks.config import CompilationLevel, EngineConfig
 from pieceworks.engine.arg_utils import draft_engine_config
@@ -43,7 +45,10 @@ from pieceworks.worker.executor import make_executor
 from pieceworks.worker.sampled_tokens import SampledTokens
 from pieceworks.worker.spec_decode import make_proposer
 from pieceworks.worker.spec_decode.proposer import propose_for_running
-from pieceworks.worker.structured_output import StructuredOutputManager
+from pieceworks.worker.structured_output import GrammarSource, StructuredOutputManager
+
+if TYPE_CHECKING:
+    import torch
 
 logger = init_logger(__name__)
 
@@ -226,8 +231,8 @@ class EngineCore:
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
             return self._finish_in_flight()  # nothing new to launch: only drain
-        finished = self._constrain(output)
-        sampled = self.executor.execute_async(output)
+        finished: list[Request] = []
+        sampled = self.executor.execute_async(output, self._grammar_source(output, finished))
         finished += self._finish_in_flight()
         self._in_flight = (output, sampled)
         if not self.async_scheduling:
@@ -241,16 +246,24 @@ class EngineCore:
         step_seconds.extend([timing] * output.num_steps)
         return finished
 
-    def _constrain(self, output: SchedulerOutput) -> list[Request]:
-        """Set the step's grammar bitmask when a producing request is constrained; the
-        matchers need the previous step's tokens first, so that step is finished here (the
-        requests it finished are returned)."""
+    def _grammar_source(
+        self, output: SchedulerOutput, finished: list[Request]
+    ) -> GrammarSource | None:
+        """For a step whose producing requests include a constrained one: what gives its token
+        bitmask, which the runner asks for once it has launched the step's forward. The
+        matchers need the previous step's tokens, so it first finishes that step (adding the
+        requests it finished to ``finished``), then fills the bitmask: the host does both while
+        the device runs this step's forward."""
         if not any(s.request.sampling_params.structured_outputs for s in output.producing_requests):
-            return []
-        finished = self._finish_in_flight()
-        output.grammar_bitmask = self.structured_output.grammar_bitmask(output)
-        self.num_constrained_steps += 1
-        return finished
+            return None
+
+        def bitmask() -> torch.Tensor | None:
+            finished.extend(self._finish_in_flight())
+            output.grammar_bitmask = self.structured_output.grammar_bitmask(output)
+            self.num_constrained_steps += 1
+            return output.grammar_bitmask
+
+        return bitmask
 
     def _finish_in_flight(self) -> list[Request]:
         """Wait for the launched step's tokens (the host sync) and hand them to the scheduler."""

@@ -6,7 +6,9 @@ process. ``MultiprocExecutor`` runs one rank per device on torch.distributed: th
 (``worker/worker.py``) started with ``torch.multiprocessing`` spawn. Each step rank 0 broadcasts
 the scheduled batch (``SchedulerOutput.detached()``: ids, counts, new token ids, blocks, slots,
 sampling parameters) over the gloo group, then runs it itself; every rank runs the same step, the
-all-reduces inside the model keep them in lock step, and every rank samples the same ids.
+all-reduces inside the model keep them in lock step, and every rank samples the same ids. A step
+with a structured-output request sends its token bitmask in a second broadcast, once rank 0 has
+launched its forward and filled the bitmask.
 
 A caller that has already initialised the distributed environment itself
 (``pieceworks.distributed.init_distributed_environment``) gets a ``UniprocExecutor`` on every rank:
@@ -43,6 +45,7 @@ from pieceworks.scheduler.output import SchedulerOutput
 from pieceworks.worker.model_runner import ModelRunner
 from pieceworks.worker.rank import STOP, dist_timeout, free_rank, start_rank
 from pieceworks.worker.sampled_tokens import SampledTokens
+from pieceworks.worker.structured_output import GrammarSource
 
 logger = init_logger(__name__)
 
@@ -56,8 +59,10 @@ class UniprocExecutor:
         self.runner.initialize_kv_cache()
         self.runner.capture_model()
 
-    def execute_async(self, output: SchedulerOutput) -> SampledTokens:
-        return self.runner.execute_async(output)
+    def execute_async(
+        self, output: SchedulerOutput, grammar: GrammarSource | None = None
+    ) -> SampledTokens:
+        return self.runner.execute_async(output, grammar)
 
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
@@ -193,16 +198,30 @@ class MultiprocExecutor(UniprocExecutor):
             return f"{', '.join(dead)} (exited without a report)" if dead else None
         return f"rank {rank}:\n{trace}"
 
-    def execute_async(self, output: SchedulerOutput) -> SampledTokens:
+    def execute_async(
+        self, output: SchedulerOutput, grammar: GrammarSource | None = None
+    ) -> SampledTokens:
+        """Broadcast the step, then run it here. A constrained step's bitmask follows in a
+        second broadcast, when this rank's runner asks for it (after launching its forward)."""
+        message = (output.detached(), self._released, grammar is not None)
         try:
-            self.group.broadcast_object((output.detached(), self._released), src=0)
+            self.group.broadcast_object(message, src=0)
         except Exception as error:
             failure = self._worker_failure(wait_seconds=1.0)
             if failure is not None:
                 raise RuntimeError(f"tensor-parallel worker failed: {failure}") from error
             raise
         self._released = []
-        return self.runner.execute_async(output)
+        if grammar is None:
+            return self.runner.execute_async(output)
+        source = grammar
+
+        def broadcast_bitmask() -> Any:
+            bitmask = source()
+            self.group.broadcast_object(bitmask, src=0)
+            return bitmask
+
+        return self.runner.execute_async(output, broadcast_bitmask)
 
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)

@@ -53,7 +53,7 @@ from pieceworks.worker.sampler import Sampler, make_generator, row_param_tensor
 from pieceworks.worker.spec_decode.rejection_sampler import RejectionSampler
 from pieceworks.worker.spec_decode.verify_batch import verify_rows
 from pieceworks.worker.step_inputs import StepInputs
-from pieceworks.worker.structured_output import apply_grammar_bitmask
+from pieceworks.worker.structured_output import GrammarSource, apply_grammar_bitmask
 
 # Step plans kept (one per batch shape: token count, requests, longest query, uniform decode)
 # before the cache starts over; decode shapes are few, prefill and mixed ones many.
@@ -189,28 +189,39 @@ class ModelRunner:
         shape = self.graphs.capture_shape(descriptor)
         return dataclasses.replace(shape, num_tokens=num_tokens, num_seqs=num_seqs)
 
-    def execute(self, output: SchedulerOutput) -> list[int]:
+    def execute(self, output: SchedulerOutput, grammar: GrammarSource | None = None) -> list[int]:
         """Run one scheduled step; return one sampled token per request that produces one."""
-        return self.execute_async(output).tolist()  # the step's one host sync
+        return self.execute_async(output, grammar).tolist()  # the step's one host sync
 
     @torch.inference_mode()
-    def execute_async(self, output: SchedulerOutput) -> SampledTokens:
+    def execute_async(
+        self, output: SchedulerOutput, grammar: GrammarSource | None = None
+    ) -> SampledTokens:
         """Launch one scheduled step; the handle gives its sampled tokens (one per producing
         request, in scheduled order) once the device has them, and the log-probabilities of the
-        requests that asked for them."""
+        requests that asked for them.
+
+        ``grammar``, for a step with a structured-output request, gives the step's token bitmask
+        (one row per producing request, or None): it is called once, after the forward and the
+        logits are launched, so the host fills the bitmask while the device runs the forward;
+        the constrained rows are masked before sampling (the host sampler: no decode tail).
+        """
         step = self._prepare(output)
         params, generators, rows = self._sampling_inputs(output)
-        if self._uses_decode_tail(output, step, params):
+        if grammar is None and self._uses_decode_tail(output, step, params):
             return self._finish_launch(self._run_decode_tails(step, output.num_steps), rows)
         hidden_states = self._run_model(step)
         prompt = step_prompt_logprobs(
             output.scheduled_requests, hidden_states, self.model.compute_logits
         )
         if self.inputs.num_logits == 0:
+            if grammar is not None:
+                grammar()  # called once per step all the same (tensor-parallel ranks pair on it)
             return SampledTokens(None, None, prompt_logprobs=prompt)
         logits = self.model.compute_logits(self.inputs.logits_rows(hidden_states))  # (S, V)
-        if output.grammar_bitmask is not None:  # structured output: constrained rows masked
-            apply_grammar_bitmask(logits, verify_rows(output, output.grammar_bitmask))
+        bitmask = grammar() if grammar is not None else None
+        if bitmask is not None:  # structured output: constrained rows masked
+            apply_grammar_bitmask(logits, verify_rows(output, bitmask))
         if output.num_verify_columns > 1:  # (R, V): 1 + s rows per request verifying s
             token_ids, logprobs = self.rejection_sampler.verify_step(
                 output, logits, params, generators
@@ -250,8 +261,8 @@ class ModelRunner:
         self, output: SchedulerOutput, step: _PreparedStep, params: list[SamplingParams]
     ) -> bool:
         """Whether the step samples in captured decode tails: a FULL graph's step of decodes
-        only that fill its size, every row greedy, no log-probabilities or structured output
-        asked for (those need the host sampler path)."""
+        only that fill its size, every row greedy, no log-probabilities asked for (those need the
+        host sampler path, as structured output does: ``execute_async`` asks only without it)."""
         descriptor = step.descriptor
         return (
             step.mode == CUDAGraphMode.FULL
@@ -259,7 +270,6 @@ class ModelRunner:
             and output.is_uniform_decode
             and descriptor.num_tokens == output.num_requests == len(params)
             and all(param.is_greedy and param.logprobs is None for param in params)
-            and output.grammar_bitmask is None
             and not has_logit_bias(params)  # the tail's argmax is of the unbiased logits
         )
 

@@ -216,6 +216,11 @@ class StructuredOutputManager:
         return grammar
 
 
+# Gives a step's token bitmask ``(S, ceil(V / 32))`` (or None: nothing to mask); the runner calls
+# it once per step, after launching the forward (``ModelRunner.execute_async``).
+GrammarSource = Callable[[], "torch.Tensor | None"]
+
+
 def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set ``logits`` ``(S, V)`` to -inf where ``bitmask`` ``(S, ceil(V / 32))`` has a 0 bit
     (bit ``j % 32`` of word ``j // 32`` allows token ``j``), in place, in torch ops on the logits'

@@ -72,7 +72,10 @@ def serve(runner: ModelRunner) -> None:
         message = group.broadcast_object(None, src=0)
         if message == STOP:
             return
-        output, released = message
+        output, released, constrained = message
         for request_id in released:
             runner.release(request_id)
-        runner.execute_async(output)
+        # A constrained step's bitmask is rank 0's second broadcast, taken where the runner
+        # asks for it (after launching the forward), as rank 0's runner does.
+        grammar = (lambda: group.broadcast_object(None, src=0)) if constrained else None
+        runner.execute_async(output, grammar)

@@ -5,8 +5,10 @@ a free request's greedy tokens are the same with or without a constrained reques
 (the mask touches only constrained rows; the batch falls back from multi-step, which the free
 run uses, and the tokens still match); each constrained output is in its grammar's language
 (a choice, a regex, a bounded JSON schema) and ends on EOS with reason "stop";
-``num_constrained_steps`` counts the steps that held one; a grammar that does not compile is
-refused when the request is added.
+``num_constrained_steps`` counts the steps that held one; each constrained step's bitmask is
+filled after the runner has launched that step's logits, and the previous step's tokens are
+applied inside that call (the host fills the bitmask while the device runs the forward); a
+grammar that does not compile is refused when the request is added.
 Run: pytest tests/engine/test_structured_output_engine.py
 """
 
@@ -82,3 +84,38 @@ def test_free_tokens_unchanged_and_constrained_outputs_valid(llm):
 def test_a_bad_grammar_is_refused_when_added(llm):
     with pytest.raises(ValueError, match="regex does not compile"):
         llm.generate(["a"], constrained(StructuredOutputsParams(regex="a(b")))
+
+
+def test_the_bitmask_is_filled_after_the_step_is_launched(llm, monkeypatch):
+    engine, events = llm.engine, []
+    assert engine.async_scheduling
+    runner = engine.executor.runner
+    real_logits, real_finish = runner.model.compute_logits, engine._finish_in_flight
+    real_bitmask = engine.structured_output.grammar_bitmask
+
+    def compute_logits(hidden_states):
+        events.append("logits")
+        return real_logits(hidden_states)
+
+    def finish_in_flight():
+        events.append("finish" if engine._in_flight is not None else "nothing in flight")
+        return real_finish()
+
+    def grammar_bitmask(output):
+        events.append("bitmask")
+        return real_bitmask(output)
+
+    monkeypatch.setattr(runner.model, "compute_logits", compute_logits)
+    monkeypatch.setattr(engine, "_finish_in_flight", finish_in_flight)
+    monkeypatch.setattr(engine.structured_output, "grammar_bitmask", grammar_bitmask)
+    choice = StructuredOutputsParams(choice=["yellow", "green"])
+    (out,) = llm.generate(["a"], constrained(choice, temperature=0.0))
+    assert out.outputs[0].text in ("yellow", "green")
+    steps = "".join(
+        "L" if e == "logits" else "B" if e == "bitmask" else "F" if e == "finish" else "-"
+        for e in events
+    )
+    # Each constrained step: its logits launched (L), then the step before it finished (F; the
+    # first step has none in flight: -), then its bitmask filled (B); the engine's own finish
+    # after the launch finds nothing left (-); the last step is finished when the run drains.
+    assert re.fullmatch(r"L-B-(LFB-)+F", steps), steps

@@ -30,6 +30,7 @@ import queue
 import types
 
 import pytest
+import torch
 
 from pieceworks import platforms
 from pieceworks.distributed import parallel_state
@@ -38,6 +39,7 @@ from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.engine.llm import LLM
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.worker import executor as executor_module
+from pieceworks.worker import model_runner as model_runner_module
 from pieceworks.worker import worker
 from pieceworks.worker.executor import (
     MultiprocExecutor,
@@ -88,8 +90,10 @@ class RecordingRunner:
     def capture_model(self) -> None:
         self.calls.append(("capture_model",))
 
-    def execute_async(self, output):
+    def execute_async(self, output, grammar=None):
         self.calls.append(("execute_async", output))
+        if grammar is not None:  # asked once per step, after the forward's launch
+            self.calls.append(("bitmask", grammar()))
         return ("sampled", output)
 
     def release(self, request_id: str) -> None:
@@ -167,12 +171,13 @@ def test_an_engine_over_the_multiproc_executor_broadcasts_each_step(
     steps = [obj for obj, _ in group.sent]
     assert {src for _, src in group.sent} == {0}
     assert len(steps) == 2 * GREEDY.max_tokens  # one per step, a step per token of each request
+    assert not any(constrained for _, _, constrained in steps)  # no bitmask follows any
     first_id, second_id = [out.request_id for out in first + second]
-    scheduled = [[s.request.request_id for s in output.scheduled_requests] for output, _ in steps]
+    scheduled = [[s.request.request_id for s in output.scheduled_requests] for output, *_ in steps]
     assert scheduled == [[first_id]] * 4 + [[second_id]] * 4
-    views = [output.scheduled_requests[0].request for output, _ in steps]
+    views = [output.scheduled_requests[0].request for output, *_ in steps]
     assert all(v.prompt_token_ids == [] and v.output_token_ids == [] for v in views)  # detached
-    released = [ids for _, ids in steps]
+    released = [ids for _, ids, _ in steps]
     assert released == [[], [], [], [], [first_id], [], [], []]  # with the step after the release
     assert executor._released == [second_id]
 
@@ -248,7 +253,7 @@ def test_a_failed_broadcast_names_the_worker_that_failed(monkeypatch):
         executor.execute_async(types.SimpleNamespace(detached=lambda: "detached"))
     assert str(raised.value) == "tensor-parallel worker failed: rank 1:\nTraceback: killed"
     assert raised.value.__cause__ is closed
-    assert executor.group.sent[-1] == (("detached", ["a"]), 0)
+    assert executor.group.sent[-1] == (("detached", ["a"], False), 0)
     assert executor._released == ["a"]  # not sent: still to be sent
     executor.shutdown()  # the STOP broadcast fails too: rank 0 still frees its runner
     assert executor.group.sent[-1] == (STOP, 0) and executor.runner is None
@@ -402,7 +407,7 @@ def test_a_dead_worker_without_a_report_is_named():
 
 
 def test_the_worker_loop_releases_then_runs_each_step_until_stop(monkeypatch):
-    messages = [("step 1", []), ("step 2", ["a", "b"]), STOP, ("never", [])]
+    messages = [("step 1", [], False), ("step 2", ["a", "b"], True), "bitmask 2", STOP, "never"]
     received = []
     group = types.SimpleNamespace(
         broadcast_object=lambda obj, src: received.append((obj, src)) or messages.pop(0)
@@ -415,8 +420,44 @@ def test_the_worker_loop_releases_then_runs_each_step_until_stop(monkeypatch):
         ("release", "a"),
         ("release", "b"),
         ("execute_async", "step 2"),
+        ("bitmask", "bitmask 2"),  # a constrained step's second broadcast, where the runner asks
     ]
-    assert messages == [("never", [])] and received == [(None, 0)] * 3
+    assert messages == ["never"] and received == [(None, 0)] * 4
+
+
+def test_a_constrained_step_broadcasts_its_bitmask_after_the_step(
+    monkeypatch, tmp_path, _no_torchrun_and_no_atexit
+):
+    """Rank 0 sends the step, launches it, and sends the bitmask its runner applied when the
+    runner asks for it; a free step sends nothing more."""
+    pytest.importorskip("xgrammar")
+    from pieceworks.sampling_params import StructuredOutputsParams
+    from tests.engine.tiny_tokenizer import save_tiny_tokenizer
+
+    monkeypatch.setattr(engine_core, "make_executor", MultiprocExecutor)
+    tokenizer = save_tiny_tokenizer(tmp_path)
+    llm = LLM("llama-tiny", compilation_config={"level": 0}, tokenizer=tokenizer, **ENGINE_ARGS)
+    executor = llm.engine.executor
+    group = executor.group = RecordingGroup(executor.group)
+    applied = []
+    real_apply = model_runner_module.apply_grammar_bitmask
+    monkeypatch.setattr(
+        model_runner_module,
+        "apply_grammar_bitmask",
+        lambda logits, bitmask: applied.append(bitmask.clone()) or real_apply(logits, bitmask),
+    )
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=choice)
+    (out,) = llm.generate(["a"], params)
+    assert out.outputs[0].text in ("yes", "no")
+    sent = [obj for obj, _ in group.sent]
+    steps = [index for index, obj in enumerate(sent) if isinstance(obj, tuple)]
+    assert steps and all(sent[index][2] for index in steps)  # each step says a bitmask follows
+    bitmasks = [sent[index + 1] for index in steps]
+    assert len(bitmasks) == len(applied) == len(sent) - len(steps)
+    for broadcast, used in zip(bitmasks, applied, strict=True):
+        assert torch.equal(broadcast, used)
+    llm.shutdown()
 
 
 class Exited(Exception):
