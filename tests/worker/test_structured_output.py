@@ -4,6 +4,8 @@ Proves: a choice grammar's first bitmask allows exactly the first bytes of its c
 ``apply_grammar_bitmask`` leaves those logits and sets the rest to -inf; the matcher follows the
 request's output tokens (new ones accepted, dropped ones rolled back) and a finished grammar
 allows only EOS, after which the request is reported finished; a free row allows everything;
+from ``BATCH_FILL_MIN_ROWS`` constrained rows xgrammar's threaded filler gives the same bitmask
+as filling the rows one by one;
 equal constraints compile once; a bad regex, schema or grammar is refused naming the problem,
 with and without a tokenizer (``check_grammar``).
 Run: pytest tests/worker/test_structured_output.py
@@ -22,6 +24,7 @@ from pieceworks.sampling_params import SamplingParams, StructuredOutputsParams  
 from pieceworks.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from pieceworks.scheduler.request import Request  # noqa: E402
 from pieceworks.worker.structured_output import (  # noqa: E402
+    BATCH_FILL_MIN_ROWS,
     StructuredOutputManager,
     apply_grammar_bitmask,
     check_grammar,
@@ -83,6 +86,33 @@ def test_dropped_tokens_are_rolled_back(manager, tokenizer):
     del constrained.output_token_ids[:]  # the scheduler dropped the token
     first = sorted(tokenizer.encode(text, add_special_tokens=False)[0] for text in ("a", "c"))
     assert allowed(manager.grammar_bitmask(step(constrained)), 0) == first
+
+
+def test_many_rows_are_filled_by_the_threaded_matcher_as_one_by_one(manager, tokenizer):
+    """From ``BATCH_FILL_MIN_ROWS`` constrained rows xgrammar's batch filler takes over; its
+    bitmask, free and finished rows between, equals the rows filled one at a time."""
+    constraints = [StructuredOutputsParams(choice=["yes", "no"]),
+                   StructuredOutputsParams(regex="ab|cd"),
+                   StructuredOutputsParams(json={"type": "object"})]  # fmt: skip
+    rows = [request(f"r{i}", constraints[i % 3]) for i in range(BATCH_FILL_MIN_ROWS + 2)]
+    rows.insert(3, request("free", None))
+    rows[5].output_token_ids += tokenizer.encode("a", add_special_tokens=False)  # mid-grammar
+    batched = manager.grammar_bitmask(step(*rows))
+    assert manager._batch_matcher is not None  # the batch filler ran
+    one_by_one = StructuredOutputManager(lambda: tokenizer, 256, [EOS])
+    every_token = torch.full((batched.shape[1],), -1, dtype=torch.int32)  # all bits set
+    expected = torch.stack(
+        [
+            every_token
+            if row.sampling_params.structured_outputs is None
+            else one_by_one.grammar_bitmask(step(row))[0]
+            for row in rows
+        ]  # fmt: skip
+    )
+    assert torch.equal(batched, expected)
+    assert allowed(batched, 3) == list(range(256))  # the free row
+    assert rows[5].sampling_params.structured_outputs.regex == "ab|cd"
+    assert allowed(batched, 5) == tokenizer.encode("b", add_special_tokens=False)  # after "a"
 
 
 def test_equal_constraints_compile_once(manager):
