@@ -8,7 +8,9 @@
 #   (small: the small-model decode budget, llama-125m, the SmolLM2-135M shape and Llama-3.2-1B at
 #   batch 1 and 64 with --kernel-breakdown, estimated at 3 min on an H100; its table:
 #   python benchmarks/kernel_table.py "$OUT"/bench_small_*.json)
-#   (tests_parallel: the tests and kernels steps in four concurrent groups, for a call with a time
+#   (breakdown, not in the default list: the Qwen3-8B and Gemma-3-4B steps kernel by kernel, with
+#   programmatic dependent launch and without, about 4 min on an H100, not yet timed)
+#   (tests_parallel: the tests and kernels steps in six concurrent groups, for a call with a time
 #   limit; structured: TPOT with and without a json_schema constraint; prefix: a shared system
 #   prompt with and without prefix caching; specdec: batch-1 output tokens/s with and without
 #   n-gram speculation, the 8B shape on repeating and random prompts, the trained SmolLM2 on a
@@ -164,16 +166,19 @@ startup() {  # name, bench startup flags...: cold and warm start-up, each in a f
     --output-json "$OUT/startup_$name.json"
 }
 
-parallel_tests() {  # the GPU tests in three concurrent groups and the compiled kernel tests
-  # beside them, then the timed ones alone
-  local pids=() group=0 rc=0
+parallel_tests() {  # the GPU tests in five concurrent groups and the compiled kernel tests
+  # beside them, then the timed ones alone; flash-linear-attention's tests (about 140 s of Triton
+  # autotuning on an H100) are a group of their own, as are the engine's
+  local pids=() group=0 rc=0 fla=tests/kernels/test_gated_delta_rule_fla_gpu.py
   for tests in "gpu or platform_agnostic|tests/core tests/platforms tests/entrypoints tests/distributed" \
-               "gpu or platform_agnostic|tests/models" "gpu or platform_agnostic|tests/kernels tests/engine" \
+               "gpu or platform_agnostic|tests/models" \
+               "gpu or platform_agnostic|tests/kernels --ignore=$fla" \
+               "gpu or platform_agnostic|$fla" "gpu or platform_agnostic|tests/engine" \
                "not gpu and not platform_agnostic|tests/kernels"; do
     group=$((group + 1))
     # shellcheck disable=SC2086  # the paths are words
     (PIECEWORKS_CACHE_ROOT=$PIECEWORKS_CACHE_ROOT/group$group step "tests_group$group" \
-       python3 -m pytest -m "${tests%%|*}" ${tests#*|} -q -p no:cacheprovider -rfE
+       python3 -m pytest -m "${tests%%|*}" ${tests#*|} -q -p no:cacheprovider -rfE --durations=8
      grep -q "^=== tests_group$group: exit 0 " "$OUT/logs/tests_group$group.log") &
     pids+=($!)
   done
@@ -190,6 +195,19 @@ small() {  # the decode-step budget of the small models, kernel by kernel (docs/
   bench small_llama1b --model llama-3.2-1b "${flags[@]}"
   echo "=== budget (python benchmarks/kernel_table.py $OUT/bench_small_*.json):"
   python3 benchmarks/kernel_table.py "$OUT"/bench_small_*.json || true
+}
+
+breakdown() {  # the Qwen3-8B and Gemma-3-4B decode steps kernel by kernel, as served (with
+  # programmatic dependent launch, where a kernel that starts early counts its wait) and with it
+  # off (PIECEWORKS_PDL=0: each kernel's own time; the step is then a little slower)
+  local flags=(--batch-size 1 --input-len 1024 --output-len 32 --num-iters-warmup 1 --num-iters 2
+               --modes full_and_piecewise --kernel-breakdown)
+  for model in qwen3-8b gemma-3-4b; do
+    local name=breakdown_${model//[.-]/_}
+    bench "$name" --model "$model" "${flags[@]}"
+    PIECEWORKS_PDL=0 bench "${name}_nopdl" --model "$model" "${flags[@]}"
+  done
+  python3 benchmarks/kernel_table.py "$OUT"/bench_breakdown_*.json || true
 }
 
 EIGHT_B=(--model llama-3.1-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3)
@@ -227,6 +245,7 @@ for name in $steps; do
     versions) step versions python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
               step platforms python3 -m pieceworks.entrypoints.cli platforms ;;
     small) small ;;
+    breakdown) breakdown ;;
     bench125m) bench llama125m_b8 --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --compare ;;
     smollm2) bench smollm2_135m --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 32 --output-len 128 --modes full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
