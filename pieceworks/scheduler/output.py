@@ -98,7 +98,9 @@ class SchedulerOutput:
     # above describes the first of them.
     num_steps: int = 1
     # The structured-output token bitmask of the producing requests (a CPU int32 tensor, one
-    # row each), set by the engine core when one of them is constrained; None otherwise.
+    # row each), set by the engine core when one of them is constrained, once the runner has
+    # launched the step's forward and asks for it (it reaches other ranks in a broadcast of its
+    # own); None otherwise.
     grammar_bitmask: Any = None
 
     @property
