@@ -8,7 +8,9 @@
 #   (small: the small-model decode budget, llama-125m, the SmolLM2-135M shape and Llama-3.2-1B at
 #   batch 1 and 64 with --kernel-breakdown, estimated at 3 min on an H100; its table:
 #   python benchmarks/kernel_table.py "$OUT"/bench_small_*.json)
-#   (breakdown, not in the default list: the Qwen3-8B and Gemma-3-4B steps kernel by kernel, with
+#   (smollm2_pw, not in the default list: the SmolLM2 shape's PIECEWISE and FULL_AND_PIECEWISE steps
+#   at batch 1, 8 and 64 with their device-busy time, the serving rows' yardstick; breakdown, not in
+#   the default list: the Qwen3-8B and Gemma-3-4B steps kernel by kernel, with
 #   programmatic dependent launch and without, about 4 min on an H100, not yet timed)
 #   (tests_parallel: the tests and kernels steps in six concurrent groups, for a call with a time
 #   limit; structured: TPOT with and without a json_schema constraint; prefix: a shared system
@@ -245,6 +247,7 @@ for name in $steps; do
     versions) step versions python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
               step platforms python3 -m pieceworks.entrypoints.cli platforms ;;
     small) small ;;
+    smollm2_pw) bench smollm2_piecewise --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 128 --output-len 128 --modes piecewise,full_and_piecewise ;;
     breakdown) breakdown ;;
     bench125m) bench llama125m_b8 --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --compare ;;
     smollm2) bench smollm2_135m --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 32 --output-len 128 --modes full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
