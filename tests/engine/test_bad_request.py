@@ -69,11 +69,11 @@ def test_a_failed_step_fails_its_requests_and_the_next_generate_is_unaffected(ll
     real_execute = runner.execute_async
     calls = {"count": 0}
 
-    def execute_failing_on_the_third_step(output):
+    def execute_failing_on_the_third_step(output, grammar=None):
         calls["count"] += 1
         if calls["count"] == 3:
             raise RuntimeError("injected failure")
-        return real_execute(output)
+        return real_execute(output, grammar)
 
     monkeypatch.setattr(runner, "execute_async", execute_failing_on_the_third_step)
     with pytest.raises(StepFailedError, match="injected failure"):
@@ -92,11 +92,11 @@ def test_the_serving_loop_fails_only_the_failed_steps_requests(llm, monkeypatch)
     real_execute = runner.execute_async
     failing = {"on": True}
 
-    def execute(output):
+    def execute(output, grammar=None):
         if failing["on"]:
             failing["on"] = False
             raise RuntimeError("injected failure")
-        return real_execute(output)
+        return real_execute(output, grammar)
 
     monkeypatch.setattr(runner, "execute_async", execute)
     loop.apply(AddRequest("bad", [3, 14, 15], greedy(3)))
@@ -118,11 +118,11 @@ def test_an_interrupted_step_leaves_the_engine_clean(llm, monkeypatch):
     real_execute = runner.execute_async
     calls = {"count": 0}
 
-    def execute_interrupted_on_the_second_step(output):
+    def execute_interrupted_on_the_second_step(output, grammar=None):
         calls["count"] += 1
         if calls["count"] == 2:
             raise KeyboardInterrupt  # Ctrl-C while the step is being launched
-        return real_execute(output)
+        return real_execute(output, grammar)
 
     monkeypatch.setattr(runner, "execute_async", execute_interrupted_on_the_second_step)
     with pytest.raises(KeyboardInterrupt):

@@ -40,11 +40,11 @@ def test_a_failing_step_fails_its_request_only(llm, monkeypatch):
     real_execute = runner.execute_async
     failing = {"on": True}
 
-    def execute(output):
+    def execute(output, grammar=None):
         if failing["on"]:
             failing["on"] = False
             raise RuntimeError("injected failure")
-        return real_execute(output)
+        return real_execute(output, grammar)
 
     monkeypatch.setattr(runner, "execute_async", execute)
     with running_server(llm, "llama-tiny") as (url, _):
