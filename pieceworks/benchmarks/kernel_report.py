@@ -34,7 +34,9 @@ def format_kernel_breakdown(results: list[dict[str, Any]]) -> str:
         return ""
     lines = [
         "kernel breakdown, per decode step (gaps: device idle between kernels inside a step; "
-        "under each row its top kernels: share of kernel time, launches per step, mean time)",
+        "under each row its top kernels: share of kernel time, launches per step, mean time; "
+        "kernel ms above busy ms is time kernels overlapped: under programmatic dependent launch "
+        "a kernel launched early counts its wait, PIECEWORKS_PDL=0 gives each kernel's own time)",
         f"{'batch':>5} {'mode':<20} {'kernels':>8} {'/layer':>7} {'copies':>6} "
         f"{'kernel ms':>9} {'busy ms':>8} {'gap us':>8} {'gaps':>6} {'median us':>9} "
         f"{'between us':>10}",

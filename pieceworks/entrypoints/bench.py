@@ -192,6 +192,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         plot_latency,
         write_json,
     )
+    from pieceworks.kernels.programmatic_launch import programmatic_launch_enabled
     from pieceworks.platforms import current_platform
 
     platform = current_platform()
@@ -219,6 +220,9 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         "command": command_line(args),
         **run_environment(args.model, engine_args(args), args.commit),
         "copy_bandwidth_gbps": bandwidth / 1e9,
+        # With programmatic dependent launch a kernel may start before the one it waits for
+        # ends: the breakdown's per-kernel times then include that wait (PIECEWORKS_PDL=0).
+        "programmatic_launch": programmatic_launch_enabled(),
         "skipped": skipped,
         "results": [],
     }

@@ -103,6 +103,7 @@ def test_enforce_eager_runs_one_eager_row(tmp_path):
     code, payload = bench_latency(tmp_path, "--model", "llama-tiny", "--enforce-eager")
     assert code == 0
     assert [(r["mode"], r["level"]) for r in payload["results"]] == [("eager", 0)]
+    assert payload["programmatic_launch"] is False  # the CPU has none: kernel times are their own
 
 
 def test_num_scheduler_steps_reaches_the_engine_and_every_row_says_it(tmp_path, capsys):

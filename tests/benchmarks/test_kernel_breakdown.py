@@ -1,7 +1,7 @@
 """The per-kernel budget of a decode step (``bench latency --kernel-breakdown``):
 
-- on synthetic events: kernels per step and per layer, kernel time against device-busy (two
-  streams overlap), holes inside a step against holes between steps, name grouping with
+- on synthetic events: kernels per step and per layer, kernel time against device-busy and
+  the overlap between them (two streams overlap), holes inside a step against holes between steps, name grouping with
   Inductor's suffixes dropped;
 - from a Chrome trace: each device event belongs to the step call that launched it (graph
   kernels by their launch's correlation id, not by when they ran);
@@ -56,6 +56,7 @@ def test_counts_times_and_holes_of_synthetic_steps():
     assert breakdown["kernels_per_layer"] == 2.5  # 5 kernels over 2 layers
     assert breakdown["kernel_ms_per_step"] == pytest.approx(36e-3)  # 2 + 4 + 10 + 4 + 10 + 6
     assert breakdown["device_busy_ms"] == pytest.approx(32e-3)  # 36 - 4 us of overlap
+    assert breakdown["overlap_ms_per_step"] == pytest.approx(4e-3)  # kernels that ran at once
     gaps = breakdown["gaps"]
     assert gaps["sum_us_per_step"] == pytest.approx(4.0)  # holes of 1, 1 and 2 us
     assert gaps["num_per_step"] == 3 and gaps["median_us"] == 1.0
