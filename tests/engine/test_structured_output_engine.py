@@ -8,7 +8,10 @@ run uses, and the tokens still match); each constrained output is in its grammar
 ``num_constrained_steps`` counts the steps that held one; each constrained step's bitmask is
 filled after the runner has launched that step's logits, and the previous step's tokens are
 applied inside that call (the host fills the bitmask while the device runs the forward); a
-grammar that does not compile is refused when the request is added.
+grammar that does not compile is refused when the request is added. With static graphs
+(FULL_AND_PIECEWISE on simgraph, or the GPU's: ``platform_agnostic``) and async scheduling, the
+constrained steps replay the FULL decode graph, mask on the host sampler, and leave a free
+neighbour's greedy tokens (sampled in decode tails when alone) as they were.
 Run: pytest tests/engine/test_structured_output_engine.py
 """
 
@@ -119,3 +122,35 @@ def test_the_bitmask_is_filled_after_the_step_is_launched(llm, monkeypatch):
     # first step has none in flight: -), then its bitmask filled (B); the engine's own finish
     # after the launch finds nothing left (-); the last step is finished when the run drains.
     assert re.fullmatch(r"L-B-(LFB-)+F", steps), steps
+
+
+@pytest.mark.platform_agnostic
+def test_constrained_steps_under_static_graphs(graph_platform, tmp_path):
+    from pieceworks.benchmarks.modes import compilation_for_mode
+    from pieceworks.core.config import CUDAGraphMode
+    from tests.engine.test_host_path import save_scaled_llama_tiny
+
+    checkpoint = save_scaled_llama_tiny(tmp_path / "llama-tiny")
+    tokenizer = save_tiny_tokenizer(tmp_path / "tokenizer")
+    compilation = compilation_for_mode("full_and_piecewise", {"backend": "eager"})
+    llm = LLM(checkpoint, compilation_config=compilation, dtype="float32", max_num_seqs=4,
+              tokenizer=tokenizer)  # fmt: skip
+    assert llm.engine.async_scheduling
+    free = [free_params(), free_params()]
+    alone = [o.outputs[0].token_ids for o in llm.generate(FREE_PROMPTS, free)]
+    runner, modes = llm.engine.runner, []
+    real_run_model = runner._run_model
+    runner._run_model = lambda step: modes.append(step.mode) or real_run_model(step)
+    choice = StructuredOutputsParams(choice=["yellow", "green"])
+    mixed = llm.generate(
+        [*FREE_PROMPTS, "a", "b"],
+        [*free, constrained(choice, temperature=0.0),
+         constrained(StructuredOutputsParams(json=SCHEMA), temperature=0.0)],
+    )  # fmt: skip
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+    assert mixed[2].outputs[0].text in ("yellow", "green")
+    value = json.loads(mixed[3].outputs[0].text)
+    assert set(value) == {"color", "size"} and value["color"] in ("red", "green")
+    assert llm.engine.num_constrained_steps > 0
+    assert CUDAGraphMode.FULL in modes  # constrained decode steps replayed the FULL graph
+    llm.shutdown()
