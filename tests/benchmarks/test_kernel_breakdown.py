@@ -1,8 +1,8 @@
 """The per-kernel budget of a decode step (``bench latency --kernel-breakdown``):
 
 - on synthetic events: kernels per step and per layer, kernel time against device-busy and
-  the overlap between them (two streams overlap), holes inside a step against holes between steps, name grouping with
-  Inductor's suffixes dropped;
+  the overlap between them (two streams overlap), holes inside a step against holes between
+  steps, name grouping with Inductor's suffixes dropped;
 - from a Chrome trace: each device event belongs to the step call that launched it (graph
   kernels by their launch's correlation id, not by when they ran);
 - on the CPU the profile has no device work: the breakdown is a ``measured: false`` object with
