@@ -43,6 +43,7 @@ switch them; level 0 runs the plain ops, so eager is the oracle of the fused gra
 from __future__ import annotations
 
 import operator
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -146,8 +147,9 @@ class GemvActivationFusionPass:
         return 1
 
 
-class _RotaryFusionPass:
-    """A pass that replaces the qkv GEMV under each ``rotary_embedding`` it can match."""
+class _RotaryFusionPass(ABC):
+    """A pass that replaces the qkv GEMV under each ``rotary_embedding`` it can match; each
+    subclass's ``_fuse`` says what it matches under a neox rotation of every dim."""
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         num_fused = 0
@@ -156,8 +158,9 @@ class _RotaryFusionPass:
                 num_fused += self._fuse(graph, rotary)
         return num_fused
 
+    @abstractmethod
     def _fuse(self, graph: torch.fx.Graph, rotary: torch.fx.Node) -> int:
-        raise NotImplementedError
+        """Fuse the GEMV under ``rotary`` where the pattern matches; 1 if it did, else 0."""
 
 
 class GemvRopeFusionPass(_RotaryFusionPass):
