@@ -86,6 +86,7 @@ class ModelRunner:
         tokens_per_request = max(
             scheduler_config.num_scheduler_steps, 1 + (spec.num_speculative_tokens if spec else 0)
         )
+        self._max_num_logits = scheduler_config.max_num_seqs * tokens_per_request
         buffers = InputBuffers(
             self.max_num_tokens,
             scheduler_config.max_num_seqs,
@@ -94,7 +95,7 @@ class ModelRunner:
             self.platform.pin_memory(),
             self.platform.create_event,
             max_num_steps=scheduler_config.num_scheduler_steps,
-            max_num_logits=scheduler_config.max_num_seqs * tokens_per_request,
+            max_num_logits=self._max_num_logits,
         )
         self.inputs = StepInputs(buffers, self.block_size)
         self.graphs = GraphCapture(
@@ -106,13 +107,16 @@ class ModelRunner:
         self.last_sampled_rows: dict[str, int] = {}
         self._token_staging = [
             torch.zeros(
-                scheduler_config.max_num_seqs * tokens_per_request,
+                self._max_num_logits,
                 dtype=torch.int64,
                 pin_memory=self.platform.pin_memory(),
             )
             for _ in range(2)
         ]
         self._token_events = [self.platform.create_event() for _ in range(2)]
+        # Pinned copies of a constrained step's bitmask, alternating as the token staging does
+        # (allocated on the first constrained step).
+        self._bitmask_staging: list[torch.Tensor] = []
         self._num_steps = 0
         self._plans: dict[tuple[int, int, int, int], Any] = {}  # batch shape -> plan()
         self.mamba_spec = mamba_cache_spec(config)
@@ -221,7 +225,8 @@ class ModelRunner:
         logits = self.model.compute_logits(self.inputs.logits_rows(hidden_states))  # (S, V)
         bitmask = grammar() if grammar is not None else None
         if bitmask is not None:  # structured output: constrained rows masked
-            apply_grammar_bitmask(logits, verify_rows(output, bitmask))
+            bitmask = verify_rows(output, bitmask)
+            apply_grammar_bitmask(logits, bitmask, self._bitmask_stage(bitmask))
         if output.num_verify_columns > 1:  # (R, V): 1 + s rows per request verifying s
             token_ids, logprobs = self.rejection_sampler.verify_step(
                 output, logits, params, generators
@@ -256,6 +261,19 @@ class ModelRunner:
         if event is not None:
             event.record()
         return SampledTokens(staging, event, logprobs=logprobs, prompt_logprobs=prompt)
+
+    def _bitmask_stage(self, bitmask: torch.Tensor) -> torch.Tensor | None:
+        """This step's pinned host buffer for ``bitmask`` (None where memory is not pinned);
+        the other one may still be copying to the device."""
+        if not self.platform.pin_memory():
+            return None
+        if not self._bitmask_staging:
+            rows = max(self._max_num_logits, bitmask.shape[0])
+            self._bitmask_staging = [
+                torch.empty((rows, bitmask.shape[1]), dtype=bitmask.dtype, pin_memory=True)
+                for _ in range(2)
+            ]
+        return self._bitmask_staging[self._num_steps % 2]
 
     def _uses_decode_tail(
         self, output: SchedulerOutput, step: _PreparedStep, params: list[SamplingParams]

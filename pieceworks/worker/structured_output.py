@@ -10,8 +10,8 @@ to the request's output tokens before each step (accepting the new ones, rolling
 scheduler dropped), and writes the step's ``grammar_bitmask``: one row per producing request,
 all bits set for a free row (from ``BATCH_FILL_MIN_ROWS`` constrained rows on, xgrammar fills them
 on several threads). The runner applies that bitmask to the logits where the host
-sampler runs (``apply_grammar_bitmask``); a request whose matcher terminates (it accepted a stop
-token) finishes with reason "stop".
+sampler runs (``apply_grammar_bitmask``: one pinned copy to the device, one masking kernel); a
+request whose matcher terminates (it accepted a stop token) finishes with reason "stop".
 
 Preemption keeps a request's generated tokens (recompute preemption), so its matcher stays valid;
 the sync by token count also covers tokens dropped after a stop.
@@ -42,6 +42,8 @@ MAX_JSON_WHITESPACE = 16
 # several threads (about 30 us a row on one core of the CI machine, in a JSON string); fewer
 # rows are filled one by one, without the threads' start.
 BATCH_FILL_MIN_ROWS = 8
+# Devices whose logits xgrammar masks in one kernel (its CPU loop, its Triton kernel on CUDA).
+XGRAMMAR_MASK_DEVICES = ("cpu", "cuda")
 # xgrammar prefixes its errors with "[time] /path/file.cc:line: "; the rest is the reason.
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*(Check failed: .*? is false: )?")
 
@@ -236,12 +238,32 @@ class StructuredOutputManager:
 GrammarSource = Callable[[], "torch.Tensor | None"]
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_grammar_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, staging: torch.Tensor | None = None
+) -> None:
     """Set ``logits`` ``(S, V)`` to -inf where ``bitmask`` ``(S, ceil(V / 32))`` has a 0 bit
-    (bit ``j % 32`` of word ``j // 32`` allows token ``j``), in place, in torch ops on the logits'
-    device (one host-to-device copy of the packed mask)."""
+    (bit ``j % 32`` of word ``j // 32`` allows token ``j``), in place, on the logits' device.
+
+    ``staging``, pinned host memory of at least the bitmask's shape, makes the one
+    host-to-device copy asynchronous (from pageable memory the host would wait for it). On a
+    CPU or CUDA device xgrammar's kernel masks in one launch (its Triton kernel on CUDA); on any
+    other device torch ops do, which are its reference.
+    """
+    words = bitmask
+    if staging is not None and logits.device.type != "cpu":
+        words = staging[: bitmask.shape[0], : bitmask.shape[1]]
+        words.copy_(bitmask)
+    words = words.to(logits.device, non_blocking=True)
+    vocab_size = min(logits.shape[1], words.shape[1] * 32)
+    if logits.device.type in XGRAMMAR_MASK_DEVICES and logits.is_contiguous():
+        _xgrammar().apply_token_bitmask_inplace(logits, words, vocab_size=vocab_size)
+        return
+    mask_logits_reference(logits, words)
+
+
+def mask_logits_reference(logits: torch.Tensor, words: torch.Tensor) -> None:
+    """``apply_grammar_bitmask`` in torch ops, ``words`` on the logits' device."""
     num_rows, vocab_size = logits.shape
-    words = bitmask.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = (words.unsqueeze(-1) >> shifts) & 1  # (S, W, 32)
     allowed = allowed.view(num_rows, -1)[:, :vocab_size].bool()

@@ -444,7 +444,9 @@ def test_a_constrained_step_broadcasts_its_bitmask_after_the_step(
     monkeypatch.setattr(
         model_runner_module,
         "apply_grammar_bitmask",
-        lambda logits, bitmask: applied.append(bitmask.clone()) or real_apply(logits, bitmask),
+        lambda logits, bitmask, *staging: (
+            applied.append(bitmask.clone()) or real_apply(logits, bitmask, *staging)
+        ),
     )
     choice = StructuredOutputsParams(choice=["yes", "no"])
     params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=choice)

@@ -5,7 +5,8 @@ Proves: a choice grammar's first bitmask allows exactly the first bytes of its c
 request's output tokens (new ones accepted, dropped ones rolled back) and a finished grammar
 allows only EOS, after which the request is reported finished; a free row allows everything;
 from ``BATCH_FILL_MIN_ROWS`` constrained rows xgrammar's threaded filler gives the same bitmask
-as filling the rows one by one;
+as filling the rows one by one; xgrammar's one-kernel masking equals the torch reference on
+every dtype, through pinned staging and without, with the vocabulary padded past the bitmask;
 equal constraints compile once; a bad regex, schema or grammar is refused naming the problem,
 with and without a tokenizer (``check_grammar``).
 Run: pytest tests/worker/test_structured_output.py
@@ -28,6 +29,7 @@ from pieceworks.worker.structured_output import (  # noqa: E402
     StructuredOutputManager,
     apply_grammar_bitmask,
     check_grammar,
+    mask_logits_reference,
 )
 from tests.engine.tiny_tokenizer import save_tiny_tokenizer  # noqa: E402
 
@@ -113,6 +115,26 @@ def test_many_rows_are_filled_by_the_threaded_matcher_as_one_by_one(manager, tok
     assert allowed(batched, 3) == list(range(256))  # the free row
     assert rows[5].sampling_params.structured_outputs.regex == "ab|cd"
     assert allowed(batched, 5) == tokenizer.encode("b", add_special_tokens=False)  # after "a"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("staged", [False, True])
+def test_masking_kernel_equals_the_torch_reference(dtype, staged):
+    from pieceworks.platforms import current_platform
+
+    device = current_platform().device(0)
+    generator = torch.Generator().manual_seed(0)
+    vocab = 1000  # 32 words of bits, the last only partly used
+    bitmask = torch.randint(-(2**31), 2**31, (5, 32), dtype=torch.int32, generator=generator)
+    logits = torch.randn(5, vocab, generator=generator).to(device, dtype)
+    expected = logits.clone()
+    mask_logits_reference(expected, bitmask.to(device))
+    # larger than the bitmask, as the runner's is
+    staging = torch.full((8, 40), 7, dtype=torch.int32) if staged else None
+    apply_grammar_bitmask(logits, bitmask, staging)
+    assert torch.equal(logits, expected)
+    masked = expected.isinf().sum().item()
+    assert 0 < masked < expected.numel()  # about half the tokens of each row
 
 
 def test_equal_constraints_compile_once(manager):
