@@ -14,6 +14,7 @@
 #   programmatic dependent launch and without, about 4 min on an H100, not yet timed)
 #   (specdec_8b and specdec_smollm2: the two halves of specdec; serve_c64_smollm2 and serve_c64_8b:
 #   the engine's batch-64 step, then the server at concurrency 64, in one step each;
+#   serve_c64_smollm2_full: the same load with every step, mixed ones too, in FULL graphs;
 #   tests_parallel: the tests and kernels steps in six concurrent groups, for a call with a time
 #   limit; structured: TPOT with and without a json_schema constraint; prefix: a shared system
 #   prompt with and without prefix caching; specdec: batch-1 output tokens/s with and without
@@ -273,6 +274,11 @@ for name in $steps; do
     specdec_smollm2) specdec_smollm2 ;;
     serve_c64_smollm2) serve_c64 serve_smollm2 "$(smollm2_model)" --dtype bfloat16 ;;
     serve_c64_8b) serve_c64 serve_8b llama-3.1-8b ;;
+    serve_c64_smollm2_full)  # mixed steps routed to the general FULL graph instead of PIECEWISE
+      start_server serve_smollm2_full "$(smollm2_model)" --dtype bfloat16 --max-num-seqs 64 \
+        --compilation-config '{"cudagraph_mode": "FULL"}' || continue
+      bench_serve serve_smollm2_full_c64 --num-prompts 256 --input-len 128 --output-len 128 --max-concurrency 64
+      kill -INT "$server_pid"; wait "$server_pid" 2>/dev/null ;;
     fp8) bench llama8b_fp8 "${EIGHT_B[@]}" --quantization fp8 --batch-size 1,64 --modes full_and_piecewise --compare --peers gpt_fast ;;
     qwen3) bench qwen3_8b --model qwen3-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes full_and_piecewise ;;
     qwen3_5) bench qwen3_5_9b --model qwen3.5-9b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3 --batch-size 1,64 --modes piecewise,full_and_piecewise ;;
@@ -299,7 +305,7 @@ for name in $steps; do
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 smollm2_pw small breakdown bench8b specdec specdec_8b specdec_smollm2 serve_c64_smollm2 serve_c64_8b fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 smollm2_pw small breakdown bench8b specdec specdec_8b specdec_smollm2 serve_c64_smollm2 serve_c64_smollm2_full serve_c64_8b fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
   esac
 done
 
