@@ -17,7 +17,9 @@ tokens per request (docs/engine.md, "Speculative decoding").
 Start-up (load, compile, KV cache, capture) happens in the constructor and is timed for the report.
 
 A request with ``SamplingParams.structured_outputs`` has its grammar compiled when it is added
-(a ValueError if it does not compile). A step whose batch holds one is launched as any other;
+(a ValueError if it does not compile); the engine loop adds with ``defer_grammar``, so that
+the first such request, which builds the grammar compiler (seconds), waits for it on a thread
+while the engine steps the others. A step whose batch holds one is launched as any other;
 once the runner has launched its forward it asks for the step's token bitmask, and the engine
 then applies the previous step's tokens and has the ``StructuredOutputManager`` fill the bitmask
 while the device runs the forward; the runner masks the logits with it before sampling. Such a
@@ -55,6 +57,10 @@ logger = init_logger(__name__)
 # Step timings an engine keeps (``EngineCore.step_seconds``): far more than one benchmark run's
 # decode steps, a few MiB at most.
 MAX_STEP_TIMINGS = 65_536
+
+# How long a step with nothing to run but requests waiting for the grammar compiler waits for
+# it before returning to the engine loop (which then reads new commands).
+GRAMMAR_WAIT_SECONDS = 0.005
 
 # One engine builds or steps at a time in a process: the forward context, Dynamo's state and graph
 # capture are process-wide, so two engines driven from two threads take turns, step by step.
@@ -108,6 +114,10 @@ class EngineCore:
         )
         # Steps whose batch held a structured-output request (host sampler, single step).
         self.num_constrained_steps = 0
+        # Constrained requests added with ``defer_grammar`` while the grammar compiler is being
+        # built, and (request id, reason) of those whose grammar then failed to compile.
+        self._awaiting_grammar: dict[str, Request] = {}
+        self._failed_requests: list[tuple[str, str]] = []
         self._request_ids = itertools.count()
         self._shut_down = False
         # (uniform decode?, number of requests, wall seconds) of each recent decode step (a
@@ -121,13 +131,54 @@ class EngineCore:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        defer_grammar: bool = False,
     ) -> Request:
         """Queue a request; one that can never fit raises ValueError saying why. ``priority``:
-        lower is scheduled first under ``scheduling_policy="priority"`` (else it must be 0)."""
+        lower is scheduled first under ``scheduling_policy="priority"`` (else it must be 0).
+
+        ``defer_grammar`` (the engine loop's way): a structured-output request that arrives
+        before the grammar compiler is built does not wait for it. The compiler is built on a
+        thread while the engine steps the other requests, and the request joins the scheduler
+        once its grammar compiles. If it does not, the request ends, and
+        ``take_failed_requests`` gives the reason."""
         self._check_running()
-        request = self._make_request(prompt_token_ids, params, request_id, priority)
-        self.scheduler.add_request(request)
+        constraint = params.structured_outputs
+        defer = defer_grammar and constraint is not None
+        defer = defer and not self.structured_output.compiler_ready
+        request = self._make_request(prompt_token_ids, params, request_id, priority, not defer)
+        if not defer:
+            self.scheduler.add_request(request)
+            return request
+        self.scheduler.check_request(request)  # what can never fit is refused now all the same
+        self._awaiting_grammar[request.request_id] = request
+        self.structured_output.build_compiler_in_background()
         return request
+
+    @property
+    def num_awaiting_grammar(self) -> int:
+        """Deferred constrained requests waiting for the grammar compiler."""
+        return len(self._awaiting_grammar)
+
+    def take_failed_requests(self) -> list[tuple[str, str]]:
+        """(request id, reason) of each deferred request whose grammar did not compile, since
+        the last call; those requests are finished, with nothing generated."""
+        failed, self._failed_requests = self._failed_requests, []
+        return failed
+
+    def _admit_awaiting_grammar(self) -> None:
+        """Queue the deferred constrained requests once the compiler is built, each with its
+        grammar compiled (one that fails is finished and reported)."""
+        if not self._awaiting_grammar or self.structured_output.compiler_building:
+            return
+        awaiting, self._awaiting_grammar = self._awaiting_grammar, {}
+        for request in awaiting.values():
+            try:
+                self.structured_output.compile(request.sampling_params.structured_outputs)
+            except Exception as error:  # ValueError naming the problem, or the build's error
+                request.finish(RequestStatus.FINISHED_ABORTED)
+                self._failed_requests.append((request.request_id, str(error)))
+                continue
+            self.scheduler.add_request(request)
 
     def add_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
         """Queue several requests, all or none: every one is checked (vocabulary, length, KV
@@ -164,6 +215,7 @@ class EngineCore:
         params: SamplingParams,
         request_id: str | None,
         priority: int = 0,
+        compile_grammar: bool = True,
     ) -> Request:
         vocab_size = self.config.model_config.hf_config.get("vocab_size")
         if vocab_size is not None:
@@ -174,7 +226,7 @@ class EngineCore:
             raise ValueError(
                 f"priority must be an int (lower is scheduled first), not {priority!r}"
             )
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and compile_grammar:
             self.structured_output.compile(params.structured_outputs)  # once per grammar
         return Request(
             request_id=request_id or str(next(self._request_ids)),
@@ -189,6 +241,8 @@ class EngineCore:
         """Stop a queued or running request now, with ``finish_reason`` "abort", freeing its KV
         blocks and state slot; False if no unfinished request has that id."""
         self._check_running()
+        if self._finish_awaiting(request_id, RequestStatus.FINISHED_ABORTED):
+            return True
         aborted = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         for request in aborted:
             self._release(request.request_id)
@@ -198,13 +252,27 @@ class EngineCore:
         """Finish a request now with ``finish_reason`` "stop" (its text reached a stop string),
         freeing its cache as ``abort_request`` does; False if no unfinished request has that id."""
         self._check_running()
+        if self._finish_awaiting(request_id, RequestStatus.FINISHED_STOPPED):
+            return True
         stopped = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
         for request in stopped:
             self._release(request.request_id)
         return bool(stopped)
 
+    def _finish_awaiting(self, request_id: str, status: RequestStatus) -> bool:
+        """Finish a request still waiting for its grammar; False if none has that id."""
+        request = self._awaiting_grammar.pop(request_id, None)
+        if request is None:
+            return False
+        request.finish(status)
+        return True
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or bool(self._awaiting_grammar)
+        )
 
     def step(self) -> list[Request]:
         """Launch one scheduled batch; return the requests whose last token has come back.
@@ -226,10 +294,14 @@ class EngineCore:
 
     def _step(self) -> list[Request]:
         start = time.perf_counter()
+        self._admit_awaiting_grammar()
         if self.proposer is not None:
             propose_for_running(self.proposer, self.scheduler.running)
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
+            if self._in_flight is None and self._awaiting_grammar:
+                # only requests waiting for the compiler: wait for it a little, not spin
+                self.structured_output.wait_for_compiler(GRAMMAR_WAIT_SECONDS)
             return self._finish_in_flight()  # nothing new to launch: only drain
         finished: list[Request] = []
         sampled = self.executor.execute_async(output, self._grammar_source(output, finished))

@@ -75,7 +75,11 @@ class EngineCoreLoop:
         request_id = command.request_id
         try:
             request = self.engine_core.add_request(
-                command.prompt_token_ids, command.params, request_id, command.priority
+                command.prompt_token_ids,
+                command.params,
+                request_id,
+                command.priority,
+                defer_grammar=True,  # the first constrained request does not hold the loop
             )
         except ValueError as error:  # the request can never run: tell its caller why
             self._deltas.append(RequestDelta(request_id, [], 0, error=str(error)))
@@ -105,6 +109,8 @@ class EngineCoreLoop:
             self._fail(error.request_ids, str(error))
         else:
             self._num_consecutive_failures = 0
+        for request_id, reason in self.engine_core.take_failed_requests():
+            self._fail([request_id], reason)  # its grammar did not compile: refused
         self._num_steps += 1
         self._collect()
 
@@ -156,7 +162,7 @@ class EngineCoreLoop:
         spec = scheduler.spec_decoding_stats
         return EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=len(scheduler.waiting) + self.engine_core.num_awaiting_grammar,
             num_blocks=blocks.num_blocks,
             num_free_blocks=blocks.num_free_blocks,
             num_steps=self._num_steps,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,29 +103,79 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: Any = None
+        # The thread building the compiler (``build_compiler_in_background``) and its error.
+        self._builder: threading.Thread | None = None
+        self._build_error: BaseException | None = None
         self._compiled: dict[tuple[str, str, bool], Any] = {}
         self._grammars: dict[str, _RequestGrammar] = {}
         self._batch_matcher: Any = None  # xgrammar's threaded filler, built on first use
 
     @property
     def compiler(self) -> Any:
-        """The engine's ``GrammarCompiler``, built on first use from its tokenizer."""
+        """The engine's ``GrammarCompiler``, built on first use from its tokenizer (or by the
+        background build, which this waits for)."""
+        self._join_builder()
         if self._compiler is None:
-            xgr = _xgrammar()
-            tokenizer = self._load_tokenizer()
-            if tokenizer is None:
-                raise ValueError(
-                    "structured output needs the model's tokenizer, and this model has none "
-                    "(presets have random weights): pass --tokenizer (offline: tokenizer=) "
-                    "naming a directory, a GGUF file or smollm2-135m of the model's vocabulary"
-                )
-            info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer,
-                vocab_size=self.vocab_size,
-                stop_token_ids=self.stop_token_ids or None,
-            )
-            self._compiler = xgr.GrammarCompiler(info)
+            self._compiler = self._build_compiler()
         return self._compiler
+
+    @property
+    def compiler_ready(self) -> bool:
+        """Whether a grammar compiles now without building the compiler first."""
+        return self._compiler is not None
+
+    @property
+    def compiler_building(self) -> bool:
+        """Whether the background build of the compiler is still running."""
+        return self._builder is not None and self._builder.is_alive()
+
+    def build_compiler_in_background(self) -> None:
+        """Start building the compiler on a thread of its own (loading the tokenizer and
+        reading its vocabulary takes seconds), unless it is built or being built; ``compiler``
+        waits for it and raises its error, if it failed."""
+        if self._compiler is not None or self._builder is not None:
+            return
+        self._builder = threading.Thread(
+            target=self._build_in_background, name="pieceworks-grammar-compiler", daemon=True
+        )
+        self._builder.start()
+
+    def wait_for_compiler(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for the background build to end."""
+        if self._builder is not None:
+            self._builder.join(timeout)
+
+    def _build_in_background(self) -> None:
+        try:
+            self._compiler = self._build_compiler()
+        except BaseException as error:  # raised again on the engine's thread by ``compiler``
+            self._build_error = error
+
+    def _join_builder(self) -> None:
+        """Wait for the background build, if one ran; raise its error once (a later use
+        tries again, as a failed build on first use does)."""
+        if self._builder is None:
+            return
+        self._builder.join()
+        self._builder, error, self._build_error = None, self._build_error, None
+        if error is not None:
+            raise error
+
+    def _build_compiler(self) -> Any:
+        xgr = _xgrammar()
+        tokenizer = self._load_tokenizer()
+        if tokenizer is None:
+            raise ValueError(
+                "structured output needs the model's tokenizer, and this model has none "
+                "(presets have random weights): pass --tokenizer (offline: tokenizer=) "
+                "naming a directory, a GGUF file or smollm2-135m of the model's vocabulary"
+            )
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer,
+            vocab_size=self.vocab_size,
+            stop_token_ids=self.stop_token_ids or None,
+        )
+        return xgr.GrammarCompiler(info)
 
     def compile(self, constraint: StructuredOutputsParams) -> Any:
         """The ``CompiledGrammar`` of ``constraint`` (compiled once per engine); ValueError

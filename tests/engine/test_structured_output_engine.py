@@ -8,7 +8,11 @@ run uses, and the tokens still match); each constrained output is in its grammar
 ``num_constrained_steps`` counts the steps that held one; each constrained step's bitmask is
 filled after the runner has launched that step's logits, and the previous step's tokens are
 applied inside that call (the host fills the bitmask while the device runs the forward); a
-grammar that does not compile is refused when the request is added. With static graphs
+grammar that does not compile is refused when the request is added. Through the engine loop
+(``defer_grammar``) the first constrained request does not hold the other requests while the
+grammar compiler is built: a free request runs to its end meanwhile, the constrained one then
+gives the tokens the synchronous path gives, an abort while waiting ends it, and a grammar that
+fails after the build comes back as the request's error. With static graphs
 (FULL_AND_PIECEWISE on simgraph, or the GPU's: ``platform_agnostic``) and async scheduling, the
 constrained steps replay the FULL decode graph, mask on the host sampler, and leave a free
 neighbour's greedy tokens (sampled in decode tails when alone) as they were.
@@ -19,14 +23,18 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 
 pytest.importorskip("xgrammar")
 pytest.importorskip("transformers")
 
+from pieceworks.engine.core_loop import EngineCoreLoop  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
+from pieceworks.engine.messages import AbortRequest, AddRequest  # noqa: E402
 from pieceworks.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from pieceworks.worker.structured_output import StructuredOutputManager  # noqa: E402
 from tests.engine.tiny_tokenizer import save_tiny_tokenizer  # noqa: E402
 
 FREE_PROMPTS = [[5, 17, 42, 99, 3], [7, 7, 200, 31]]
@@ -154,3 +162,79 @@ def test_constrained_steps_under_static_graphs(graph_platform, tmp_path):
     assert llm.engine.num_constrained_steps > 0
     assert CUDAGraphMode.FULL in modes  # constrained decode steps replayed the FULL graph
     llm.shutdown()
+
+
+@pytest.fixture
+def slow_compiler(llm, monkeypatch):
+    """A fresh grammar compiler for ``llm``'s engine whose tokenizer loads only once the
+    returned event is set (as loading a real tokenizer's vocabulary takes seconds)."""
+    engine, release = llm.engine, threading.Event()
+    real = engine.structured_output
+
+    def load_tokenizer():
+        assert release.wait(60)
+        return real._load_tokenizer()
+
+    manager = StructuredOutputManager(load_tokenizer, real.vocab_size, real.stop_token_ids)
+    monkeypatch.setattr(engine, "structured_output", manager)
+    yield release
+    release.set()
+
+
+def run_until(loop: EngineCoreLoop, done) -> dict[str, list]:
+    """Step ``loop`` until ``done(deltas)``; every delta so far, by request."""
+    deltas: dict[str, list] = {}
+    for _ in range(10_000):
+        for delta in loop.take_outputs().deltas:
+            deltas.setdefault(delta.request_id, []).append(delta)
+        if done(deltas):
+            return deltas
+        loop.step()
+    raise AssertionError(f"not done: {deltas}")
+
+
+def finished(deltas, request_id: str) -> bool:
+    return any(d.finished for d in deltas.get(request_id, []))
+
+
+def test_the_first_constrained_request_does_not_hold_the_loop(llm, slow_compiler):
+    choice = constrained(StructuredOutputsParams(choice=["yes", "no"]), temperature=0.0)
+    engine, loop = llm.engine, EngineCoreLoop(llm.engine)
+    loop.apply(AddRequest("c", [5, 6, 7], choice))
+    loop.apply(AddRequest("f", FREE_PROMPTS[0], free_params()))
+    deltas = run_until(loop, lambda deltas: finished(deltas, "f"))
+    assert "c" not in deltas  # still waiting: the compiler is being built
+    assert engine.structured_output.compiler_building and loop.stats().num_waiting == 1
+    slow_compiler.set()
+    busy = engine.has_unfinished_requests
+    deltas.update(run_until(loop, lambda deltas: finished(deltas, "c") and not busy()))
+    assert deltas["c"][-1].finish_reason == "stop"
+    # the same requests offline, where adding a constrained request compiles its grammar
+    (free, sync) = llm.generate([FREE_PROMPTS[0], [5, 6, 7]], [free_params(), choice])
+    assert [t for d in deltas["f"] for t in d.new_token_ids] == free.outputs[0].token_ids
+    assert [t for d in deltas["c"] for t in d.new_token_ids] == sync.outputs[0].token_ids
+
+
+def test_an_abort_while_waiting_for_the_compiler_ends_the_request(llm, slow_compiler):
+    loop = EngineCoreLoop(llm.engine)
+    loop.apply(AddRequest("c", [5, 6, 7], constrained(StructuredOutputsParams(regex="[ab]+"))))
+    loop.apply(AbortRequest("c"))
+    (delta,) = loop.take_outputs().deltas
+    assert delta.finish_reason == "abort" and not delta.new_token_ids
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_grammar_failing_after_the_build_is_the_requests_error(llm, slow_compiler, monkeypatch):
+    manager, loop = llm.engine.structured_output, EngineCoreLoop(llm.engine)
+
+    def refuse(constraint):
+        raise ValueError("the regex does not compile: refused after the build")
+
+    loop.apply(AddRequest("c", [5, 6, 7], constrained(StructuredOutputsParams(regex="[ab]+"))))
+    monkeypatch.setattr(manager, "compile", refuse)
+    slow_compiler.set()
+    busy = llm.engine.has_unfinished_requests
+    deltas = run_until(loop, lambda deltas: finished(deltas, "c") and not busy())
+    (delta,) = deltas["c"]
+    assert delta.error == "the regex does not compile: refused after the build"
+    assert not delta.engine_failed
