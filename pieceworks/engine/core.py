@@ -172,8 +172,10 @@ class EngineCore:
             return
         awaiting, self._awaiting_grammar = self._awaiting_grammar, {}
         for request in awaiting.values():
+            constraint = request.sampling_params.structured_outputs
+            assert constraint is not None  # only constrained requests are deferred
             try:
-                self.structured_output.compile(request.sampling_params.structured_outputs)
+                self.structured_output.compile(constraint)
             except Exception as error:  # ValueError naming the problem, or the build's error
                 request.finish(RequestStatus.FINISHED_ABORTED)
                 self._failed_requests.append((request.request_id, str(error)))
