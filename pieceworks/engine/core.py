@@ -167,20 +167,30 @@ class EngineCore:
 
     def _admit_awaiting_grammar(self) -> None:
         """Queue the deferred constrained requests once the compiler is built, each with its
-        grammar compiled (one that fails is finished and reported)."""
+        grammar compiled; one whose grammar fails is finished and reported, and so is every one
+        of them if the compiler's build failed."""
         if not self._awaiting_grammar or self.structured_output.compiler_building:
             return
         awaiting, self._awaiting_grammar = self._awaiting_grammar, {}
+        try:
+            self.structured_output.compiler  # noqa: B018 (raises the build's error, if any)
+        except Exception as error:  # e.g. ValueError: the model has no tokenizer
+            for request in awaiting.values():
+                self._fail_awaiting(request, error)
+            return
         for request in awaiting.values():
             constraint = request.sampling_params.structured_outputs
             assert constraint is not None  # only constrained requests are deferred
             try:
                 self.structured_output.compile(constraint)
-            except Exception as error:  # ValueError naming the problem, or the build's error
-                request.finish(RequestStatus.FINISHED_ABORTED)
-                self._failed_requests.append((request.request_id, str(error)))
+            except ValueError as error:  # naming the problem
+                self._fail_awaiting(request, error)
                 continue
             self.scheduler.add_request(request)
+
+    def _fail_awaiting(self, request: Request, error: Exception) -> None:
+        request.finish(RequestStatus.FINISHED_ABORTED)
+        self._failed_requests.append((request.request_id, str(error)))
 
     def add_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
         """Queue several requests, all or none: every one is checked (vocabulary, length, KV

@@ -11,8 +11,9 @@ applied inside that call (the host fills the bitmask while the device runs the f
 grammar that does not compile is refused when the request is added. Through the engine loop
 (``defer_grammar``) the first constrained request does not hold the other requests while the
 grammar compiler is built: a free request runs to its end meanwhile, the constrained one then
-gives the tokens the synchronous path gives, an abort while waiting ends it, and a grammar that
-fails after the build comes back as the request's error. With static graphs
+gives the tokens the synchronous path gives, an abort while waiting ends it, a grammar that
+fails after the build comes back as the request's error, and a failed build refuses every
+waiting request with its reason, built once. With static graphs
 (FULL_AND_PIECEWISE on simgraph, or the GPU's: ``platform_agnostic``) and async scheduling, the
 constrained steps replay the FULL decode graph, mask on the host sampler, and leave a free
 neighbour's greedy tokens (sampled in decode tails when alone) as they were.
@@ -238,3 +239,24 @@ def test_a_grammar_failing_after_the_build_is_the_requests_error(llm, slow_compi
     (delta,) = deltas["c"]
     assert delta.error == "the regex does not compile: refused after the build"
     assert not delta.engine_failed
+
+
+def test_a_failed_compiler_build_refuses_every_waiting_request_once(llm, monkeypatch):
+    engine, calls = llm.engine, []
+    real = engine.structured_output
+
+    def no_tokenizer():
+        calls.append(1)
+        return None
+
+    manager = StructuredOutputManager(no_tokenizer, real.vocab_size, real.stop_token_ids)
+    monkeypatch.setattr(engine, "structured_output", manager)
+    loop = EngineCoreLoop(engine)
+    for request_id in ("a", "b"):
+        loop.apply(AddRequest(request_id, [5, 6], constrained(StructuredOutputsParams(regex="a"))))
+    busy = engine.has_unfinished_requests
+    deltas = run_until(loop, lambda d: finished(d, "a") and finished(d, "b") and not busy())
+    for request_id in ("a", "b"):
+        (delta,) = deltas[request_id]
+        assert delta.error.startswith("structured output needs the model's tokenizer")
+    assert calls == [1]  # built once, on the thread
