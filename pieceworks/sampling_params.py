@@ -213,6 +213,23 @@ class SamplingParams:
             self, "logit_bias", {t: float(b) for t, b in self.logit_bias.items()} or None
         )
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """``logprobs`` and ``prompt_logprobs`` ask for at most the whole vocabulary, and
+        ``logit_bias`` names tokens of it (checked once the model is known)."""
+        outside = [token for token in self.logit_bias or () if token >= vocab_size]
+        if outside:
+            raise ValueError(
+                f"logit_bias names token ids {outside[:5]} outside this model's vocabulary of "
+                f"{vocab_size} tokens (ids 0 to {vocab_size - 1})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(
+                    f"{name}={value} is more than this model's vocabulary of {vocab_size} "
+                    f"tokens; ask for at most {vocab_size}"
+                )
+
     @property
     def is_greedy(self) -> bool:
         """True when the request decodes by argmax (temperature 0 or below ``SAMPLING_EPS``)."""

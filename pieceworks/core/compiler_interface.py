@@ -11,6 +11,7 @@ among them); they enter the cache key.
 from __future__ import annotations
 
 import platform
+import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -186,3 +187,20 @@ def make_compiler(backend: str, pass_config: PassConfig | None = None) -> Compil
     if backend == "eager":
         return EagerAdaptor()
     raise ValueError(f"compile backend {backend!r} unknown; use one of ['eager', 'inductor']")
+
+
+def check_inductor_cache_dir() -> None:
+    """Refuse an Inductor cache directory that cannot be written (``TORCHINDUCTOR_CACHE_DIR``,
+    or Inductor's default) before compiling starts, rather than deep inside the first compile."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
+        path = cache_dir()  # it creates the directory
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        path = error.filename or "(unknown)"
+        raise ValueError(
+            f"Inductor's cache directory {path} is not writable ({error.strerror or error}); "
+            "set TORCHINDUCTOR_CACHE_DIR to a writable directory, or compile nothing (-O 0)"
+        ) from None

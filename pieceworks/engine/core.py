@@ -30,13 +30,14 @@ step never runs as a multi-step output or in captured decode tails, and
 from __future__ import annotations
 
 import itertools
-import tempfile
 import threading
 import time
 from typing import TYPE_CHECKING
 
 from pieceworks.config import CompilationLevel, EngineConfig
+from pieceworks.core.compiler_interface import check_inductor_cache_dir
 from pieceworks.engine.arg_utils import draft_engine_config
+from pieceworks.engine.grammar_waitlist import GrammarWaitlist
 from pieceworks.engine.step_logprobs import drop_logprobs_past_stops, record_logprobs
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
@@ -57,10 +58,6 @@ logger = init_logger(__name__)
 # Step timings an engine keeps (``EngineCore.step_seconds``): far more than one benchmark run's
 # decode steps, a few MiB at most.
 MAX_STEP_TIMINGS = 65_536
-
-# How long a step with nothing to run but requests waiting for the grammar compiler waits for
-# it before returning to the engine loop (which then reads new commands).
-GRAMMAR_WAIT_SECONDS = 0.005
 
 # One engine builds or steps at a time in a process: the forward context, Dynamo's state and graph
 # capture are process-wide, so two engines driven from two threads take turns, step by step.
@@ -114,10 +111,8 @@ class EngineCore:
         )
         # Steps whose batch held a structured-output request (host sampler, single step).
         self.num_constrained_steps = 0
-        # Constrained requests added with ``defer_grammar`` while the grammar compiler is being
-        # built, and (request id, reason) of those whose grammar then failed to compile.
-        self._awaiting_grammar: dict[str, Request] = {}
-        self._failed_requests: list[tuple[str, str]] = []
+        # Constrained requests added with ``defer_grammar`` before the grammar compiler is built.
+        self.grammar_waitlist = GrammarWaitlist(self.structured_output)
         self._request_ids = itertools.count()
         self._shut_down = False
         # (uniform decode?, number of requests, wall seconds) of each recent decode step (a
@@ -139,8 +134,7 @@ class EngineCore:
         ``defer_grammar`` (the engine loop's way): a structured-output request that arrives
         before the grammar compiler is built does not wait for it. The compiler is built on a
         thread while the engine steps the other requests, and the request joins the scheduler
-        once its grammar compiles. If it does not, the request ends, and
-        ``take_failed_requests`` gives the reason."""
+        once its grammar compiles (``GrammarWaitlist``, ``engine/grammar_waitlist.py``)."""
         self._check_running()
         constraint = params.structured_outputs
         defer = defer_grammar and constraint is not None
@@ -150,47 +144,8 @@ class EngineCore:
             self.scheduler.add_request(request)
             return request
         self.scheduler.check_request(request)  # what can never fit is refused now all the same
-        self._awaiting_grammar[request.request_id] = request
-        self.structured_output.build_compiler_in_background()
+        self.grammar_waitlist.add(request)
         return request
-
-    @property
-    def num_awaiting_grammar(self) -> int:
-        """Deferred constrained requests waiting for the grammar compiler."""
-        return len(self._awaiting_grammar)
-
-    def take_failed_requests(self) -> list[tuple[str, str]]:
-        """(request id, reason) of each deferred request whose grammar did not compile, since
-        the last call; those requests are finished, with nothing generated."""
-        failed, self._failed_requests = self._failed_requests, []
-        return failed
-
-    def _admit_awaiting_grammar(self) -> None:
-        """Queue the deferred constrained requests once the compiler is built, each with its
-        grammar compiled; one whose grammar fails is finished and reported, and so is every one
-        of them if the compiler's build failed."""
-        if not self._awaiting_grammar or self.structured_output.compiler_building:
-            return
-        awaiting, self._awaiting_grammar = self._awaiting_grammar, {}
-        try:
-            self.structured_output.compiler  # noqa: B018 (raises the build's error, if any)
-        except Exception as error:  # e.g. ValueError: the model has no tokenizer
-            for request in awaiting.values():
-                self._fail_awaiting(request, error)
-            return
-        for request in awaiting.values():
-            constraint = request.sampling_params.structured_outputs
-            assert constraint is not None  # only constrained requests are deferred
-            try:
-                self.structured_output.compile(constraint)
-            except ValueError as error:  # naming the problem
-                self._fail_awaiting(request, error)
-                continue
-            self.scheduler.add_request(request)
-
-    def _fail_awaiting(self, request: Request, error: Exception) -> None:
-        request.finish(RequestStatus.FINISHED_ABORTED)
-        self._failed_requests.append((request.request_id, str(error)))
 
     def add_requests(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Request]:
         """Queue several requests, all or none: every one is checked (vocabulary, length, KV
@@ -233,7 +188,7 @@ class EngineCore:
         if vocab_size is not None:
             if any(not 0 <= t < vocab_size for t in prompt_token_ids):
                 raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
-            _check_num_logprobs(params, vocab_size)
+            params.check_vocabulary(vocab_size)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(
                 f"priority must be an int (lower is scheduled first), not {priority!r}"
@@ -253,7 +208,7 @@ class EngineCore:
         """Stop a queued or running request now, with ``finish_reason`` "abort", freeing its KV
         blocks and state slot; False if no unfinished request has that id."""
         self._check_running()
-        if self._finish_awaiting(request_id, RequestStatus.FINISHED_ABORTED):
+        if self.grammar_waitlist.finish(request_id, RequestStatus.FINISHED_ABORTED):
             return True
         aborted = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
         for request in aborted:
@@ -264,26 +219,18 @@ class EngineCore:
         """Finish a request now with ``finish_reason`` "stop" (its text reached a stop string),
         freeing its cache as ``abort_request`` does; False if no unfinished request has that id."""
         self._check_running()
-        if self._finish_awaiting(request_id, RequestStatus.FINISHED_STOPPED):
+        if self.grammar_waitlist.finish(request_id, RequestStatus.FINISHED_STOPPED):
             return True
         stopped = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
         for request in stopped:
             self._release(request.request_id)
         return bool(stopped)
 
-    def _finish_awaiting(self, request_id: str, status: RequestStatus) -> bool:
-        """Finish a request still waiting for its grammar; False if none has that id."""
-        request = self._awaiting_grammar.pop(request_id, None)
-        if request is None:
-            return False
-        request.finish(status)
-        return True
-
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.has_unfinished_requests()
             or self._in_flight is not None
-            or bool(self._awaiting_grammar)
+            or bool(self.grammar_waitlist)
         )
 
     def step(self) -> list[Request]:
@@ -306,14 +253,13 @@ class EngineCore:
 
     def _step(self) -> list[Request]:
         start = time.perf_counter()
-        self._admit_awaiting_grammar()
+        self.grammar_waitlist.admit(self.scheduler)
         if self.proposer is not None:
             propose_for_running(self.proposer, self.scheduler.running)
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
-            if self._in_flight is None and self._awaiting_grammar:
-                # only requests waiting for the compiler: wait for it a little, not spin
-                self.structured_output.wait_for_compiler(GRAMMAR_WAIT_SECONDS)
+            if self._in_flight is None and self.grammar_waitlist:
+                self.grammar_waitlist.wait()  # only requests waiting for the compiler
             return self._finish_in_flight()  # nothing new to launch: only drain
         finished: list[Request] = []
         sampled = self.executor.execute_async(output, self._grammar_source(output, finished))
@@ -442,42 +388,7 @@ class StepFailedError(RuntimeError):
         self.request_ids = request_ids
 
 
-def check_inductor_cache_dir() -> None:
-    """Refuse an Inductor cache directory that cannot be written (``TORCHINDUCTOR_CACHE_DIR``,
-    or Inductor's default) before compiling starts, rather than deep inside the first compile."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    try:
-        path = cache_dir()  # it creates the directory
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as error:
-        path = error.filename or "(unknown)"
-        raise ValueError(
-            f"Inductor's cache directory {path} is not writable ({error.strerror or error}); "
-            "set TORCHINDUCTOR_CACHE_DIR to a writable directory, or compile nothing (-O 0)"
-        ) from None
-
-
 def _model_identity(config: EngineConfig) -> str:
     """What the prefix cache's root hash names: the weights and how they are computed."""
     model = config.model_config
     return f"{model.model}|{model.dtype}|{model.quantization}|seed={model.seed}"
-
-
-def _check_num_logprobs(params: SamplingParams, vocab_size: int) -> None:
-    """``logprobs`` and ``prompt_logprobs`` ask for at most the whole vocabulary, and
-    ``logit_bias`` names tokens of it."""
-    outside = [token for token in params.logit_bias or () if token >= vocab_size]
-    if outside:
-        raise ValueError(
-            f"logit_bias names token ids {outside[:5]} outside this model's vocabulary of "
-            f"{vocab_size} tokens (ids 0 to {vocab_size - 1})"
-        )
-    for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(params, name)
-        if value is not None and value > vocab_size:
-            raise ValueError(
-                f"{name}={value} is more than this model's vocabulary of {vocab_size} tokens; "
-                f"ask for at most {vocab_size}"
-            )

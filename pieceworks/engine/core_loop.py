@@ -109,7 +109,7 @@ class EngineCoreLoop:
             self._fail(error.request_ids, str(error))
         else:
             self._num_consecutive_failures = 0
-        for request_id, reason in self.engine_core.take_failed_requests():
+        for request_id, reason in self.engine_core.grammar_waitlist.take_failed():
             self._fail([request_id], reason)  # its grammar did not compile: refused
         self._num_steps += 1
         self._collect()
@@ -162,7 +162,7 @@ class EngineCoreLoop:
         spec = scheduler.spec_decoding_stats
         return EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting) + self.engine_core.num_awaiting_grammar,
+            num_waiting=len(scheduler.waiting) + len(self.engine_core.grammar_waitlist),
             num_blocks=blocks.num_blocks,
             num_free_blocks=blocks.num_free_blocks,
             num_steps=self._num_steps,

@@ -53,7 +53,7 @@ from pieceworks.worker.sampler import Sampler, make_generator, row_param_tensor
 from pieceworks.worker.spec_decode.rejection_sampler import RejectionSampler
 from pieceworks.worker.spec_decode.verify_batch import verify_rows
 from pieceworks.worker.step_inputs import StepInputs
-from pieceworks.worker.structured_output import GrammarSource, apply_grammar_bitmask
+from pieceworks.worker.structured_output import GrammarMask, GrammarSource
 
 # Step plans kept (one per batch shape: token count, requests, longest query, uniform decode)
 # before the cache starts over; decode shapes are few, prefill and mixed ones many.
@@ -86,7 +86,7 @@ class ModelRunner:
         tokens_per_request = max(
             scheduler_config.num_scheduler_steps, 1 + (spec.num_speculative_tokens if spec else 0)
         )
-        self._max_num_logits = scheduler_config.max_num_seqs * tokens_per_request
+        max_num_logits = scheduler_config.max_num_seqs * tokens_per_request
         buffers = InputBuffers(
             self.max_num_tokens,
             scheduler_config.max_num_seqs,
@@ -95,9 +95,10 @@ class ModelRunner:
             self.platform.pin_memory(),
             self.platform.create_event,
             max_num_steps=scheduler_config.num_scheduler_steps,
-            max_num_logits=self._max_num_logits,
+            max_num_logits=max_num_logits,
         )
         self.inputs = StepInputs(buffers, self.block_size)
+        self.grammar_mask = GrammarMask(self.platform.pin_memory(), max_num_logits)
         self.graphs = GraphCapture(
             self.model, config, self.platform, self.dispatcher, self.inputs, self.kernels
         )
@@ -107,16 +108,13 @@ class ModelRunner:
         self.last_sampled_rows: dict[str, int] = {}
         self._token_staging = [
             torch.zeros(
-                self._max_num_logits,
+                max_num_logits,
                 dtype=torch.int64,
                 pin_memory=self.platform.pin_memory(),
             )
             for _ in range(2)
         ]
         self._token_events = [self.platform.create_event() for _ in range(2)]
-        # Pinned copies of a constrained step's bitmask, alternating as the token staging does
-        # (allocated on the first constrained step).
-        self._bitmask_staging: list[torch.Tensor] = []
         self._num_steps = 0
         self._plans: dict[tuple[int, int, int, int], Any] = {}  # batch shape -> plan()
         self.mamba_spec = mamba_cache_spec(config)
@@ -225,8 +223,7 @@ class ModelRunner:
         logits = self.model.compute_logits(self.inputs.logits_rows(hidden_states))  # (S, V)
         bitmask = grammar() if grammar is not None else None
         if bitmask is not None:  # structured output: constrained rows masked
-            bitmask = verify_rows(output, bitmask)
-            apply_grammar_bitmask(logits, bitmask, self._bitmask_stage(bitmask))
+            self.grammar_mask.apply(logits, verify_rows(output, bitmask), self._num_steps)
         if output.num_verify_columns > 1:  # (R, V): 1 + s rows per request verifying s
             token_ids, logprobs = self.rejection_sampler.verify_step(
                 output, logits, params, generators
@@ -261,19 +258,6 @@ class ModelRunner:
         if event is not None:
             event.record()
         return SampledTokens(staging, event, logprobs=logprobs, prompt_logprobs=prompt)
-
-    def _bitmask_stage(self, bitmask: torch.Tensor) -> torch.Tensor | None:
-        """This step's pinned host buffer for ``bitmask`` (None where memory is not pinned);
-        the other one may still be copying to the device."""
-        if not self.platform.pin_memory():
-            return None
-        if not self._bitmask_staging:
-            rows = max(self._max_num_logits, bitmask.shape[0])
-            self._bitmask_staging = [
-                torch.empty((rows, bitmask.shape[1]), dtype=bitmask.dtype, pin_memory=True)
-                for _ in range(2)
-            ]
-        return self._bitmask_staging[self._num_steps % 2]
 
     def _uses_decode_tail(
         self, output: SchedulerOutput, step: _PreparedStep, params: list[SamplingParams]

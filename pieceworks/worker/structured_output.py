@@ -10,7 +10,7 @@ to the request's output tokens before each step (accepting the new ones, rolling
 scheduler dropped), and writes the step's ``grammar_bitmask``: one row per producing request,
 all bits set for a free row (from ``BATCH_FILL_MIN_ROWS`` constrained rows on, xgrammar fills them
 on several threads). The runner applies that bitmask to the logits where the host
-sampler runs (``apply_grammar_bitmask``: one pinned copy to the device, one masking kernel); a
+sampler runs (``GrammarMask``: one pinned copy to the device, one masking kernel); a
 request whose matcher terminates (it accepted a stop token) finishes with reason "stop".
 
 Preemption keeps a request's generated tokens (recompute preemption), so its matcher stays valid;
@@ -287,6 +287,30 @@ class StructuredOutputManager:
 # Gives a step's token bitmask ``(S, ceil(V / 32))`` (or None: nothing to mask); the runner calls
 # it once per step, after launching the forward (``ModelRunner.execute_async``).
 GrammarSource = Callable[[], "torch.Tensor | None"]
+
+
+class GrammarMask:
+    """The runner's side of structured output: each constrained step's bitmask applied to its
+    logits (``apply_grammar_bitmask``) through one of two pinned host buffers, alternating by
+    step as the sampled tokens' staging does (the other may still be copying to the device);
+    allocated on the first constrained step, and not at all where memory is not pinned."""
+
+    def __init__(self, pin_memory: bool, max_rows: int) -> None:
+        self.pin_memory = pin_memory
+        self.max_rows = max_rows  # logits rows a step can have
+        self._staging: list[torch.Tensor] = []
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, step: int) -> None:
+        """Mask ``logits`` ``(S, V)`` by ``bitmask`` ``(S, ceil(V / 32))`` for step ``step``."""
+        staging = None
+        if self.pin_memory:
+            if not self._staging:
+                shape = (max(self.max_rows, bitmask.shape[0]), bitmask.shape[1])
+                self._staging = [
+                    torch.empty(shape, dtype=bitmask.dtype, pin_memory=True) for _ in range(2)
+                ]
+            staging = self._staging[step % 2]
+        apply_grammar_bitmask(logits, bitmask, staging)
 
 
 def apply_grammar_bitmask(

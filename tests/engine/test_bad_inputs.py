@@ -17,8 +17,8 @@ import json
 
 import pytest
 
+from pieceworks.core.compiler_interface import check_inductor_cache_dir
 from pieceworks.engine import tokenizer as tokenizer_module
-from pieceworks.engine.core import check_inductor_cache_dir
 from pieceworks.engine.llm import LLM
 from pieceworks.engine.tokenizer import gguf_tokenizer, load_tokenizer
 from pieceworks.sampling_params import SamplingParams

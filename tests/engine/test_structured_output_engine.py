@@ -32,6 +32,7 @@ pytest.importorskip("xgrammar")
 pytest.importorskip("transformers")
 
 from pieceworks.engine.core_loop import EngineCoreLoop  # noqa: E402
+from pieceworks.engine.grammar_waitlist import GrammarWaitlist  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.engine.messages import AbortRequest, AddRequest  # noqa: E402
 from pieceworks.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
@@ -178,6 +179,7 @@ def slow_compiler(llm, monkeypatch):
 
     manager = StructuredOutputManager(load_tokenizer, real.vocab_size, real.stop_token_ids)
     monkeypatch.setattr(engine, "structured_output", manager)
+    monkeypatch.setattr(engine, "grammar_waitlist", GrammarWaitlist(manager))
     yield release
     release.set()
 
@@ -251,6 +253,7 @@ def test_a_failed_compiler_build_refuses_every_waiting_request_once(llm, monkeyp
 
     manager = StructuredOutputManager(no_tokenizer, real.vocab_size, real.stop_token_ids)
     monkeypatch.setattr(engine, "structured_output", manager)
+    monkeypatch.setattr(engine, "grammar_waitlist", GrammarWaitlist(manager))
     loop = EngineCoreLoop(engine)
     for request_id in ("a", "b"):
         loop.apply(AddRequest(request_id, [5, 6], constrained(StructuredOutputsParams(regex="a"))))

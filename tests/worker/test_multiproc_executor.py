@@ -39,7 +39,7 @@ from pieceworks.engine.arg_utils import build_engine_config
 from pieceworks.engine.llm import LLM
 from pieceworks.sampling_params import SamplingParams
 from pieceworks.worker import executor as executor_module
-from pieceworks.worker import model_runner as model_runner_module
+from pieceworks.worker import structured_output as structured_output_module
 from pieceworks.worker import worker
 from pieceworks.worker.executor import (
     MultiprocExecutor,
@@ -440,9 +440,9 @@ def test_a_constrained_step_broadcasts_its_bitmask_after_the_step(
     executor = llm.engine.executor
     group = executor.group = RecordingGroup(executor.group)
     applied = []
-    real_apply = model_runner_module.apply_grammar_bitmask
+    real_apply = structured_output_module.apply_grammar_bitmask
     monkeypatch.setattr(
-        model_runner_module,
+        structured_output_module,
         "apply_grammar_bitmask",
         lambda logits, bitmask, *staging: (
             applied.append(bitmask.clone()) or real_apply(logits, bitmask, *staging)
