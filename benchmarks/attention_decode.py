@@ -12,7 +12,9 @@ graph (as a decode step runs one per layer, each cache read from HBM, not L2) an
 time per call over many replays, without flushing L2 between calls. `--launch early late` times
 the kernels launched as by default where the device has PDL (early: the split kernel loads its
 first K/V tile before it waits, and the reduce is scheduled at the split's wait) and planned as
-without PDL (late: each kernel launched after the one before it ends).
+without PDL (late: each kernel launched after the one before it ends). `--block-n` and
+`--num-warps` sweep the split kernel's tile (keys per `tl.dot`, which also sets the smallest
+split) and warps, e.g. for a head size the defaults were not tuned on.
 
 Run (CUDA machine): PYTHONPATH=. python benchmarks/attention_decode.py --out decode.json
 """
@@ -70,6 +72,14 @@ def parse_args() -> argparse.Namespace:
         help="plan the kernels with PDL where supported (early) or without it (late)",
     )  # fmt: skip
     parser.add_argument("--graph-layers", type=int, default=0, help="calls per graph (0: one)")
+    parser.add_argument(
+        "--block-n", type=int, nargs="+", default=[triton_attention.DECODE_BLOCK_N],
+        help="keys per decode tile to time (the split size is a whole number of tiles)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-warps", type=int, nargs="+", default=[triton_attention.DECODE_NUM_WARPS],
+        help="warps of the split kernel to time",
+    )  # fmt: skip
     parser.add_argument("--fp8-output", action="store_true", help="FP8 output (for o_proj)")
     parser.add_argument("--copy-mib", type=int, default=2048, help="copy-bandwidth buffer size")
     parser.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time")
@@ -176,10 +186,14 @@ def required_bytes(args, batch_size: int, context_len: int) -> int:
     return kv + query_and_output
 
 
-def bench_config(args, batch_size, context_len, splits_arg, launch, copy_gbps, device) -> dict:
-    """Time one (batch, context, splits, launch) configuration; returns one result row."""
+def bench_config(
+    args, batch_size, context_len, splits_arg, launch, tile, copy_gbps, device
+) -> dict:
+    """Time one (batch, context, splits, launch, (block_n, warps)) configuration; returns one
+    result row."""
     # read when a call plans
     triton_attention.programmatic_launch = PROGRAMMATIC_LAUNCH if launch == "early" else no_pdl
+    triton_attention.DECODE_BLOCK_N, triton_attention.DECODE_NUM_WARPS = tile
     batch = make_decode_batch(args, batch_size, context_len, device)
     scale = args.head_size**-0.5
     num_kv_splits = splits_arg or choose_num_kv_splits(
@@ -211,6 +225,8 @@ def bench_config(args, batch_size, context_len, splits_arg, launch, copy_gbps, d
         context_len=context_len,
         num_kv_splits=num_kv_splits,
         launch=launch,
+        block_n=tile[0],
+        num_warps=tile[1],
         time_us=ms * 1e3,
         bytes=num_bytes,
         gbps=gbps,
@@ -222,14 +238,15 @@ def bench_config(args, batch_size, context_len, splits_arg, launch, copy_gbps, d
 def print_table(copy_gbps: float, rows: list[dict]) -> None:
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     print(
-        f"{'batch':>5} {'context':>7} {'splits':>6} {'launch':>6} {'time_us':>9} {'MB':>8} "
+        f"{'batch':>5} {'context':>7} {'splits':>6} {'launch':>6} {'tile':>5} {'warps':>5} "
+        f"{'time_us':>9} {'MB':>8} "
         f"{'GB/s':>7} {'of copy':>7} {'max_err':>8}"
     )
     for row in rows:
         err = "-" if row["max_abs_err"] is None else f"{row['max_abs_err']:.1e}"
         print(
             f"{row['batch_size']:>5} {row['context_len']:>7} {row['num_kv_splits']:>6} "
-            f"{row['launch']:>6} "
+            f"{row['launch']:>6} {row['block_n']:>5} {row['num_warps']:>5} "
             f"{row['time_us']:>9.1f} {row['bytes'] / 1e6:>8.2f} {row['gbps']:>7.0f} "
             f"{row['fraction_of_copy']:>7.1%} {err:>8}"
         )
@@ -245,11 +262,21 @@ def main() -> None:
     rows = []
     for batch_size in args.batch_sizes:
         for context_len in args.context_lens:
-            for splits_arg, launch in itertools.product(args.num_kv_splits, args.launch):
+            for splits_arg, launch, block_n, warps in itertools.product(
+                args.num_kv_splits, args.launch, args.block_n, args.num_warps
+            ):
+                tile = (block_n, warps)
                 rows.append(
                     bench_config(
-                        args, batch_size, context_len, splits_arg or None, launch, copy_gbps, device
-                    )
+                        args,
+                        batch_size,
+                        context_len,
+                        splits_arg or None,
+                        launch,
+                        tile,
+                        copy_gbps,
+                        device,
+                    )  # fmt: skip
                 )
     print_table(copy_gbps, rows)
     with open(args.out, "w") as f:
