@@ -11,7 +11,9 @@
 #   (smollm2_pw, not in the default list: the SmolLM2 shape's PIECEWISE and FULL_AND_PIECEWISE steps
 #   at batch 1, 8 and 64 with their device-busy time, the serving rows' yardstick; breakdown, not in
 #   the default list: the Qwen3-8B and Gemma-3-4B steps kernel by kernel, with
-#   programmatic dependent launch and without, about 4 min on an H100, not yet timed)
+#   programmatic dependent launch and without, about 4 min on an H100, not yet timed;
+#   attention_tiles, not in the default list: decode attention's tile and warps swept at the
+#   Gemma-3-4B and SmolLM2 shapes, batch 1)
 #   (specdec_8b and specdec_smollm2: the two halves of specdec; serve_c64_smollm2 and serve_c64_8b:
 #   the engine's batch-64 step, then the server at concurrency 64, in one step each;
 #   serve_c64_smollm2_full: the same load with every step, mixed ones too, in FULL graphs;
@@ -215,6 +217,15 @@ breakdown() {  # the Qwen3-8B and Gemma-3-4B decode steps kernel by kernel, as s
   python3 benchmarks/kernel_table.py "$OUT"/bench_breakdown_*.json || true
 }
 
+attention_tiles() {  # decode attention's tile and warps at the Gemma-3-4B and SmolLM2 shapes, batch
+  # 1, one call per layer in one graph (as a step runs them), with and without PDL
+  local sweep=(--batch-sizes 1 --block-n 16 32 64 --num-warps 2 4 8 --launch early late)
+  step attention_tiles_gemma3 python3 benchmarks/attention_decode.py --out "$OUT/attention_tiles_gemma3.json" \
+    "${sweep[@]}" --context-lens 1056 --max-model-len 1056 --num-heads 8 --num-kv-heads 4 --head-size 256 --graph-layers 34
+  step attention_tiles_smollm2 python3 benchmarks/attention_decode.py --out "$OUT/attention_tiles_smollm2.json" \
+    "${sweep[@]}" --context-lens 160 --max-model-len 160 --num-heads 9 --num-kv-heads 3 --head-size 64 --graph-layers 30
+}
+
 EIGHT_B=(--model llama-3.1-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3)
 
 # n-gram speculation (docs/engine.md, "Speculative decoding"): 4 proposals per step, looked up
@@ -266,6 +277,7 @@ for name in $steps; do
     small) small ;;
     smollm2_pw) bench smollm2_piecewise --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 128 --output-len 128 --modes piecewise,full_and_piecewise ;;
     breakdown) breakdown ;;
+    attention_tiles) attention_tiles ;;
     bench125m) bench llama125m_b8 --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --compare ;;
     smollm2) bench smollm2_135m --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 32 --output-len 128 --modes full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
