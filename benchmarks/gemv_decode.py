@@ -43,6 +43,18 @@ MODEL_SHAPES = {  # --model: the (N, K) of other models' linear layers, for the 
         "gate_up_proj": (16384, 2048),
         "down_proj": (2048, 8192),
     },
+    "qwen3-8b": {
+        "qkv_proj": (6144, 4096),
+        "o_proj": (4096, 4096),
+        "gate_up_proj": (24576, 4096),
+        "down_proj": (4096, 12288),
+    },
+    "gemma-3-4b": {
+        "qkv_proj": (4096, 2560),
+        "o_proj": (2560, 2048),
+        "gate_up_proj": (20480, 2560),
+        "down_proj": (2560, 10240),
+    },
     "smollm2-360m": {
         "qkv_proj": (1600, 960),
         "o_proj": (960, 960),
@@ -90,6 +102,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true", help="also the do_bench config sweep")
     parser.add_argument("--graph-layers", type=int, default=32, help="distinct weights per graph")
     parser.add_argument("--graph-replays", type=int, default=20)
+    parser.add_argument(
+        "--graph-stages", type=int, nargs="+", default=[4], help="stages of the graph tile sweep"
+    )
     parser.add_argument("--fp8", action="store_true", help="only the FP8 GEMV rows")
     parser.add_argument("--fp8-tokens", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument(
@@ -176,10 +191,11 @@ def graph_rows(args) -> list[dict]:
             )
         sweep = {}
         if m == 1:  # a few tiles in the graph too: the do_bench sweep's ranking may not hold
-            for block_n, block_k in GRAPH_TILES:
-                config = GemvConfig(block_n=block_n, block_k=block_k)
+            for (block_n, block_k), stages in itertools.product(GRAPH_TILES, args.graph_stages):
+                config = GemvConfig(block_n=block_n, block_k=block_k, num_stages=stages)
                 fns = [functools.partial(launch_gemv, x, weight, config) for weight in weights]
-                sweep[f"{block_n}x{block_k}"] = graph_time_us(fns, args.graph_replays)
+                tile = f"{block_n}x{block_k}" + (f"x{stages}" if stages != 4 else "")
+                sweep[tile] = graph_time_us(fns, args.graph_replays)
             print(f"graph {name:>12} m= 1 tiles: " + ", ".join(
                 f"{tile} {us:.1f} us" for tile, us in sweep.items()))  # fmt: skip
         error = max_relative_error(launch_gemv(x, weights[0]), F.linear(x, weights[0]))

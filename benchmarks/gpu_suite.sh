@@ -13,7 +13,8 @@
 #   the default list: the Qwen3-8B and Gemma-3-4B steps kernel by kernel, with
 #   programmatic dependent launch and without, about 4 min on an H100, not yet timed;
 #   attention_tiles, not in the default list: decode attention's tile and warps swept at the
-#   Gemma-3-4B and SmolLM2 shapes, batch 1)
+#   Gemma-3-4B and SmolLM2 shapes, batch 1; gemv_tiles: the GEMV's tiles at one token at the
+#   same shapes)
 #   (specdec_8b and specdec_smollm2: the two halves of specdec; serve_c64_smollm2 and serve_c64_8b:
 #   the engine's batch-64 step, then the server at concurrency 64, in one step each;
 #   serve_c64_smollm2_full: the same load with every step, mixed ones too, in FULL graphs;
@@ -226,6 +227,14 @@ attention_tiles() {  # decode attention's tile and warps at the Gemma-3-4B and S
     "${sweep[@]}" --context-lens 160 --max-model-len 160 --num-heads 9 --num-kv-heads 3 --head-size 64 --graph-layers 30
 }
 
+gemv_tiles() {  # the GEMV's tiles at one token in a graph: Gemma-3-4B's shapes (with 4 and 6
+  # stages) and the SmolLM2-135M shape's, against cuBLAS
+  step gemv_tiles_gemma3 python3 benchmarks/gemv_decode.py --out "$OUT/gemv_tiles_gemma3.json" \
+    --model gemma-3-4b --num-tokens 1 --graph-layers 16 --graph-stages 4 6
+  step gemv_tiles_smollm2 python3 benchmarks/gemv_decode.py --out "$OUT/gemv_tiles_smollm2.json" \
+    --model smollm2-135m --num-tokens 1 --graph-layers 30
+}
+
 EIGHT_B=(--model llama-3.1-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3)
 
 # n-gram speculation (docs/engine.md, "Speculative decoding"): 4 proposals per step, looked up
@@ -278,6 +287,7 @@ for name in $steps; do
     smollm2_pw) bench smollm2_piecewise --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 128 --output-len 128 --modes piecewise,full_and_piecewise ;;
     breakdown) breakdown ;;
     attention_tiles) attention_tiles ;;
+    gemv_tiles) gemv_tiles ;;
     bench125m) bench llama125m_b8 --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --compare ;;
     smollm2) bench smollm2_135m --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 32 --output-len 128 --modes full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
