@@ -218,13 +218,14 @@ breakdown() {  # the Qwen3-8B and Gemma-3-4B decode steps kernel by kernel, as s
   python3 benchmarks/kernel_table.py "$OUT"/bench_breakdown_*.json || true
 }
 
-attention_tiles() {  # decode attention's tile and warps at the Gemma-3-4B and SmolLM2 shapes, batch
-  # 1, one call per layer in one graph (as a step runs them), with and without PDL
+attention_tiles() {  # decode attention's tile and warps at the Gemma-3-4B shape (batch 1) and the
+  # SmolLM2 shape (batch 1 and 64), one call per layer in one graph (as a step runs them), with
+  # and without PDL
   local sweep=(--batch-sizes 1 --block-n 16 32 64 --num-warps 2 4 8 --launch early late)
   step attention_tiles_gemma3 python3 benchmarks/attention_decode.py --out "$OUT/attention_tiles_gemma3.json" \
     "${sweep[@]}" --context-lens 1056 --max-model-len 1056 --num-heads 8 --num-kv-heads 4 --head-size 256 --graph-layers 34
   step attention_tiles_smollm2 python3 benchmarks/attention_decode.py --out "$OUT/attention_tiles_smollm2.json" \
-    "${sweep[@]}" --context-lens 160 --max-model-len 160 --num-heads 9 --num-kv-heads 3 --head-size 64 --graph-layers 30
+    "${sweep[@]}" --batch-sizes 1 64 --context-lens 160 --max-model-len 160 --num-heads 9 --num-kv-heads 3 --head-size 64 --graph-layers 30
 }
 
 gemv_tiles() {  # the GEMV's tiles at one token in a graph: Gemma-3-4B's shapes (with 4 and 6
