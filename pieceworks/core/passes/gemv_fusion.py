@@ -59,6 +59,7 @@ from pieceworks.core.passes.graph_match import (
     sole_source,
 )
 from pieceworks.core.passes.head_norm_match import head_norm_before
+from pieceworks.core.passes.norm_gemv_fusion import NormGemvFusionPass
 from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
@@ -281,8 +282,8 @@ def _read_as_items(rotary: torch.fx.Node) -> bool:
 
 
 def fuse_epilogues(gm: torch.fx.GraphModule, pass_config: PassConfig) -> dict[str, int]:
-    """Run the enabled epilogue fusions on Dynamo's graph ``gm`` (the GEMV ones, then attention
-    writing FP8); how many of each were made."""
+    """Run the enabled epilogue fusions on Dynamo's graph ``gm`` (the GEMV ones, then the norm
+    before a GEMV as its prologue, then attention writing FP8); how many of each were made."""
     from pieceworks.core.passes.attn_quant_fusion import AttnQuantFusionPass
 
     counts: dict[str, int] = {}
@@ -292,6 +293,8 @@ def fuse_epilogues(gm: torch.fx.GraphModule, pass_config: PassConfig) -> dict[st
         counts["rope"] = GemvRopeFusionPass()(gm.graph)
     if pass_config.enable_qk_norm_rope_fusion:
         counts["qk_norm_rope"] = GemvQKNormRopeFusionPass()(gm.graph)
+    if pass_config.enable_norm_gemv_fusion:  # takes the fused GEMVs above too
+        counts["norm_gemv"] = NormGemvFusionPass()(gm.graph)
     if pass_config.enable_attn_quant_fusion:
         counts["attn_quant"] = AttnQuantFusionPass()(gm.graph)
     if any(counts.values()):
