@@ -36,6 +36,8 @@ epilogue rotates). GeGLU is fused after an unquantized gate/up GEMV only: there 
 the GELU and the next layer's quantization as its epilogue, so an FP8 Gemma's ``small_m_fp8_linear
 -> gelu_and_mul`` stays as it is. The GeGLU epilogue computes the GELU as the ``gelu_and_mul``
 kernel does, from the gate and up values rounded as the GEMV stores them.
+The RMSNorm before the fused GEMVs (and before a plain one) then becomes their prologue
+(``norm_gemv_fusion.py``, run by ``fuse_epilogues`` after these).
 ``PassConfig.enable_gemv_act_fusion``, ``enable_rope_fusion`` and ``enable_qk_norm_rope_fusion``
 switch them; level 0 runs the plain ops, so eager is the oracle of the fused graphs' numerics.
 """
