@@ -259,7 +259,12 @@ def greedy_decode(
     step's launches on a GPU machine too (a replayed graph calls none)."""
     llm = LLM(
         "llama-tiny",
-        compilation_config={"level": level, "backend": "eager", "cudagraph_mode": "NONE"},
+        compilation_config={
+            "level": level,
+            "backend": "eager",
+            "cudagraph_mode": "NONE",
+            "pass_config": {"enable_norm_gemv_fusion": True},  # off by default (PassConfig)
+        },
         dtype="float32",
         max_num_seqs=4,
         # the profiling forward's tokens: the 29 of the prefill fit, and the interpreted kernels

@@ -50,7 +50,9 @@ def op_forms():
 
 def run(quantization: str | None, level: int, pass_config: dict | None = None, custom_ops=()):
     """Greedy tokens and every step's logits of three prompts; the level-3 backend, if any."""
-    compilation = {"level": level, "backend": "eager", "pass_config": pass_config or {},
+    # the norm-GEMV fusion is off by default (PassConfig): on here unless pass_config says
+    pass_config = {"enable_norm_gemv_fusion": True, **(pass_config or {})}
+    compilation = {"level": level, "backend": "eager", "pass_config": pass_config,
                    "custom_ops": list(custom_ops)}  # fmt: skip
     llm = LLM("llama-tiny", compilation_config=compilation, dtype="float32", max_num_seqs=4,
               quantization=quantization, max_model_len=128)  # fmt: skip

@@ -53,7 +53,9 @@ def checkpoint(request, tmp_path_factory):
 
 def run(path: str, level: int, pass_config: dict | None = None):
     """Greedy tokens and every step's logits of three prompts; the level-3 backend, if any."""
-    compilation = {"level": level, "backend": "eager", "pass_config": pass_config or {}}
+    # the norm-GEMV fusion is off by default (PassConfig): on here unless pass_config says
+    pass_config = {"enable_norm_gemv_fusion": True, **(pass_config or {})}
+    compilation = {"level": level, "backend": "eager", "pass_config": pass_config}
     llm = LLM(path, compilation_config=compilation, dtype="float32", max_num_seqs=4,
               max_model_len=128)  # fmt: skip
     model = llm.engine.runner.model

@@ -348,7 +348,7 @@ def test_fuse_epilogues_counts_each_enabled_fusion_and_logs_them(caplog, monkeyp
     caplog.set_level(logging.DEBUG, logger="pieceworks.core.passes.gemv_fusion")
     gm = torch.fx.GraphModule(torch.nn.Module(), gate_up_graph(None))
     counts = {"gemv_act": 1, "rope": 0, "qk_norm_rope": 0, "norm_gemv": 0, "attn_quant": 0}
-    assert fuse_epilogues(gm, PassConfig()) == counts
+    assert fuse_epilogues(gm, PassConfig(enable_norm_gemv_fusion=True)) == counts
     assert "small_m_silu_and_mul_linear" in gm.code  # recompiled
     messages = {r.getMessage() for r in caplog.records if r.name.endswith("gemv_fusion")}
     assert messages == {f"epilogue fusions: {counts}"}
