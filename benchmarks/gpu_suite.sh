@@ -14,7 +14,7 @@
 #   programmatic dependent launch and without, about 4 min on an H100, not yet timed;
 #   attention_tiles, not in the default list: decode attention's tile and warps swept at the
 #   Gemma-3-4B and SmolLM2 shapes, batch 1; gemv_tiles: the GEMV's tiles at one token at the
-#   same shapes; norm_gemv: the RMSNorm as the GEMV's prologue, on against off)
+#   same shapes)
 #   (specdec_8b and specdec_smollm2: the two halves of specdec; serve_c64_smollm2 and serve_c64_8b:
 #   the engine's batch-64 step, then the server at concurrency 64, in one step each;
 #   serve_c64_smollm2_full: the same load with every step, mixed ones too, in FULL graphs;
@@ -236,20 +236,6 @@ gemv_tiles() {  # the GEMV's tiles at one token in a graph: Gemma-3-4B's shapes 
     --model smollm2-135m --num-tokens 1 --graph-layers 30
 }
 
-NORM_GEMV_ON='{"pass_config": {"enable_norm_gemv_fusion": true}}'
-
-norm_gemv() {  # the RMSNorm as the GEMV's prologue (off by default) against the unfused step:
-  # the SmolLM2-135M shape at batch 1 and 64, the 8B shape at batch 1; then its GPU tests
-  local small=(--model "$(smollm2_model)" --batch-size 1,64 --input-len 32 --output-len 64
-               --num-iters-warmup 1 --num-iters 3 --modes full_and_piecewise)
-  bench norm_gemv_smollm2_off "${small[@]}"
-  bench norm_gemv_smollm2_on "${small[@]}" --compilation-config "$NORM_GEMV_ON"
-  bench norm_gemv_8b_off "${EIGHT_B[@]}" --batch-size 1 --modes full_and_piecewise
-  bench norm_gemv_8b_on "${EIGHT_B[@]}" --batch-size 1 --modes full_and_piecewise \
-    --compilation-config "$NORM_GEMV_ON"
-  step norm_gemv_tests python3 -m pytest -m gpu tests/kernels/test_gemv_norm_gpu.py -q -p no:cacheprovider -rfE
-}
-
 EIGHT_B=(--model llama-3.1-8b --input-len 1024 --output-len 64 --num-iters-warmup 1 --num-iters 3)
 
 # n-gram speculation (docs/engine.md, "Speculative decoding"): 4 proposals per step, looked up
@@ -303,7 +289,6 @@ for name in $steps; do
     breakdown) breakdown ;;
     attention_tiles) attention_tiles ;;
     gemv_tiles) gemv_tiles ;;
-    norm_gemv) norm_gemv ;;
     bench125m) bench llama125m_b8 --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --compare ;;
     smollm2) bench smollm2_135m --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 32 --output-len 128 --modes full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;

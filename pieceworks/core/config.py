@@ -103,12 +103,6 @@ class PassConfig:
     enable_rope_fusion: bool = True
     # The per-head q/k RMSNorm (Qwen3, Gemma 3) and the rotary after it, into the qkv GEMV's op.
     enable_qk_norm_rope_fusion: bool = True
-    # RMSNorm (+ residual add) before a GEMV op (input_layernorm -> qkv_proj,
-    # post_attention_layernorm -> gate_up_proj) into the GEMV as its prologue
-    # (core/passes/norm_gemv_fusion.py); after the epilogue fusions, whose fused ops it takes.
-    # Off until measured on a GPU: work on x inside the GEMV's pipelined K loop once made an FP8
-    # prologue 3x slower at the 8B shapes (docs/performance.md, "Measured and not kept").
-    enable_norm_gemv_fusion: bool = False
     # Attention writing FP8 for an FP8 o_proj (core/passes/attn_quant_fusion.py), where the
     # platform's FP8 format is the attention kernels' e4m3fn.
     enable_attn_quant_fusion: bool = True

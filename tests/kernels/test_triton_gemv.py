@@ -45,12 +45,7 @@ from pieceworks import envs  # noqa: E402
 from pieceworks.core.norm_quant import KERNEL_FP8_DTYPE, static_scaled_fp8_quant  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.kernels import triton_device  # noqa: E402
-from pieceworks.kernels.gemv import (  # noqa: E402
-    resident_gemv,
-    triton_gemv,
-    triton_gemv_norm,
-    triton_gemv_rope,
-)
+from pieceworks.kernels.gemv import resident_gemv, triton_gemv, triton_gemv_rope  # noqa: E402
 from pieceworks.kernels.gemv import small_m_fp8 as fp8  # noqa: E402
 from pieceworks.kernels.gemv.triton_gemv import (  # noqa: E402
     MAX_GEMV_TOKENS,
@@ -107,7 +102,6 @@ def kernel_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(triton_device, "kernel_runs_on", lambda x: True)
     monkeypatch.setattr(triton_gemv, "launch_gemv", counted_launch)
     monkeypatch.setattr(triton_gemv_rope, "launch_gemv", counted_launch)
-    monkeypatch.setattr(triton_gemv_norm, "launch_gemv", counted_launch)
     monkeypatch.setattr(fp8, "launch_gemv", counted_launch)
     monkeypatch.setattr(resident_gemv, "launch_gemv", counted_launch)  # its fallback, on CPU
     return launches
@@ -259,18 +253,9 @@ def greedy_decode(
     step's launches on a GPU machine too (a replayed graph calls none)."""
     llm = LLM(
         "llama-tiny",
-        compilation_config={
-            "level": level,
-            "backend": "eager",
-            "cudagraph_mode": "NONE",
-            "pass_config": {"enable_norm_gemv_fusion": True},  # off by default (PassConfig)
-        },
+        compilation_config={"level": level, "backend": "eager", "cudagraph_mode": "NONE"},
         dtype="float32",
         max_num_seqs=4,
-        # the profiling forward's tokens: the 29 of the prefill fit, and the interpreted kernels
-        # (the norm's one program per row past the GEMV's 64 tokens) stay few
-        max_num_batched_tokens=64,
-        max_model_len=64,
         quantization=quantization,
     )
     recorded: list[torch.Tensor] = []
@@ -293,8 +278,7 @@ def test_llama_decodes_the_same_tokens_through_the_gemv(
     run the kernel and decode what cuBLAS decodes; eager (level 0) runs the plain ops (the GEMV
     without epilogues, the activation and rotary ops after it), so it calls the kernel as often
     and decodes the same tokens. Compiled, the fusion passes give the qkv launch the rotation and
-    the gate/up launch the activation as epilogues and both the norm before them as their
-    prologue, and the graph holds no rotation of its own."""
+    the gate/up launch the activation as epilogues, and the graph holds no rotation of its own."""
     monkeypatch.setenv("PIECEWORKS_SMALL_M_GEMV", "0")
     assert envs.compile_factors()["PIECEWORKS_SMALL_M_GEMV"] is False  # enters the cache hash
     tokens, logits = greedy_decode(num_tokens=4, level=3)
@@ -321,8 +305,6 @@ def test_llama_decodes_the_same_tokens_through_the_gemv(
     assert len(rope) == len(EPILOGUES) // 4  # qkv: one of the 4 launches per layer
     assert all(epilogue.num_rotary_heads == 4 + 2 for epilogue in rope)  # llama-tiny's q and k
     assert len([e for e in EPILOGUES if e.get("gated")]) == len(EPILOGUES) // 4  # gate_up
-    # the norms before qkv and gate_up, fused into those launches as their prologue
-    assert len([e for e in EPILOGUES if e.get("norm") is not None]) == len(EPILOGUES) // 2
     assert traced_rotations == []  # the rotary op, fused into the qkv GEMV by the rope pass
     assert gemv_tokens == tokens
     for actual, expected in zip(gemv_logits, logits, strict=True):

@@ -3,15 +3,13 @@
 With the decode GEMV ops and the activation and rotary op forms chosen (on the CPU through
 implementations registered for the ``cpu`` platform, so every op takes its torch fallback inside),
 llama-tiny at level 3 (eager backend) and its FP8 variant: the passes make exactly one fused
-gate/up GEMV and one fused qkv GEMV per decoder layer (``2`` layers), the unquantized ones with
-the norm before them as their prologue (``small_m_rms_norm_*``: two per layer, the first layer's
-input norm without a residual), and for FP8 one attention writing FP8 for ``o_proj`` per layer
-(its op given ``o_proj``'s input scale); no activation or rotary op is left in the split graph;
-the greedy tokens and every step's logits equal those of the same model compiled with the fusions
-off and of level 0 (which runs the plain ops). ``custom_ops`` picks each layer's op or torch
-form, and so which fusions match (the norms fuse into whichever GEMV op follows them).
-Tolerances: the fused ops' fallbacks run the same torch arithmetic as the plain ops (float32), so
-only GEMM accumulation order may differ: 1e-5.
+gate/up GEMV and one fused qkv GEMV per decoder layer (``2`` layers), and for FP8 one attention
+writing FP8 for ``o_proj`` per layer (its op given ``o_proj``'s input scale); no activation or
+rotary op is left in the split graph; the greedy tokens and every step's logits equal those of
+the same model compiled with the fusions off and of level 0 (which runs the plain ops).
+``custom_ops`` picks each layer's op or torch form, and so which fusions match. Tolerances: the
+fused ops' fallbacks run the same torch arithmetic as the plain ops (float32), so only GEMM
+accumulation order may differ: 1e-5.
 Run: PYTHONPATH=. PIECEWORKS_PLATFORM=cpu python -m pytest tests/models/test_gemv_fusion.py -q
 """
 
@@ -33,7 +31,6 @@ FUSIONS_OFF = {
     "enable_gemv_act_fusion": False,
     "enable_rope_fusion": False,
     "enable_qk_norm_rope_fusion": False,
-    "enable_norm_gemv_fusion": False,
     "enable_attn_quant_fusion": False,
 }
 
@@ -50,9 +47,7 @@ def op_forms():
 
 def run(quantization: str | None, level: int, pass_config: dict | None = None, custom_ops=()):
     """Greedy tokens and every step's logits of three prompts; the level-3 backend, if any."""
-    # the norm-GEMV fusion is off by default (PassConfig): on here unless pass_config says
-    pass_config = {"enable_norm_gemv_fusion": True, **(pass_config or {})}
-    compilation = {"level": level, "backend": "eager", "pass_config": pass_config,
+    compilation = {"level": level, "backend": "eager", "pass_config": pass_config or {},
                    "custom_ops": list(custom_ops)}  # fmt: skip
     llm = LLM("llama-tiny", compilation_config=compilation, dtype="float32", max_num_seqs=4,
               quantization=quantization, max_model_len=128)  # fmt: skip
@@ -93,24 +88,19 @@ def attention_scales(backend) -> list:
 def test_fusions_replace_every_match_and_keep_tokens_and_logits(op_forms, quantization):
     fused_tokens, fused_logits, (backend,) = run(quantization, 3)
     attn_quant = NUM_LAYERS if quantization else 0  # attention writes FP8 for an FP8 o_proj
-    # input_layernorm -> qkv_proj and post_attention_layernorm -> gate_up_proj in every layer (an
-    # FP8 GEMV's input is quantized after the norm: the RMSNorm + quant fusion's)
-    norm_gemv = 0 if quantization else 2 * NUM_LAYERS
     assert backend.num_fusions == {
         "gemv_act": NUM_LAYERS,
         "rope": NUM_LAYERS,
         "qk_norm_rope": 0,  # llama has no head norms
-        "norm_gemv": norm_gemv,
         "attn_quant": attn_quant,
     }
     assert len(attention_scales(backend)) == attn_quant  # the op got o_proj's input_scale
     ops = split_graph_ops(backend)
-    prefix = "small_m_fp8_" if quantization else "small_m_rms_norm_"
+    prefix = "small_m_fp8_" if quantization else "small_m_"
     gated = f"{prefix}silu_and_mul" + ("" if quantization else "_linear")
     assert ops.count(gated) == NUM_LAYERS
     assert ops.count(f"{prefix}rope_linear") == NUM_LAYERS
-    plain = "small_m_fp8_linear" if quantization else "small_m_linear"
-    assert ops.count(plain) == 2 * NUM_LAYERS  # o_proj and down_proj stay plain
+    assert ops.count(f"{prefix}linear") == 2 * NUM_LAYERS  # o_proj and down_proj stay plain
     assert "silu_and_mul" not in ops and "rotary_embedding" not in ops
 
     unfused_tokens, unfused_logits, (unfused,) = run(quantization, 3, FUSIONS_OFF)
@@ -128,18 +118,22 @@ def test_fusions_replace_every_match_and_keep_tokens_and_logits(op_forms, quanti
 @pytest.mark.parametrize(
     "custom_ops,fusions",
     [
-        (["-silu_and_mul"], {"gemv_act": 0, "rope": NUM_LAYERS}),
-        (["-rotary"], {"gemv_act": NUM_LAYERS, "rope": 0}),
-        (["none", "+linear", "+silu_and_mul"], {"gemv_act": NUM_LAYERS, "rope": 0}),
+        (
+            ["-silu_and_mul"],
+            {"gemv_act": 0, "rope": NUM_LAYERS, "qk_norm_rope": 0, "attn_quant": 0},
+        ),
+        (["-rotary"], {"gemv_act": NUM_LAYERS, "rope": 0, "qk_norm_rope": 0, "attn_quant": 0}),
+        (
+            ["none", "+linear", "+silu_and_mul"],
+            {"gemv_act": NUM_LAYERS, "rope": 0, "qk_norm_rope": 0, "attn_quant": 0},
+        ),
     ],
 )
 def test_custom_ops_pick_the_op_or_the_torch_form_and_so_the_fusions(op_forms, custom_ops, fusions):
     """vLLM's meaning: ``-op`` gives that layer its torch form (plain ATen, which no fusion pass
     matches), ``none`` every op but those named with ``+``; the tokens do not change."""
     tokens, _, (backend,) = run(None, 3, custom_ops=custom_ops)
-    # the norms fuse into whichever GEMV op follows them: plain, gated or rotary
-    others = {"qk_norm_rope": 0, "norm_gemv": 2 * NUM_LAYERS, "attn_quant": 0}
-    assert backend.num_fusions == {**fusions, **others}
+    assert backend.num_fusions == fusions
     ops = split_graph_ops(backend)
     assert "silu_and_mul" not in ops and "rotary_embedding" not in ops  # fused, or never an op
     eager_tokens, _, _ = run(None, 0)
@@ -149,11 +143,5 @@ def test_custom_ops_pick_the_op_or_the_torch_form_and_so_the_fusions(op_forms, c
 def test_without_the_op_forms_nothing_matches():
     """The CPU's own choices (torch forms): the graph holds no GEMV op, the passes find nothing."""
     _, _, (backend,) = run(None, 3)
-    assert backend.num_fusions == {
-        "gemv_act": 0,
-        "rope": 0,
-        "qk_norm_rope": 0,
-        "norm_gemv": 0,
-        "attn_quant": 0,
-    }
+    assert backend.num_fusions == {"gemv_act": 0, "rope": 0, "qk_norm_rope": 0, "attn_quant": 0}
     assert set(split_graph_ops(backend)) == {"unified_attention_with_output"}

@@ -5,9 +5,7 @@ Tiny random Qwen3 (``rms_norm`` head norms, head_dim 32 against a hidden size of
 checkpoints saved by transformers, with the GEMV and rotary op forms chosen on the CPU (the ops
 fall back to torch inside, as in ``test_gemv_fusion.py``), at level 3 with the eager backend:
 ``GemvQKNormRopeFusionPass`` makes one ``small_m_qk_norm_rope_linear`` per decoder layer (the
-plain rope fusion none: the norms stand between the split and the rotary), in Qwen3 with the
-input norm before it as its prologue (``NormGemvFusionPass``:
-``small_m_rms_norm_qk_norm_rope_linear``, and the gate/up GEMV's likewise), no rotary op is left,
+plain rope fusion none: the norms stand between the split and the rotary), no rotary op is left,
 and the greedy tokens and every step's logits equal those with ``enable_qk_norm_rope_fusion``
 off and those of level 0. Tolerance: the fused op's fallback runs the torch forms the model
 traces (float32), so only GEMM accumulation order may differ: 1e-5.
@@ -53,9 +51,7 @@ def checkpoint(request, tmp_path_factory):
 
 def run(path: str, level: int, pass_config: dict | None = None):
     """Greedy tokens and every step's logits of three prompts; the level-3 backend, if any."""
-    # the norm-GEMV fusion is off by default (PassConfig): on here unless pass_config says
-    pass_config = {"enable_norm_gemv_fusion": True, **(pass_config or {})}
-    compilation = {"level": level, "backend": "eager", "pass_config": pass_config}
+    compilation = {"level": level, "backend": "eager", "pass_config": pass_config or {}}
     llm = LLM(path, compilation_config=compilation, dtype="float32", max_num_seqs=4,
               max_model_len=128)  # fmt: skip
     model = llm.engine.runner.model
@@ -74,13 +70,8 @@ def test_head_norms_and_rotary_fold_into_the_qkv_op(op_forms, checkpoint):
     fused_tokens, fused_logits, (backend,) = run(path, 3)
     assert backend.num_fusions["qk_norm_rope"] == num_layers
     assert backend.num_fusions["rope"] == 0  # the norms stand between the split and the rotary
-    # Qwen3's input_layernorm -> qkv and post_attention_layernorm -> gate_up in every layer take
-    # the norm as the GEMV's prologue; Gemma's norms are another formula, left to Inductor
-    norm_gemv = 2 * num_layers if name == "qwen3" else 0
-    assert backend.num_fusions["norm_gemv"] == norm_gemv
     ops = split_graph_ops(backend)
-    qkv_op = "small_m_rms_norm_qk_norm_rope_linear" if norm_gemv else "small_m_qk_norm_rope_linear"
-    assert ops.count(qkv_op) == num_layers
+    assert ops.count("small_m_qk_norm_rope_linear") == num_layers
     assert "rotary_embedding" not in ops
 
     unfused_tokens, unfused_logits, (unfused,) = run(path, 3, {"enable_qk_norm_rope_fusion": False})

@@ -81,13 +81,7 @@ def cache_key_factors(
 ) -> dict[str, Any]:
     """Every factor of the cache key, JSON-ready (the hash of this dict names the directory)."""
     from pieceworks import envs
-    from pieceworks.core.passes import (
-        attn_quant_fusion,
-        gemv_fusion,
-        graph_match,
-        head_norm_match,
-        norm_gemv_fusion,
-    )
+    from pieceworks.core.passes import attn_quant_fusion, gemv_fusion, graph_match, head_norm_match
 
     return {
         "env": envs.compile_factors(),
@@ -97,13 +91,7 @@ def cache_key_factors(
         "graph_passes": hash_source_files(
             [
                 str(module.__file__)
-                for module in (
-                    graph_match,
-                    head_norm_match,
-                    gemv_fusion,
-                    norm_gemv_fusion,
-                    attn_quant_fusion,
-                )
+                for module in (graph_match, head_norm_match, gemv_fusion, attn_quant_fusion)
             ]
         ),
         "compiler": compiler.compute_hash_factors(),

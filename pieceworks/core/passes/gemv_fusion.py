@@ -36,8 +36,6 @@ epilogue rotates). GeGLU is fused after an unquantized gate/up GEMV only: there 
 the GELU and the next layer's quantization as its epilogue, so an FP8 Gemma's ``small_m_fp8_linear
 -> gelu_and_mul`` stays as it is. The GeGLU epilogue computes the GELU as the ``gelu_and_mul``
 kernel does, from the gate and up values rounded as the GEMV stores them.
-The RMSNorm before the fused GEMVs (and before a plain one) then becomes their prologue
-(``norm_gemv_fusion.py``, run by ``fuse_epilogues`` after these).
 ``PassConfig.enable_gemv_act_fusion``, ``enable_rope_fusion`` and ``enable_qk_norm_rope_fusion``
 switch them; level 0 runs the plain ops, so eager is the oracle of the fused graphs' numerics.
 """
@@ -61,7 +59,6 @@ from pieceworks.core.passes.graph_match import (
     sole_source,
 )
 from pieceworks.core.passes.head_norm_match import head_norm_before
-from pieceworks.core.passes.norm_gemv_fusion import NormGemvFusionPass
 from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
@@ -284,8 +281,8 @@ def _read_as_items(rotary: torch.fx.Node) -> bool:
 
 
 def fuse_epilogues(gm: torch.fx.GraphModule, pass_config: PassConfig) -> dict[str, int]:
-    """Run the enabled epilogue fusions on Dynamo's graph ``gm`` (the GEMV ones, then the norm
-    before a GEMV as its prologue, then attention writing FP8); how many of each were made."""
+    """Run the enabled epilogue fusions on Dynamo's graph ``gm`` (the GEMV ones, then attention
+    writing FP8); how many of each were made."""
     from pieceworks.core.passes.attn_quant_fusion import AttnQuantFusionPass
 
     counts: dict[str, int] = {}
@@ -295,8 +292,6 @@ def fuse_epilogues(gm: torch.fx.GraphModule, pass_config: PassConfig) -> dict[st
         counts["rope"] = GemvRopeFusionPass()(gm.graph)
     if pass_config.enable_qk_norm_rope_fusion:
         counts["qk_norm_rope"] = GemvQKNormRopeFusionPass()(gm.graph)
-    if pass_config.enable_norm_gemv_fusion:  # takes the fused GEMVs above too
-        counts["norm_gemv"] = NormGemvFusionPass()(gm.graph)
     if pass_config.enable_attn_quant_fusion:
         counts["attn_quant"] = AttnQuantFusionPass()(gm.graph)
     if any(counts.values()):

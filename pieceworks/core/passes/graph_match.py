@@ -48,46 +48,6 @@ def sole_source(node: torch.fx.Node, chain: list[torch.fx.Node]) -> torch.fx.Nod
     return node
 
 
-def calls(node: Any, target: Any, num_users: int | None = 1) -> bool:
-    """``node`` calls ``target`` (a function, or a method name) and has ``num_users`` readers
-    (any number where None)."""
-    if not isinstance(node, torch.fx.Node):
-        return False
-    if num_users is not None and len(node.users) != num_users:
-        return False
-    kind = "call_method" if isinstance(target, str) else "call_function"
-    return node.op == kind and node.target == target
-
-
-def is_to(node: Any, dtype: Any = None, num_users: int | None = 1) -> bool:
-    """``node`` is ``.to(dtype)`` (any dtype where None) with ``num_users`` readers."""
-    if not calls(node, "to", num_users) or len(node.args) != 2 or node.kwargs:
-        return False
-    return isinstance(node.args[1], torch.dtype) and dtype in (None, node.args[1])
-
-
-def rsqrt_scaled(node: Any) -> tuple[torch.fx.Node, float, list[torch.fx.Node]] | None:
-    """``(t, eps, steps)`` if ``node`` is ``t * rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)``,
-    the step RMSNorm's torch forms (``core.norm_quant``) trace to; ``steps`` are the nodes from
-    ``node`` up to the square, each read only by the next. Who else reads ``t`` is the caller's
-    to check."""
-    if not calls(node, operator.mul) or len(node.args) != 2:
-        return None
-    widened, rsqrt = node.args
-    if not (isinstance(widened, torch.fx.Node) and calls(rsqrt, torch.rsqrt)):
-        return None
-    add = rsqrt.args[0]  # type: ignore[union-attr]
-    if not calls(add, operator.add) or not isinstance(add.args[1], float):  # type: ignore[union-attr]
-        return None
-    mean = add.args[0]  # type: ignore[union-attr]
-    if not calls(mean, "mean") or mean.kwargs != {"dim": -1, "keepdim": True}:  # type: ignore[union-attr]
-        return None
-    square = mean.args[0]  # type: ignore[union-attr]
-    if not calls(square, "pow") or square.args != (widened, 2):  # type: ignore[union-attr]
-        return None
-    return widened, add.args[1], [node, rsqrt, add, mean, square]  # type: ignore[union-attr, return-value]
-
-
 def sole_reader(node: torch.fx.Node) -> torch.fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from pieceworks.core.passes.graph_match import calls, is_to, is_view, rsqrt_scaled
+from pieceworks.core.passes.graph_match import is_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,30 +38,56 @@ class HeadNorm:
     nodes: list[torch.fx.Node]
 
 
+def _call(node: Any, target: Any, num_users: int = 1) -> bool:
+    """``node`` calls ``target`` (a function, or a method name) and has ``num_users`` readers."""
+    if not isinstance(node, torch.fx.Node) or len(node.users) != num_users:
+        return False
+    kind = "call_method" if isinstance(target, str) else "call_function"
+    return node.op == kind and node.target == target
+
+
+def _to(node: Any, dtype: Any = None, num_users: int = 1) -> bool:
+    """``node`` is ``.to(dtype)`` (any dtype where None) with ``num_users`` readers."""
+    if not _call(node, "to", num_users) or len(node.args) != 2 or node.kwargs:
+        return False
+    return isinstance(node.args[1], torch.dtype) and dtype in (None, node.args[1])
+
+
 def _scaled(node: torch.fx.Node) -> tuple[torch.fx.Node, float, list[torch.fx.Node]] | None:
     """``(x, eps, steps)`` if ``node`` is ``t * rsqrt(t.pow(2).mean(-1, keepdim) + eps)``,
     ``t = x.to(float32)``; ``steps`` are the nodes from ``t`` to ``node``."""
-    matched = rsqrt_scaled(node)
-    if matched is None or not is_to(matched[0], torch.float32, num_users=2):
+    if not _call(node, operator.mul) or len(node.args) != 2:
         return None
-    widened, epsilon, steps = matched
-    return widened.args[0], epsilon, [*steps, widened]  # type: ignore[return-value]
+    widened, rsqrt = node.args
+    if not (_to(widened, torch.float32, num_users=2) and _call(rsqrt, torch.rsqrt)):
+        return None
+    add = rsqrt.args[0]  # type: ignore[union-attr]
+    if not _call(add, operator.add) or not isinstance(add.args[1], float):  # type: ignore[union-attr]
+        return None
+    mean = add.args[0]  # type: ignore[union-attr]
+    if not _call(mean, "mean") or mean.kwargs != {"dim": -1, "keepdim": True}:  # type: ignore[union-attr]
+        return None
+    square = mean.args[0]  # type: ignore[union-attr]
+    if not _call(square, "pow") or square.args != (widened, 2):  # type: ignore[union-attr]
+        return None
+    steps = [node, rsqrt, add, mean, square, widened]
+    return widened.args[0], add.args[1], steps  # type: ignore[union-attr, return-value]
 
 
 def _norm_parts(out: torch.fx.Node) -> tuple[torch.fx.Node, Any, bool, list[torch.fx.Node]] | None:
     """``(scaled, weight, unit_offset, nodes)`` of the norm whose output is ``out``: ``scaled``
     the ``t * r`` node, ``nodes`` the steps after it (with ``out``)."""
-    if calls(out, operator.mul) and len(out.args) == 2 and is_to(out.args[0]):
+    if _call(out, operator.mul) and len(out.args) == 2 and _to(out.args[0]):
         rounded: Any = out.args[0]  # rms_norm: n.to(dtype) * weight
         return rounded.args[0], out.args[1], False, [out, rounded]
-    if not (is_to(out) and calls(out.args[0], operator.mul)):
+    if not (_to(out) and _call(out.args[0], operator.mul)):
         return None
     product = out.args[0]  # gemma_rms_norm: (n * (1.0 + weight.to(float32))).to(dtype)
     scaled, offset = product.args  # type: ignore[union-attr]
-    if not (calls(offset, operator.add) and offset.args[0] == 1.0):  # type: ignore[union-attr]
+    if not (_call(offset, operator.add) and offset.args[0] == 1.0):  # type: ignore[union-attr]
         return None  # (an FX node compares by identity: never equal to 1.0)
     widened_weight = offset.args[1]  # type: ignore[union-attr]
-    if not is_to(widened_weight, torch.float32):
+    if not _to(widened_weight, torch.float32):
         return None
     nodes = [out, product, offset, widened_weight]
     return scaled, widened_weight.args[0], True, nodes  # type: ignore[union-attr, return-value]

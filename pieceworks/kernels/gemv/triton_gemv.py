@@ -28,14 +28,6 @@ Three epilogues, applied after the K loop so they cost the pipelined loads nothi
   as they are for the v heads, in the natural column order (``triton_gemv_rope.py``);
 - static FP8 quantization of the result (the next FP8 layer's input), as
   ``core.norm_quant.static_scaled_fp8_quant`` computes it (not combined with rope).
-One prologue, the RMSNorm before the GEMV (``norm``; ``triton_gemv_norm.py`` registers its ops):
-after the PDL wait each program walks K once, summing the squares of each token's
-``h = x (+ residual)`` in float32, then its K loop hands the product ``round(round(h * rstd) * w)``
-instead of x, rounded as ``core.norm_quant.rms_norm`` and ``add_rms_norm`` round; program 0 also
-stores ``h`` rounded to x's dtype, the new residual stream. So every program reads its x rows
-(and the residual's) twice, from L2 at decode sizes, instead of a norm kernel before it writing
-them and the GEMV reading them back. It composes with the three epilogues but not with FP8
-operands (their x is quantized already).
 FP8 operands on Hopper: Triton's default lets the MMA add products in reduced precision over the
 whole K loop (FP8 "fast accumulation", as CUTLASS's FP8FastAccum kernels do): errors up to 2e-3
 on outputs near 1, below the bfloat16 rounding of the result. Folding every instruction's sum into
@@ -78,7 +70,6 @@ from pieceworks.kernels.gemv.triton_gemv_config import (
     MAX_KERNEL_TOKENS,
     MIN_ROPE_BLOCK_N,
     GemvConfig,
-    NormPrologue,
     RopeEpilogue,
     gemv_config,
     launch_config,
@@ -94,7 +85,6 @@ __all__ = [  # the configuration names are re-exported: callers and tests import
     "MAX_KERNEL_TOKENS",
     "MIN_ROPE_BLOCK_N",
     "GemvConfig",
-    "NormPrologue",
     "RopeEpilogue",
     "gemv_config",
     "launch_gemv",
@@ -126,7 +116,6 @@ def launch_gemv(
     rope: RopeEpilogue | None = None,
     out_dtype: torch.dtype | None = None,
     out_scale: torch.Tensor | None = None,
-    norm: NormPrologue | None = None,
 ) -> torch.Tensor:
     """``x @ weight^T`` by the kernel, (M, N); x (M <= 64, K), weight (N, K).
 
@@ -137,10 +126,7 @@ def launch_gemv(
     weight is a merged qkv weight ((Hq + 2 Hkv) D, K) and the result (M, N) has its first
     ``rope.num_rotary_heads`` heads rotated (neox, every dim), from values rounded to ``out_dtype``
     first. ``out_scale``: the result is quantized to float8_e4m3fn with that static scale.
-    ``out_dtype`` (default x's dtype): the dtype of the unquantized result. ``norm``: the
-    product is taken of ``rms_norm(x (+ norm.residual))`` instead of x, rounded as
-    ``core.norm_quant.rms_norm`` / ``add_rms_norm`` round it, and with a residual its sum is
-    written to ``norm.residual_out``; it composes with every epilogue but FP8 operands.
+    ``out_dtype`` (default x's dtype): the dtype of the unquantized result.
     """
     num_tokens, in_features = x.shape
     stacked = gated or rope is not None  # 2 weight rows per column (ROPE: per pair)
@@ -149,12 +135,10 @@ def launch_gemv(
         raise ValueError("FP8 operands (scales=...) need the out_dtype of the scaled product")
     if rope is not None and (gated or out_scale is not None):
         raise ValueError("the rotary epilogue takes neither gated=True nor out_scale")
-    if norm is not None and scales is not None:
-        raise ValueError("the RMSNorm prologue takes x in the model dtype, not FP8 operands")
     if activation not in GATED_ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; supported: {GATED_ACTIVATIONS}")
     out_dtype = out_dtype or x.dtype
-    config = launch_config(x, weight, config, stacked, rope, norm)
+    config = launch_config(x, weight, config, stacked, rope)
     pdl = programmatic_launch(x.device)
     grid = (triton.cdiv(out_features, config.block_n),)
     store_dtype = KERNEL_FP8_DTYPE if out_scale is not None else out_dtype
@@ -162,10 +146,6 @@ def launch_gemv(
     out = torch.empty(out_shape, dtype=store_dtype, device=x.device)
     x_scale, weight_scale = scales if scales is not None else (x, x)  # unread unless SCALED
     positions, cos_sin = (rope.positions, rope.cos_sin_cache) if rope is not None else (x, x)
-    # the norm's operands: unread unless NORM (the residual's unless NORM_RESIDUAL)
-    norm_weight, epsilon = (norm.weight, norm.epsilon) if norm is not None else (x, 0.0)
-    residual = norm.residual if norm is not None else None
-    residual_out = norm.residual_out if norm is not None else None
     launch(
         _gemv_kernel,
         grid,
@@ -177,9 +157,6 @@ def launch_gemv(
         out_scale if out_scale is not None else x,
         positions,
         cos_sin,
-        residual if residual is not None else x,
-        norm_weight,
-        residual_out if residual_out is not None else x,
         num_tokens,
         out_features,
         in_features,
@@ -189,8 +166,6 @@ def launch_gemv(
         cos_sin.stride(0),
         rope.head_size if rope is not None else 0,
         rope.num_rotary_heads if rope is not None else 0,
-        residual.stride(0) if residual is not None else 0,
-        epsilon,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -205,8 +180,6 @@ def launch_gemv(
         ROPE=rope is not None,
         ROUND_DTYPE=TRITON_DTYPES[out_dtype],
         QUANT_OUT=out_scale is not None,
-        NORM=norm is not None,
-        NORM_RESIDUAL=residual is not None,
         PDL=pdl,
         RELEASE_AT_START=pdl and releases_at_start(grid[0], rope is not None, x.device),
         num_warps=config.num_warps,

@@ -44,7 +44,6 @@ def gemv_config(
     max_shared_bytes: int | None = None,
     gated: bool = False,
     device_name: str | None = None,
-    norm_residual: bool = False,
 ) -> GemvConfig:
     """The launch configuration for an (m, k) x (n, k)^T product, from its shapes and the GPU.
 
@@ -69,8 +68,7 @@ def gemv_config(
     ``gated`` (``n`` counts the gate and the up rows): a program stacks ``block_n`` rows of each,
     so ``block_n`` is halved to keep the rows per program (one tensor-core tile) of the plain one.
     The rotary epilogue stacks the two halves of a head the same way and passes ``gated=True``
-    (``rope_config`` then narrows ``block_n`` to divide half a head). ``norm_residual``: the
-    RMSNorm prologue adds a residual, so each K step also loads a (block_m, block_k) chunk of it.
+    (``rope_config`` then narrows ``block_n`` to divide half a head).
     """
     block_n, block_k, num_stages = base_tile(n, k, element_size, device_name)
     weight_rows = block_n
@@ -79,8 +77,7 @@ def gemv_config(
     block_m = max(MIN_BLOCK_M, triton.next_power_of_2(m))
     block_k = min(block_k * 2 // element_size, max(triton.next_power_of_2(k), 16))
     if max_shared_bytes is not None:
-        x_rows = 2 * block_m if norm_residual else block_m
-        stage_bytes = lambda: (weight_rows + x_rows) * block_k * element_size  # W and x chunks
+        stage_bytes = lambda: (weight_rows + block_m) * block_k * element_size  # W and x chunks
         while num_stages > 2 and num_stages * stage_bytes() > max_shared_bytes:
             num_stages -= 1
         while block_k > 16 and num_stages * stage_bytes() > max_shared_bytes:
@@ -166,19 +163,6 @@ class RopeEpilogue:
     num_rotary_heads: int
 
 
-@dataclasses.dataclass(frozen=True)
-class NormPrologue:
-    """The RMSNorm prologue's operands: the norm's ``weight (K,)`` and ``epsilon``; with a
-    ``residual (T, K)``, the GEMV's input is the norm of ``x + residual`` and the kernel writes
-    that sum, rounded to x's dtype, into ``residual_out (T, K)`` (contiguous); else the norm of
-    ``x``. All in x's dtype."""
-
-    weight: torch.Tensor
-    epsilon: float
-    residual: torch.Tensor | None = None
-    residual_out: torch.Tensor | None = None
-
-
 MIN_ROPE_BLOCK_N = 8  # 2 x 8 stacked rows: the smallest tensor-core tile tl.dot takes
 
 
@@ -224,11 +208,9 @@ def launch_config(
     config: GemvConfig | None,
     stacked: bool,
     rope: RopeEpilogue | None,
-    norm: NormPrologue | None = None,
 ) -> GemvConfig:
     """``config``, else ``gemv_config``'s for these shapes (``stacked``: two weight rows per
-    program column), narrowed for the rotary epilogue; a ValueError if the tokens do not fit or
-    the norm's operands do not match x."""
+    program column), narrowed for the rotary epilogue; a ValueError if the tokens do not fit."""
     num_tokens, in_features = x.shape
     if num_tokens > MAX_KERNEL_TOKENS:
         raise ValueError(f"the GEMV takes at most {MAX_KERNEL_TOKENS} tokens, got {num_tokens}")
@@ -236,35 +218,11 @@ def launch_config(
         shared = max_shared_bytes(x.device)
         element_size = x.element_size()
         name = device_name(x.device)
-        residual = norm is not None and norm.residual is not None
         config = gemv_config(
-            num_tokens, weight.shape[0], in_features, element_size, shared, stacked, name, residual
+            num_tokens, weight.shape[0], in_features, element_size, shared, stacked, name
         )
-    if norm is not None:
-        check_norm_prologue(x, norm)
     if rope is not None:
         config = checked_rope_config(config, weight, rope, num_tokens)
     if num_tokens > config.block_m:
         raise ValueError(f"{num_tokens} tokens do not fit block_m={config.block_m}")
     return config
-
-
-def check_norm_prologue(x: torch.Tensor, norm: NormPrologue) -> None:
-    """A ValueError unless the norm's operands have x's dtype and fit its (T, K) rows."""
-    num_tokens, in_features = x.shape
-    tensors = [norm.weight] + [t for t in (norm.residual, norm.residual_out) if t is not None]
-    if any(t.dtype != x.dtype for t in tensors) or norm.weight.shape != (in_features,):
-        raise ValueError(
-            f"the RMSNorm prologue needs a norm weight of ({in_features},) and a residual in x's "
-            f"dtype {x.dtype}: weight {tuple(norm.weight.shape)} {norm.weight.dtype}"
-        )
-    if norm.residual is None:
-        return
-    if norm.residual_out is None or not norm.residual_out.is_contiguous():
-        raise ValueError("the RMSNorm prologue with a residual needs a contiguous residual_out")
-    shapes = {tuple(norm.residual.shape), tuple(norm.residual_out.shape), (num_tokens, in_features)}
-    if len(shapes) != 1 or norm.residual.stride(1) != 1:
-        raise ValueError(
-            f"the residual and residual_out must be ({num_tokens}, {in_features}) rows like x "
-            f"(contiguous along K): {sorted(shapes)}"
-        )

@@ -1,15 +1,12 @@
-"""The jitted decode GEMV (``_gemv_kernel``), its prologue and its epilogue helpers.
+"""The jitted decode GEMV (``_gemv_kernel``) and its epilogue helpers.
 
 ``_gemv_kernel`` computes ``y = x W^T`` for at most 64 tokens: each program owns ``BLOCK_N``
 output columns for all M rows (padded to 16 for the tensor cores), walks K in ``BLOCK_K`` chunks
 and applies one epilogue after the K loop: gated (``act(gate) * up`` from the stacked
 ``_stacked_halves``; ``ACTIVATION`` is one of ``GATED_ACTIVATIONS``: ``silu``, ``gelu_tanh`` or
 ``gelu`` (erf), the GELUs by ``triton_gelu_and_mul.gelu``), rope (the pairs rotated with
-``_rotary_factors`` and ``_rotate_pairs``) or static FP8 quantization. The RMSNorm prologue
-(``NORM``; the residual added first where ``NORM_RESIDUAL``) makes x the norm of its input:
-``_rms_norm_rstd`` walks K once for each token's rstd (program 0 also stores the new residual),
-then the K loop hands the product ``_normed`` chunks instead of x's own. The algorithm, the
-operand layout and its invariants are described in ``triton_gemv.py``, which launches the kernel
+``_rotary_factors`` and ``_rotate_pairs``) or static FP8 quantization. The algorithm, the operand
+layout and its invariants are described in ``triton_gemv.py``, which launches the kernel
 (``launch_gemv``) and registers its ops.
 """
 
@@ -38,9 +35,6 @@ def _gemv_kernel(
     out_scale_ptr,
     positions_ptr,
     cos_sin_ptr,
-    residual_ptr,
-    norm_weight_ptr,
-    residual_out_ptr,
     num_tokens,
     out_features,
     in_features,
@@ -50,8 +44,6 @@ def _gemv_kernel(
     stride_cos_sin,
     head_size,
     num_rotary_heads,
-    stride_residual,
-    epsilon,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -63,8 +55,6 @@ def _gemv_kernel(
     ROPE: tl.constexpr,
     ROUND_DTYPE: tl.constexpr,
     QUANT_OUT: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
     RELEASE_AT_START: tl.constexpr,
 ):
@@ -106,23 +96,6 @@ def _gemv_kernel(
         )
     if PDL:  # launched early, while the kernel before (x's producer) may still run
         gdc_wait()
-    if NORM:  # the GEMV's input is RMSNorm(h), h = x (+ residual): each token's rstd first
-        x_dtype: tl.constexpr = x_ptr.dtype.element_ty
-        residual_rows = residual_ptr + tokens.to(tl.int64)[:, None] * stride_residual  # (M, 1)
-        residual_out_rows = residual_out_ptr + tokens.to(tl.int64)[:, None] * in_features
-        rstd = _rms_norm_rstd(
-            x_rows,
-            residual_rows,
-            residual_out_rows,
-            token_mask,
-            in_features,
-            epsilon,
-            tl.program_id(0) == 0,  # the one program that writes the new residual
-            NORM_RESIDUAL,
-            x_dtype,
-            BLOCK_M,
-            BLOCK_K,
-        )  # (BLOCK_M,)
     for k_start in range(0, in_features, BLOCK_K):
         k_mask = (k_start + ks) < in_features
         w = tl.load(
@@ -130,15 +103,11 @@ def _gemv_kernel(
             mask=row_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # (BLOCK_ROWS, BLOCK_K)
-        x_mask = token_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_rows + (k_start + ks)[None, :], mask=x_mask, other=0.0)  # (BLOCK_M, BLOCK_K)
-        if NORM:
-            if NORM_RESIDUAL:
-                x = x.to(tl.float32) + tl.load(
-                    residual_rows + (k_start + ks)[None, :], mask=x_mask, other=0.0
-                ).to(tl.float32)
-            norm_weight = tl.load(norm_weight_ptr + k_start + ks, mask=k_mask, other=0.0)
-            x = _normed(x, rstd, norm_weight, x_dtype)
+        x = tl.load(
+            x_rows + (k_start + ks)[None, :],
+            mask=token_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_K)
         if UPCAST:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=INPUT_PRECISION)
@@ -167,48 +136,6 @@ def _gemv_kernel(
         columns = first_column + tl.arange(0, BLOCK_N)
         mask = (columns < out_features)[:, None] & token_mask[None, :]
         tl.store(out_rows + columns[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rms_norm_rstd(
-    x_rows,
-    residual_rows,
-    residual_out_rows,
-    token_mask,
-    in_features,
-    epsilon,
-    writes_residual,
-    RESIDUAL: tl.constexpr,
-    DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Each token's ``1 / sqrt(mean(h**2) + epsilon)`` (BLOCK_M,) over the K columns of ``h = x
-    (+ residual)``, summed in float32 (``core.norm_quant.add_rms_norm`` normalises the unrounded
-    sum). Where ``writes_residual``, ``h`` rounded to ``DTYPE`` goes to ``residual_out_rows``
-    (the new residual stream; one program writes it). Pad tokens get ``1 / sqrt(epsilon)``, never
-    stored."""
-    ks = tl.arange(0, BLOCK_K)
-    sum_squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k_start in range(0, in_features, BLOCK_K):
-        columns = (k_start + ks)[None, :]
-        mask = token_mask[:, None] & (columns < in_features)
-        h = tl.load(x_rows + columns, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_K)
-        if RESIDUAL:
-            h += tl.load(residual_rows + columns, mask=mask, other=0.0).to(tl.float32)
-            if writes_residual:
-                tl.store(residual_out_rows + columns, round_to(h, DTYPE).to(DTYPE), mask=mask)
-        sum_squares += tl.sum(h * h, axis=1)
-    return tl.rsqrt(sum_squares / in_features + epsilon)
-
-
-@triton.jit
-def _normed(h, rstd, norm_weight, DTYPE: tl.constexpr):
-    """``rms_norm``'s value of the chunk ``h`` (BLOCK_M, BLOCK_K) in ``DTYPE``: ``h * rstd`` in
-    float32 rounded to ``DTYPE``, times the weight rounded again (``x.to(dtype) * weight``, a
-    multiply in the dtype)."""
-    normed = round_to(h.to(tl.float32) * rstd[:, None], DTYPE)
-    return round_to(normed * norm_weight.to(tl.float32)[None, :], DTYPE).to(DTYPE)
 
 
 @triton.jit

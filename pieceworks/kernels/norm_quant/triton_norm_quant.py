@@ -1,12 +1,9 @@
-"""Triton kernel for the fused RMSNorm (+ residual add) + static FP8 quant ops, and for the norm
-alone.
+"""Triton kernel for the fused RMSNorm (+ residual add) + static FP8 quant ops.
 
 One program per token row: load the row once, optionally add the residual (and store the sum),
 reduce the mean square in float32, normalise, round to the activation dtype and multiply by the
 weight exactly as ``core.norm_quant.rms_norm`` does, divide by the static scale, saturate to
-+-448 and store ``float8_e4m3fn``. Without ``QUANT`` it stores the normalised row in the
-activation dtype (``rms_norm_rows``: the norm-GEMV ops' norm where their GEMV does not run,
-``kernels/gemv/triton_gemv_norm.py``). The whole row fits one block (``hidden_size`` up to 64K).
++-448 and store ``float8_e4m3fn``. The whole row fits one block (``hidden_size`` up to 64K).
 Every rounding goes through ``kernels/triton_rounding.py`` (round to nearest even): on a GPU the
 hardware conversions, under the Triton interpreter float32 arithmetic (its own casts truncate to
 bfloat16 and round float8 half up), so the kernel's bytes equal torch's on both. Under
@@ -40,7 +37,6 @@ def _rms_norm_quant_kernel(
     fp8_max,
     BLOCK_SIZE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -49,8 +45,7 @@ def _rms_norm_quant_kernel(
     offsets = row * hidden_size + cols
     # The norm weight and the scale are parameters, which no kernel writes: read before the wait
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if QUANT:
-        scale = tl.load(scale_ptr)
+    scale = tl.load(scale_ptr)
     if PDL:  # launched early (programmatic dependent launch): wait for the input's producer
         pdl_start()
     x = tl.load(input_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -63,8 +58,7 @@ def _rms_norm_quant_kernel(
     activation_dtype: tl.constexpr = input_ptr.dtype.element_ty
     normed = round_to(x * tl.rsqrt(variance + epsilon), activation_dtype)
     y = round_to(normed * weight, activation_dtype)  # (x.to(dtype) * weight) in the dtype
-    if QUANT:
-        y = round_to_e4m3(y / scale, fp8_max)
+    y = round_to_e4m3(y / scale, fp8_max)
     tl.store(result_ptr + offsets, y.to(result_ptr.dtype.element_ty), mask=mask)
 
 
@@ -74,13 +68,13 @@ def _launch(
     input: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
-    scale: torch.Tensor | None,
+    scale: torch.Tensor,
     epsilon: float,
 ) -> None:
     hidden_size = input.shape[-1]
     for tensor in (result, input, residual, residual_out):
         if tensor is not None and not tensor.is_contiguous():
-            raise ValueError("the RMSNorm kernel needs contiguous (num_tokens, hidden) rows")
+            raise ValueError("fused RMSNorm + FP8 quant needs contiguous (num_tokens, hidden) rows")
     num_rows = input.numel() // hidden_size
     block_size = triton.next_power_of_2(hidden_size)
     pdl = programmatic_launch(input.device)
@@ -90,7 +84,7 @@ def _launch(
         input,
         residual if residual is not None else input,  # unused without HAS_RESIDUAL
         weight,
-        scale if scale is not None else weight,  # unread unless QUANT
+        scale,
         result,
         residual_out if residual_out is not None else input,
         hidden_size,
@@ -98,7 +92,6 @@ def _launch(
         KERNEL_FP8_MAX,
         BLOCK_SIZE=block_size,
         HAS_RESIDUAL=residual is not None,
-        QUANT=scale is not None,
         PDL=pdl,
         num_warps=min(max(block_size // 256, 1), 16),
         **launch_options(pdl),
@@ -131,16 +124,3 @@ def fused_add_rms_norm_static_fp8_quant(
     if input.shape[0] == 0:
         return
     _launch(result, residual_out, input, residual, weight, scale, epsilon)
-
-
-def rms_norm_rows(
-    input: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, epsilon: float
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(rms_norm(h), h)`` of ``h = input + residual`` (``core.norm_quant.add_rms_norm``), or
-    ``(rms_norm(input), None)`` without a residual, by one launch; contiguous rows, the weight in
-    the input's dtype."""
-    normed = torch.empty_like(input)
-    residual_out = torch.empty_like(input) if residual is not None else None
-    if input.shape[0] > 0:
-        _launch(normed, residual_out, input, residual, weight, None, epsilon)
-    return normed, residual_out

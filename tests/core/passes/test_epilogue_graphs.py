@@ -347,8 +347,8 @@ def test_fuse_epilogues_counts_each_enabled_fusion_and_logs_them(caplog, monkeyp
     monkeypatch.setattr(logging.getLogger("pieceworks"), "propagate", True)
     caplog.set_level(logging.DEBUG, logger="pieceworks.core.passes.gemv_fusion")
     gm = torch.fx.GraphModule(torch.nn.Module(), gate_up_graph(None))
-    counts = {"gemv_act": 1, "rope": 0, "qk_norm_rope": 0, "norm_gemv": 0, "attn_quant": 0}
-    assert fuse_epilogues(gm, PassConfig(enable_norm_gemv_fusion=True)) == counts
+    counts = {"gemv_act": 1, "rope": 0, "qk_norm_rope": 0, "attn_quant": 0}
+    assert fuse_epilogues(gm, PassConfig()) == counts
     assert "small_m_silu_and_mul_linear" in gm.code  # recompiled
     messages = {r.getMessage() for r in caplog.records if r.name.endswith("gemv_fusion")}
     assert messages == {f"epilogue fusions: {counts}"}
@@ -356,7 +356,6 @@ def test_fuse_epilogues_counts_each_enabled_fusion_and_logs_them(caplog, monkeyp
     only_rope = PassConfig(
         enable_gemv_act_fusion=False,
         enable_qk_norm_rope_fusion=False,
-        enable_norm_gemv_fusion=False,
         enable_attn_quant_fusion=False,
     )
     unfused = torch.fx.GraphModule(torch.nn.Module(), gate_up_graph(None))
@@ -367,7 +366,6 @@ def test_fuse_epilogues_counts_each_enabled_fusion_and_logs_them(caplog, monkeyp
         enable_gemv_act_fusion=False,
         enable_rope_fusion=False,
         enable_qk_norm_rope_fusion=False,
-        enable_norm_gemv_fusion=False,
         enable_attn_quant_fusion=False,
     )
     assert fuse_epilogues(unfused, off) == {}

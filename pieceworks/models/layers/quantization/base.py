@@ -14,10 +14,8 @@ compiled numerics. The fused forms (the gate/up GEMV with the
 activation as its epilogue, ``pieceworks::small_m_silu_and_mul_linear`` and
 ``small_m_gelu_and_mul_linear``; the qkv GEMV with the rotary as its epilogue,
 ``pieceworks::small_m_rope_linear``, and after q/k head norms,
-``pieceworks::small_m_qk_norm_rope_linear``; each of those and the plain GEMV with the RMSNorm
-before it as its prologue, ``pieceworks::small_m_rms_norm_*``) are registered here, when the GEMV
-ops are on, and put into compiled graphs by the fusion passes (``core/passes/gemv_fusion.py``,
-``core/passes/norm_gemv_fusion.py``).
+``pieceworks::small_m_qk_norm_rope_linear``) are registered here, when the GEMV
+ops are on, and put into compiled graphs by the fusion passes (``core/passes/gemv_fusion.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from pieceworks.kernels.gemv.triton_gemv import (
     small_m_linear_op,
     small_m_silu_and_mul_linear_op,
 )
-from pieceworks.kernels.gemv.triton_gemv_norm import register_norm_gemv_ops
 from pieceworks.kernels.gemv.triton_gemv_qk_norm_rope import small_m_qk_norm_rope_linear_op
 from pieceworks.kernels.gemv.triton_gemv_rope import small_m_rope_linear_op
 
@@ -82,7 +79,6 @@ class UnquantizedLinearMethod(LinearMethod):
             small_m_gelu_and_mul_linear_op()
             small_m_rope_linear_op()
             small_m_qk_norm_rope_linear_op()
-            register_norm_gemv_ops()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer_tensor(layer, "weight")
