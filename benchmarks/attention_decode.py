@@ -276,7 +276,7 @@ def main() -> None:
                         tile,
                         copy_gbps,
                         device,
-                    )  # fmt: skip
+                    )
                 )
     print_table(copy_gbps, rows)
     with open(args.out, "w") as f:
