@@ -34,6 +34,7 @@ from pieceworks.config import EngineConfig
 from pieceworks.core.config import CUDAGraphMode
 from pieceworks.core.cudagraph_dispatcher import CudagraphDispatcher
 from pieceworks.core.forward_context import BatchDescriptor, set_forward_context
+from pieceworks.distributed.communication_op import same_on_every_rank
 from pieceworks.kernels.chooser import KernelChooser
 from pieceworks.models.attention.metadata import AttentionMetadata
 from pieceworks.models.loading.sources import get_model
@@ -382,21 +383,3 @@ class _PreparedStep(NamedTuple):
     shape: StepShape
     mode: CUDAGraphMode
     descriptor: BatchDescriptor | None
-
-
-def same_on_every_rank(token_ids: torch.Tensor) -> torch.Tensor:
-    """Rank 0's sampled ids on every rank (a device broadcast outside the graphs).
-
-    Greedy and seeded rows would agree anyway (the gathered logits are identical); unseeded
-    random rows draw from each rank's default generator, which code outside the engine may have
-    advanced differently. Each rank feeds these ids to its next step.
-    """
-    from pieceworks.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
-
-    if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
-        return token_ids
-    import torch.distributed as dist
-
-    group = get_tp_group()
-    dist.broadcast(token_ids, src=group.ranks[0], group=group.device_group)
-    return token_ids
