@@ -19,7 +19,8 @@
 #   the engine's batch-64 step, then the server at concurrency 64, in one step each;
 #   serve_c64_smollm2_full: the same load with every step, mixed ones too, in FULL graphs;
 #   tests_parallel: the tests and kernels steps in six concurrent groups, for a call with a time
-#   limit; structured: TPOT with and without a json_schema constraint; prefix: a shared system
+#   limit; structured: TPOT with and without a json_schema constraint; structured_host, not in the
+#   default list: profile_host.py's phases of one decode step at batch 8, free and constrained; prefix: a shared system
 #   prompt with and without prefix caching; specdec: batch-1 output tokens/s with and without
 #   n-gram speculation, the 8B shape on repeating and random prompts, the trained SmolLM2 on a
 #   passage it is asked to copy)
@@ -144,6 +145,16 @@ structured() {  # TPOT at concurrency 8 with and without a json_schema constrain
   bench_serve structured_free "${common[@]}"
   bench_serve structured_json "${common[@]}" --extra-body "$JSON_SCHEMA"
   kill -INT "$server_pid"; wait "$server_pid" 2>/dev/null
+}
+
+structured_host() {  # the engine's host path per decode step at batch 8, free and constrained
+  local tokenizer
+  tokenizer=$(structured_tokenizer)
+  [ -n "$tokenizer" ] || { echo "=== structured_host: no SmolLM2 tokenizer"; failed+=(structured_host); return; }
+  local flags=(--model "$(smollm2_model)" --tokenizer "$tokenizer" --batch-sizes 8 --steps 200 --dtype bfloat16)
+  step structured_host_free python3 benchmarks/profile_host.py "${flags[@]}" --out "$OUT/host_structured_free.json"
+  step structured_host_json python3 benchmarks/profile_host.py "${flags[@]}" --json-schema --out "$OUT/host_structured_json.json"
+  step structured_host_cprofile python3 benchmarks/profile_host.py "${flags[@]}" --json-schema --cprofile 45
 }
 
 prefix() {  # a 1,024-token shared system prompt, with and without prefix caching
@@ -287,6 +298,7 @@ for name in $steps; do
     small) small ;;
     smollm2_pw) bench smollm2_piecewise --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 128 --output-len 128 --modes piecewise,full_and_piecewise ;;
     breakdown) breakdown ;;
+    structured_host) structured_host ;;
     attention_tiles) attention_tiles ;;
     gemv_tiles) gemv_tiles ;;
     bench125m) bench llama125m_b8 --model llama-125m --batch-size 8 --input-len 32 --output-len 128 --compare ;;
@@ -328,7 +340,7 @@ for name in $steps; do
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 smollm2_pw small breakdown bench8b specdec specdec_8b specdec_smollm2 serve_c64_smollm2 serve_c64_smollm2_full serve_c64_8b fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 smollm2_pw small breakdown structured_host bench8b specdec specdec_8b specdec_smollm2 serve_c64_smollm2 serve_c64_smollm2_full serve_c64_8b fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
   esac
 done
 

@@ -24,6 +24,13 @@ token of each request, whatever K (``--steps`` counts decode steps too).
     python benchmarks/profile_host.py --model llama-tiny --mode eager --stub-model --clock cpu
     python benchmarks/profile_host.py --model llama-tiny --stub-model --num-scheduler-steps 8
     python benchmarks/profile_host.py --model llama-125m --mode full_and_piecewise   # on a GPU
+    python benchmarks/profile_host.py --model smollm2-135m-random --num-layers 2 \
+        --tokenizer .assets/smollm2-tokenizer --json-schema   # every request constrained
+
+``--json-schema`` constrains every request with a one-string-field JSON schema (the serving
+benchmark's ``structured`` row; a grammar needs the tokenizer's vocabulary, hence
+``--tokenizer`` for random weights); ``grammar`` is then the host's bitmask work (the previous
+step's tokens accepted, the bitmask filled) and ``mask`` its application to the logits.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from pieceworks.benchmarks.modes import compilation_for_mode  # noqa: E402
 from pieceworks.engine.llm import LLM  # noqa: E402
 from pieceworks.models.loading.presets import get_preset, is_preset, random_hf_checkpoint  # noqa: E402
 from pieceworks.platforms import current_platform  # noqa: E402
-from pieceworks.sampling_params import SamplingParams  # noqa: E402
+from pieceworks.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from pieceworks.worker.sampled_tokens import SampledTokens  # noqa: E402
 
 PHASES = (
@@ -63,7 +70,11 @@ PHASES = (
     "sample",
     "wait",
     "update",
+    "grammar",
+    "mask",
 )
+# The structured-output row's constraint (benchmarks/gpu_suite.sh, JSON_SCHEMA).
+JSON_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 # "wall" is what a step costs; "cpu" (this thread's CPU time) leaves out time the thread was not
 # running, steadier on a shared machine, but it does not count the wait on the device either.
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
@@ -103,6 +114,8 @@ def instrumented(llm: LLM, clock: PhaseClock) -> Iterator[None]:
         (runner, "forward_model", "forward"),
         (runner.model, "compute_logits", "logits"),
         (runner.sampler, "sample", "sample"),
+        (engine.structured_output, "grammar_bitmask", "grammar"),
+        (runner.grammar_mask, "apply", "mask"),
     ]
     # (object, name, its own attribute or None where the name comes from its class)
     originals = [(obj, name, vars(obj).get(name)) for obj, name, _ in patches]
@@ -121,13 +134,19 @@ def instrumented(llm: LLM, clock: PhaseClock) -> Iterator[None]:
                 object.__setattr__(obj, name, original)
 
 
-def stub_model(llm: LLM) -> None:
-    """Forward and LM head that return zeros at once: a step then costs only the engine."""
+def stub_model(llm: LLM, masked: bool) -> None:
+    """Forward and LM head that return zeros at once: a step then costs only the engine.
+    ``masked``: the grammar masks the logits in place, so each step's are zeroed again."""
     runner, hf_config = llm.engine.runner, llm.config.model_config.hf_config
     hidden = torch.zeros(runner.max_num_tokens, hf_config["hidden_size"], device=runner.device)
     logits = torch.zeros(runner.max_num_tokens, hf_config["vocab_size"], device=runner.device)
     runner.forward_model = lambda input_ids, positions: hidden[: input_ids.shape[0]]
-    object.__setattr__(runner.model, "compute_logits", lambda rows: logits[: rows.shape[0]])
+
+    def compute_logits(rows: torch.Tensor) -> torch.Tensor:
+        step_logits = logits[: rows.shape[0]]
+        return step_logits.zero_() if masked else step_logits
+
+    object.__setattr__(runner.model, "compute_logits", compute_logits)
 
 
 def model_source(model: str, num_layers: int | None, workdir: str) -> str:
@@ -159,7 +178,10 @@ def profile_batch(llm: LLM, args: argparse.Namespace, batch_size: int) -> dict[s
     vocab_size = llm.config.model_config.hf_config["vocab_size"]
     # Room for the warm-up steps, the timed ones and the runs in flight around them.
     max_tokens = args.steps + 16 + 3 * llm.config.scheduler_config.num_scheduler_steps
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    constraint = StructuredOutputsParams(json=JSON_SCHEMA) if args.json_schema else None
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=constraint
+    )
     request_ids = []
     for _ in range(batch_size):
         prompt = [rng.randrange(vocab_size) for _ in range(args.input_len)]
@@ -245,6 +267,8 @@ def main() -> None:
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--num-scheduler-steps", type=int, default=1)
     parser.add_argument("--stub-model", action="store_true")
+    parser.add_argument("--json-schema", action="store_true", help="constrain every request")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer for random weights")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N")
     parser.add_argument(
@@ -269,13 +293,15 @@ def main() -> None:
             dtype=args.dtype,
             async_scheduling=not args.no_async_scheduling,
             num_scheduler_steps=args.num_scheduler_steps,
+            **({"tokenizer": args.tokenizer} if args.tokenizer else {}),
         )
         if args.stub_model:
-            stub_model(llm)
+            stub_model(llm, masked=args.json_schema)
         rows = [profile_batch(llm, args, batch_size) for batch_size in batch_sizes]
         llm.engine.shutdown()
     layers = f", {args.num_layers} layers" if args.num_layers else ""
     layers += ", stub forward and LM head" if args.stub_model else ""
+    layers += ", every request constrained by a JSON schema" if args.json_schema else ""
     platform = current_platform().name
     print(
         f"{args.model}{layers}, mode {mode}, platform {platform}, {args.clock} clock, "
@@ -289,6 +315,7 @@ def main() -> None:
             "num_layers": args.num_layers,
             "mode": mode,
             "num_scheduler_steps": args.num_scheduler_steps,
+            "json_schema": args.json_schema,
         }
         Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
 
