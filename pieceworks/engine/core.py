@@ -22,9 +22,9 @@ the first such request, which builds the grammar compiler (seconds), waits for i
 while the engine steps the others. A step whose batch holds one is launched as any other;
 once the runner has launched its forward it asks for the step's token bitmask, and the engine
 then applies the previous step's tokens and has the ``StructuredOutputManager`` fill the bitmask
-while the device runs the forward; the runner masks the logits with it before sampling. Such a
-step never runs as a multi-step output or in captured decode tails, and
-``num_constrained_steps`` counts them.
+while the device runs the forward; the runner masks the logits with it before sampling (in
+the masked decode tail where the step would sample in a tail). Such a step never runs as a
+multi-step output, and ``num_constrained_steps`` counts them.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class EngineCore:
             config.model_config.hf_config.get("vocab_size") or 0,
             eos_token_ids,
         )
-        # Steps whose batch held a structured-output request (host sampler, single step).
+        # Steps whose batch held a structured-output request (one step per round trip).
         self.num_constrained_steps = 0
         # Constrained requests added with ``defer_grammar`` before the grammar compiler is built.
         self.grammar_waitlist = GrammarWaitlist(self.structured_output)

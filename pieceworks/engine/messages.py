@@ -129,7 +129,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
-    num_constrained_steps: int = 0  # steps with a structured-output request (host sampler)
+    num_constrained_steps: int = 0  # steps with a structured-output request (one step each)
     # Tokens of admitted requests looked up in the prefix cache, and those found (cumulative).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

@@ -21,6 +21,14 @@ The runner uses a tail only where its tokens are those of the launches it replac
 tensor-parallel rank (the sampled ids are then the same on every rank without a broadcast), and
 as many requests as the capture size, so the LM head computes exactly the rows it would compute
 outside the graph, with the same kernels.
+
+A step whose batch holds a structured-output request runs the masked tail instead, one per
+decode capture size: the tail of step 0 with, between the logits and the argmax, each row's
+grammar bitmask applied from a static device buffer (``GraphCapture.grammar_bitmask``), which
+the runner fills by one asynchronous copy once the engine has written the step's bitmask
+(``GrammarMask.stage``). Free rows' bitmask rows allow every token, so their ids are the
+unmasked tail's; constrained rows get the argmax over the tokens their grammar allows, as the
+host sampler gives them (``apply_grammar_bitmask`` then ``row_argmax``).
 """
 
 from __future__ import annotations
@@ -32,22 +40,34 @@ import torch
 from pieceworks.worker.input_buffers import InputBuffers
 from pieceworks.worker.multi_step import advance_rows
 from pieceworks.worker.sampler import row_argmax
+from pieceworks.worker.structured_output import mask_logits_reference
 
 
 class DecodeTail:
-    """Logits of every row of a decode step, their argmax into ``sampled_steps`` row ``step``,
-    then (``advance``) the buffers moved on to step ``step + 1``. Called with the step's hidden
-    states ``(S, hidden)``; returns the sampled ids ``(S,)``."""
+    """Logits of every row of a decode step, masked by ``bitmask``'s first rows where given (a
+    static ``(max_num_seqs, ceil(V / 32))`` int32 device buffer), their argmax into
+    ``sampled_steps`` row ``step``, then (``advance``) the buffers moved on to step ``step + 1``.
+    Called with the step's hidden states ``(S, hidden)``; returns the sampled ids ``(S,)``."""
 
-    def __init__(self, model: Any, buffers: InputBuffers, step: int, advance: bool) -> None:
+    def __init__(
+        self,
+        model: Any,
+        buffers: InputBuffers,
+        step: int,
+        advance: bool,
+        bitmask: torch.Tensor | None = None,
+    ) -> None:
         self.model = model
         self.buffers = buffers
         self.step = step
         self.advance = advance
+        self.bitmask = bitmask
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         num_seqs = hidden_states.shape[0]
         logits = self.model.compute_logits(hidden_states)  # (S, V)
+        if self.bitmask is not None:
+            mask_logits_reference(logits, self.bitmask[:num_seqs])
         token_ids = row_argmax(logits)  # (S,)
         first = self.step * num_seqs
         self.buffers.sampled_steps[first : first + num_seqs].copy_(token_ids)

@@ -70,6 +70,11 @@ class GraphCapture:
         # and the FULL graphs' descriptors whose steps it samples.
         self.decode_tails = self._build_decode_tails()
         self.decode_tail_descriptors = self._decode_tail_descriptors()
+        # The masked tail of a step with structured-output requests (None without decode tails)
+        # and the static device bitmask it reads, one row per sequence, all tokens allowed
+        # until the runner stages a step's rows into it.
+        self.grammar_bitmask: torch.Tensor | None = None
+        self.masked_decode_tail = self._build_masked_decode_tail()
         self.warmup_seconds = 0.0
         self.capture_seconds = 0.0  # recording only; the warm-ups before it are warmup_seconds
         self.graph_memory_bytes = 0
@@ -122,6 +127,27 @@ class GraphCapture:
             self._own(wrapper)
             tails.append(wrapper)
         return tails
+
+    def _build_masked_decode_tail(self) -> Any:
+        """Step 0's tail with the grammar bitmask applied before the argmax, where decode tails
+        exist; it advances as step 0's tail does."""
+        if not self.decode_tails:
+            return None
+        vocab_size = self.config.model_config.hf_config["vocab_size"]
+        num_words = -(-vocab_size // 32)
+        self.grammar_bitmask = torch.full(
+            (self.config.scheduler_config.max_num_seqs, num_words),
+            -1,  # every bit set: every token allowed
+            dtype=torch.int32,
+            device=self.inputs.buffers.sampled_steps.device,
+        )
+        advance = self.config.scheduler_config.num_scheduler_steps > 1
+        tail = DecodeTail(
+            self.model, self.inputs.buffers, 0, advance=advance, bitmask=self.grammar_bitmask
+        )
+        wrapper = self.platform.static_graph_wrapper_cls()(tail, self.config, CUDAGraphMode.FULL)
+        self._own(wrapper)
+        return wrapper
 
     def _decode_tail_descriptors(self) -> set[BatchDescriptor]:
         """The FULL graphs' descriptors that get decode tails: those of at most
@@ -183,10 +209,11 @@ class GraphCapture:
             if descriptor in self.decode_tail_descriptors and mode != CUDAGraphMode.PIECEWISE:
                 # After the FULL graph (or its warm-up): each decode tail of this descriptor,
                 # reading the forward's output where the graph leaves it.
-                for tail in self.decode_tails:
+                tails = [*self.decode_tails, self.masked_decode_tail]
+                for tail in tails:
                     tail(hidden_states)
                 if mode == CUDAGraphMode.FULL:
-                    compilation_counter.num_decode_tails_captured += len(self.decode_tails)
+                    compilation_counter.num_decode_tails_captured += len(tails)
         self.platform.synchronize()  # the next dummy step reuses the pinned staging buffer
 
     # --- capture -----------------------------------------------------------------------------

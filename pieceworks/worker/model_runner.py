@@ -14,7 +14,8 @@ the tokens ``RejectionSampler`` accepts (``worker/spec_decode/``); a batch of de
 verify ``k`` proposals replays a FULL graph captured for ``1 + k`` query tokens per sequence.
 A FULL decode step whose batch fills its graph's size, all greedy, samples in captured decode
 tails instead (``worker/decode_tail.py``): each step is its FULL graph and its tail, which also
-advances the buffers to the next step of the run.
+advances the buffers to the next step of the run; a step with structured-output requests runs
+the masked tail, which applies the step's grammar bitmask from a static device buffer.
 ``execute_async`` returns at once with a ``SampledTokens`` handle; its ``tolist()`` is the step's
 one host sync, which async scheduling defers until the next step is launched.
 Start-up is two calls the runner hands on: ``initialize_kv_cache`` (compile, profile, size the KV
@@ -205,14 +206,16 @@ class ModelRunner:
         requests that asked for them.
 
         ``grammar``, for a step with a structured-output request, gives the step's token bitmask
-        (one row per producing request, or None): it is called once, after the forward and the
-        logits are launched, so the host fills the bitmask while the device runs the forward;
-        the constrained rows are masked before sampling (the host sampler: no decode tail).
+        (one row per producing request, or None): it is called once, after the forward (and,
+        outside decode tails, the logits) is launched, so the host fills the bitmask while the
+        device runs the forward; the constrained rows are masked before sampling, in the masked
+        decode tail where the step would run tails, else before the host sampler.
         """
         step = self._prepare(output)
         params, generators, rows = self._sampling_inputs(output)
-        if grammar is None and self._uses_decode_tail(output, step, params):
-            return self._finish_launch(self._run_decode_tails(step, output.num_steps), rows)
+        if self._uses_decode_tail(output, step, params):
+            token_ids = self._run_decode_tails(step, output.num_steps, grammar)
+            return self._finish_launch(token_ids, rows)
         hidden_states = self._run_model(step)
         prompt = step_prompt_logprobs(
             output.scheduled_requests, hidden_states, self.model.compute_logits
@@ -265,7 +268,7 @@ class ModelRunner:
     ) -> bool:
         """Whether the step samples in captured decode tails: a FULL graph's step of decodes
         only that fill its size, every row greedy, no log-probabilities asked for (those need the
-        host sampler path, as structured output does: ``execute_async`` asks only without it)."""
+        host sampler path), no logit bias; constrained rows are masked in the masked tail."""
         descriptor = step.descriptor
         return (
             step.mode == CUDAGraphMode.FULL
@@ -276,11 +279,15 @@ class ModelRunner:
             and not has_logit_bias(params)  # the tail's argmax is of the unbiased logits
         )
 
-    def _run_decode_tails(self, step: _PreparedStep, num_steps: int) -> torch.Tensor:
+    def _run_decode_tails(
+        self, step: _PreparedStep, num_steps: int, grammar: GrammarSource | None = None
+    ) -> torch.Tensor:
         """Each step of the run: its FULL graph, then the tail of its index, which samples into
         ``sampled_steps`` and advances the buffers to the next step. Every step's ids, step 0's
         first: (num_steps * S,), a view of ``sampled_steps``. Every step runs under the same
-        forward context (the FULL graph's mode and descriptor, which select the tails' graphs)."""
+        forward context (the FULL graph's mode and descriptor, which select the tails' graphs).
+        With ``grammar`` (a one-step run) the step's bitmask, asked for once the forward is
+        launched, goes to the masked tail's buffer and that tail samples."""
         inputs, tails = self.inputs.model_inputs(step.shape), self.graphs.decode_tails
         with set_forward_context(
             step.metadata,
@@ -288,8 +295,16 @@ class ModelRunner:
             cudagraph_runtime_mode=step.mode,
             batch_descriptor=step.descriptor,
         ):
+            assert grammar is None or num_steps == 1  # a constrained step runs alone
             for index in range(num_steps):
-                tails[index](self.forward_model(*inputs))
+                hidden_states = self.forward_model(*inputs)
+                bitmask = grammar() if grammar is not None else None
+                if bitmask is None:
+                    tails[index](hidden_states)
+                    continue
+                assert self.graphs.grammar_bitmask is not None
+                self.grammar_mask.stage(bitmask, self._num_steps, self.graphs.grammar_bitmask)
+                self.graphs.masked_decode_tail(hidden_states)
         assert step.descriptor is not None
         return self.inputs.buffers.sampled_steps[: num_steps * step.descriptor.num_tokens]
 

@@ -40,9 +40,11 @@ logger = init_logger(__name__)
 # whitespace cannot run to max_tokens inside it.
 MAX_JSON_WHITESPACE = 16
 # From this many constrained rows a step's bitmask is filled by xgrammar's BatchGrammarMatcher on
-# several threads (about 30 us a row on one core of the CI machine, in a JSON string); fewer
-# rows are filled one by one, without the threads' start.
-BATCH_FILL_MIN_ROWS = 8
+# several threads; fewer rows are filled one by one. A row costs about 10 us in a JSON string on
+# one core of the CI machine, while each batched call starts its threads: about 100 us there with
+# two, and at 8 rows on the H100's host (8 threads) 306 us a step against about 80 one by one
+# (``profile_host.py --json-schema``, "grammar"). vLLM parallelises from 128 rows too.
+BATCH_FILL_MIN_ROWS = 128
 # Devices whose logits xgrammar masks in one kernel (its CPU loop, its Triton kernel on CUDA).
 XGRAMMAR_MASK_DEVICES = ("cpu", "cuda")
 # xgrammar prefixes its errors with "[time] /path/file.cc:line: "; the rest is the reason.
@@ -302,15 +304,30 @@ class GrammarMask:
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, step: int) -> None:
         """Mask ``logits`` ``(S, V)`` by ``bitmask`` ``(S, ceil(V / 32))`` for step ``step``."""
-        staging = None
-        if self.pin_memory:
-            if not self._staging:
-                shape = (max(self.max_rows, bitmask.shape[0]), bitmask.shape[1])
-                self._staging = [
-                    torch.empty(shape, dtype=bitmask.dtype, pin_memory=True) for _ in range(2)
-                ]
-            staging = self._staging[step % 2]
-        apply_grammar_bitmask(logits, bitmask, staging)
+        apply_grammar_bitmask(logits, bitmask, self._staging_for(bitmask, step))
+
+    def stage(self, bitmask: torch.Tensor, step: int, device_bitmask: torch.Tensor) -> None:
+        """Copy ``bitmask`` ``(S, W)`` into the first rows of ``device_bitmask``, the masked
+        decode tail's static buffer, for step ``step`` (asynchronous from pinned memory)."""
+        staging = self._staging_for(bitmask, step)
+        rows = device_bitmask[: bitmask.shape[0], : bitmask.shape[1]]
+        if staging is None:
+            rows.copy_(bitmask)
+            return
+        words = staging[: bitmask.shape[0], : bitmask.shape[1]]
+        words.copy_(bitmask)
+        rows.copy_(words, non_blocking=True)
+
+    def _staging_for(self, bitmask: torch.Tensor, step: int) -> torch.Tensor | None:
+        """Step ``step``'s pinned buffer (None where memory is not pinned)."""
+        if not self.pin_memory:
+            return None
+        if not self._staging:
+            shape = (max(self.max_rows, bitmask.shape[0]), bitmask.shape[1])
+            self._staging = [
+                torch.empty(shape, dtype=bitmask.dtype, pin_memory=True) for _ in range(2)
+            ]
+        return self._staging[step % 2]
 
 
 def apply_grammar_bitmask(

@@ -65,15 +65,15 @@ def test_pieces_and_captures_of_a_hybrid(checkpoint, graph_platform):
     num_layers = NUM_ATTENTION + NUM_MAMBA  # each layer has one split op: attention or mixer
     # Pieces: one per split op plus the runs between them, 2 * 5 + 1 = 11; capturable: the 5 + 1
     # runs. max_num_seqs 4 gives capture sizes 1, 2, 4, 8: FULL decode graphs for the three sizes
-    # <= 4, each with its decode tail, and PIECEWISE graphs of every capturable piece for all
-    # four sizes.
+    # <= 4, each with its decode tail and its masked tail, and PIECEWISE graphs of every
+    # capturable piece for all four sizes.
     with compilation_counter.expect(
         num_graphs_seen=1,
         num_piecewise_graphs_seen=2 * num_layers + 1,
         num_piecewise_capturable_graphs_seen=num_layers + 1,
         num_gpu_runner_capture_triggers=1,
-        num_cudagraph_captured=2 * 3 + 4 * (num_layers + 1),
-        num_decode_tails_captured=3,
+        num_cudagraph_captured=3 * 3 + 4 * (num_layers + 1),
+        num_decode_tails_captured=3 + 3,
     ):
         llm = make_llm(checkpoint, "full_and_piecewise")
     with compilation_counter.expect(num_cudagraph_captured=0, num_graphs_seen=0):

@@ -96,14 +96,14 @@ def test_breakable_piecewise_counts_and_tokens(checkpoint, graph_platform, eager
 def test_breakable_counts_and_tokens(checkpoint, graph_platform, eager_tokens):
     name, path = checkpoint
     # FULL graphs of the whole eager forward for the three uniform-decode sizes <= 4, each with
-    # its decode tail, breakable graphs for all four mixed sizes: 2 * 3 + 4 * (L + 1) graphs,
-    # 4 * (L + 1) of them segments.
+    # its decode tail and masked tail, breakable graphs for all four mixed sizes:
+    # 3 * 3 + 4 * (L + 1) graphs, 4 * (L + 1) of them segments.
     segments = NUM_SIZES * (NUM_SPLIT_CALLS[name] + 1)
     with compilation_counter.expect(
         num_graphs_seen=0,
         num_gpu_runner_capture_triggers=1,
-        num_cudagraph_captured=2 * NUM_DECODE_SIZES + segments,
-        num_decode_tails_captured=NUM_DECODE_SIZES,
+        num_cudagraph_captured=3 * NUM_DECODE_SIZES + segments,
+        num_decode_tails_captured=2 * NUM_DECODE_SIZES,
         num_breakable_segments_captured=segments,
     ):
         llm = make_llm(path, "breakable")

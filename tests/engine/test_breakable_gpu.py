@@ -70,10 +70,10 @@ def test_breakable_piecewise_segments_and_tokens(batch, eager_tokens):
 
 def test_breakable_full_decode_and_segments_and_tokens(batch, eager_tokens):
     segments = NUM_SIZES * (NUM_LAYERS + 1)
-    # FULL decode graphs, each with its decode tail, and the segments
+    # FULL decode graphs, each with its decode tail and masked tail, and the segments
     with compilation_counter.expect(
-        num_cudagraph_captured=2 * NUM_DECODE_SIZES + segments,
-        num_decode_tails_captured=NUM_DECODE_SIZES,
+        num_cudagraph_captured=3 * NUM_DECODE_SIZES + segments,
+        num_decode_tails_captured=2 * NUM_DECODE_SIZES,
         num_breakable_segments_captured=segments,
     ):
         tokens = greedy_tokens("breakable", batch)

@@ -76,12 +76,12 @@ def test_capture_once_per_size_and_never_while_serving(checkpoint, graph_platfor
 
     compilation = compilation_for_mode("full_and_piecewise", {"backend": "eager"})
     # max_num_seqs 4 gives capture sizes 1, 2, 4, 8. FULL decode graphs for the sizes <= 4 (three),
-    # each followed by its decode tail (one step per run: one tail per size), and PIECEWISE graphs
-    # of llama-tiny's 2 * 2 + 1 pieces (2 + 1 capturable) for all four sizes.
+    # each followed by its decode tail and its masked tail (one step per run: two tails per size),
+    # and PIECEWISE graphs of llama-tiny's 2 * 2 + 1 pieces (2 + 1 capturable) for all four sizes.
     with compilation_counter.expect(
         num_gpu_runner_capture_triggers=1,
-        num_cudagraph_captured=3 + 3 + 4 * 3,
-        num_decode_tails_captured=3,
+        num_cudagraph_captured=3 + 3 + 3 + 4 * 3,
+        num_decode_tails_captured=3 + 3,
     ):
         llm = LLM(checkpoint, compilation_config=compilation, dtype="float32", max_num_seqs=4)
     with compilation_counter.expect(num_cudagraph_captured=0, num_graphs_seen=0):
@@ -108,7 +108,7 @@ def test_shutdown_releases_the_graphs_of_that_engine_only(checkpoint, graph_plat
     with compilation_counter.expect(num_cudagraph_captured=0):
         tokens = [out.outputs[0].token_ids for out in engines[1].generate(prompts([4, 6]), GREEDY)]
     assert tokens == generate(checkpoint, "eager", prompts([4, 6]))
-    assert engines[1].engine.runner.release_graphs() == 3 + 3 + 4 * 3  # as counted above
+    assert engines[1].engine.runner.release_graphs() == 3 + 3 + 3 + 4 * 3  # as counted above
 
 
 @pytest.mark.platform_agnostic

@@ -98,7 +98,9 @@ def tail_tokens(num_scheduler_steps: int, tails: bool, batch: list[list[int]]) -
         runner.graphs.decode_tail_descriptors = set()
     runs = []
     run_tails = runner._run_decode_tails
-    runner._run_decode_tails = lambda step, n: runs.append(n) or run_tails(step, n)
+    runner._run_decode_tails = lambda step, n, grammar=None: (
+        runs.append(n) or run_tails(step, n, grammar)
+    )
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (21, 30, 9, 26)
     ]

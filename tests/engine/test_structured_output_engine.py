@@ -16,7 +16,9 @@ fails after the build comes back as the request's error, and a failed build refu
 waiting request with its reason, built once. With static graphs
 (FULL_AND_PIECEWISE on simgraph, or the GPU's: ``platform_agnostic``) and async scheduling, the
 constrained steps replay the FULL decode graph, mask on the host sampler, and leave a free
-neighbour's greedy tokens (sampled in decode tails when alone) as they were.
+neighbour's greedy tokens (sampled in decode tails when alone) as they were; a greedy batch that
+fills a FULL decode graph samples its constrained rows in the masked decode tail, with the host
+sampler's tokens.
 Run: pytest tests/engine/test_structured_output_engine.py
 """
 
@@ -164,6 +166,47 @@ def test_constrained_steps_under_static_graphs(graph_platform, tmp_path):
     assert llm.engine.num_constrained_steps > 0
     assert CUDAGraphMode.FULL in modes  # constrained decode steps replayed the FULL graph
     llm.shutdown()
+
+
+@pytest.mark.platform_agnostic
+def test_constrained_greedy_steps_sample_in_the_masked_tail(graph_platform, tmp_path):
+    """A greedy batch that fills a FULL decode graph, constrained rows in it, samples in the
+    masked decode tail (the bitmask staged into its static buffer; simgraph's replay re-runs the
+    tail on that buffer) and gives the host sampler's tokens, constrained and free alike."""
+    from pieceworks.benchmarks.modes import compilation_for_mode
+    from tests.engine.test_host_path import save_scaled_llama_tiny
+
+    checkpoint = save_scaled_llama_tiny(tmp_path / "llama-tiny")
+    tokenizer = save_tiny_tokenizer(tmp_path / "tokenizer")
+    compilation = compilation_for_mode("full_and_piecewise", {"backend": "eager"})
+    prompts = [*FREE_PROMPTS, "a", "b"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        constrained(StructuredOutputsParams(json=SCHEMA), temperature=0.0),
+        constrained(StructuredOutputsParams(regex=r"[0-9]{3}-[a-c]{4}"), temperature=0.0),
+    ]
+    outputs, masked_runs = {}, []
+
+    def counted(tail):
+        return lambda hidden: masked_runs.append(1) or tail(hidden)
+
+    for tails in (False, True):
+        llm = LLM(checkpoint, compilation_config=compilation, dtype="float32", max_num_seqs=4,
+                  tokenizer=tokenizer)  # fmt: skip
+        graphs = llm.engine.runner.graphs
+        if not tails:
+            graphs.decode_tail_descriptors = set()  # every step masks and samples by launches
+        graphs.masked_decode_tail = counted(graphs.masked_decode_tail)
+        completions = [o.outputs[0] for o in llm.generate(prompts, params)]
+        outputs[tails] = [c.token_ids for c in completions]
+        assert bool(masked_runs) == tails
+        texts = [c.text for c in completions[2:]]
+        llm.shutdown()
+    assert outputs[True] == outputs[False]
+    value = json.loads(texts[0])
+    assert set(value) == {"color", "size"} and value["color"] in ("red", "green")
+    assert re.fullmatch(r"[0-9]{3}-[a-c]{4}", texts[1])
 
 
 @pytest.fixture

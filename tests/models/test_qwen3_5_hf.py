@@ -190,15 +190,15 @@ def test_the_graph_splits_at_each_gated_delta_net_and_attention(saved, graph_pla
 
     num_layers = len(SHAPE["layer_types"])  # one split op each: attention or gated_delta_net
     # Pieces: 2 * 3 + 1 = 7, the 3 + 1 runs between split ops capturable. max_num_seqs 4 gives
-    # capture sizes 1, 2, 4, 8: FULL decode graphs (each with its decode tail) for the three
-    # sizes <= 4, and PIECEWISE graphs of every capturable piece for all four sizes.
+    # capture sizes 1, 2, 4, 8: FULL decode graphs (each with its decode tail and masked tail)
+    # for the three sizes <= 4, and PIECEWISE graphs of every capturable piece for all four sizes.
     with compilation_counter.expect(
         num_graphs_seen=1,
         num_piecewise_graphs_seen=2 * num_layers + 1,
         num_piecewise_capturable_graphs_seen=num_layers + 1,
         num_gpu_runner_capture_triggers=1,
-        num_cudagraph_captured=2 * 3 + 4 * (num_layers + 1),
-        num_decode_tails_captured=3,
+        num_cudagraph_captured=3 * 3 + 4 * (num_layers + 1),
+        num_decode_tails_captured=3 + 3,
     ):
         LLM(
             saved[0],

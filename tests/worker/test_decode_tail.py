@@ -69,9 +69,9 @@ def tail_runs(llm: LLM) -> list[int]:
     runner, steps = llm.engine.runner, []
     run_tails = runner._run_decode_tails
 
-    def spy(step, num_steps: int):
+    def spy(step, num_steps: int, grammar=None):
         steps.append(num_steps)
-        return run_tails(step, num_steps)
+        return run_tails(step, num_steps, grammar)
 
     runner._run_decode_tails = spy
     return steps

@@ -123,8 +123,8 @@ class ServerMetrics:
         self._spec_totals = dict.fromkeys(self.spec_counters, 0)
         self.constrained_steps = Gauge(
             "pieceworks:structured_output_steps",
-            "Engine steps whose batch held a structured-output request: sampled on the host, "
-            "never multi-step, never in a captured decode tail",
+            "Engine steps whose batch held a structured-output request: one step per round "
+            "trip, masked in the masked decode tail or before the host sampler",
             labels,
             registry=self.registry,
         )
