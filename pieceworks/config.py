@@ -249,13 +249,16 @@ class EngineConfig:
         platform.apply_declared_defaults(self)  # also where an override skipped the base class
 
     def _check_speculative(self) -> None:
-        """Refuse what speculation does not implement; schedule synchronously (a proposal
-        needs the last token on the host)."""
+        """Refuse what speculation does not implement. A draft model schedules synchronously
+        (its mirrors follow every step); n-gram speculation keeps async scheduling, which the
+        engine leaves for a host sync only before a step that may propose (a proposal needs the
+        last token on the host) and after one that verifies (``EngineCore._step``)."""
         assert self.speculative_config is not None
         self.speculative_config.check_engine(self)
-        if self.scheduler_config.async_scheduling:
+        draft = self.speculative_config.method == "draft_model"
+        if draft and self.scheduler_config.async_scheduling:
             self.scheduler_config.async_scheduling = False
-            logger.info("speculative decoding schedules synchronously: async_scheduling off")
+            logger.info("a draft model proposes after every step: async_scheduling off")
 
     def compute_hash(self) -> str:
         """Hash of every field that changes compiled code."""

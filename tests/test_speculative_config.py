@@ -4,8 +4,8 @@ Proves: the JSON text of ``--speculative-config`` and the dict give the same con
 bound sets the other and neither gives vLLM's default; unknown keys, unknown methods,
 ``draft_model`` without a model or with n-gram bounds, a missing ``num_speculative_tokens``,
 bad bounds, ``num_scheduler_steps > 1`` and a hybrid (recurrent-state) model are refused with a
-message naming them; speculation turns async scheduling off; the CLI flag reaches the engine
-arguments.
+message naming them; n-gram speculation keeps async scheduling and a draft model turns it off;
+the CLI flag reaches the engine arguments.
 
 Run: ``PIECEWORKS_PLATFORM=cpu pytest tests/test_speculative_config.py -q``
 """
@@ -29,7 +29,10 @@ def test_json_and_dict_give_the_same_config():
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
     )
     assert config.speculative_config.prompt_lookup_min == 4  # one bound sets the other
-    assert not config.scheduler_config.async_scheduling
+    assert config.scheduler_config.async_scheduling  # syncs only where a proposal needs one
+    draft = {"method": "draft_model", "model": "llama-tiny", "num_speculative_tokens": 2}
+    config = build_engine_config("llama-tiny", speculative_config=draft)
+    assert not config.scheduler_config.async_scheduling  # the draft follows every step
     default = SpeculativeConfig(num_speculative_tokens=2)
     assert (default.prompt_lookup_min, default.prompt_lookup_max) == (5, 5)
     assert build_engine_config("llama-tiny").speculative_config is None

@@ -13,7 +13,10 @@ batch of decodes only is one multi-step output: one ``step`` call launches K dec
 later reads their K tokens per request at once (the scheduler applies them in step order).
 With a ``speculative_config`` a proposer guesses each decoding request's next tokens before the
 step is scheduled (``Request.spec_token_ids``); the step verifies them and may append several
-tokens per request (docs/engine.md, "Speculative decoding").
+tokens per request (docs/engine.md, "Speculative decoding"). Under async scheduling the engine
+reads a step's tokens at once only where speculation needs them (``_proposes_next``): after a
+verify, and before a step at which a request that ``ProposalBackoff`` does not hold back may be
+proposed for.
 Start-up (load, compile, KV cache, capture) happens in the constructor and is timed for the report.
 
 A request with ``SamplingParams.structured_outputs`` has its grammar compiled when it is added
@@ -47,7 +50,8 @@ from pieceworks.scheduler.scheduler import Scheduler
 from pieceworks.worker.executor import make_executor
 from pieceworks.worker.sampled_tokens import SampledTokens
 from pieceworks.worker.spec_decode import make_proposer
-from pieceworks.worker.spec_decode.proposer import propose_for_running
+from pieceworks.worker.spec_decode.backoff import ProposalBackoff
+from pieceworks.worker.spec_decode.proposer import propose_for_running, tokens_needed_next
 from pieceworks.worker.structured_output import GrammarSource, StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -94,6 +98,9 @@ class EngineCore:
         with _ENGINE_LOCK:
             draft_config = draft_engine_config(config)  # None unless a draft model proposes
             self.proposer = make_proposer(spec, draft_config) if spec is not None else None
+        # Under async scheduling: which requests to propose for, so that steps between tries
+        # need no host sync (``worker/spec_decode/backoff.py``).
+        self.proposal_backoff = ProposalBackoff.for_engine(self.proposer, self.async_scheduling)
         # The launched step whose tokens have not been read yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, SampledTokens] | None = None
         # The step whose tokens are being applied (a failure there abandons it too).
@@ -255,7 +262,7 @@ class EngineCore:
         start = time.perf_counter()
         self.grammar_waitlist.admit(self.scheduler)
         if self.proposer is not None:
-            propose_for_running(self.proposer, self.scheduler.running)
+            propose_for_running(self.proposer, self.scheduler.running, self.proposal_backoff)
         output = self.scheduler.schedule()
         if not output.scheduled_requests:
             if self._in_flight is None and self.grammar_waitlist:
@@ -265,7 +272,7 @@ class EngineCore:
         sampled = self.executor.execute_async(output, self._grammar_source(output, finished))
         finished += self._finish_in_flight()
         self._in_flight = (output, sampled)
-        if not self.async_scheduling:
+        if not self.async_scheduling or self._proposes_next(output):
             finished += self._finish_in_flight()
         step_seconds = self.step_seconds
         if len(step_seconds) >= MAX_STEP_TIMINGS:
@@ -275,6 +282,13 @@ class EngineCore:
         timing = (decodes_only, output.num_requests, seconds_per_step)
         step_seconds.extend([timing] * output.num_steps)
         return finished
+
+    def _proposes_next(self, output: SchedulerOutput) -> bool:
+        """Whether speculation needs this step's tokens before the next step is scheduled
+        (``tokens_needed_next``)."""
+        return self.proposer is not None and tokens_needed_next(
+            output, self.proposal_backoff, self.scheduler.running
+        )
 
     def _grammar_source(
         self, output: SchedulerOutput, finished: list[Request]
@@ -350,6 +364,8 @@ class EngineCore:
         self.structured_output.release(request_id)
         if self.proposer is not None:
             self.proposer.release(request_id)
+        if self.proposal_backoff is not None:
+            self.proposal_backoff.release(request_id)
 
     def _load_tokenizer(self) -> object:
         from pieceworks.engine.tokenizer import load_tokenizer

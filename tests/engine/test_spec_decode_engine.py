@@ -14,7 +14,9 @@ replayed the FULL graph captured for 4 query tokens per sequence. Requests preem
 others verify resume with the same tokens. The real n-gram proposer on llama-tiny at its preset
 scale (whose greedy text repeats one token) accepts nearly every proposal and gives the same
 tokens as decoding without it; logprobs of accepted tokens equal those without speculation; a
-seeded sampled request gives the same tokens twice; ``AsyncLLMEngine`` streams the same tokens,
+seeded sampled request gives the same tokens twice; with async scheduling, the verified tokens
+are the same and requests that get no proposals back off, so most steps need no host sync;
+``AsyncLLMEngine`` streams the same tokens,
 several per delta, and its stats carry the acceptance totals; a request with ``logit_bias``
 verifies under its bias and structured-output requests beside verified ones keep their grammar.
 
@@ -56,14 +58,20 @@ def checkpoint(tmp_path_factory) -> str:
     return save_scaled_llama_tiny(tmp_path_factory.mktemp("llama-tiny"))
 
 
-def make_llm(model: str, mode: str, speculative: bool, num_blocks: int | None = NUM_BLOCKS):
+def make_llm(
+    model: str,
+    mode: str,
+    speculative: bool,
+    num_blocks: int | None = NUM_BLOCKS,
+    async_scheduling: bool = False,
+):
     return LLM(
         model,
         compilation_config=compilation_for_mode(mode, {"backend": "eager"}),
         dtype="float32",
         max_num_seqs=4,
         num_gpu_blocks_override=num_blocks,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
         speculative_config=SPEC if speculative else None,
     )
 
@@ -158,9 +166,19 @@ def run_unbounded(llm: LLM, arrivals: dict[int, list[tuple]]) -> list:
 
 
 @pytest.mark.platform_agnostic
-@pytest.mark.parametrize("mode", ["eager", "piecewise", "full_and_piecewise", "breakable"])
+@pytest.mark.parametrize(
+    "mode, async_scheduling",
+    [
+        ("eager", False),
+        ("piecewise", False),
+        ("full_and_piecewise", False),
+        ("breakable", False),
+        ("eager", True),
+        ("full_and_piecewise", True),
+    ],
+)
 def test_verified_greedy_tokens_equal_decoding_without_speculation(
-    checkpoint, plain_run, graph_platform, mode
+    checkpoint, plain_run, graph_platform, mode, async_scheduling
 ):
     arrivals, plain = plain_run
     oracle = OracleProposer(
@@ -171,7 +189,8 @@ def test_verified_greedy_tokens_equal_decoding_without_speculation(
         }
     )
 
-    llm = make_llm(checkpoint, mode, speculative=True)
+    llm = make_llm(checkpoint, mode, speculative=True, async_scheduling=async_scheduling)
+    assert (llm.engine.proposal_backoff is not None) == async_scheduling
     llm.engine.proposer = oracle
     planned, plan = [], llm.engine.runner.plan
     llm.engine.runner.plan = lambda output: planned.append((output, plan(output))) or plan(output)
@@ -226,13 +245,16 @@ def test_preemption_with_proposals_keeps_the_tokens(checkpoint):
     llm.shutdown()
 
 
-def test_ngram_proposals_on_repeating_text_are_accepted_and_change_nothing():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ngram_proposals_on_repeating_text_are_accepted_and_change_nothing(async_scheduling):
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7]}, {"prompt_token_ids": [1, 2, 3]}]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     plain_llm = make_llm("llama-tiny", "eager", speculative=False, num_blocks=None)
     plain = plain_llm.generate(prompts, params)
     plain_llm.shutdown()
-    llm = make_llm("llama-tiny", "eager", speculative=True, num_blocks=None)
+    llm = make_llm(
+        "llama-tiny", "eager", speculative=True, num_blocks=None, async_scheduling=async_scheduling
+    )
     spec = llm.generate(prompts, params)
     stats = llm.engine.scheduler.spec_decoding_stats
     for with_spec, without in zip(spec, plain):
@@ -247,6 +269,37 @@ def test_ngram_proposals_on_repeating_text_are_accepted_and_change_nothing():
     first, second = (llm.generate(prompts[:1], seeded)[0].outputs[0].token_ids for _ in range(2))
     assert first == second
     llm.shutdown()
+
+
+class NoProposals(Proposer):
+    """Never finds anything to propose, as the n-gram proposer on text that never repeats."""
+
+    def __init__(self) -> None:
+        super().__init__(SpeculativeConfig(num_speculative_tokens=K))
+
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        return []
+
+
+def test_requests_without_proposals_back_off_to_async_steps(checkpoint, plain_run):
+    """With async scheduling, requests whose proposals never come are tried after 1, 2, 4, ...
+    up to 16 steps: the steps between tries read their tokens one step late, as without
+    speculation (no host sync after the launch), and the tokens are those without it."""
+    arrivals, plain = plain_run
+    llm = make_llm(checkpoint, "eager", speculative=True, async_scheduling=True)
+    llm.engine.proposer = NoProposals()
+    decisions, proposes_next = [], llm.engine._proposes_next
+    llm.engine._proposes_next = lambda output: (
+        decisions.append(proposes_next(output)) or (decisions[-1])
+    )
+    spec = results(run(llm, arrivals))
+    llm.shutdown()
+    assert {r: v for r, v in spec.items() if r != ABORTED} == {
+        r: v for r, v in plain.items() if r != ABORTED
+    }
+    # Syncs: one per request's tries (each after 1, 2, 4, 8, 16 ... skipped steps) and the
+    # steps where a newly started request is tried; most steps run without one.
+    assert 0 < sum(decisions) < len(decisions) / 2
 
 
 def test_async_engine_streams_verified_runs():

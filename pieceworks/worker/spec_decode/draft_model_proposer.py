@@ -29,6 +29,8 @@ from pieceworks.worker.spec_decode.proposer import Proposer
 class DraftModelProposer(Proposer):
     """Greedy proposals of a draft model kept in step with the target's requests."""
 
+    skips_steps = False  # its mirrors follow every step (the engine schedules synchronously)
+
     def __init__(self, config: SpeculativeConfig, draft_config: EngineConfig) -> None:
         super().__init__(config)
         self.executor = make_executor(draft_config)
