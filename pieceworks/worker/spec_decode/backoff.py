@@ -37,7 +37,7 @@ class _Tries:
 
     skip: int = 0
     failures: int = 0
-    judged_at: int | None = None
+    tried_at: int | None = None
 
 
 class ProposalBackoff:
@@ -61,8 +61,8 @@ class ProposalBackoff:
         last try if its tokens are in, counts the step down, and says whether to propose now
         (only for an ``eligible`` request: decoding, its last token on the host)."""
         tries = self._tries.setdefault(request.request_id, _Tries())
-        if tries.judged_at is not None and eligible:
-            gained = request.num_output_tokens - tries.judged_at
+        if tries.tried_at is not None and eligible:
+            gained = request.num_output_tokens - tries.tried_at
             self._judge(tries, accepted=gained > 1)
         if tries.skip > 0:
             tries.skip -= 1
@@ -73,7 +73,7 @@ class ProposalBackoff:
         """Record a try: an empty one failed now, a proposal is judged at the next call."""
         tries = self._tries[request.request_id]
         if proposals:
-            tries.judged_at = request.num_output_tokens
+            tries.tried_at = request.num_output_tokens
         else:
             self._judge(tries, accepted=False)
 
@@ -87,7 +87,7 @@ class ProposalBackoff:
         self._tries.pop(request_id, None)
 
     def _judge(self, tries: _Tries, accepted: bool) -> None:
-        tries.judged_at = None
+        tries.tried_at = None
         if accepted:
             tries.failures, tries.skip = 0, 0
             return
