@@ -239,8 +239,8 @@ attention_tiles() {  # decode attention's tile and warps at the Gemma-3-4B shape
     "${sweep[@]}" --batch-sizes 1 64 --context-lens 160 --max-model-len 160 --num-heads 9 --num-kv-heads 3 --head-size 64 --graph-layers 30
 }
 
-gemv_tiles() {  # the GEMV's tiles at one token in a graph: Gemma-3-4B's shapes (with 4 and 6
-  # stages) and the SmolLM2-135M shape's, against cuBLAS
+gemv_tiles() {  # the GEMV's tiles at one token in a graph: Gemma-3-4B's shapes (4 stages, and 6
+  # where they fit) and the SmolLM2-135M shape's, against cuBLAS
   step gemv_tiles_gemma3 python3 benchmarks/gemv_decode.py --out "$OUT/gemv_tiles_gemma3.json" \
     --model gemma-3-4b --num-tokens 1 --graph-layers 16 --graph-stages 4 6
   step gemv_tiles_smollm2 python3 benchmarks/gemv_decode.py --out "$OUT/gemv_tiles_smollm2.json" \
