@@ -25,7 +25,8 @@
 #   n-gram speculation, the 8B shape on repeating and random prompts, the trained SmolLM2 on a
 #   passage it is asked to copy)
 #   OUT: where JSON, plots and logs go (default docs/bench); COMMIT: recorded in each JSON
-#   (default: git's HEAD where this is a checkout).
+#   (default: git's HEAD where this is a checkout); PACK_LOGS=1: the logs end up as one
+#   $OUT/logs.tar.gz (a remote run that returns only a few files then returns them all).
 # Every step is guarded: one that fails is logged with its exit status and the next one runs.
 # Each bench JSON is rewritten after every row, so a step cut short keeps what it measured.
 # Afterwards: python benchmarks/perf_table.py "$OUT"/bench_*.json   (the markdown table)
@@ -340,7 +341,7 @@ for name in $steps; do
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 smollm2_pw small breakdown structured_host bench8b specdec specdec_8b specdec_smollm2 serve_c64_smollm2 serve_c64_smollm2_full serve_c64_8b fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 smollm2_pw small breakdown structured_host attention_tiles gemv_tiles bench8b specdec specdec_8b specdec_smollm2 serve_c64_smollm2 serve_c64_smollm2_full serve_c64_8b fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
   esac
 done
 
@@ -348,8 +349,11 @@ if compgen -G "$OUT/bench_*.json" >/dev/null; then
   echo "=== table (python benchmarks/perf_table.py $OUT/bench_*.json):"
   python3 benchmarks/perf_table.py "$OUT"/bench_*.json 2>&1 | cut -c1-400 || true
 fi
+if [ -n "${PACK_LOGS:-}" ]; then  # one archive instead of a file per step (fewer files to fetch)
+  tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+fi
 if [ ${#failed[@]} -gt 0 ]; then
-  echo "=== failed steps: ${failed[*]} (logs in $OUT/logs)"
+  echo "=== failed steps: ${failed[*]} (logs in $OUT/logs${PACK_LOGS:+.tar.gz})"
   exit 1
 fi
 echo "=== all steps passed"
