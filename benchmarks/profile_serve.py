@@ -102,12 +102,15 @@ def cpu_seconds(pid: int) -> float:
 def run_server(args: argparse.Namespace) -> None:
     """Serve until SIGINT; SIGUSR1 starts the profiler, SIGUSR2 stops it and dumps it."""
     from pieceworks.engine.core_process import EngineSpec
+    from pieceworks.engine.tokenizer import load_tokenizer
     from pieceworks.entrypoints.serve import build_process_context
     from pieceworks.entrypoints.serve.api_server import build_app, serve
 
-    engine_args = {"tokenizer": args.tokenizer, "max_num_seqs": args.max_num_seqs,
-                   "enforce_eager": True}  # fmt: skip
+    engine_args = {"max_num_seqs": args.max_num_seqs, "enforce_eager": True}
     ctx = build_process_context(EngineSpec(args.model, None, engine_args), args.model, 1024)
+    # The text side only: ``--tokenizer`` is refused for a model of a smaller vocabulary, but
+    # llama-tiny's ids (under 256) are all SmolLM2 tokens, so every streamed token is decoded.
+    ctx.tokenizer = load_tokenizer(args.tokenizer)
     profiler = cProfile.Profile(time.process_time)
 
     def start(signum: int, frame: object) -> None:
