@@ -11,7 +11,7 @@ clients) over the load only:
 - with ``--profile`` (a second server, the same load), a ``cProfile`` of its event loop on a
   CPU-time clock, each function's own time put in one bucket: ``receive`` (the output pipe, its
   unpickling, dispatching the deltas), ``detokenize`` (the detokenizer and the tokenizer), ``build``
-  (choice deltas, chunk dicts, logprobs, JSON), ``sse write`` (Starlette's and uvicorn's response
+  (choice deltas, chunk dicts, logprobs, JSON), ``sse write`` (``EventStream``, uvicorn's response
   path, the socket writes), ``event loop`` (asyncio: tasks, futures, queues, the selector) and
   ``other`` (request parsing, validation, metrics, ...). The profiler slows Python calls, so the
   buckets are shares of a profiled run, scaled to the unprofiled CPU time per token; the
@@ -48,14 +48,14 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "_pickle.loads", "method 'recv", "posix.read", "stream_batch.py")),
     ("build", ("generation.py", "serving.py", "completions.py", "chat.py", "logprobs.py",
                "json/", "_json", "chunk_writer.py", "dataclasses.py", "method 'encode'")),
-    ("metrics", ("prometheus_client", "serve/metrics.py")),
-    ("sse write", ("starlette/responses.py", "h11/", "uvicorn/protocols/http", "anyio/",
-                   "selector_events.py", "method 'send' of '_socket", "starlette/middleware",
-                   "starlette/_utils", "starlette/_exception_handler",
+    ("metrics", ("prometheus_client", "serve/metrics.py", "bisect")),
+    ("sse write", ("event_stream.py", "starlette/responses.py", "h11/", "uvicorn/protocols/http",
+                   "anyio/", "selector_events.py", "method 'send' of '_socket", "UVStream",
+                   "starlette/middleware", "starlette/_utils", "starlette/_exception_handler",
                    "concurrency.py")),
-    ("event loop", ("asyncio/", "selectors.py", "method 'poll' of 'select", "method 'control'",
-                    "_asyncio", "method 'send' of 'coroutine", "method 'throw' of 'coroutine",
-                    "_contextvars", "method 'run' of 'Context")),
+    ("event loop", ("asyncio/", "uvloop", "selectors.py", "method 'poll' of 'select",
+                    "method 'control'", "_asyncio", "method 'send' of 'coroutine",
+                    "method 'throw' of 'coroutine", "_contextvars", "method 'run' of 'Context")),
 )  # fmt: skip
 
 

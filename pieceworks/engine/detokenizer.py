@@ -77,6 +77,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.decode_batch = batch_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
+        # what ``update_batch`` decodes together: one tokenizer, one ``skip_special_tokens``
+        self.batch_key = (id(tokenizer), skip_special_tokens)
         self.stop = tuple(stop)
         self.stop_buffer_length = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])  # context + generated
@@ -114,25 +116,21 @@ class IncrementalDetokenizer:
         return ids[self.prefix_offset : self.read_offset], ids[self.prefix_offset :]
 
     def _advance(self, prefix_text: str, full_text: str) -> str | None:
-        """The newest token's text from its two decoded runs; the stop string it completed."""
-        new_text = self._next_text(prefix_text, full_text)
-        if new_text:
-            self.text += new_text
-            if self._find_stop(len(new_text)):
-                return self.stop_reason
-        return None
-
-    def _next_text(self, prefix_text: str, full_text: str) -> str:
-        """vLLM's prefix/read-offset step: the text the newest token completes, or ""."""
-        ids = self.token_ids
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHARACTER):
-            return ""  # an incomplete character (or a skipped special token): wait for more
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        """vLLM's prefix/read-offset step: the newest token's text from its two decoded runs
+        (none while a character is incomplete); the stop string it completed, else None."""
+        num_prefix_chars = len(prefix_text)
+        if len(full_text) <= num_prefix_chars or full_text.endswith(REPLACEMENT_CHARACTER):
+            return None  # an incomplete character (or a skipped special token): wait for more
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         if self.prefix_offset > MAX_DEAD_TOKENS:
             del self.token_ids[: self.prefix_offset]
             self.read_offset -= self.prefix_offset
             self.prefix_offset = 0
-        return full_text[len(prefix_text) :]
+        new_text = full_text[num_prefix_chars:]
+        self.text += new_text
+        if self.stop and self._find_stop(len(new_text)):
+            return self.stop_reason
+        return None
 
     def _find_stop(self, num_new_chars: int) -> bool:
         """Cut the text before the earliest stop string in its new part (plus the characters a
@@ -165,8 +163,7 @@ def update_batch(
     while active:
         groups: dict[tuple[int, bool], list[int]] = {}
         for i in active:
-            key = (id(detokenizers[i].tokenizer), detokenizers[i].skip_special_tokens)
-            groups.setdefault(key, []).append(i)
+            groups.setdefault(detokenizers[i].batch_key, []).append(i)
         for (_, skip), members in groups.items():
             runs = [run for i in members for run in detokenizers[i]._append(queues[i].pop(0))]
             texts = detokenizers[members[0]].decode_batch(runs, skip)

@@ -110,6 +110,9 @@ class ServerMetrics:
             model_name,
         )
         self.registry.register(self.tpot)
+        # (seconds, num_tokens): a delta of ``num_tokens`` tokens arrived ``seconds`` after the
+        # previous one, each token counting as ``seconds / num_tokens``
+        self.observe_token_gap = self.tpot.observe
         self.generation_tokens = Counter(
             "pieceworks:generation_tokens", "Tokens generated", labels, registry=self.registry
         )
@@ -157,18 +160,14 @@ class ServerMetrics:
             metric.labels(model_name)
         self._prefix_cache_seen = (0, 0)  # the engine's counts at the last scrape
         self.model_name = model_name
-        # Tokens streamed, counted in a plain int per take and added to the counter at scrape
-        # time: ``Counter.inc`` takes a lock and checks its argument on every call.
+        # Tokens streamed, added up in a plain int per take (``add_generated_tokens``, or the
+        # attribute itself on the per-token path) and added to the counter at scrape time:
+        # ``Counter.inc`` takes a lock and checks its argument on every call.
         self.num_generated_tokens = 0
         self._generation_tokens_seen = 0
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
-
-    def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
-        """A delta of ``num_tokens`` tokens arrived ``seconds`` after the previous one: each of
-        them counts as ``seconds / num_tokens``."""
-        self.tpot.observe(seconds, num_tokens)
 
     def add_generated_tokens(self, num_tokens: int) -> None:
         self.num_generated_tokens += num_tokens

@@ -112,7 +112,6 @@ async def _events(
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
     """The stream's writes: one per wake of the reader, every choice's chunk joined."""
-    stream = generation.stream_batches()
     prefix = chunk_prefix(header, _chunk_object(fmt))
     chunk = fmt.chunk
     try:
@@ -120,7 +119,8 @@ async def _events(
         if firsts:
             yield "".join([f"{prefix}{choice}]}}\n\n" for choice in firsts]).encode()
         try:
-            async for deltas in stream:
+            while generation.num_running:
+                deltas = await generation.next_batch()
                 events = [f"{prefix}{choice}]}}\n\n" for delta in deltas for choice in chunk(delta)]
                 if events:
                     yield "".join(events).encode()
@@ -134,7 +134,7 @@ async def _events(
             )
         yield f"{last}data: [DONE]\n\n".encode()
     finally:
-        await stream.aclose()  # type: ignore[attr-defined]
+        await generation.close()
         _count_finished(ctx, generation.results)  # a choice cut short counts as "abort"
 
 
