@@ -17,10 +17,10 @@ request finishes: they could still turn out to be the start of a stop string, an
 is never taken back. The engine, not this class, finishes a request whose text stopped.
 
 ``update_batch`` advances many detokenizers at once, as a server does with every stream's tokens
-of one engine step: each round decodes one new token of every detokenizer in one call into the
-tokenizer (``batch_decoder``: the Rust tokenizer's ``decode_batch`` for a transformers fast
-tokenizer, which skips transformers' per-call Python; a loop of ``decode`` for any other). The
-text is the same as token-by-token ``update`` calls give.
+of one engine step: each round decodes one new token of every detokenizer in one batch
+(``batch_decoder``: the Rust tokenizer's own ``decode`` per sequence for a transformers fast
+tokenizer, which skips transformers' per-call Python; its ``decode`` for any other). The text is
+the same as token-by-token ``update`` calls give.
 """
 
 from __future__ import annotations
@@ -52,8 +52,12 @@ def batch_decoder(tokenizer: Any) -> BatchDecoder:
         getattr(getattr(cls, "decode", None), "__qualname__", "") in _PLAIN_DECODE
         and getattr(getattr(cls, "_decode", None), "__qualname__", "") in _PLAIN_BACKEND_DECODE
     )
-    if backend is not None and plain and hasattr(backend, "decode_batch"):
-        return lambda sequences, skip: backend.decode_batch(sequences, skip_special_tokens=skip)
+    if backend is not None and plain and hasattr(backend, "decode"):
+        # One Rust ``decode`` per sequence: the Rust ``decode_batch`` hands a turn's short
+        # sequences to its thread pool, whose threads cost more CPU (and no less time) than the
+        # decoding they share.
+        decode = backend.decode
+        return lambda sequences, skip: [decode(ids, skip_special_tokens=skip) for ids in sequences]
 
     def decode_each(sequences: list[list[int]], skip: bool) -> list[str]:
         return [
@@ -153,7 +157,7 @@ class IncrementalDetokenizer:
 def update_batch(
     detokenizers: Sequence[IncrementalDetokenizer], new_token_ids: Sequence[Sequence[int]]
 ) -> list[str | None]:
-    """``detokenizer.update(ids)`` for each pair, decoding together: one tokenizer call per
+    """``detokenizer.update(ids)`` for each pair, decoding together: one batch decode per
     round (a token of each detokenizer that has one left) and ``skip_special_tokens`` value."""
     stops: list[str | None] = [None] * len(detokenizers)
     queues = [
