@@ -17,10 +17,10 @@ request finishes: they could still turn out to be the start of a stop string, an
 is never taken back. The engine, not this class, finishes a request whose text stopped.
 
 ``update_batch`` advances many detokenizers at once, as a server does with every stream's tokens
-of one engine step: each round decodes one new token of every detokenizer in one call into the
-tokenizer (``batch_decoder``: the Rust tokenizer's ``decode_batch`` for a transformers fast
-tokenizer, which skips transformers' per-call Python; a loop of ``decode`` for any other). The
-text is the same as token-by-token ``update`` calls give.
+of one engine step: each round decodes one new token of every detokenizer in one batch
+(``batch_decoder``: the Rust tokenizer's own ``decode`` per sequence for a transformers fast
+tokenizer, which skips transformers' per-call Python; its ``decode`` for any other). The text is
+the same as token-by-token ``update`` calls give.
 """
 
 from __future__ import annotations
@@ -52,8 +52,12 @@ def batch_decoder(tokenizer: Any) -> BatchDecoder:
         getattr(getattr(cls, "decode", None), "__qualname__", "") in _PLAIN_DECODE
         and getattr(getattr(cls, "_decode", None), "__qualname__", "") in _PLAIN_BACKEND_DECODE
     )
-    if backend is not None and plain and hasattr(backend, "decode_batch"):
-        return lambda sequences, skip: backend.decode_batch(sequences, skip_special_tokens=skip)
+    if backend is not None and plain and hasattr(backend, "decode"):
+        # One Rust ``decode`` per sequence: the Rust ``decode_batch`` hands a turn's short
+        # sequences to its thread pool, whose threads cost more CPU (and no less time) than the
+        # decoding they share.
+        decode = backend.decode
+        return lambda sequences, skip: [decode(ids, skip_special_tokens=skip) for ids in sequences]
 
     def decode_each(sequences: list[list[int]], skip: bool) -> list[str]:
         return [
@@ -77,6 +81,8 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.decode_batch = batch_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
+        # what ``update_batch`` decodes together: one tokenizer, one ``skip_special_tokens``
+        self.batch_key = (id(tokenizer), skip_special_tokens)
         self.stop = tuple(stop)
         self.stop_buffer_length = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])  # context + generated
@@ -114,25 +120,21 @@ class IncrementalDetokenizer:
         return ids[self.prefix_offset : self.read_offset], ids[self.prefix_offset :]
 
     def _advance(self, prefix_text: str, full_text: str) -> str | None:
-        """The newest token's text from its two decoded runs; the stop string it completed."""
-        new_text = self._next_text(prefix_text, full_text)
-        if new_text:
-            self.text += new_text
-            if self._find_stop(len(new_text)):
-                return self.stop_reason
-        return None
-
-    def _next_text(self, prefix_text: str, full_text: str) -> str:
-        """vLLM's prefix/read-offset step: the text the newest token completes, or ""."""
-        ids = self.token_ids
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHARACTER):
-            return ""  # an incomplete character (or a skipped special token): wait for more
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        """vLLM's prefix/read-offset step: the newest token's text from its two decoded runs
+        (none while a character is incomplete); the stop string it completed, else None."""
+        num_prefix_chars = len(prefix_text)
+        if len(full_text) <= num_prefix_chars or full_text.endswith(REPLACEMENT_CHARACTER):
+            return None  # an incomplete character (or a skipped special token): wait for more
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         if self.prefix_offset > MAX_DEAD_TOKENS:
             del self.token_ids[: self.prefix_offset]
             self.read_offset -= self.prefix_offset
             self.prefix_offset = 0
-        return full_text[len(prefix_text) :]
+        new_text = full_text[num_prefix_chars:]
+        self.text += new_text
+        if self.stop and self._find_stop(len(new_text)):
+            return self.stop_reason
+        return None
 
     def _find_stop(self, num_new_chars: int) -> bool:
         """Cut the text before the earliest stop string in its new part (plus the characters a
@@ -155,7 +157,7 @@ class IncrementalDetokenizer:
 def update_batch(
     detokenizers: Sequence[IncrementalDetokenizer], new_token_ids: Sequence[Sequence[int]]
 ) -> list[str | None]:
-    """``detokenizer.update(ids)`` for each pair, decoding together: one tokenizer call per
+    """``detokenizer.update(ids)`` for each pair, decoding together: one batch decode per
     round (a token of each detokenizer that has one left) and ``skip_special_tokens`` value."""
     stops: list[str | None] = [None] * len(detokenizers)
     queues = [
@@ -165,8 +167,7 @@ def update_batch(
     while active:
         groups: dict[tuple[int, bool], list[int]] = {}
         for i in active:
-            key = (id(detokenizers[i].tokenizer), detokenizers[i].skip_special_tokens)
-            groups.setdefault(key, []).append(i)
+            groups.setdefault(detokenizers[i].batch_key, []).append(i)
         for (_, skip), members in groups.items():
             runs = [run for i in members for run in detokenizers[i]._append(queues[i].pop(0))]
             texts = detokenizers[members[0]].decode_batch(runs, skip)

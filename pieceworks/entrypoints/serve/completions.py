@@ -29,7 +29,14 @@ from pieceworks.entrypoints.serve.generation import (
 )
 from pieceworks.entrypoints.serve.logprobs import completion_logprobs
 from pieceworks.entrypoints.serve.protocol import CompletionRequest
-from pieceworks.entrypoints.serve.serving import ResponseFormat, ServingContext, respond
+from pieceworks.entrypoints.serve.serving import (
+    ResponseFormat,
+    ServingContext,
+    encode_json,
+    encode_string,
+    encode_token_ids,
+    respond,
+)
 from pieceworks.entrypoints.serve.structured import request_constraint
 from pieceworks.entrypoints.serve.validation import (
     check_logit_bias,
@@ -76,6 +83,19 @@ def _choice(
     return choice
 
 
+def _text_choice(
+    index: int, text: str, finish_reason: str | None, token_ids: list[int] | None
+) -> str:
+    """``encode_json(_choice(...))`` of a streamed choice without log-probabilities (its token
+    ids when given), the common chunk, written from a template."""
+    reason = "null" if finish_reason is None else encode_string(finish_reason)
+    ids = "" if token_ids is None else f', "token_ids": {encode_token_ids(token_ids)}'
+    return (
+        f'{{"index": {index}, "text": {encode_string(text)}, "logprobs": null, '
+        f'"finish_reason": {reason}{ids}}}'
+    )
+
+
 def completion_format(
     body: CompletionRequest, tokenizer: Any, prompts: list[tuple[str, list[int]]]
 ) -> ResponseFormat:
@@ -99,9 +119,12 @@ def completion_format(
         all_entries = [*(prompt_entries or [None] * len(prompt_ids)), *entries]
         return completion_logprobs(all_entries, tokenizer, offset, token_ids)
 
-    def chunk(header: dict[str, Any], delta: ChoiceDelta) -> dict[str, Any]:
+    def chunk(delta: ChoiceDelta) -> list[str]:
         prompt_text, prompt_ids = echo_of(delta.index)
         text = prompt_text + delta.text
+        if delta.logprobs is None:
+            token_ids = delta.token_ids if body.return_token_ids else None
+            return [_text_choice(delta.index, text, delta.finish_reason, token_ids)]
         choice = _choice(body, delta.index, text, delta.token_ids, delta.finish_reason)
         if delta.logprobs is not None:
             # Later chunks' offsets count the prompt text the first chunk echoed.
@@ -109,7 +132,7 @@ def completion_format(
             offset = 0 if prompt_ids else shift + delta.text_offset
             entries = delta.logprobs
             choice["logprobs"] = logprobs(prompt_ids, delta.prompt_logprobs, entries, offset)
-        return {**header, "object": "text_completion", "choices": [choice]}
+        return [encode_json(choice)]
 
     def full(header: dict[str, Any], results: list[ChoiceResult]) -> dict[str, Any]:
         choices = []
@@ -123,7 +146,7 @@ def completion_format(
             choices.append(choice)
         return {**header, "object": "text_completion", "choices": choices}
 
-    return ResponseFormat("cmpl", chunk, lambda header, n: [], full)
+    return ResponseFormat("cmpl", chunk, lambda num_choices: [], full)
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:

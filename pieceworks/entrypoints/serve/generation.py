@@ -81,6 +81,11 @@ class _Choice:
             generation.tokenizer, list(params.stop), spec.prompt_token_ids,
             params.skip_special_tokens,
         )  # fmt: skip
+        self.result = generation.results[index]
+        # looked up once: ``put`` runs for every token of every stream
+        self.observe_token_gap = generation.metrics.observe_token_gap
+        self.text_batch_add = generation.text_batch.add
+        self.after_text_callback = self.after_text
         self.pending: RequestDelta | None = None  # arrived, not taken yet
         self.first: RequestDelta | None = None  # the first delta (start checks it)
         self.num_taken_tokens = 0
@@ -90,26 +95,26 @@ class _Choice:
         self.stop_sent = False
 
     def put(self, delta: RequestDelta) -> None:
-        if self.done or self.text.stopped:  # tokens still in flight after a stop string
+        text = self.text
+        if self.done or text.stopped:  # tokens still in flight after a stop string
             return
-        if self.pending is not None and self.pending.finished:
+        pending = self.pending
+        if pending is not None and pending.finished:
             return  # nothing follows a request's end (an engine failure may still name it)
         if self.spec.prompt_only:
             delta = _without_tokens(delta)
+        new_token_ids = delta.new_token_ids
         now = time.perf_counter()
         if self.first is None:
             self.first = delta
-        elif delta.new_token_ids:
-            self.generation.metrics.observe_token_gap(
-                now - self.last_arrival, len(delta.new_token_ids)
-            )
+        elif new_token_ids:
+            self.observe_token_gap(now - self.last_arrival, len(new_token_ids))
         self.last_arrival = now
-        self.pending = delta if self.pending is None else self.pending.merge(delta)
-        if delta.new_token_ids and self.text.detokenizer is not None:
-            self.text.add(delta.new_token_ids)
-            self.generation.text_batch.add(self.text, self.after_text)
+        self.pending = delta if pending is None else pending.merge(delta)
+        text.add(new_token_ids)
+        if new_token_ids and text.detokenizer is not None:
+            self.text_batch_add(text, self.after_text_callback)
         else:
-            self.text.add(delta.new_token_ids)
             self.generation.wake()
 
     def after_text(self) -> None:
@@ -128,14 +133,16 @@ class _Choice:
             raise EngineDeadError(delta.error)
         text = self.text
         piece = text.take(delta.finished)
-        new_token_ids = text.token_ids[self.num_taken_tokens :]  # none past a stop string
-        self.num_taken_tokens = len(text.token_ids)
-        self.generation.metrics.add_generated_tokens(len(new_token_ids))
+        token_ids = text.token_ids
+        num_tokens = len(token_ids)
+        new_token_ids = token_ids[self.num_taken_tokens :]  # none past a stop string
+        self.generation.metrics.num_generated_tokens += num_tokens - self.num_taken_tokens
+        self.num_taken_tokens = num_tokens
         finish_reason = "stop" if text.stopped else delta.finish_reason
-        result = self.generation.results[self.index]
+        result = self.result
         offset = len(result.text)
         result.text += piece
-        result.token_ids.extend(new_token_ids)
+        result.token_ids += new_token_ids
         if delta.logprobs is not None:
             result.logprobs = (result.logprobs or []) + delta.logprobs
         if delta.prompt_logprobs is not None:
@@ -145,6 +152,7 @@ class _Choice:
         result.finish_reason = finish_reason
         if finish_reason is not None:
             self.done = True
+            self.generation.num_running -= 1
             self.release()
         return ChoiceDelta(
             self.index, piece, new_token_ids, finish_reason, delta.logprobs, offset,
@@ -186,6 +194,7 @@ class Generation:
             ChoiceResult(index, choice.prompt_token_ids) for index, choice in enumerate(choices)
         ]
         self._choices: list[_Choice] = []
+        self.num_running = 0  # choices whose last delta was not taken yet
         self._waiter: asyncio.Future[None] | None = None
         self._woken = False
 
@@ -197,7 +206,7 @@ class Generation:
 
     async def _wait(self) -> None:
         while not self._woken:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -209,7 +218,9 @@ class Generation:
         engine's refusal, which becomes a 400 before any response is sent)."""
         self.engine.reserve(len(self.choices))  # QueueFullError when the engine is full
         self.arrival = time.perf_counter()
+        self._loop = asyncio.get_running_loop()
         self._choices = [_Choice(self, i, spec) for i, spec in enumerate(self.choices)]
+        self.num_running = len(self._choices)  # choices whose last delta was not taken yet
         try:
             for choice in self._choices:
                 self.engine.add_request(
@@ -241,13 +252,25 @@ class Generation:
         """Every choice's deltas, a list per wake (one engine turn, or all the turns the reader
         missed); closing the iterator aborts what still runs."""
         try:
-            while not all(choice.done for choice in self._choices):
-                await self._wait()
-                deltas = [delta for choice in self._choices if (delta := choice.take())]
+            while self.num_running:
+                deltas = await self.next_batch()
                 if deltas:
                     yield deltas
         finally:
             await self.close()
+
+    async def next_batch(self) -> list[ChoiceDelta]:
+        """Wait for the reader's next wake, then take every choice's deltas since the last one
+        (none when nothing is to be sent); the caller reads until ``num_running`` is 0 and
+        owes ``close``. ``stream_batches`` without its generator, for a stream's writer."""
+        while not self._woken:  # ``_wait``, inline: this runs once per stream and engine turn
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._woken = False
+        return [delta for choice in self._choices if (delta := choice.take())]
 
     async def stream(self) -> AsyncIterator[ChoiceDelta]:
         """Every choice's deltas as they come; closing the iterator aborts what still runs."""

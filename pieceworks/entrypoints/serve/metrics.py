@@ -2,9 +2,10 @@
 
 Names follow vLLM's ``vllm:`` metrics under a ``pieceworks:`` prefix: running and waiting
 requests, KV-cache usage and the steps that held a structured-output request (gauges read from
-the engine loop's ``EngineStats`` at scrape time),
-time to first token and time per output token (histograms, seconds), generated and prompt tokens
-and finished requests by finish reason (counters), the prefix cache's queried and hit tokens and,
+the engine loop's ``EngineStats`` at scrape time), time to first token and time per output token
+(histograms, seconds; the latter, observed per streamed token, counted by ``TokenGapHistogram``),
+generated and prompt tokens (the generated ones added up per take and pushed at scrape time) and
+finished requests by finish reason (counters), the prefix cache's queried and hit tokens and,
 with speculative decoding, the verified and accepted proposals (``spec_decode_*``) (counters
 advanced to the engine's cumulative counts at scrape time). One registry per server, so several
 servers in one process (tests) never share counts.
@@ -12,7 +13,13 @@ servers in one process (tests) never share counts.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from pieceworks.engine.messages import EngineStats
 
@@ -96,13 +103,16 @@ class ServerMetrics:
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
-        self.tpot = Histogram(
+        self.tpot = TokenGapHistogram(
             "pieceworks:time_per_output_token_seconds",
             "Gap between a choice's tokens",
-            labels,
-            buckets=_TPOT_BUCKETS,
-            registry=self.registry,
+            _TPOT_BUCKETS,
+            model_name,
         )
+        self.registry.register(self.tpot)
+        # (seconds, num_tokens): a delta of ``num_tokens`` tokens arrived ``seconds`` after the
+        # previous one, each token counting as ``seconds / num_tokens``
+        self.observe_token_gap = self.tpot.observe
         self.generation_tokens = Counter(
             "pieceworks:generation_tokens", "Tokens generated", labels, registry=self.registry
         )
@@ -142,7 +152,6 @@ class ServerMetrics:
         )
         for metric in (  # exported from the start (at 0), as a scraper expects, not first when used
             self.ttft,
-            self.tpot,
             self.generation_tokens,
             self.prompt_tokens,
             self.prefix_cache_queries,
@@ -151,23 +160,17 @@ class ServerMetrics:
             metric.labels(model_name)
         self._prefix_cache_seen = (0, 0)  # the engine's counts at the last scrape
         self.model_name = model_name
-        # the per-token metrics' labelled children, looked up once: ``labels()`` costs more than
-        # ``observe`` itself
-        self._tpot = self.tpot.labels(model_name)
-        self._generation_tokens = self.generation_tokens.labels(model_name)
+        # Tokens streamed, added up in a plain int per take (``add_generated_tokens``, or the
+        # attribute itself on the per-token path) and added to the counter at scrape time:
+        # ``Counter.inc`` takes a lock and checks its argument on every call.
+        self.num_generated_tokens = 0
+        self._generation_tokens_seen = 0
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)
 
-    def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
-        """A delta of ``num_tokens`` tokens arrived ``seconds`` after the previous one."""
-        per_token = seconds / max(num_tokens, 1)
-        for _ in range(num_tokens):
-            self._tpot.observe(per_token)
-
     def add_generated_tokens(self, num_tokens: int) -> None:
-        if num_tokens:
-            self._generation_tokens.inc(num_tokens)
+        self.num_generated_tokens += num_tokens
 
     def add_request(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
@@ -193,4 +196,41 @@ class ServerMetrics:
         if hits > seen_hits:
             self.prefix_cache_hits.labels(self.model_name).inc(hits - seen_hits)
         self._prefix_cache_seen = (max(queries, seen_queries), max(hits, seen_hits))
+        if self.num_generated_tokens > self._generation_tokens_seen:
+            new_tokens = self.num_generated_tokens - self._generation_tokens_seen
+            self.generation_tokens.labels(self.model_name).inc(new_tokens)
+            self._generation_tokens_seen = self.num_generated_tokens
         return generate_latest(self.registry)
+
+
+class TokenGapHistogram(Collector):
+    """A histogram of the gaps between a choice's tokens, counted in plain Python and exported
+    as a Prometheus histogram (``_bucket``, ``_count``, ``_sum``) at scrape time.
+
+    It is observed once per delta of every stream, so per streamed token at many streams:
+    ``observe`` is one bisection and two additions, where prometheus_client's ``Histogram``
+    takes a lock and walks its buckets once per token."""
+
+    def __init__(
+        self, name: str, documentation: str, buckets: tuple[float, ...], model_name: str
+    ) -> None:
+        self.name, self.documentation, self.model_name = name, documentation, model_name
+        self.upper_bounds = buckets
+        self.counts = [0] * (len(buckets) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, seconds: float, num_tokens: int) -> None:
+        """``num_tokens`` gaps of ``seconds / num_tokens`` each (a bucket's bound is <=)."""
+        if num_tokens > 0:
+            self.counts[bisect.bisect_left(self.upper_bounds, seconds / num_tokens)] += num_tokens
+            self.sum += seconds
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])]
+
+    def collect(self) -> list[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        bounds = [floatToGoString(bound) for bound in self.upper_bounds] + ["+Inf"]
+        cumulative = list(itertools.accumulate(self.counts))
+        family.add_metric([self.model_name], list(zip(bounds, cumulative)), self.sum)
+        return [family]

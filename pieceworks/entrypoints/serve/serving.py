@@ -19,10 +19,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from pieceworks.entrypoints.serve.errors import APIError, error_body
+from pieceworks.entrypoints.serve.event_stream import EventStream
 from pieceworks.entrypoints.serve.generation import ChoiceDelta, ChoiceResult, Generation
 from pieceworks.entrypoints.serve.metrics import ServerMetrics
 from pieceworks.entrypoints.serve.validation import ModelLimits
@@ -46,24 +47,17 @@ class ServingContext:
 
 @dataclasses.dataclass
 class ResponseFormat:
-    """How one endpoint shapes its answer: chunk and body builders over a shared header."""
+    """How one endpoint shapes its answer: chunk and body builders over a shared header.
+
+    A streamed chunk is the header, the chunk object's name and one choice; the stream writes
+    the first three once per response (``chunk_prefix``), so ``chunk`` and ``first_chunks``
+    give only each chunk's choice, as JSON text."""
 
     object_prefix: str  # "cmpl" or "chatcmpl": the id's prefix
     # one chunk per delta, or several (a delta that completes tool calls), or none
-    chunk: Callable[[dict[str, Any], ChoiceDelta], dict[str, Any] | list[dict[str, Any]]]
-    first_chunks: Callable[[dict[str, Any], int], list[dict[str, Any]]]
+    chunk: Callable[[ChoiceDelta], list[str]]
+    first_chunks: Callable[[int], list[str]]  # number of choices -> their opening chunks
     body: Callable[[dict[str, Any], list[ChoiceResult]], dict[str, Any]]
-
-
-class SSEResponse(StreamingResponse):
-    """A streaming response that always closes its iterator, so a cancelled stream (the client
-    went away) runs the generator's cleanup, which aborts the engine requests, right away."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 def usage(generation: Generation) -> dict[str, int]:
@@ -95,9 +89,7 @@ async def respond(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _events(ctx, generation, fmt, header, include_usage)
-        return SSEResponse(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        return EventStream(events, headers={"Cache-Control": "no-cache"})
     try:
         results = await _collect_unless_disconnected(request, generation)
     except EngineDeadError as error:  # the engine died during the generation
@@ -118,31 +110,31 @@ async def _events(
     fmt: ResponseFormat,
     header: dict[str, Any],
     include_usage: bool,
-) -> AsyncIterator[str]:
-    stream = generation.stream_batches()
+) -> AsyncIterator[bytes]:
+    """The stream's writes: one per wake of the reader, every choice's chunk joined."""
+    prefix = chunk_prefix(header, _chunk_object(fmt))
+    chunk = fmt.chunk
     try:
-        for chunk in fmt.first_chunks(header, len(generation.choices)):
-            yield _sse(chunk)
+        firsts = fmt.first_chunks(len(generation.choices))
+        if firsts:
+            yield "".join([f"{prefix}{choice}]}}\n\n" for choice in firsts]).encode()
         try:
-            async for deltas in stream:  # one write per wake: every choice's chunks joined
-                events = []
-                for delta in deltas:
-                    chunks = fmt.chunk(header, delta)
-                    for chunk in chunks if isinstance(chunks, list) else [chunks]:
-                        events.append(_sse(chunk))
+            while generation.num_running:
+                deltas = await generation.next_batch()
+                events = [f"{prefix}{choice}]}}\n\n" for delta in deltas for choice in chunk(delta)]
                 if events:
-                    yield "".join(events)
+                    yield "".join(events).encode()
         except EngineDeadError as error:  # headers are sent: the stream ends with the error
-            yield _sse(error_body(503, str(error)))
-            yield "data: [DONE]\n\n"
+            yield f"{_sse(error_body(503, str(error)))}data: [DONE]\n\n".encode()
             return
+        last = ""
         if include_usage:
-            yield _sse(
+            last = _sse(
                 {**header, "object": _chunk_object(fmt), "choices": [], "usage": usage(generation)}
             )
-        yield "data: [DONE]\n\n"
+        yield f"{last}data: [DONE]\n\n".encode()
     finally:
-        await stream.aclose()  # type: ignore[attr-defined]
+        await generation.close()
         _count_finished(ctx, generation.results)  # a choice cut short counts as "abort"
 
 
@@ -151,11 +143,25 @@ def _chunk_object(fmt: ResponseFormat) -> str:
 
 
 # ``json.dumps(chunk, ensure_ascii=False)`` builds an encoder per call; all chunks share one.
-_ENCODE = json.JSONEncoder(ensure_ascii=False).encode
+encode_json = json.JSONEncoder(ensure_ascii=False).encode
+# A JSON string literal of a str, as ``encode_json`` writes one (C, no encoder set up per call).
+encode_string = json.encoder.encode_basestring  # type: ignore[attr-defined]
+
+
+def encode_token_ids(token_ids: list[int]) -> str:
+    """``encode_json(token_ids)`` of a list of ints, without setting up an encoder."""
+    return f"[{', '.join(map(str, token_ids))}]"
+
+
+def chunk_prefix(header: dict[str, Any], chunk_object: str) -> str:
+    """``data: `` and a chunk's JSON up to its choice: the envelope each chunk of a stream
+    shares (id, created, model, object), encoded once; a chunk is it, one choice and ``]}``."""
+    envelope = encode_json({**header, "object": chunk_object, "choices": []})
+    return f"data: {envelope.removesuffix(']}')}"
 
 
 def _sse(chunk: dict[str, Any]) -> str:
-    return f"data: {_ENCODE(chunk)}\n\n"
+    return f"data: {encode_json(chunk)}\n\n"
 
 
 def _count_finished(ctx: ServingContext, results: list[ChoiceResult]) -> None:

@@ -36,6 +36,7 @@ class TextStream:
     ) -> None:
         self.token_ids: list[int] = []
         self.unread: list[int] = []  # token ids added but not detokenized yet
+        self.stopped = False  # a stop string was found: the choice is over
         self.detokenizer = (
             IncrementalDetokenizer(
                 tokenizer, prompt_token_ids or [], skip_special_tokens, [s for s in stop or [] if s]
@@ -43,11 +44,6 @@ class TextStream:
             if tokenizer is not None
             else None
         )
-
-    @property
-    def stopped(self) -> bool:
-        """A stop string was found: the choice is over."""
-        return self.detokenizer is not None and self.detokenizer.stop_reason is not None
 
     @property
     def text(self) -> str:
@@ -78,12 +74,13 @@ class TextStream:
 def update_streams(streams: list[TextStream]) -> None:
     """Detokenize every stream's unread tokens together; a stopped stream drops the tokens after
     the one that completed its stop string (several arrive at once with multi-step decode)."""
-    streams = list({id(stream): stream for stream in streams if stream.unread}.values())
+    streams = [stream for stream in dict.fromkeys(streams) if stream.unread]  # each once
     detokenizers = [stream.detokenizer for stream in streams]
     update_batch(detokenizers, [stream.unread for stream in streams])  # type: ignore[arg-type]
     for stream, detokenizer in zip(streams, detokenizers):
         stream.unread = []
         if detokenizer is not None and detokenizer.stop_reason is not None:
+            stream.stopped = True
             del stream.token_ids[detokenizer.num_generated_tokens :]
 
 
