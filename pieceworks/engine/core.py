@@ -13,21 +13,16 @@ batch of decodes only is one multi-step output: one ``step`` call launches K dec
 later reads their K tokens per request at once (the scheduler applies them in step order).
 With a ``speculative_config`` a proposer guesses each decoding request's next tokens before the
 step is scheduled (``Request.spec_token_ids``); the step verifies them and may append several
-tokens per request (docs/engine.md, "Speculative decoding"). Under async scheduling the engine
-reads a step's tokens at once only where speculation needs them (``_proposes_next``): after a
-verify, and before a step at which a request that ``ProposalBackoff`` does not hold back may be
-proposed for.
+tokens per request (docs/engine.md, "Speculative decoding"); under async scheduling a step's
+tokens are read at once only where speculation needs them (``_proposes_next``).
 Start-up (load, compile, KV cache, capture) happens in the constructor and is timed for the report.
 
 A request with ``SamplingParams.structured_outputs`` has its grammar compiled when it is added
 (a ValueError if it does not compile); the engine loop adds with ``defer_grammar``, so that
 the first such request, which builds the grammar compiler (seconds), waits for it on a thread
-while the engine steps the others. A step whose batch holds one is launched as any other;
-once the runner has launched its forward it asks for the step's token bitmask, and the engine
-then applies the previous step's tokens and has the ``StructuredOutputManager`` fill the bitmask
-while the device runs the forward; the runner masks the logits with it before sampling (in
-the masked decode tail where the step would sample in a tail). Such a step never runs as a
-multi-step output, and ``num_constrained_steps`` counts them.
+while the engine steps the others. Once the runner has launched a step's forward it asks for
+the step's token bitmask (``_grammar_source``), which the engine fills while the device runs;
+such a step never runs as a multi-step output, and ``num_constrained_steps`` counts them.
 """
 
 from __future__ import annotations
@@ -44,6 +39,7 @@ from pieceworks.engine.grammar_waitlist import GrammarWaitlist
 from pieceworks.engine.step_logprobs import drop_logprobs_past_stops, record_logprobs
 from pieceworks.logger import init_logger
 from pieceworks.sampling_params import SamplingParams
+from pieceworks.scheduler.block_hash import model_identity
 from pieceworks.scheduler.output import SchedulerOutput
 from pieceworks.scheduler.request import Request, RequestStatus
 from pieceworks.scheduler.scheduler import Scheduler
@@ -90,7 +86,7 @@ class EngineCore:
             num_blocks,
             num_state_slots=self.runner.num_state_slots,  # Mamba state slots (hybrid models)
             async_scheduling=config.scheduler_config.async_scheduling,
-            model_identity=_model_identity(config),
+            model_identity=model_identity(config.model_config),
             sliding_window=self.runner.sliding_window,  # frees KV blocks outside the window
         )
         self.async_scheduling = config.scheduler_config.async_scheduling
@@ -284,8 +280,7 @@ class EngineCore:
         return finished
 
     def _proposes_next(self, output: SchedulerOutput) -> bool:
-        """Whether speculation needs this step's tokens before the next step is scheduled
-        (``tokens_needed_next``)."""
+        """Whether speculation needs this step's tokens now (``tokens_needed_next``)."""
         return self.proposer is not None and tokens_needed_next(
             output, self.proposal_backoff, self.scheduler.running
         )
@@ -402,9 +397,3 @@ class StepFailedError(RuntimeError):
             f"aborted: {', '.join(request_ids) or 'none'}"
         )
         self.request_ids = request_ids
-
-
-def _model_identity(config: EngineConfig) -> str:
-    """What the prefix cache's root hash names: the weights and how they are computed."""
-    model = config.model_config
-    return f"{model.model}|{model.dtype}|{model.quantization}|seed={model.seed}"

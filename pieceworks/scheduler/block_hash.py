@@ -14,10 +14,17 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from typing import Any
 
 from pieceworks.scheduler.request import Request
 
 BlockHash = bytes
+
+
+def model_identity(model_config: Any) -> str:
+    """What the root hash names (a ``ModelConfig``'s): the weights and how they are computed."""
+    model = model_config
+    return f"{model.model}|{model.dtype}|{model.quantization}|seed={model.seed}"
 
 
 def root_block_hash(model_identity: str) -> BlockHash:

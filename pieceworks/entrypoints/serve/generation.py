@@ -263,13 +263,7 @@ class Generation:
         """Wait for the reader's next wake, then take every choice's deltas since the last one
         (none when nothing is to be sent); the caller reads until ``num_running`` is 0 and
         owes ``close``. ``stream_batches`` without its generator, for a stream's writer."""
-        while not self._woken:  # ``_wait``, inline: this runs once per stream and engine turn
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        self._woken = False
+        await self._wait()
         return [delta for choice in self._choices if (delta := choice.take())]
 
     async def stream(self) -> AsyncIterator[ChoiceDelta]:
