@@ -6,7 +6,9 @@ call; unknown arguments are an error that lists the known ones.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -49,11 +51,47 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     speculative_config: Any = None  # vLLM's dict (or its JSON text); see SpeculativeConfig
     enable_prefix_caching: bool = True
+    # vLLM's --hf-overrides: config.json fields replaced (nested objects merged) before the
+    # config is checked; a dict or its JSON text.
+    hf_overrides: Any = None
 
 
 def resolve_hf_config(model: str) -> dict[str, Any]:
     """The config.json dict of a preset, an HF directory, a GGUF file or ``smollm2-135m``."""
     return model_hf_config(model)
+
+
+def apply_hf_overrides(hf_config: dict[str, Any], overrides: Any) -> dict[str, Any]:
+    """``hf_config`` with ``overrides`` (a dict or its JSON text) merged in as vLLM's
+    ``hf_overrides``: a nested object updates the config's object key by key, any other value
+    replaces the field. The result is checked as the model's own config is, so an override of a
+    field pieceworks does not implement is refused naming it."""
+    if overrides is None:
+        return hf_config
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"hf_overrides {overrides!r} is not valid JSON ({error}); pass an object of "
+                """config.json fields such as '{"tie_word_embeddings": true}'"""
+            ) from None
+    if not isinstance(overrides, dict):
+        raise ValueError(
+            f"hf_overrides must be an object of config.json fields, not "
+            f"{type(overrides).__name__} {overrides!r}"
+        )
+    merged = copy.deepcopy(hf_config)
+    _merge(merged, overrides)
+    return merged
+
+
+def _merge(config: dict[str, Any], overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            _merge(config[key], value)
+        else:
+            config[key] = copy.deepcopy(value)
 
 
 def config_source(model: str) -> str:
@@ -87,9 +125,10 @@ def build_engine_config(
     if unknown:
         raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
     args = EngineArgs(**engine_args)
-    hf_config = resolve_hf_config(model)
-    check_hf_config(hf_config, source=config_source(model))
-    check_tensor_parallel(hf_config, args.tensor_parallel_size, config_source(model))
+    hf_config = apply_hf_overrides(resolve_hf_config(model), args.hf_overrides)
+    source = config_source(model) + (" with hf_overrides" if args.hf_overrides else "")
+    check_hf_config(hf_config, source=source)
+    check_tensor_parallel(hf_config, args.tensor_parallel_size, source)
     if args.speculative_config is not None:
         check_not_hybrid(hf_config, model)
     model_config = ModelConfig(

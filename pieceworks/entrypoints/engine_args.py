@@ -27,6 +27,8 @@ ENGINE_FLAGS: list[tuple[str, dict[str, Any]]] = [
     ("--scheduling-policy", {"default": None, "choices": ["fcfs", "priority"]}),
     # vLLM's JSON object, checked by SpeculativeConfig (unknown keys and methods refused).
     ("--speculative-config", {"default": None}),
+    # vLLM's JSON object of config.json fields to replace (arg_utils.apply_hf_overrides).
+    ("--hf-overrides", {"default": None}),
 ]
 
 

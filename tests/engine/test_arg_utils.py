@@ -4,7 +4,9 @@ Proves: the message names each unknown argument and lists every known one, so a 
 argument (``max_num_seq``) shows its right spelling; each known argument reaches its field of the
 engine config (``--scheduling-policy`` through the CLI too, offering every policy the config
 knows); a tensor-parallel size that does not divide the model's heads is refused with the
-model's name before any rank starts.
+model's name before any rank starts; ``hf_overrides`` replaces config.json fields (nested
+objects merged), reaches the built model, and an override of a field pieceworks does not implement
+is refused naming it.
 Run: pytest tests/engine/test_arg_utils.py
 """
 
@@ -78,3 +80,44 @@ def test_a_tensor_parallel_size_that_does_not_divide_the_heads_is_refused():
         "preset 'llama-tiny': num_attention_heads=4 is not divisible by tensor_parallel_size=3; "
         "pick a tensor_parallel_size that divides it"
     )
+
+
+def test_hf_overrides_replace_config_fields_and_reach_the_model():
+    from pieceworks.engine.llm import LLM
+
+    base = build_engine_config("llama-tiny", None).model_config.hf_config
+    assert base["tie_word_embeddings"] is True
+    config = build_engine_config(
+        "llama-tiny",
+        None,
+        hf_overrides='{"tie_word_embeddings": false, "rope_scaling": {"rope_type": "default"}}',
+    )
+    assert config.model_config.hf_config["tie_word_embeddings"] is False
+    assert config.model_config.hf_config["rope_scaling"] == {"rope_type": "default"}
+    assert config.compute_hash() != build_engine_config("llama-tiny", None).compute_hash()
+    llm = LLM("llama-tiny", enforce_eager=True, hf_overrides={"num_hidden_layers": 1})
+    try:
+        names = [name for name, _ in llm.engine.runner.model.named_parameters()]
+        assert any(".layers.0." in name for name in names)
+        assert not any(".layers.1." in name for name in names)
+        assert llm.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
+def test_hf_overrides_merge_nested_objects_and_are_checked_as_the_config_is():
+    from pieceworks.engine.arg_utils import apply_hf_overrides
+    from pieceworks.models.loading.config_checks import ModelConfigError
+
+    merged = apply_hf_overrides({"a": {"x": 1, "y": 2}, "b": 1}, {"a": {"y": 3}, "c": [1]})
+    assert merged == {"a": {"x": 1, "y": 3}, "b": 1, "c": [1]}
+    with pytest.raises(
+        ModelConfigError, match="with hf_overrides: rope type .yarn. is not supported"
+    ):
+        build_engine_config(
+            "llama-tiny", None, hf_overrides={"rope_scaling": {"rope_type": "yarn"}}
+        )
+    with pytest.raises(ValueError, match="not valid JSON"):
+        build_engine_config("llama-tiny", None, hf_overrides="{tie_word_embeddings: false}")
+    with pytest.raises(ValueError, match="an object of config.json fields, not list"):
+        build_engine_config("llama-tiny", None, hf_overrides=[1])

@@ -46,6 +46,7 @@ def test_every_engine_flag_reaches_the_engine_under_its_name():
         "--tensor-parallel-size", "2", "--seed", "4", "--num-scheduler-steps", "5",
         "--scheduling-policy", "priority", "--enforce-eager", "--no-async-scheduling",
         "--no-enable-prefix-caching", "--tokenizer", "tok",
+        "--hf-overrides", '{"tie_word_embeddings": false}',
     ]  # fmt: skip
     args = parser().parse_args(argv)
     assert ea.engine_args(args) == {
@@ -66,6 +67,7 @@ def test_every_engine_flag_reaches_the_engine_under_its_name():
         "async_scheduling": False,
         "enable_prefix_caching": False,
         "tokenizer": "tok",
+        "hf_overrides": '{"tie_word_embeddings": false}',
     }
 
 
