@@ -30,7 +30,7 @@ from pieceworks.engine.messages import (  # noqa: E402
 )
 from pieceworks.entrypoints.serve.generation import ChoiceSpec, Generation  # noqa: E402
 from pieceworks.entrypoints.serve.metrics import ServerMetrics  # noqa: E402
-from pieceworks.entrypoints.serve.serving import ResponseFormat, _events  # noqa: E402
+from pieceworks.entrypoints.serve.serving import ChunkStream, ResponseFormat  # noqa: E402
 from pieceworks.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -178,11 +178,12 @@ def test_the_events_of_one_wake_go_out_as_one_write():
             lambda header, results: {},
         )
         ctx = types.SimpleNamespace(metrics=metrics)
-        return [w async for w in _events(ctx, generation, fmt, {"id": "x"}, False)]  # type: ignore[arg-type]
+        chunks = ChunkStream(ctx, generation, fmt, {"id": "x"}, False)  # type: ignore[arg-type]
+        return chunks.take(), chunks.ended
 
-    writes = asyncio.run(run_events())
-    assert writes[-1] == b"data: [DONE]\n\n" and len(writes) == 2  # every turn in one wake
-    events = writes[0].decode().split("\n\n")[:-1]
+    write, ended = asyncio.run(run_events())
+    assert ended and write.endswith(b"data: [DONE]\n\n")  # every turn in one write
+    events = write.decode().split("\n\n")[:-2]
     chunks = [json.loads(event.removeprefix("data: ")) for event in events]
     assert all(c["id"] == "x" and c["object"] == "text_completion" for c in chunks)
     assert [c["choices"][0] for c in chunks] == [

@@ -6,9 +6,11 @@ stream of the engine turn, ``TextBatch``), and records the timings the metrics r
 first token, the gap between tokens). ``stream_batches()`` yields the ``ChoiceDelta``s of all
 choices that changed, one list per wake of its reader (at most one per engine turn; what piled
 up while the reader was busy merged into one delta per choice); ``stream()`` yields them one by
-one; ``collect()`` waits for the whole result. Either
-way a choice stopped by a stop string is aborted in the engine at once, and leaving early
-(a client that went away) aborts every choice still running.
+one; ``collect()`` waits for the whole result. A streamed response's writer skips the wake
+instead: its ``on_ready`` callback runs at the end of every engine turn that brought something
+(``TextBatch.defer``) and ``take``s the deltas there. Either way a choice stopped by a stop
+string is aborted in the engine at once, and leaving early (a client that went away) aborts
+every choice still running.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -196,10 +198,19 @@ class Generation:
         self._choices: list[_Choice] = []
         self.num_running = 0  # choices whose last delta was not taken yet
         self._waiter: asyncio.Future[None] | None = None
-        self._woken = False
+        self._woken = False  # something arrived that the reader has not taken yet
+        # A writer that takes the deltas itself, at the end of each engine turn that brought
+        # some (instead of a reader woken through ``_waiter``); set once ``start`` returned.
+        self.on_ready: Callable[[], None] | None = None
 
     def wake(self) -> None:
-        """Something arrived for a choice: the reader runs (once, however many arrive)."""
+        """Something arrived for a choice: the reader runs (once, however many arrive); with
+        ``on_ready`` set, it is called at the end of this engine turn (once)."""
+        if self.on_ready is not None:
+            if not self._woken:
+                self._woken = True
+                self.text_batch.defer(self.on_ready)
+            return
         self._woken = True
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -264,6 +275,11 @@ class Generation:
         (none when nothing is to be sent); the caller reads until ``num_running`` is 0 and
         owes ``close``. ``stream_batches`` without its generator, for a stream's writer."""
         await self._wait()
+        return self.take()
+
+    def take(self) -> list[ChoiceDelta]:
+        """Every choice's delta since the last take (none when nothing is to be sent)."""
+        self._woken = False
         return [delta for choice in self._choices if (delta := choice.take())]
 
     async def stream(self) -> AsyncIterator[ChoiceDelta]:

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -88,8 +88,8 @@ async def respond(
     }
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _events(ctx, generation, fmt, header, include_usage)
-        return EventStream(events, headers={"Cache-Control": "no-cache"})
+        chunks = ChunkStream(ctx, generation, fmt, header, include_usage)
+        return EventStream(chunks, headers={"Cache-Control": "no-cache"})
     try:
         results = await _collect_unless_disconnected(request, generation)
     except EngineDeadError as error:  # the engine died during the generation
@@ -104,38 +104,66 @@ async def respond(
     return JSONResponse(payload)
 
 
-async def _events(
-    ctx: ServingContext,
-    generation: Generation,
-    fmt: ResponseFormat,
-    header: dict[str, Any],
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    """The stream's writes: one per wake of the reader, every choice's chunk joined."""
-    prefix = chunk_prefix(header, _chunk_object(fmt))
-    chunk = fmt.chunk
-    try:
-        firsts = fmt.first_chunks(len(generation.choices))
-        if firsts:
-            yield "".join([f"{prefix}{choice}]}}\n\n" for choice in firsts]).encode()
+class ChunkStream:
+    """A streamed response's writes, built when its generation has something to send: every
+    choice's chunk since the last write joined (``take``), and after the last chunk the usage
+    chunk (when asked) and ``data: [DONE]``, or the error event of an engine that died.
+    ``EventStream`` calls ``take`` at the end of each engine turn that brought something
+    (``listen``) and, for a writer that fell behind, once its last write went out."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        generation: Generation,
+        fmt: ResponseFormat,
+        header: dict[str, Any],
+        include_usage: bool,
+    ) -> None:
+        self.ctx, self.generation, self.header = ctx, generation, header
+        self.prefix = chunk_prefix(header, _chunk_object(fmt))
+        self.chunk = fmt.chunk
+        self.chunk_object = _chunk_object(fmt)
+        self.include_usage = include_usage
+        self.opening = fmt.first_chunks(len(generation.choices))  # sent with the first write
+        self.ended = False  # the last write was taken
+        self.closed = False
+
+    def listen(self, on_ready: Callable[[], None] | None) -> None:
+        """Call ``on_ready`` at the end of every engine turn that brought this stream something."""
+        self.generation.on_ready = on_ready
+
+    def take(self) -> bytes:
+        """What is ready to go out, as one write (``b""`` when nothing is)."""
+        prefix, generation = self.prefix, self.generation
+        if self.opening:
+            choices, self.opening = self.opening, []
+            events = [f"{prefix}{choice}]}}\n\n" for choice in choices]
+        else:
+            events = []
         try:
-            while generation.num_running:
-                deltas = await generation.next_batch()
-                events = [f"{prefix}{choice}]}}\n\n" for delta in deltas for choice in chunk(delta)]
-                if events:
-                    yield "".join(events).encode()
+            for delta in generation.take():
+                for choice in self.chunk(delta):
+                    events.append(f"{prefix}{choice}]}}\n\n")
         except EngineDeadError as error:  # headers are sent: the stream ends with the error
-            yield f"{_sse(error_body(503, str(error)))}data: [DONE]\n\n".encode()
-            return
-        last = ""
-        if include_usage:
-            last = _sse(
-                {**header, "object": _chunk_object(fmt), "choices": [], "usage": usage(generation)}
-            )
-        yield f"{last}data: [DONE]\n\n".encode()
-    finally:
-        await generation.close()
-        _count_finished(ctx, generation.results)  # a choice cut short counts as "abort"
+            self.ended = True
+            events.append(f"{_sse(error_body(503, str(error)))}data: [DONE]\n\n")
+            return "".join(events).encode()
+        if not generation.num_running:
+            self.ended = True
+            if self.include_usage:
+                events.append(_sse({**self.header, "object": self.chunk_object, "choices": [],
+                                    "usage": usage(generation)}))  # fmt: skip
+            events.append("data: [DONE]\n\n")
+        return "".join(events).encode()
+
+    async def aclose(self) -> None:
+        """Give back the generation's engine requests (aborting what still runs); count how
+        each choice finished (a choice cut short counts as "abort"). Idempotent."""
+        if not self.closed:
+            self.closed = True
+            self.generation.on_ready = None
+            await self.generation.close()
+            _count_finished(self.ctx, self.generation.results)
 
 
 def _chunk_object(fmt: ResponseFormat) -> str:

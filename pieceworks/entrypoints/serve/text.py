@@ -13,6 +13,7 @@ A server decodes in two halves: ``add`` takes a stream's tokens as its delta arr
 ``TextBatch`` (one per engine) runs ``update_batch`` over every stream that gained tokens once
 the engine turn's deltas are all in (``AsyncLLMEngine.add_turn_hook``): one tokenizer call per
 round for all streams, instead of two per stream per token. ``take`` then hands out the text.
+What must run once the turn's text is in (a stream's writer) is ``defer``red to the batch too.
 """
 
 from __future__ import annotations
@@ -86,12 +87,14 @@ def update_streams(streams: list[TextStream]) -> None:
 
 class TextBatch:
     """The streams of one engine that gained tokens in the current engine turn, detokenized
-    together when the turn's deltas are all in; then each one's ``after`` callback runs."""
+    together when the turn's deltas are all in; then each one's ``after`` callback runs, and
+    then every ``defer``red callback (the writers of the streams that have something to send)."""
 
     _by_engine: weakref.WeakKeyDictionary[Any, TextBatch] = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
         self._pending: list[tuple[TextStream, Callable[[], None]]] = []
+        self._deferred: list[Callable[[], None]] = []
 
     @classmethod
     def of(cls, engine: Any) -> TextBatch:
@@ -106,9 +109,17 @@ class TextBatch:
         """Detokenize ``stream`` at the end of this turn, then call ``after``."""
         self._pending.append((stream, after))
 
+    def defer(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` at the end of this turn, after every stream's text and ``after``."""
+        self._deferred.append(callback)
+
     def flush(self) -> None:
         pending, self._pending = self._pending, []
         if pending:
             update_streams([stream for stream, _ in pending])
             for _, after in pending:
                 after()
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for callback in deferred:
+                callback()
