@@ -120,8 +120,8 @@ def completion_format(
         return completion_logprobs(all_entries, tokenizer, offset, token_ids)
 
     def chunk(delta: ChoiceDelta) -> list[str]:
-        prompt_text, prompt_ids = echo_of(delta.index)
-        text = prompt_text + delta.text
+        prompt_text, prompt_ids = echo_of(delta.index) if body.echo else ("", [])
+        text = prompt_text + delta.text if prompt_text else delta.text
         if delta.logprobs is None:
             token_ids = delta.token_ids if body.return_token_ids else None
             return [_text_choice(delta.index, text, delta.finish_reason, token_ids)]

@@ -66,8 +66,7 @@ class EventStream(Response):
         watcher = asyncio.ensure_future(_disconnected(receive))
         try:
             self.write()  # what is there already (the first chunks)
-            if not self._done.done():
-                self.source.listen(self.write)
+            self.source.listen(self.write)
             await asyncio.wait({self._done, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._closed = True
@@ -83,18 +82,21 @@ class EventStream(Response):
     def write(self) -> None:
         """Send what the source has ready, now (the end of an engine turn), unless a write held
         back by the server is still going: then its task takes this too, later."""
-        if self._closed or self._behind is not None or self._done.done():
+        if self._closed or self._behind is not None:
             return
+        source = self.source
         try:
-            body = self.source.take()
-            if body or self.source.ended:
-                coroutine = self._send_body(body)
-                try:
-                    suspended = coroutine.send(None)
-                except StopIteration:
-                    self._after_write()
-                    return
-                self._behind = asyncio.ensure_future(self._catch_up(coroutine, suspended))
+            body = source.take()
+            if not body and not source.ended:
+                return
+            coroutine = self._send_body(body)
+            try:
+                suspended = coroutine.send(None)
+            except StopIteration:
+                if source.ended:
+                    self._end()
+                return
+            self._behind = asyncio.ensure_future(self._catch_up(coroutine, suspended))
         except BaseException as error:  # a bug or a broken server: the response's task raises it
             self._fail(error)
 
@@ -102,8 +104,9 @@ class EventStream(Response):
         more_body = not self.source.ended  # the last write also ends the response
         return self._send({"type": "http.response.body", "body": body, "more_body": more_body})
 
-    def _after_write(self) -> None:
-        if self.source.ended and not self._done.done():
+    def _end(self) -> None:
+        self._closed = True  # nothing is written after the last write
+        if not self._done.done():
             self._done.set_result(None)
 
     async def _catch_up(self, coroutine: Coroutine[Any, Any, None], suspended: Any) -> None:
@@ -111,13 +114,13 @@ class EventStream(Response):
         each time round) until nothing is left; then the engine turns write again."""
         try:
             await _resume(coroutine, suspended)
-            self._after_write()
-            while not self._done.done():
+            while not self.source.ended:
                 body = self.source.take()
                 if not body and not self.source.ended:
                     break
                 await self._send_body(body)
-                self._after_write()
+            if self.source.ended:
+                self._end()
         except asyncio.CancelledError:
             raise
         except BaseException as error:
@@ -126,6 +129,7 @@ class EventStream(Response):
             self._behind = None
 
     def _fail(self, error: BaseException) -> None:
+        self._closed = True
         if not self._done.done():
             self._done.set_exception(error)
 

@@ -87,7 +87,7 @@ class _Choice:
         # looked up once: ``put`` runs for every token of every stream
         self.observe_token_gap = generation.metrics.observe_token_gap
         self.text_batch_add = generation.text_batch.add
-        self.after_text_callback = self.after_text
+        self.after_stop_callback = self.after_stop
         self.pending: RequestDelta | None = None  # arrived, not taken yet
         self.first: RequestDelta | None = None  # the first delta (start checks it)
         self.num_taken_tokens = 0
@@ -115,16 +115,16 @@ class _Choice:
         self.pending = delta if pending is None else pending.merge(delta)
         text.add(new_token_ids)
         if new_token_ids and text.detokenizer is not None:
-            self.text_batch_add(text, self.after_text_callback)
-        else:
-            self.generation.wake()
+            self.text_batch_add(text, self.after_stop_callback)
+        # The reader runs after this turn's text is in: a woken task after this callback, a
+        # stream's writer at the end of the turn (``TextBatch.defer``).
+        self.generation.wake()
 
-    def after_text(self) -> None:
-        """Its tokens of this turn are text: a stop string finishes the engine request now."""
-        if self.text.stopped and not self.stop_sent:
+    def after_stop(self) -> None:
+        """This turn's tokens completed a stop string: finish the engine request now."""
+        if not self.stop_sent:
             self.stop_sent = True
             self.generation.engine.stop(self.request_id)
-        self.generation.wake()
 
     def take(self) -> ChoiceDelta | None:
         """What arrived since the last take, as one choice delta (None when nothing to send)."""
@@ -134,7 +134,8 @@ class _Choice:
         if delta.error is not None:  # the engine died under the request
             raise EngineDeadError(delta.error)
         text = self.text
-        piece = text.take(delta.finished)
+        detokenizer = text.detokenizer  # ``text.take``, inlined: this runs per token and stream
+        piece = detokenizer.take_delta(delta.finished or text.stopped) if detokenizer else ""
         token_ids = text.token_ids
         num_tokens = len(token_ids)
         new_token_ids = token_ids[self.num_taken_tokens :]  # none past a stop string
@@ -280,7 +281,11 @@ class Generation:
     def take(self) -> list[ChoiceDelta]:
         """Every choice's delta since the last take (none when nothing is to be sent)."""
         self._woken = False
-        return [delta for choice in self._choices if (delta := choice.take())]
+        choices = self._choices
+        if len(choices) == 1:
+            delta = choices[0].take()
+            return [delta] if delta is not None else []
+        return [delta for choice in choices if (delta := choice.take())]
 
     async def stream(self) -> AsyncIterator[ChoiceDelta]:
         """Every choice's deltas as they come; closing the iterator aborts what still runs."""

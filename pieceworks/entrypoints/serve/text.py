@@ -87,8 +87,9 @@ def update_streams(streams: list[TextStream]) -> None:
 
 class TextBatch:
     """The streams of one engine that gained tokens in the current engine turn, detokenized
-    together when the turn's deltas are all in; then each one's ``after`` callback runs, and
-    then every ``defer``red callback (the writers of the streams that have something to send)."""
+    together when the turn's deltas are all in; then the ``after`` callback of each one whose
+    text reached a stop string runs, and then every ``defer``red callback (the writers of the
+    streams that have something to send)."""
 
     _by_engine: weakref.WeakKeyDictionary[Any, TextBatch] = weakref.WeakKeyDictionary()
 
@@ -106,7 +107,7 @@ class TextBatch:
         return batch
 
     def add(self, stream: TextStream, after: Callable[[], None]) -> None:
-        """Detokenize ``stream`` at the end of this turn, then call ``after``."""
+        """Detokenize ``stream`` at the end of this turn; call ``after`` if it then stopped."""
         self._pending.append((stream, after))
 
     def defer(self, callback: Callable[[], None]) -> None:
@@ -117,8 +118,9 @@ class TextBatch:
         pending, self._pending = self._pending, []
         if pending:
             update_streams([stream for stream, _ in pending])
-            for _, after in pending:
-                after()
+            for stream, after in pending:
+                if stream.stopped:
+                    after()
         if self._deferred:
             deferred, self._deferred = self._deferred, []
             for callback in deferred:
