@@ -13,11 +13,14 @@ stats) runs behind an ``EngineClient`` (``engine/core_client.py``):
 - ``InprocEngineClient``: the engine in a thread of this process (tests, debugging,
   ``pieceworks serve --engine-in-process``).
 
-Either way each turn's outputs reach ``_dispatch`` on the event loop, in one callback, which
+Either way the turns' outputs reach ``_dispatch`` on the event loop, in one callback, which
 hands each delta to its request's sink (``DeltaSink``: ``generate``'s ``DeltaCollector``, or a
 server's own through ``add_request``) and then runs the turn hooks (``add_turn_hook``: a server
-detokenizes every stream of the turn there, together): the event loop never waits for a step,
-a step never waits for the event loop, and a reader wakes at most once per turn.
+detokenizes every stream of the turn there, together, and writes them): the event loop never
+waits for a step, a step never waits for the event loop, and a reader wakes at most once per
+turn. A front end that fell behind the engine gets the turns that piled up in one callback and
+runs the hooks once for them, so its work per write is shared by several tokens and it catches
+up instead of holding the engine back on a full pipe.
 The number of live requests is bounded (``max_num_seqs`` running plus
 ``max_waiting_requests`` queued): past it ``generate`` raises ``QueueFullError`` at once
 instead of queueing without bound. A caller that stops iterating ``generate`` (a client that
@@ -189,7 +192,7 @@ class AsyncLLMEngine:
             self.abort(request_id)
 
     def add_turn_hook(self, hook: Callable[[], None]) -> None:
-        """Call ``hook()`` after every engine turn's deltas reached their sinks."""
+        """Call ``hook()`` after the deltas of every callback's turns reached their sinks."""
         self._turn_hooks.append(hook)
 
     def abort(self, request_id: str) -> None:
@@ -212,20 +215,23 @@ class AsyncLLMEngine:
         if self.error is None and not self._stopped:
             self.client.send(command)
 
-    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
-        """One engine turn, on the event loop: each delta to its request's sink, then the hooks."""
-        if outputs.stats is not None:
-            self.stats = outputs.stats
+    def _dispatch(self, turns: list[EngineCoreOutputs]) -> None:
+        """The engine turns that arrived, on the event loop: each delta to its request's sink,
+        then the hooks, once for all of them (a front end that fell behind detokenizes and
+        writes several turns' tokens together)."""
         sinks = self._sinks
-        for delta in outputs.deltas:
-            sink = sinks.get(delta.request_id)
-            if sink is not None:  # None: its caller already left
-                sink.put(delta)
-        if outputs.failure is not None and self.error is None:
-            logger.error("the engine stopped: %s", outputs.failure)
-            self.error = outputs.failure
-            for request_id, sink in list(sinks.items()):
-                sink.put(_failed(request_id, outputs.failure))
+        for outputs in turns:
+            if outputs.stats is not None:
+                self.stats = outputs.stats
+            for delta in outputs.deltas:
+                sink = sinks.get(delta.request_id)
+                if sink is not None:  # None: its caller already left
+                    sink.put(delta)
+            if outputs.failure is not None and self.error is None:
+                logger.error("the engine stopped: %s", outputs.failure)
+                self.error = outputs.failure
+                for request_id, sink in list(sinks.items()):
+                    sink.put(_failed(request_id, outputs.failure))
         for hook in self._turn_hooks:
             hook()
 

@@ -45,12 +45,15 @@ from pieceworks.logger import init_logger
 
 logger = init_logger(__name__)
 
-# Output messages one reader callback dispatches before it yields to the event loop.
+# Output messages one reader callback takes (and hands on together) before it yields to the
+# event loop.
 MAX_MESSAGES_PER_READ = 16
 # How long shutdown waits for the engine process to free its engine before killing it.
 SHUTDOWN_TIMEOUT_SECONDS = 30.0
 
-OutputsHandler = Callable[[EngineCoreOutputs], None]
+# Takes the engine turns that have arrived, in order: one at a time while the front end keeps
+# up, several together when it fell behind (their deltas then reach each stream at once).
+OutputsHandler = Callable[[list[EngineCoreOutputs]], None]
 
 
 class RemoteTraceback(Exception):
@@ -59,7 +62,8 @@ class RemoteTraceback(Exception):
 
 class EngineClient(Protocol):
     """How the front end reaches an engine loop. ``start`` and ``send`` run on the event loop;
-    ``on_outputs`` is called on ``loop``, once per engine turn, in order."""
+    ``on_outputs`` is called on ``loop`` with the turns that have arrived, every turn once, in
+    order."""
 
     max_num_seqs: int
     initial_stats: EngineStats
@@ -87,7 +91,7 @@ class InprocEngineClient:
     def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OutputsHandler) -> None:
         def send(outputs: EngineCoreOutputs) -> None:
             try:
-                loop.call_soon_threadsafe(on_outputs, outputs)
+                loop.call_soon_threadsafe(on_outputs, [outputs])
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 pass
 
@@ -196,20 +200,21 @@ class EngineProcessClient:
             loop.call_soon(self._flush)
 
     def _read(self, on_outputs: OutputsHandler) -> None:
-        """The output messages that have arrived, dispatched in order (on the event loop); at
-        most ``MAX_MESSAGES_PER_READ``, so that other callbacks run between (the reader is
-        called again while more wait)."""
+        """The output messages that have arrived, dispatched together in order (on the event
+        loop); at most ``MAX_MESSAGES_PER_READ``, so that other callbacks run between (the
+        reader is called again while more wait)."""
+        turns: list[EngineCoreOutputs] = []
         try:
-            for _ in range(MAX_MESSAGES_PER_READ):
-                if not self._outputs.poll():
-                    return
-                on_outputs(self._outputs.recv())
+            while len(turns) < MAX_MESSAGES_PER_READ and self._outputs.poll():
+                turns.append(self._outputs.recv())
         except (EOFError, OSError):
             assert self._loop is not None
             self._loop.remove_reader(self._outputs.fileno())
             if not self._closed:
                 reason = f"{self._death()}; restart the server"
-                on_outputs(EngineCoreOutputs([], None, failure=reason))
+                turns.append(EngineCoreOutputs([], None, failure=reason))
+        if turns:
+            on_outputs(turns)
 
     def send(self, command: EngineCommand) -> None:
         """Queue a command; the commands of one event-loop iteration go as one message."""

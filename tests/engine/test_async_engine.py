@@ -6,7 +6,8 @@ concatenated, the last one's finish reason, error and failure flag); a caller th
 sends an ``AbortRequest``; past ``max_num_seqs + max_waiting_requests`` live requests
 ``reserve`` raises ``QueueFullError`` saying why; when the engine reports a failure every live
 request gets an ``engine_failed`` delta with no tokens, later requests ``EngineDeadError``, and
-no command is sent any more; ``stats`` follows the last message.
+no command is sent any more; ``stats`` follows the last message; turns that arrive together (a
+front end that fell behind) reach the sinks in order and run the turn hooks once.
 Run: pytest tests/engine/test_async_engine.py
 """
 
@@ -66,15 +67,15 @@ def test_deltas_in_order_and_merged_when_the_caller_fell_behind():
         first = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0)
         assert client.commands == [AddRequest("r", [1, 2], PARAMS)]
-        client.on_outputs(EngineCoreOutputs([delta("r", [7], 1, logprobs=["a"])], None))
+        client.on_outputs([EngineCoreOutputs([delta("r", [7], 1, logprobs=["a"])], None)])
         got = [await first]
         # Three steps arrive before the caller reads again: one delta comes out.
         stats = EngineStats(num_steps=4, num_blocks=10, num_free_blocks=9)
         for step, token in enumerate([8, 9]):
             message = [delta("r", [token], step + 2, logprobs=[str(token)])]
-            client.on_outputs(EngineCoreOutputs(message, None))
+            client.on_outputs([EngineCoreOutputs(message, None)])
         final = delta("r", [10], 4, finish_reason="length", logprobs=["10"])
-        client.on_outputs(EngineCoreOutputs([final], stats))
+        client.on_outputs([EngineCoreOutputs([final], stats)])
         got += [d async for d in stream]
         return got, engine, client
 
@@ -85,6 +86,32 @@ def test_deltas_in_order_and_merged_when_the_caller_fell_behind():
     assert engine.stats.num_steps == 4 and engine.stats.kv_cache_usage == pytest.approx(0.1)
     assert engine.num_live_requests == 0
     assert len(client.commands) == 1  # finished: nothing to abort
+
+
+def test_turns_that_arrive_together_run_the_turn_hooks_once():
+    async def run():
+        client = FakeClient()
+        engine = AsyncLLMEngine(client, max_waiting_requests=0)
+        hooks: list[int] = []
+        engine.add_turn_hook(lambda: hooks.append(len(hooks)))
+        engine.start()
+        stream = engine.generate([1], PARAMS, "r")
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # the request is sent, its sink registered
+        stats = EngineStats(num_steps=3, num_blocks=10, num_free_blocks=8)
+        client.on_outputs(
+            [
+                EngineCoreOutputs([delta("r", [5], 1)], None),
+                EngineCoreOutputs([delta("r", [6], 2)], stats),
+                EngineCoreOutputs([delta("r", [7], 3, finish_reason="stop")], None),
+            ]
+        )
+        got = [await first] + [d async for d in stream]
+        return got, engine, hooks
+
+    got, engine, hooks = asyncio.run(run())
+    assert [(d.new_token_ids, d.finish_reason) for d in got] == [([5, 6, 7], "stop")]
+    assert hooks == [0] and engine.stats.num_steps == 3
 
 
 def test_a_merged_delta_ends_as_the_later_one():
@@ -113,7 +140,7 @@ def test_leaving_early_aborts_and_the_queue_is_bounded():
             "2 requests are live and at most 2 are accepted (max_num_seqs running + "
             "max_waiting_requests queued); retry later"
         )
-        client.on_outputs(EngineCoreOutputs([delta("r0", [5], 1), delta("r1", [6], 1)], None))
+        client.on_outputs([EngineCoreOutputs([delta("r0", [5], 1), delta("r1", [6], 1)], None)])
         await asyncio.gather(*firsts)
         await streams[0].aclose()  # the caller went away
         engine.reserve(1)  # its room is free again
@@ -132,7 +159,7 @@ def test_an_engine_failure_reaches_every_live_request_and_every_later_one():
         firsts = [asyncio.ensure_future(anext(s)) for s in streams]
         await asyncio.sleep(0)
         reason = "the engine process (pid 1) was killed by signal 9; restart the server"
-        client.on_outputs(EngineCoreOutputs([], None, failure=reason))
+        client.on_outputs([EngineCoreOutputs([], None, failure=reason)])
         failed = await asyncio.gather(*firsts)
         sent = len(client.commands)
         with pytest.raises(EngineDeadError, match="signal 9"):

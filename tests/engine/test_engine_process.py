@@ -18,7 +18,8 @@ shuts the engine down and exits with status 1, and the client then reports the d
 watch exits only while the engine is still being built; an engine loop whose command pipe ends
 aborts its live requests; a send to a server that went away is dropped; ``shutdown`` writes the
 commands still queued with ``shutdown`` in one message and kills an engine that does not stop in
-``timeout``; one read dispatches at most ``MAX_MESSAGES_PER_READ`` messages, in order.
+``timeout``; one read dispatches at most ``MAX_MESSAGES_PER_READ`` messages, in order, in one
+call.
 Run: pytest tests/engine/test_engine_process.py
 """
 
@@ -156,8 +157,8 @@ class Outputs:
         self.done = loop.create_future()
         self._until = until
 
-    def __call__(self, message: EngineCoreOutputs) -> None:
-        self.messages.append(message)
+    def __call__(self, messages: list[EngineCoreOutputs]) -> None:
+        self.messages.extend(messages)
         if not self.done.done() and self._until(self.messages):
             self.done.set_result(None)
 
@@ -389,10 +390,10 @@ def test_one_read_dispatches_at_most_max_messages_per_read():
     send = core_process._sender(engine_outputs)
     for num_steps in range(core_client.MAX_MESSAGES_PER_READ + 4):
         send(EngineCoreOutputs([], None, failure=str(num_steps)))
-    dispatched: list[EngineCoreOutputs] = []
-    client._read(dispatched.append)
-    assert [m.failure for m in dispatched] == [str(i) for i in range(16)]
-    client._read(dispatched.append)  # the reader is called again while more wait
-    assert [m.failure for m in dispatched] == [str(i) for i in range(20)]
+    reads: list[list[EngineCoreOutputs]] = []
+    client._read(reads.append)  # the turns that arrived, together
+    assert [[m.failure for m in read] for read in reads] == [[str(i) for i in range(16)]]
+    client._read(reads.append)  # the reader is called again while more wait
+    assert [m.failure for m in reads[1]] == [str(i) for i in range(16, 20)]
     client._outputs.close()
     engine_outputs.close()

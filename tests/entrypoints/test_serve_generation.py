@@ -92,7 +92,7 @@ async def run(num_choices: int, stop: list[str], read_every_turn: bool, tokenize
             )
             for i in range(num_choices)
         ]
-        client.on_outputs(EngineCoreOutputs(deltas, None))
+        client.on_outputs([EngineCoreOutputs(deltas, None)])
 
     starting = asyncio.ensure_future(generation.start())
     await asyncio.sleep(0)
@@ -169,7 +169,7 @@ def test_the_events_of_one_wake_go_out_as_one_write():
                 RequestDelta(f"{generation.request_id}-{i}", [token], step + 1, reason)
                 for i in range(2)
             ]
-            client.on_outputs(EngineCoreOutputs(deltas, None))
+            client.on_outputs([EngineCoreOutputs(deltas, None)])
         await starting
         fmt = ResponseFormat(
             "cmpl",
