@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pieceworks.benchmarks.serve import BenchRequest, RequestResult, send_request
+from pieceworks.benchmarks.serve import BenchRequest, ClientSession, RequestResult, send_request
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn")
 
@@ -84,10 +84,6 @@ async def run_multi_turn(
     """Run every chat, its turns one after another (each prompt: the history so far plus the
     next question); chats start at ``request_rate`` and at most ``max_concurrency`` run at once.
     Results per turn, chat by chat, and the wall seconds of the whole run."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency or len(chats) or 1)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     rng = np.random.default_rng(seed)
     results: list[list[RequestResult]] = [[] for _ in chats]
@@ -114,9 +110,7 @@ async def run_multi_turn(
             async with gate:
                 await one_chat(chat, chat_results)
 
-    async with httpx.AsyncClient(
-        base_url=base_url, headers=headers, timeout=None, limits=limits
-    ) as http:
+    async with ClientSession(base_url, api_key, max_concurrency or len(chats) or 1) as http:
         start = time.perf_counter()
         tasks = []
         for chat, chat_results in zip(chats, results):

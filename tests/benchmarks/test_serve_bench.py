@@ -90,18 +90,26 @@ def test_extra_body_is_merged_into_every_request():
 
     sent = []
 
-    class Recorder:  # stands in for the HTTP client: records the body, answers nothing
-        def stream(self, method, url, json):
-            sent.append(json)
+    class Session:  # stands in for aiohttp's: records the body, answers nothing
+        def post(self, url, json):
+            sent.append((url, json))
             raise RuntimeError("not sent")
+
+    class Recorder:
+        session = Session()
+
+        def url(self, path):
+            return "http://server" + path
 
     extra = {"response_format": {"type": "json_object"}, "temperature": 0.5}
     with pytest.raises(RuntimeError, match="not sent"):
         asyncio.run(
             send_request(Recorder(), "m", BenchRequest([1, 2], 2, 4), RequestResult(2), True, extra)
         )
-    assert sent[0]["response_format"] == {"type": "json_object"}
-    assert sent[0]["temperature"] == 0.5 and sent[0]["max_tokens"] == 4  # extra wins, rest kept
+    url, body = sent[0]
+    assert url == "http://server/v1/completions"
+    assert body["response_format"] == {"type": "json_object"}
+    assert body["temperature"] == 0.5 and body["max_tokens"] == 4  # extra wins, rest kept
 
 
 def test_extra_body_must_be_a_json_object():
