@@ -33,6 +33,9 @@ from typing import Any
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+# From this share of one core busy the load generator may be what a run measured (its one event
+# loop reads every stream): the summary says so.
+CLIENT_BUSY_WARNING = 0.8
 
 
 @dataclasses.dataclass
@@ -270,6 +273,14 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"Prefix cache hit rate:      {summary['prefix_cache_hit_rate']:.1%} "
             f"({summary['prefix_cache_hits']} of {summary['prefix_cache_queries']} tokens)"
         )
+    share = summary.get("client_cpu_share")
+    if share is not None:
+        lines.append(f"Load generator CPU:         {share:.0%} of one core")
+        if share >= CLIENT_BUSY_WARNING:
+            lines.append(
+                "warning: the load generator was busy most of the run, so these times may be its "
+                "own; run fewer streams per process or a faster client machine"
+            )
     if summary["errors"]:
         lines.append(f"errors: {summary['errors']}")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             run_benchmark(base_url, model, requests[: args.num_warmups], api_key=args.api_key)
         )
     before = prefix_cache_counts(base_url, args.api_key)
+    cpu_before = time.process_time()
     results, duration = asyncio.run(_run_workload(args, base_url, model, requests))
+    client_cpu = time.process_time() - cpu_before  # this process: the load generator's own work
     after = prefix_cache_counts(base_url, args.api_key)
     summary = {**summarize(results, duration), **prefix_cache_hit_rate(before, after)}
+    summary["client_cpu_share"] = client_cpu / duration if duration else None
     config = {
         "base_url": base_url, "model": model, "workload": args.workload,
         "num_prompts": args.num_prompts, "input_len": args.input_len,

@@ -6,7 +6,8 @@ is counts over duration and its TTFT, TPOT and ITL percentiles are those of the 
 failed requests are counted apart with their error; the shared-prefix workload shares one prefix
 and the multi-turn one makes chats of the asked turns; the hit rate comes from the growth of the
 server's counters (None without them) and is printed beside the latencies; `--extra-body` is merged
-into every request body (a JSON object, nothing else).
+into every request body (a JSON object, nothing else); the load generator's CPU share is printed,
+with a warning once it was busy most of the run.
 Run: pytest tests/benchmarks/test_serve_bench.py
 """
 
@@ -81,6 +82,15 @@ def test_prefix_cache_workloads_and_hit_rate():
         {**summary, **rate}
     )
     assert "Prefix cache" not in format_summary(summary)
+
+
+def test_the_load_generators_cpu_share_is_printed_and_warned_about_when_high():
+    summary = summarize([RequestResult(4, success=True, output_tokens=1)], duration_s=1.0)
+    assert "Load generator" not in format_summary(summary)
+    quiet = format_summary({**summary, "client_cpu_share": 0.25})
+    assert "Load generator CPU:         25% of one core" in quiet and "warning" not in quiet
+    busy = format_summary({**summary, "client_cpu_share": 0.93})
+    assert "93% of one core" in busy and "warning: the load generator was busy" in busy
 
 
 def test_extra_body_is_merged_into_every_request():

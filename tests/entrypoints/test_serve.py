@@ -4,7 +4,8 @@ Proves: completions, streamed and not, return exactly the offline ``LLM.generate
 and log-probabilities; ``n`` choices with a seed are reproducible; the model list, health and
 Prometheus metrics answer; the shared-prefix and multi-turn ``bench serve`` workloads hit the
 prefix cache exactly as often as their block counts say (a chat's later turns hit its earlier
-answers' blocks too), read from ``/metrics``; a chat request to a model without a chat
+answers' blocks too), read from ``/metrics``; the ``bench serve`` command writes its summary with
+the load generator's share of a core; a chat request to a model without a chat
 template, a wrong API key and a full engine are refused with their status and reason; a client
 that leaves is aborted. Each
 test runs with the engine in its own process and on a thread of the server. The load test and
@@ -15,6 +16,7 @@ Run: pytest tests/entrypoints/test_serve.py
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -195,6 +197,15 @@ def test_bench_serve_against_the_server(server, tmp_path):
         assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
     plot_serve(tmp_path / "serve.png", results, "test")
     assert (tmp_path / "serve.png").stat().st_size > 0
+    # The command: its JSON holds the summary and the load generator's share of a core.
+    from pieceworks.entrypoints.cli import main
+
+    argv = ["bench", "serve", "--base-url", url, "--model", MODEL, "--api-key", API_KEY,
+            "--num-prompts", "4", "--input-len", "4", "--output-len", "3",
+            "--output-json", str(tmp_path / "serve.json")]  # fmt: skip
+    assert main(argv) == 0
+    written = json.loads((tmp_path / "serve.json").read_text())
+    assert written["completed"] == 4 and 0.0 < written["client_cpu_share"] < 4.0
 
 
 def test_prefix_cache_workloads_report_their_hit_rate(server):
