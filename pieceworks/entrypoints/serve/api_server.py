@@ -2,7 +2,8 @@
 
 ``build_app`` wires the routes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``
 and ``/v1/models/{id}``, ``/tokenize``, ``/detokenize``, ``/health``, ``/metrics``) over a
-``ServingContext``; ``serve`` runs it with uvicorn until
+``ServingContext``; the two generation routes are answered by the guard itself, past FastAPI
+(``generation_routes.py``). ``serve`` runs it with uvicorn until
 SIGINT or SIGTERM. On a signal uvicorn stops accepting connections and waits for the requests in
 flight, streams included, to finish; then the app's shutdown stops the engine loop and frees the
 engine. A guard in front of the routes answers before any handler runs: 401 for a missing or
@@ -27,14 +28,19 @@ from starlette.responses import JSONResponse, Response
 
 from pieceworks.entrypoints.serve.chat import create_chat_completion
 from pieceworks.entrypoints.serve.completions import create_completion
-from pieceworks.entrypoints.serve.errors import APIError, error_body, error_response
+from pieceworks.entrypoints.serve.errors import (
+    APIError,
+    error_body,
+    error_response,
+    internal_error_response,
+)
 from pieceworks.entrypoints.serve.event_stream import SERVER_SEND
+from pieceworks.entrypoints.serve.generation_routes import GenerationRoutes
+from pieceworks.entrypoints.serve.protocol import ChatCompletionRequest, CompletionRequest
 from pieceworks.entrypoints.serve.serving import ServingContext
 from pieceworks.entrypoints.serve.tokenization import detokenize, tokenize
 from pieceworks.entrypoints.serve.tool_calls import TOOL_CALL_PARSERS
-from pieceworks.logger import init_logger
-
-logger = init_logger(__name__)
+from pieceworks.entrypoints.serve.validation import model_field, parse_request
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # far above any prompt max_model_len allows
 ROUTES = (
@@ -45,12 +51,20 @@ ROUTES = (
 
 class RequestGuard:
     """ASGI middleware: the API key and the body-size limit, checked before any route runs.
-    It also hands the routes the server's own ``send`` (``SERVER_SEND``, for ``EventStream``)."""
+    It also hands the routes the server's own ``send`` (``SERVER_SEND``, for ``EventStream``),
+    and a generation request (``routes``) to its handler with the body read."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: Any,
+        api_key: str | None,
+        max_body_bytes: int,
+        routes: GenerationRoutes | None = None,
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.routes = routes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -69,6 +83,11 @@ class RequestGuard:
         if body is None:
             message = f"the request body is larger than the {self.max_body_bytes} bytes accepted"
             return await self._refuse(send, 400, message)
+        routes = self.routes
+        route = routes.get(scope["method"], scope["path"]) if routes is not None else None
+        if routes is not None and route is not None:
+            await routes.answer(route, body, scope, receive, send)
+            return None
         return await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, scope: Any) -> bool:
@@ -175,18 +194,21 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> Response:
-        logger.exception("request failed")
-        return JSONResponse(error_body(500, f"the server failed: {error!r}"), status_code=500)
+        return internal_error_response(error)
 
+    routes = GenerationRoutes(ctx, check_model)
+
+    # The guard answers POST on these two paths itself; the app's routes answer the same way
+    # (an app used without the guard) and name the method in a 405.
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        check_model(await _model_field(request))
-        return await create_completion(ctx, request)
+        body = parse_request(await request.body(), CompletionRequest, check_model)
+        return await create_completion(ctx, body, request.receive)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        check_model(await _model_field(request))
-        return await create_chat_completion(ctx, request)
+        body = parse_request(await request.body(), ChatCompletionRequest, check_model)
+        return await create_chat_completion(ctx, body, request.receive)
 
     def model_card(name: str) -> dict[str, Any]:
         return {
@@ -209,12 +231,12 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:
-        check_model(await _model_field(request))
+        check_model(model_field(await request.body()))
         return await tokenize(ctx, request)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict[str, Any]:
-        check_model(await _model_field(request))
+        check_model(model_field(await request.body()))
         return await detokenize(ctx, request)
 
     @app.get("/health")
@@ -229,19 +251,7 @@ def build_app(
             ctx.metrics.render(ctx.engine.stats), media_type="text/plain; version=0.0.4"
         )
 
-    return RequestGuard(app, api_key, max_body_bytes)
-
-
-async def _model_field(request: Request) -> str | None:
-    """The body's ``model`` when it parses as a JSON object (the handler reports other faults)."""
-    import json
-
-    try:
-        data = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
-        return None
-    model = data.get("model") if isinstance(data, dict) else None
-    return model if isinstance(model, str) else None
+    return RequestGuard(app, api_key, max_body_bytes, routes)
 
 
 async def _drain(ctx: ServingContext, timeout_s: float) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from pieceworks.entrypoints.serve.errors import bad_request
@@ -39,7 +38,6 @@ from pieceworks.entrypoints.serve.tool_calls import ToolCalling, tool_calling
 from pieceworks.entrypoints.serve.validation import (
     check_logit_bias,
     check_prompt,
-    parse_body,
     resolve_max_tokens,
     sampling_params,
 )
@@ -174,8 +172,11 @@ def _content_choice(
     )
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
-    body = parse_body(await request.body(), ChatCompletionRequest)
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, receive: Any
+) -> Response:
+    """Answer ``body`` (parsed by ``validation.parse_request``); ``receive`` is the
+    connection's, for the disconnect of a client that leaves."""
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request(
             "top_logprobs needs logprobs=true (without it no log-probabilities are returned)",
@@ -204,4 +205,4 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     ]
     generation = Generation(ctx.engine, specs, ctx.tokenizer, ctx.metrics)
     fmt = chat_format(body, ctx.tokenizer, tools)
-    return await respond(ctx, request, generation, fmt, body)
+    return await respond(ctx, receive, generation, fmt, body)

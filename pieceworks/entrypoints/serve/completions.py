@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from pieceworks.entrypoints.serve.errors import bad_request
@@ -41,7 +40,6 @@ from pieceworks.entrypoints.serve.structured import request_constraint
 from pieceworks.entrypoints.serve.validation import (
     check_logit_bias,
     check_prompt,
-    parse_body,
     resolve_max_tokens,
     sampling_params,
 )
@@ -149,8 +147,9 @@ def completion_format(
     return ResponseFormat("cmpl", chunk, lambda num_choices: [], full)
 
 
-async def create_completion(ctx: ServingContext, request: Request) -> Response:
-    body = parse_body(await request.body(), CompletionRequest)
+async def create_completion(ctx: ServingContext, body: CompletionRequest, receive: Any) -> Response:
+    """Answer ``body`` (parsed by ``validation.parse_request``); ``receive`` is the
+    connection's, for the disconnect of a client that leaves."""
     check_logit_bias(body.logit_bias, ctx.limits)
     asked = request_constraint(body)  # (field, constraint) or None
     constraint = asked[1] if asked else None
@@ -160,8 +159,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     for prompt_index, (text, ids) in enumerate(prompt_token_ids(ctx, body.prompt)):
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), ctx.limits, body.echo)
         check_prompt(ids, max_tokens, ctx.limits)
-        if text is None:
-            text = ctx.tokenizer.decode(ids) if ctx.tokenizer is not None else ""
+        if text is None:  # echo sends the ids' text; without echo no text is needed
+            text = ctx.tokenizer.decode(ids) if body.echo and ctx.tokenizer is not None else ""
         for i in range(body.n):
             # max_tokens 0: the engine generates one token, which the choice drops.
             params = sampling_params(
@@ -180,4 +179,4 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             prompts.append((text, ids))
     generation = Generation(ctx.engine, specs, ctx.tokenizer, ctx.metrics)
     fmt = completion_format(body, ctx.tokenizer, prompts)
-    return await respond(ctx, request, generation, fmt, body)
+    return await respond(ctx, receive, generation, fmt, body)

@@ -11,6 +11,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from pieceworks.logger import init_logger
+
+logger = init_logger(__name__)
+
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -56,3 +60,9 @@ def error_response(error: APIError) -> JSONResponse:
         status_code=error.status_code,
         headers=error.headers,
     )
+
+
+def internal_error_response(error: Exception) -> JSONResponse:
+    """The 500 of a request whose handler failed (logged with its traceback)."""
+    logger.exception("request failed")
+    return JSONResponse(error_body(500, f"the server failed: {error!r}"), status_code=500)

@@ -160,6 +160,10 @@ class ServerMetrics:
             metric.labels(model_name)
         self._prefix_cache_seen = (0, 0)  # the engine's counts at the last scrape
         self.model_name = model_name
+        # The children observed once per request, looked up once (``labels`` takes a lock)
+        self._ttft = self.ttft.labels(model_name)
+        self._prompt_tokens = self.prompt_tokens.labels(model_name)
+        self._finished: dict[str, Counter] = {}  # finish reason -> its counter
         # Tokens streamed, added up in a plain int per take (``add_generated_tokens``, or the
         # attribute itself on the per-token path) and added to the counter at scrape time:
         # ``Counter.inc`` takes a lock and checks its argument on every call.
@@ -167,16 +171,21 @@ class ServerMetrics:
         self._generation_tokens_seen = 0
 
     def observe_first_token(self, seconds: float) -> None:
-        self.ttft.labels(self.model_name).observe(seconds)
+        self._ttft.observe(seconds)
 
     def add_generated_tokens(self, num_tokens: int) -> None:
         self.num_generated_tokens += num_tokens
 
     def add_request(self, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self._prompt_tokens.inc(num_prompt_tokens)
 
     def add_finished(self, finish_reason: str) -> None:
-        self.finished.labels(self.model_name, finish_reason).inc()
+        counter = self._finished.get(finish_reason)
+        if counter is None:
+            counter = self._finished[finish_reason] = self.finished.labels(
+                self.model_name, finish_reason
+            )
+        counter.inc()
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, with the gauges set from ``stats``."""

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pieceworks.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
@@ -71,9 +70,10 @@ def usage(generation: Generation) -> dict[str, int]:
 
 
 async def respond(
-    ctx: ServingContext, request: Request, generation: Generation, fmt: ResponseFormat, body: Any
+    ctx: ServingContext, receive: Any, generation: Generation, fmt: ResponseFormat, body: Any
 ) -> Response:
-    """Start ``generation`` (503 when full, 400 when refused) and answer as ``body`` asks."""
+    """Start ``generation`` (503 when full, 400 when refused) and answer as ``body`` asks;
+    ``receive`` is the connection's ASGI receive (the body already read), for the disconnect."""
     try:
         await generation.start()
     except QueueFullError as error:
@@ -91,7 +91,7 @@ async def respond(
         chunks = ChunkStream(ctx, generation, fmt, header, include_usage)
         return EventStream(chunks, headers={"Cache-Control": "no-cache"})
     try:
-        results = await _collect_unless_disconnected(request, generation)
+        results = await _collect_unless_disconnected(receive, generation)
     except EngineDeadError as error:  # the engine died during the generation
         _count_finished(ctx, generation.results)
         raise APIError(503, str(error)) from None
@@ -198,12 +198,12 @@ def _count_finished(ctx: ServingContext, results: list[ChoiceResult]) -> None:
 
 
 async def _collect_unless_disconnected(
-    request: Request, generation: Generation
+    receive: Any, generation: Generation
 ) -> list[ChoiceResult] | None:
     """The finished choices, or None when the client disconnected first (the generation is
     then cancelled, which aborts its engine requests)."""
     work = asyncio.ensure_future(generation.collect())
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -216,6 +216,6 @@ async def _collect_unless_disconnected(
     return work.result()
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _disconnected(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass

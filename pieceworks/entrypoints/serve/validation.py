@@ -1,16 +1,18 @@
 """From an HTTP body to what the engine takes: parsed, validated, or a 400 that says why.
 
 ``parse_body`` turns raw bytes into a protocol model (invalid UTF-8, malformed JSON and fields of
-the wrong type are each their own 400). ``sampling_params`` is the one place request fields map
-to ``SamplingParams``; ``check_prompt`` refuses prompts the model cannot take before anything is
-queued. The engine checks again when the request is added (KV capacity), and a refusal there
-comes back as a 400 too.
+the wrong type are each their own 400); ``parse_request`` does the same for a generation request,
+in one pass of pydantic's JSON parser where the body is valid. ``sampling_params`` is the one
+place request fields map to ``SamplingParams``; ``check_prompt`` refuses prompts the model
+cannot take before anything is queued. The engine checks again when the request is added (KV
+capacity), and a refusal there comes back as a 400 too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -21,6 +23,7 @@ from pieceworks.entrypoints.serve.protocol import SamplingFields
 from pieceworks.sampling_params import SamplingParams, StructuredOutputsParams
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+_INT_ONLY = {int}  # the element types of a list of token ids that needs no closer look
 
 
 def parse_body(body: bytes, model: type[ModelT]) -> ModelT:
@@ -51,6 +54,35 @@ def parse_body(body: bytes, model: type[ModelT]) -> ModelT:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "body"
         raise bad_request(f"invalid field {where!r}: {first['msg']}", param=where) from None
+
+
+def parse_request(
+    body: bytes, model: type[ModelT], check_model: Callable[[str | None], None]
+) -> ModelT:
+    """``body`` as ``model`` after ``check_model`` accepted its ``model`` field (a 404 for a
+    model not served comes before any other fault of the body).
+
+    The body is parsed and validated by pydantic's JSON parser in one pass. A body it refuses
+    goes through ``model_field`` and ``parse_body``, which give the reason: the JSON parser
+    refuses every body ``parse_body`` refuses (invalid UTF-8 or JSON, a lone surrogate in any
+    string, a field that fails validation), so a valid body ends the same either way."""
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError:
+        check_model(model_field(body))
+        return parse_body(body, model)
+    check_model(getattr(parsed, "model", None))
+    return parsed
+
+
+def model_field(body: bytes) -> str | None:
+    """The body's ``model`` when it parses as a JSON object (the handler reports other faults)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) else None
 
 
 def _lone_surrogate(value: Any, where: str) -> str | None:
@@ -87,11 +119,18 @@ class ModelLimits:
 
 def check_prompt(prompt_token_ids: list[int], max_tokens: int, limits: ModelLimits) -> None:
     """Refuse an empty prompt, ids that are not ints of the vocabulary (``LLM.generate``'s own
-    check, ``engine.inputs.check_token_ids``), or a prompt too long for the context."""
-    try:
-        check_token_ids(prompt_token_ids, limits.vocab_size, "the prompt")
-    except PromptError as error:
-        raise bad_request(str(error), param="prompt") from None
+    check, ``engine.inputs.check_token_ids``, which says what is wrong when the ids are not all
+    ints in the vocabulary), or a prompt too long for the context."""
+    vocab_size = limits.vocab_size
+    if not (
+        {*map(type, prompt_token_ids)} == _INT_ONLY
+        and min(prompt_token_ids) >= 0
+        and (vocab_size is None or max(prompt_token_ids) < vocab_size)
+    ):
+        try:
+            check_token_ids(prompt_token_ids, vocab_size, "the prompt")
+        except PromptError as error:
+            raise bad_request(str(error), param="prompt") from None
     if len(prompt_token_ids) + max_tokens > limits.max_model_len:
         raise bad_request(
             f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
