@@ -4,7 +4,8 @@ Proves: a write the server takes at once goes out inside the turn's call (no tas
 server holds back (a client that reads slowly) does not stop later turns from returning at once,
 and once it goes out, what piled up meanwhile follows as one write, nothing lost, then the turns
 write directly again; the last write ends the response; a client that disconnects mid-stream
-ends the response at once and closes the source (which aborts the generation).
+ends the response at once and closes the source (which aborts the generation), before any write
+too; a write that fails raises from the response, the source closed.
 Run: pytest tests/entrypoints/test_serve_event_stream.py -q
 """
 
@@ -111,3 +112,31 @@ def test_a_disconnect_mid_stream_ends_the_response_and_closes_the_source():
 
     bodies, closed = asyncio.run(run())
     assert bodies == [(b"a", True)] and closed
+
+
+def test_a_disconnect_before_any_write_ends_the_response_at_once():
+    async def run() -> bool:
+        source, server = FakeSource(), FakeServer()
+        response = await _start(source, server)
+        server.disconnect.set()
+        await asyncio.wait_for(response, 5)
+        return source.closed
+
+    assert asyncio.run(run())
+
+
+def test_a_write_that_fails_raises_from_the_response_and_closes_the_source():
+    class Broken(FakeServer):
+        async def send(self, message) -> None:
+            if message["type"] == "http.response.body":
+                raise OSError("broken pipe")
+
+    async def run() -> FakeSource:
+        source, server = FakeSource(), Broken()
+        response = await _start(source, server)
+        source.add(b"a")
+        with pytest.raises(OSError, match="broken pipe"):
+            await asyncio.wait_for(response, 5)
+        return source
+
+    assert asyncio.run(run()).closed

@@ -17,8 +17,10 @@ on); ``EventStream`` sends its start through the app's ``send`` (so the middlewa
 response started and never sends an error page after it) and its body through the server's own
 ``send``, which ``RequestGuard`` (the outermost layer) puts in the scope under ``SERVER_SEND``.
 
-The response's task waits for whichever comes first: the stream's end, or ``http.disconnect``
-(a client that went away); either way the source is closed, which aborts what still runs.
+The response's task waits on one future, ``_done``, which the stream's last write, a write that
+failed (its exception, raised by the task) or ``http.disconnect`` (a client that went away, seen
+by a watcher task) settles, whichever comes first; either way the source is closed, which aborts
+what still runs.
 """
 
 from __future__ import annotations
@@ -62,22 +64,32 @@ class EventStream(Response):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         self._send = scope.get(SERVER_SEND, send)
-        self._done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        watcher = asyncio.ensure_future(_disconnected(receive))
+        done = self._done = asyncio.get_running_loop().create_future()
+        # One task for the disconnect, which ends the response through ``_done`` like the last
+        # write does; the response's task waits on ``_done`` alone.
+        watcher = asyncio.ensure_future(self._watch(receive))
         try:
             self.write()  # what is there already (the first chunks)
             self.source.listen(self.write)
-            await asyncio.wait({self._done, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await done
         finally:
             self._closed = True
             self.source.listen(None)
-            tasks = [task for task in (watcher, self._behind) if task is not None]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            watcher.cancel()  # it holds nothing: it only ever waits on ``receive``
+            behind = self._behind
+            if behind is not None:  # a write held back: it goes no further
+                behind.cancel()
+                await asyncio.gather(behind, return_exceptions=True)
             await self.source.aclose()
-        if self._done.done() and self._done.exception() is not None:
-            raise self._done.exception()  # type: ignore[misc]
+
+    async def _watch(self, receive: Any) -> None:
+        """End the response when the client disconnects (or ``receive`` fails)."""
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: S110 - nobody left to answer: the response just ends
+            pass
+        self._end()
 
     def write(self) -> None:
         """Send what the source has ready, now (the end of an engine turn), unless a write held
@@ -145,7 +157,3 @@ def _resume(coroutine: Coroutine[Any, Any, None], suspended: Any) -> Generator[A
         raise
     yield from coroutine  # type: ignore[misc]
 
-
-async def _disconnected(receive: Any) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
