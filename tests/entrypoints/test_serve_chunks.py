@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 
 from pieceworks.entrypoints.serve import chat, completions  # noqa: E402
-from pieceworks.entrypoints.serve.serving import chunk_prefix, encode_json  # noqa: E402
+from pieceworks.entrypoints.serve.serving import chunk_prefix, encode_json, usage_chunk  # noqa: E402
 
 TEXTS = ["", "a", ' q"\\ \n\t\x00\x1f é 😀 \u2028', "\ud800"]
 REASONS = [None, "stop", "length"]
@@ -43,3 +43,13 @@ def test_template_choices_equal_the_encoder(return_token_ids):
         content = {"content": text} if text else {}
         expected = encode_json(chat._choice(body, index, "delta", content, ids, reason))  # type: ignore[arg-type]
         assert chat._content_choice(index, text, reason, given) == expected
+
+
+def test_the_usage_chunk_is_the_encoders():
+    header = {"id": "chatcmpl-0f", "created": 1700000000, "model": 'org/"m"\\é'}
+    counts = {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+    whole = encode_json(
+        {**header, "object": "chat.completion.chunk", "choices": [], "usage": counts}
+    )
+    prefix = chunk_prefix(header, "chat.completion.chunk")
+    assert usage_chunk(prefix, counts) == f"data: {whole}\n\n"

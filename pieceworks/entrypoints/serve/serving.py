@@ -122,7 +122,6 @@ class ChunkStream:
         self.ctx, self.generation, self.header = ctx, generation, header
         self.prefix = chunk_prefix(header, _chunk_object(fmt))
         self.chunk = fmt.chunk
-        self.chunk_object = _chunk_object(fmt)
         self.include_usage = include_usage
         self.opening = fmt.first_chunks(len(generation.choices))  # sent with the first write
         self.ended = False  # the last write was taken
@@ -151,8 +150,7 @@ class ChunkStream:
         if not generation.num_running:
             self.ended = True
             if self.include_usage:
-                events.append(_sse({**self.header, "object": self.chunk_object, "choices": [],
-                                    "usage": usage(generation)}))  # fmt: skip
+                events.append(usage_chunk(prefix, usage(generation)))
             events.append("data: [DONE]\n\n")
         return "".join(events).encode()
 
@@ -183,9 +181,22 @@ def encode_token_ids(token_ids: list[int]) -> str:
 
 def chunk_prefix(header: dict[str, Any], chunk_object: str) -> str:
     """``data: `` and a chunk's JSON up to its choice: the envelope each chunk of a stream
-    shares (id, created, model, object), encoded once; a chunk is it, one choice and ``]}``."""
-    envelope = encode_json({**header, "object": chunk_object, "choices": []})
-    return f"data: {envelope.removesuffix(']}')}"
+    shares (``header``'s id, created and model, then object), as ``encode_json`` writes it, from
+    a template; a chunk is it, one choice and ``]}``."""
+    return (
+        f'data: {{"id": {encode_string(header["id"])}, "created": {header["created"]:d}, '
+        f'"model": {encode_string(header["model"])}, "object": "{chunk_object}", "choices": ['
+    )
+
+
+def usage_chunk(prefix: str, counts: dict[str, int]) -> str:
+    """The stream's usage event after ``prefix`` (``chunk_prefix``): no choices, ``counts``
+    (``usage``), as ``encode_json`` writes the chunk, from a template."""
+    return (
+        f'{prefix}], "usage": {{"prompt_tokens": {counts["prompt_tokens"]:d}, '
+        f'"completion_tokens": {counts["completion_tokens"]:d}, '
+        f'"total_tokens": {counts["total_tokens"]:d}}}}}\n\n'
+    )
 
 
 def _sse(chunk: dict[str, Any]) -> str:
