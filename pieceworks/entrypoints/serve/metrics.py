@@ -4,11 +4,12 @@ Names follow vLLM's ``vllm:`` metrics under a ``pieceworks:`` prefix: running an
 requests, KV-cache usage and the steps that held a structured-output request (gauges read from
 the engine loop's ``EngineStats`` at scrape time), time to first token and time per output token
 (histograms, seconds; the latter, observed per streamed token, counted by ``TokenGapHistogram``),
-generated and prompt tokens (the generated ones added up per take and pushed at scrape time) and
-finished requests by finish reason (counters), the prefix cache's queried and hit tokens and,
-with speculative decoding, the verified and accepted proposals (``spec_decode_*``) (counters
-advanced to the engine's cumulative counts at scrape time). One registry per server, so several
-servers in one process (tests) never share counts.
+generated and prompt tokens and finished requests by finish reason (counters), the prefix
+cache's queried and hit tokens and, with speculative decoding, the verified and accepted proposals
+(``spec_decode_*``) (counters advanced to the engine's cumulative counts at scrape time). What is
+observed per request or per token is added up in plain Python and pushed into the Prometheus
+objects at scrape time. One registry per server, so several servers in one process (tests) never
+share counts.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ _TPOT_BUCKETS = (
     5.0,
 )
 
+# First-token times kept between scrapes before they go into the histogram anyway.
+_MAX_PENDING_OBSERVATIONS = 4096
 
 # (EngineStats field, counter name, help): speculative decoding, as vLLM names them.
 _SPEC_COUNTERS = (
@@ -160,32 +163,58 @@ class ServerMetrics:
             metric.labels(model_name)
         self._prefix_cache_seen = (0, 0)  # the engine's counts at the last scrape
         self.model_name = model_name
-        # The children observed once per request, looked up once (``labels`` takes a lock)
-        self._ttft = self.ttft.labels(model_name)
         self._prompt_tokens = self.prompt_tokens.labels(model_name)
-        self._finished: dict[str, Counter] = {}  # finish reason -> its counter
-        # Tokens streamed, added up in a plain int per take (``add_generated_tokens``, or the
-        # attribute itself on the per-token path) and added to the counter at scrape time:
-        # ``Counter.inc`` takes a lock and checks its argument on every call.
+        self._generation_tokens = self.generation_tokens.labels(model_name)
+        # Per request and per token the server adds up plain Python numbers, pushed into the
+        # Prometheus objects when ``/metrics`` is scraped (``render``): each ``inc`` and
+        # ``observe`` of prometheus_client takes a lock and checks its argument.
+        self._ttft = self.ttft.labels(model_name)
+        self._first_token_seconds: list[float] = []  # observed since the last push
+        self.num_prompt_tokens = 0
+        self._prompt_tokens_seen = 0
+        self.num_finished: dict[str, int] = {}  # finish reason -> requests, since the start
+        self._finished_seen: dict[str, int] = {}
+        # Tokens streamed, added up per take (``add_generated_tokens``, or the attribute itself
+        # on the per-token path).
         self.num_generated_tokens = 0
         self._generation_tokens_seen = 0
 
     def observe_first_token(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
+        pending = self._first_token_seconds
+        pending.append(seconds)
+        if len(pending) >= _MAX_PENDING_OBSERVATIONS:  # a server nobody scrapes stays bounded
+            self._push_first_tokens()
 
     def add_generated_tokens(self, num_tokens: int) -> None:
         self.num_generated_tokens += num_tokens
 
     def add_request(self, num_prompt_tokens: int) -> None:
-        self._prompt_tokens.inc(num_prompt_tokens)
+        self.num_prompt_tokens += num_prompt_tokens
 
     def add_finished(self, finish_reason: str) -> None:
-        counter = self._finished.get(finish_reason)
-        if counter is None:
-            counter = self._finished[finish_reason] = self.finished.labels(
-                self.model_name, finish_reason
-            )
-        counter.inc()
+        num_finished = self.num_finished
+        num_finished[finish_reason] = num_finished.get(finish_reason, 0) + 1
+
+    def _push_first_tokens(self) -> None:
+        pending, self._first_token_seconds = self._first_token_seconds, []
+        for seconds in pending:
+            self._ttft.observe(seconds)
+
+    def _push_counts(self) -> None:
+        """Add what the plain counts gained since the last push to their counters."""
+        self._push_first_tokens()
+        if self.num_prompt_tokens > self._prompt_tokens_seen:
+            self._prompt_tokens.inc(self.num_prompt_tokens - self._prompt_tokens_seen)
+            self._prompt_tokens_seen = self.num_prompt_tokens
+        for reason, count in self.num_finished.items():
+            seen = self._finished_seen.get(reason, 0)
+            if count > seen:
+                self.finished.labels(self.model_name, reason).inc(count - seen)
+                self._finished_seen[reason] = count
+        if self.num_generated_tokens > self._generation_tokens_seen:
+            new_tokens = self.num_generated_tokens - self._generation_tokens_seen
+            self._generation_tokens.inc(new_tokens)
+            self._generation_tokens_seen = self.num_generated_tokens
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, with the gauges set from ``stats``."""
@@ -205,10 +234,7 @@ class ServerMetrics:
         if hits > seen_hits:
             self.prefix_cache_hits.labels(self.model_name).inc(hits - seen_hits)
         self._prefix_cache_seen = (max(queries, seen_queries), max(hits, seen_hits))
-        if self.num_generated_tokens > self._generation_tokens_seen:
-            new_tokens = self.num_generated_tokens - self._generation_tokens_seen
-            self.generation_tokens.labels(self.model_name).inc(new_tokens)
-            self._generation_tokens_seen = self.num_generated_tokens
+        self._push_counts()
         return generate_latest(self.registry)
 
 

@@ -1,0 +1,52 @@
+"""``/metrics`` counts per-request observations added up in plain Python between scrapes: prompt
+tokens, finished requests by reason and time to first token reach their Prometheus objects at
+the scrape, each counted once however often it is scraped, and a server nobody scrapes keeps
+only a bounded number of first-token times before they go into the histogram.
+
+Run: ``pytest tests/entrypoints/test_serve_request_metrics.py -q``
+"""
+
+from __future__ import annotations
+
+from pieceworks.engine.messages import EngineStats
+from pieceworks.entrypoints.serve import metrics as metrics_module
+from pieceworks.entrypoints.serve.metrics import ServerMetrics
+
+
+def sample(text: str, line_start: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(line_start))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_request_counts_reach_the_scrape_once():
+    metrics = ServerMetrics("m")
+    text = metrics.render(EngineStats()).decode()
+    assert "request_success_total{" not in text  # a reason appears once a request had it
+    assert sample(text, "pieceworks:prompt_tokens_total{") == 0
+    for reason in ("stop", "length", "stop"):
+        metrics.add_finished(reason)
+    metrics.add_request(5)
+    metrics.add_request(7)
+    metrics.observe_first_token(0.003)  # the 0.005 bucket
+    metrics.observe_first_token(0.5)
+    metrics.render(EngineStats())
+    text = metrics.render(EngineStats()).decode()  # a second scrape adds nothing
+    assert sample(text, "pieceworks:prompt_tokens_total{") == 12
+    assert sample(text, 'pieceworks:request_success_total{finished_reason="stop"') == 2
+    assert sample(text, 'pieceworks:request_success_total{finished_reason="length"') == 1
+    assert sample(text, "pieceworks:time_to_first_token_seconds_count{") == 2
+    assert sample(text, 'pieceworks:time_to_first_token_seconds_bucket{le="0.005"') == 1
+    assert sample(text, "pieceworks:time_to_first_token_seconds_sum{") == 0.503
+    metrics.add_finished("stop")
+    text = metrics.render(EngineStats()).decode()
+    assert sample(text, 'pieceworks:request_success_total{finished_reason="stop"') == 3
+
+
+def test_first_token_times_stay_bounded_without_a_scrape(monkeypatch):
+    monkeypatch.setattr(metrics_module, "_MAX_PENDING_OBSERVATIONS", 3)
+    metrics = ServerMetrics("m")
+    for _ in range(7):
+        metrics.observe_first_token(0.01)
+    assert len(metrics._first_token_seconds) == 1  # two pushes of 3 each
+    text = metrics.render(EngineStats()).decode()
+    assert sample(text, "pieceworks:time_to_first_token_seconds_count{") == 7
