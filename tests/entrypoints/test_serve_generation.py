@@ -178,7 +178,8 @@ def test_the_events_of_one_wake_go_out_as_one_write():
             lambda header, results: {},
         )
         ctx = types.SimpleNamespace(metrics=metrics)
-        chunks = ChunkStream(ctx, generation, fmt, {"id": "x"}, False)  # type: ignore[arg-type]
+        header = {"id": "x", "created": 0, "model": "m"}  # as ``respond`` builds it
+        chunks = ChunkStream(ctx, generation, fmt, header, False)  # type: ignore[arg-type]
         return chunks.take(), chunks.ended
 
     write, ended = asyncio.run(run_events())

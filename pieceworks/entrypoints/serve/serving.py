@@ -181,8 +181,8 @@ def encode_token_ids(token_ids: list[int]) -> str:
 
 def chunk_prefix(header: dict[str, Any], chunk_object: str) -> str:
     """``data: `` and a chunk's JSON up to its choice: the envelope each chunk of a stream
-    shares (``header``'s id, created and model, then object), as ``encode_json`` writes it, from
-    a template; a chunk is it, one choice and ``]}``."""
+    shares (``header``: the id, created and model ``respond`` puts in it; then object), as
+    ``encode_json`` writes it, from a template; a chunk is it, one choice and ``]}``."""
     return (
         f'data: {{"id": {encode_string(header["id"])}, "created": {header["created"]:d}, '
         f'"model": {encode_string(header["model"])}, "object": "{chunk_object}", "choices": ['
