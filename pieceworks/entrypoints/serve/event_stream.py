@@ -156,4 +156,3 @@ def _resume(coroutine: Coroutine[Any, Any, None], suspended: Any) -> Generator[A
         coroutine.close()
         raise
     yield from coroutine  # type: ignore[misc]
-

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -189,7 +189,7 @@ class Generation:
         self.choices = choices
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.request_id = uuid.uuid4().hex
+        self.request_id = random_request_id()
         self.text_batch = TextBatch.of(engine)
         prompts = {choice.prompt_index: choice.prompt_token_ids for choice in choices}
         self.num_prompt_tokens = sum(len(ids) for ids in prompts.values())
@@ -311,6 +311,14 @@ class Generation:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(result.token_ids) for result in self.results)
+
+
+def random_request_id() -> str:
+    """``uuid.uuid4().hex``, from the same random bits, without building a ``UUID``."""
+    value = int.from_bytes(os.urandom(16), "big")
+    value = value & ~(0xC000 << 48) | 0x8000 << 48  # the RFC 4122 variant
+    value = value & ~(0xF000 << 64) | 4 << 76  # version 4
+    return f"{value:032x}"
 
 
 def _without_tokens(delta: RequestDelta) -> RequestDelta:
