@@ -119,7 +119,7 @@ class ChunkStream:
         header: dict[str, Any],
         include_usage: bool,
     ) -> None:
-        self.ctx, self.generation, self.header = ctx, generation, header
+        self.ctx, self.generation = ctx, generation
         self.prefix = chunk_prefix(header, _chunk_object(fmt))
         self.chunk = fmt.chunk
         self.include_usage = include_usage
