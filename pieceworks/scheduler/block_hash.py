@@ -23,8 +23,10 @@ BlockHash = bytes
 
 def model_identity(model_config: Any) -> str:
     """What the root hash names (a ``ModelConfig``'s): the weights and how they are computed."""
-    model = model_config
-    return f"{model.model}|{model.dtype}|{model.quantization}|seed={model.seed}"
+    return (
+        f"{model_config.model}|{model_config.dtype}|{model_config.quantization}"
+        f"|seed={model_config.seed}"
+    )
 
 
 def root_block_hash(model_identity: str) -> BlockHash:

@@ -5,8 +5,8 @@ their token deltas into text through a ``TextStream`` per choice (detokenized wi
 stream of the engine turn, ``TextBatch``), and records the timings the metrics report (time to
 first token, the gap between tokens). ``stream_batches()`` yields the ``ChoiceDelta``s of all
 choices that changed, one list per wake of its reader (at most one per engine turn; what piled
-up while the reader was busy merged into one delta per choice); ``stream()`` yields them one by
-one; ``collect()`` waits for the whole result. A streamed response's writer skips the wake
+up while the reader was busy merged into one delta per choice); ``collect()`` waits for the
+whole result. A streamed response's writer skips the wake
 instead: its ``on_ready`` callback runs at the end of every engine turn that brought something
 (``TextBatch.defer``) and ``take``s the deltas there. Either way a choice stopped by a stop
 string is aborted in the engine at once, and leaving early (a client that went away) aborts
@@ -265,18 +265,12 @@ class Generation:
         missed); closing the iterator aborts what still runs."""
         try:
             while self.num_running:
-                deltas = await self.next_batch()
+                await self._wait()
+                deltas = self.take()
                 if deltas:
                     yield deltas
         finally:
             await self.close()
-
-    async def next_batch(self) -> list[ChoiceDelta]:
-        """Wait for the reader's next wake, then take every choice's deltas since the last one
-        (none when nothing is to be sent); the caller reads until ``num_running`` is 0 and
-        owes ``close``. ``stream_batches`` without its generator, for a stream's writer."""
-        await self._wait()
-        return self.take()
 
     def take(self) -> list[ChoiceDelta]:
         """Every choice's delta since the last take (none when nothing is to be sent)."""
@@ -286,16 +280,6 @@ class Generation:
             delta = choices[0].take()
             return [delta] if delta is not None else []
         return [delta for choice in choices if (delta := choice.take())]
-
-    async def stream(self) -> AsyncIterator[ChoiceDelta]:
-        """Every choice's deltas as they come; closing the iterator aborts what still runs."""
-        batches = self.stream_batches()
-        try:
-            async for deltas in batches:
-                for delta in deltas:
-                    yield delta
-        finally:
-            await batches.aclose()  # type: ignore[attr-defined]
 
     async def collect(self) -> list[ChoiceResult]:
         """Wait for every choice to finish."""

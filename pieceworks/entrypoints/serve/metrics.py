@@ -169,15 +169,13 @@ class ServerMetrics:
         # Prometheus objects when ``/metrics`` is scraped (``render``): each ``inc`` and
         # ``observe`` of prometheus_client takes a lock and checks its argument.
         self._ttft = self.ttft.labels(model_name)
-        self._first_token_seconds: list[float] = []  # observed since the last push
+        # Each observed since the last push, then zero again.
+        self._first_token_seconds: list[float] = []
         self.num_prompt_tokens = 0
-        self._prompt_tokens_seen = 0
-        self.num_finished: dict[str, int] = {}  # finish reason -> requests, since the start
-        self._finished_seen: dict[str, int] = {}
+        self.num_finished: dict[str, int] = {}  # finish reason -> requests
         # Tokens streamed, added up per take (``add_generated_tokens``, or the attribute itself
         # on the per-token path).
         self.num_generated_tokens = 0
-        self._generation_tokens_seen = 0
 
     def observe_first_token(self, seconds: float) -> None:
         pending = self._first_token_seconds
@@ -201,20 +199,17 @@ class ServerMetrics:
             self._ttft.observe(seconds)
 
     def _push_counts(self) -> None:
-        """Add what the plain counts gained since the last push to their counters."""
+        """Add the plain counts to their counters and start them again from zero."""
         self._push_first_tokens()
-        if self.num_prompt_tokens > self._prompt_tokens_seen:
-            self._prompt_tokens.inc(self.num_prompt_tokens - self._prompt_tokens_seen)
-            self._prompt_tokens_seen = self.num_prompt_tokens
+        if self.num_prompt_tokens:
+            self._prompt_tokens.inc(self.num_prompt_tokens)
+            self.num_prompt_tokens = 0
         for reason, count in self.num_finished.items():
-            seen = self._finished_seen.get(reason, 0)
-            if count > seen:
-                self.finished.labels(self.model_name, reason).inc(count - seen)
-                self._finished_seen[reason] = count
-        if self.num_generated_tokens > self._generation_tokens_seen:
-            new_tokens = self.num_generated_tokens - self._generation_tokens_seen
-            self._generation_tokens.inc(new_tokens)
-            self._generation_tokens_seen = self.num_generated_tokens
+            self.finished.labels(self.model_name, reason).inc(count)
+        self.num_finished = {}
+        if self.num_generated_tokens:
+            self._generation_tokens.inc(self.num_generated_tokens)
+            self.num_generated_tokens = 0
 
     def render(self, stats: EngineStats) -> bytes:
         """The Prometheus text exposition, with the gauges set from ``stats``."""
