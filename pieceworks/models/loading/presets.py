@@ -252,7 +252,11 @@ def hf_weight_specs(hf_config: dict[str, Any]) -> dict[str, WeightSpec]:
 
 
 def _random_tensor(
-    spec: WeightSpec, generator: torch.Generator, dtype: torch.dtype, device: torch.device | str
+    spec: WeightSpec,
+    generator: torch.Generator,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    std: float,
 ) -> torch.Tensor:
     if spec.init == "ones":
         return torch.ones(spec.shape, dtype=dtype, device=device)
@@ -265,7 +269,7 @@ def _random_tensor(
         return noise.mul_(NORM_NOISE_STD)
     if spec.init != "normal":
         raise ValueError(f"unknown WeightSpec init {spec.init!r}")
-    return noise.mul_(INIT_STD)
+    return noise.mul_(std)
 
 
 def random_hf_weights(
@@ -275,10 +279,13 @@ def random_hf_weights(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, random tensor)`` one at a time (only one extra tensor alive)."""
+    """Yield ``(hf_name, random tensor)`` one at a time (only one extra tensor alive). Matrices
+    are drawn from N(0, ``initializer_range``) as transformers initialises them (``INIT_STD``
+    where the config has none)."""
     generator = torch.Generator(device=device).manual_seed(seed)
+    std = float(hf_config.get("initializer_range") or INIT_STD)
     for name, spec in hf_weight_specs(hf_config).items():
-        yield name, _random_tensor(spec, generator, dtype, device)
+        yield name, _random_tensor(spec, generator, dtype, device, std)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

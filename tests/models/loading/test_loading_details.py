@@ -131,3 +131,17 @@ def test_non_finite_values_are_counted_in_float8_too():
     assert weight_utils.non_finite_count(values) == 3
     assert weight_utils.non_finite_count(values.to(torch.bfloat16)) == 3
     assert weight_utils.non_finite_count(values.to(torch.float8_e5m2)) == 3
+
+
+def test_random_matrices_are_drawn_at_the_configs_initializer_range():
+    def spread(config: dict) -> tuple[float, float]:
+        drawn = dict(presets.random_hf_weights(config, seed=5, dtype=torch.float32))
+        return drawn["model.layers.0.mlp.down_proj.weight"].std().item(), drawn[
+            "model.norm.weight"
+        ].std().item()
+
+    default = {k: v for k, v in HF_CONFIG.items() if k != "initializer_range"}
+    assert spread(default)[0] == pytest.approx(presets.INIT_STD, rel=0.05)
+    narrow_matrix, narrow_norm = spread({**HF_CONFIG, "initializer_range": 0.002})
+    assert narrow_matrix == pytest.approx(0.002, rel=0.05)
+    assert narrow_norm == pytest.approx(spread(default)[1])  # norms keep their own noise
