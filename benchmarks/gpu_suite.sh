@@ -8,7 +8,8 @@
 #   (small: the small-model decode budget, llama-125m, the SmolLM2-135M shape and Llama-3.2-1B at
 #   batch 1 and 64 with --kernel-breakdown, estimated at 3 min on an H100; its table:
 #   python benchmarks/kernel_table.py "$OUT"/bench_small_*.json)
-#   (smollm2_pw, not in the default list: the SmolLM2 shape's PIECEWISE and FULL_AND_PIECEWISE steps
+#   (smollm2_pw, not in the default list: the SmolLM2 shape's PIECEWISE, FULL (the general graph
+#   mixed steps could take) and FULL_AND_PIECEWISE steps
 #   at batch 1, 8 and 64 with their device-busy time, the serving rows' yardstick; breakdown, not in
 #   the default list: the Qwen3-8B and Gemma-3-4B steps kernel by kernel, with
 #   programmatic dependent launch and without, about 4 min on an H100, not yet timed;
@@ -310,7 +311,7 @@ for name in $steps; do
     versions) step versions python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
               step platforms python3 -m pieceworks.entrypoints.cli platforms ;;
     small) small ;;
-    smollm2_pw) bench smollm2_piecewise --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 128 --output-len 128 --modes piecewise,full_and_piecewise ;;
+    smollm2_pw) bench smollm2_piecewise --model "$(smollm2_model)" --batch-size 1,8,64 --input-len 128 --output-len 128 --modes piecewise,full,full_and_piecewise ;;
     breakdown) breakdown ;;
     structured_host) structured_host ;;
     attention_tiles) attention_tiles ;;

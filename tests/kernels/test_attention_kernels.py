@@ -317,6 +317,23 @@ def test_triton_padded_sequences_and_rows(max_query_len):
 
 
 @requires_triton
+def test_triton_prefill_blocks_numbered_over_the_flattened_batch():
+    # A general FULL graph's layout: max_query_len is the captured token count, many short and
+    # padded sequences beside one long prompt whose blocks start mid-block; every query is
+    # found by the program its flattened block number gives, and the grid is T // BLOCK_Q + S.
+    query_lens = [1, 3, 1, 37, 1, 2, 0, 0, 1, 0]
+    seq_lens = [9, 20, 33, 50, 5, 2, 0, 0, 70, 0]
+    batch = make_batch(seq_lens, query_lens, num_heads=6, num_kv_heads=2, num_padded_tokens=4)
+    num_tokens = batch.query.shape[0]
+    assert_matches_reference(batch, run_triton(batch, max_query_len=num_tokens))
+    plan = triton_attention.plan_paged_attention
+    launch = plan(batch.query, batch.key_cache, batch.value_cache, torch.empty_like(batch.query),
+                  block_tables=batch.block_tables, scale=0.5, max_query_len=num_tokens)  # fmt: skip
+    block_q = launch.options["BLOCK_Q"]
+    assert launch.grid == (num_tokens // block_q + len(seq_lens), 2)
+
+
+@requires_triton
 @pytest.mark.parametrize("max_query_len", [1, 4])
 def test_triton_query_without_keys_gives_zeros(max_query_len):
     # A padded sequence with one query row but seq_len 0 sees no key: zeros, never NaN.

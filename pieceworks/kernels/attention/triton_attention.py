@@ -18,9 +18,10 @@ sequences, causal positions `seq_lens[s] - q_s + i`, GQA, padded sequences skipp
   Planned with `new_kv`, the split kernel also stores the step's K/V (the split holding the last
   position uses them from registers and writes them at its end), saving the separate store
   launch; the attention backend does this for every decode step.
-- prefill / mixed (`max_query_len > 1`): flash attention over (seq, query block, kv head); a tile
-  row is one (query token, q head) pair of the kv head's group, so decode rows in a mixed batch
-  waste little of the tile.
+- prefill / mixed (`max_query_len > 1`): flash attention over (query block, kv head), the query
+  blocks numbered over the flattened batch (`T // BLOCK_Q + S` of them for `T` tokens in `S`
+  sequences, whatever the longest query); a tile row is one (query token, q head) pair of the kv
+  head's group, so decode rows in a mixed batch waste little of the tile.
 
 Sliding window (`sliding_window` W, Mistral's): a query at position p sees keys `p - W + 1 .. p`.
 The decode splits cut only the last `min(seq_len, W)` positions (the split count, too, looks at
@@ -275,21 +276,24 @@ def _plan_decode(query, key_cache, output, block_tables, scale, num_kv_splits, w
 
 def _plan_prefill(query, key_cache, output, block_tables, scale, max_query_len,
                   sliding_window=None) -> KernelLaunch:  # fmt: skip
-    """Flash attention over (seq, query block, kv head); decode rows of a mixed batch too."""
+    """Flash attention over (query block, kv head); decode rows of a mixed batch too."""
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_size = key_cache.shape
     num_queries_per_kv = query.shape[1] // num_kv_heads
     block_m = _prefill_block_m(max_query_len * num_queries_per_kv, num_queries_per_kv)
     block_q = block_m // num_queries_per_kv
     window = _window_arguments(sliding_window)
+    # query blocks over the flattened batch (the kernel's docstring): at most T // BLOCK_Q + S
+    num_blocks = query.shape[0] // block_q + num_seqs
     return KernelLaunch(
         _prefill_kernel,
-        (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads),
+        (num_blocks, num_kv_heads),
         (scale * LOG2_E, query.stride(0), query.stride(1), output.stride(0), output.stride(1),
          key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-         window["window"]),
+         window["window"], num_seqs),
         dict(NUM_QUERIES_PER_KV=num_queries_per_kv, HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
              BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N,
+             BLOCK_S=triton.next_power_of_2(num_seqs),
              HAS_WINDOW=window["HAS_WINDOW"],
              num_warps=8 if block_m >= 128 else 4, num_stages=PREFILL_NUM_STAGES),
     )  # fmt: skip

@@ -1,7 +1,14 @@
 """The prefill / mixed kernel of paged attention (``max_query_len > 1``): flash attention.
 
-``_prefill_kernel`` runs over (seq, query block, kv head); a tile row is one (query token, q head)
-pair of the kv head's group, so decode rows in a mixed batch waste little of the tile. Causal
+``_prefill_kernel`` runs over (query block, kv head); a tile row is one (query token, q head)
+pair of the kv head's group, so decode rows in a mixed batch waste little of the tile. The query
+blocks are numbered over the flattened batch: sequence ``s`` owns blocks
+``query_start_loc[s] // BLOCK_Q + s`` up to the next sequence's first, at least
+``cdiv(query_len, BLOCK_Q)`` of them, so ``T // BLOCK_Q + S`` programs per kv head cover any
+batch of ``T`` tokens in ``S`` sequences (a graph captured for ``T`` tokens launches no more for
+one long prompt than for many short ones; a grid over (seq, block of the longest query) would
+launch ``S * cdiv(T, BLOCK_Q)``, nearly all of them empty). Each program finds its sequence in
+one load of ``query_start_loc``. Causal
 positions are ``seq_lens[s] - q_s + i``. With ``HAS_WINDOW`` a query at position p sees keys
 ``p - sliding_window + 1 .. p``: the tile loop starts at the block's first query's window start
 (no key before it is loaded) and the mask drops the keys each row's window excludes. Planned and
@@ -28,15 +35,21 @@ def _prefill_kernel(
     stride_cache_block, stride_cache_offset, stride_cache_h,
     stride_block_tables,
     sliding_window,  # read only with HAS_WINDOW
+    num_seqs,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     # One program: sequence `seq`, its query tokens [q_block * BLOCK_Q, +BLOCK_Q), all the q heads
     # of kv head `kv_head`. Tile row r is query token r // NUM_QUERIES_PER_KV of the block and
     # q head r % NUM_QUERIES_PER_KV of the group.
-    seq, q_block, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    flat_block, kv_head = tl.program_id(0), tl.program_id(1)
+    seqs = tl.arange(0, BLOCK_S)
+    starts = tl.load(query_start_loc_ptr + seqs, mask=seqs < num_seqs, other=0)
+    first_blocks = tl.where(seqs < num_seqs, starts // BLOCK_Q + seqs, flat_block + 1)
+    seq = tl.sum((first_blocks <= flat_block).to(tl.int32)) - 1  # first blocks rise strictly
     query_start = tl.load(query_start_loc_ptr + seq)
+    q_block = flat_block - (query_start // BLOCK_Q + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
     if q_block * BLOCK_Q >= query_len:  # past this sequence's queries (or a padded sequence)
         return
