@@ -1,10 +1,14 @@
 """``CudagraphDispatcher``: which captured graph (if any) serves a batch.
 
 Keys are ``BatchDescriptor``s registered per runtime mode from the capture sizes and the graph
-mode. ``dispatch`` tries, in the seed's order: FULL for the exact descriptor, FULL for the same
-token count as a general batch, PIECEWISE for the general batch, else NONE (run without graphs).
-With speculative decoding, the FULL decode keys also hold the verify batches: every sequence a
-decode with ``1 + k`` query tokens, one key per decode capture size of sequences.
+mode. Every mode whose decodes run FULL (FULL itself, FULL_DECODE_ONLY, FULL_AND_PIECEWISE) gets
+a uniform decode graph per capture size up to ``max_num_seqs``: its attention is the split-KV
+decode kernel, where a general FULL graph would run decodes through the prefill kernel, one
+program per query block and no split of long contexts. ``dispatch`` tries, in the seed's order:
+FULL for the exact descriptor, FULL for the same token count as a general batch, PIECEWISE for
+the general batch, else NONE (run without graphs). With speculative decoding, the FULL decode
+keys also hold the verify batches: every sequence a decode with ``1 + k`` query tokens, one key
+per decode capture size of sequences.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class CudagraphDispatcher:
         mixed = mode.mixed_mode()
         if mixed != CUDAGraphMode.NONE:
             self.cudagraph_keys[mixed] |= {BatchDescriptor(size) for size in sizes}
-        if mode.separate_routine() and mode.decode_mode() == CUDAGraphMode.FULL:
+        if mode.decode_mode() == CUDAGraphMode.FULL:  # FULL too: its decodes get these
             max_num_seqs = self.config.scheduler_config.max_num_seqs
             self.cudagraph_keys[CUDAGraphMode.FULL] |= {
                 BatchDescriptor(size, uniform_decode=True) for size in sizes if size <= max_num_seqs

@@ -150,8 +150,8 @@ class GraphCapture:
         return wrapper
 
     def _decode_tail_descriptors(self) -> set[BatchDescriptor]:
-        """The FULL graphs' descriptors that get decode tails: those of at most
-        ``max_num_seqs`` tokens (a tail samples a decode batch that fills its size)."""
+        """The FULL uniform decode graphs' descriptors, which get decode tails (a tail samples
+        a decode batch that fills its size)."""
         if not self.decode_tails:
             return set()
         max_num_seqs = self.config.scheduler_config.max_num_seqs
@@ -159,6 +159,7 @@ class GraphCapture:
             descriptor
             for mode, descriptor in self.dispatcher.capture_descriptors()
             if mode == CUDAGraphMode.FULL
+            and descriptor.uniform_decode
             and descriptor.num_tokens <= max_num_seqs
             and descriptor.uniform_query_len == 1  # a verify batch samples by launches
         }

@@ -44,9 +44,16 @@ def test_piecewise_only(graph_platform):
 
 
 def test_full_only(graph_platform):
+    # General graphs for every size, and decode graphs (the split-KV decode kernel) up to
+    # max_num_seqs, as FULL_AND_PIECEWISE has them.
     d = dispatcher(CUDAGraphMode.FULL, graph_platform)
-    assert d.cudagraph_keys[FULL] == {BD(s) for s in (1, 2, 4, 8)}
-    assert d.dispatch(BD(2, True)) == (FULL, BD(2))  # step 2: FULL for the general batch
+    assert d.cudagraph_keys[FULL] == {BD(s) for s in (1, 2, 4, 8)} | {
+        BD(s, True) for s in (1, 2, 4)
+    }
+    assert d.dispatch(BD(2, True)) == (FULL, BD(2, True))
+    assert d.dispatch(BD(2)) == (FULL, BD(2))
+    assert d.dispatch(BD(8, True)) == (FULL, BD(8))  # step 2: FULL for the general batch
+    assert d.cudagraph_keys[PIECEWISE] == set()
 
 
 def test_full_decode_only(graph_platform):

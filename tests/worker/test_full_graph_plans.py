@@ -3,8 +3,9 @@
 Proves: with FULL_AND_PIECEWISE a uniform decode batch is padded to the next capture size and
 replays the FULL decode graph in its captured layout (one token per padded sequence) holding
 the real token and sequence counts, and a mixed batch is padded and runs PIECEWISE with its own
-layout; with FULL every batch replays the general FULL graph in its captured layout (up to
-``max_num_seqs`` sequences, the query bound the capture size); with FULL_DECODE_ONLY a mixed
+layout; with FULL a decode batch replays the FULL decode graph too and every other batch the
+general FULL graph in its captured layout (up to ``max_num_seqs`` sequences, the query bound the
+capture size); with FULL_DECODE_ONLY a mixed
 batch runs without graphs, unpadded; a batch past the largest capture size runs without graphs
 in every mode; the decode steps of a real generation take the FULL plan and run their forward
 under it; level 0 says at INFO that its piece graphs are captured breakable.
@@ -63,8 +64,9 @@ def test_full_and_piecewise_decodes_replay_full_graphs_and_mixed_batches_pieces(
 
 def test_full_replays_the_general_graph_in_its_captured_layout(llm_for):
     runner = llm_for("FULL").engine.runner
-    # captured as min(size, max_num_seqs) sequences with the capture size as query bound
-    assert runner._plan(3, 3, 1, True) == (StepShape(3, 4, 3, 4, 4), FULL, BatchDescriptor(4))
+    # decodes replay the decode graph, as in FULL_AND_PIECEWISE (one token per padded sequence)
+    assert runner._plan(3, 3, 1, True) == (StepShape(3, 4, 3, 4, 1), FULL, BatchDescriptor(4, True))
+    # the rest: captured as min(size, max_num_seqs) sequences, the capture size as query bound
     assert runner._plan(3, 2, 2, False) == (StepShape(3, 4, 2, 4, 4), FULL, BatchDescriptor(4))
     assert runner._plan(5, 2, 4, False) == (StepShape(5, 8, 2, 4, 8), FULL, BatchDescriptor(8))
     assert runner._plan(2, 1, 2, False) == (StepShape(2, 2, 1, 2, 2), FULL, BatchDescriptor(2))
