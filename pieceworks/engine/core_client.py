@@ -89,9 +89,25 @@ class InprocEngineClient:
         self._thread: threading.Thread | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OutputsHandler) -> None:
+        # Turns wait here until the event loop takes them: one callback takes every turn that
+        # arrived before it ran, so a front end that fell behind handles them together, as it
+        # does those waiting in the engine process's pipe.
+        waiting: list[EngineCoreOutputs] = []
+        lock = threading.Lock()
+
+        def dispatch() -> None:
+            nonlocal waiting
+            with lock:
+                turns, waiting = waiting, []
+            on_outputs(turns)
+
         def send(outputs: EngineCoreOutputs) -> None:
+            with lock:
+                waiting.append(outputs)
+                if len(waiting) > 1:  # a callback is already on its way
+                    return
             try:
-                loop.call_soon_threadsafe(on_outputs, [outputs])
+                loop.call_soon_threadsafe(dispatch)
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 pass
 

@@ -2,7 +2,8 @@
 
 Proves: before the first step the stats are the engine's (every block free); a request streams
 the offline greedy tokens and ends with "length"; ``stop`` ends a running request with "stop";
-the stats follow the engine; a step that raises reaches the live request as an
+the stats follow the engine; the turns that arrive while the event loop is busy reach the
+front end in one call, in order; a step that raises reaches the live request as an
 ``engine_failed`` delta whose error names the exception, and later requests get
 ``EngineDeadError``; after ``shutdown`` the loop thread is gone, the engine is shut down and
 ``reserve`` refuses with its message; a negative ``max_waiting_requests`` is refused with its
@@ -13,6 +14,7 @@ Run: pytest tests/engine/test_inproc_engine.py
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -73,6 +75,33 @@ def test_requests_stream_stop_and_shut_down_through_the_thread():
     with pytest.raises(ValueError) as error:
         AsyncLLMEngine(client, max_waiting_requests=-1)
     assert str(error.value) == "max_waiting_requests=-1 must be >= 0"
+
+
+def test_turns_that_arrive_while_the_loop_is_busy_are_dispatched_together():
+    llm = make_llm()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    offline = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    engine = AsyncLLMEngine(InprocEngineClient(llm.engine))
+    turns_per_call = []
+    dispatch = engine._dispatch
+
+    def recording(turns):
+        turns_per_call.append(len(turns))
+        dispatch(turns)
+
+    engine._dispatch = recording  # type: ignore[method-assign]
+
+    async def main():
+        engine.start()
+        stream = engine.generate(PROMPT, params, "a")
+        first = await stream.__anext__()
+        time.sleep(0.5)  # the event loop is busy while the engine thread steps on
+        rest = [delta async for delta in stream]
+        return [t for delta in [first, *rest] for t in delta.new_token_ids]
+
+    assert asyncio.run(main()) == offline
+    engine.shutdown(timeout=10)
+    assert max(turns_per_call) > 1, turns_per_call
 
 
 def test_a_step_that_raises_fails_the_live_request_and_every_later_one(monkeypatch):
