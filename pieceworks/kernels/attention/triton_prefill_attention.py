@@ -2,17 +2,17 @@
 
 ``_prefill_kernel`` runs over (query block, kv head); a tile row is one (query token, q head)
 pair of the kv head's group, so decode rows in a mixed batch waste little of the tile. The query
-blocks are numbered over the flattened batch: sequence ``s`` owns blocks
+blocks are numbered over the flattened batch: sequence ``s`` owns the blocks from
 ``query_start_loc[s] // BLOCK_Q + s`` up to the next sequence's first, at least
 ``cdiv(query_len, BLOCK_Q)`` of them, so ``T // BLOCK_Q + S`` programs per kv head cover any
-batch of ``T`` tokens in ``S`` sequences (a graph captured for ``T`` tokens launches no more for
-one long prompt than for many short ones; a grid over (seq, block of the longest query) would
-launch ``S * cdiv(T, BLOCK_Q)``, nearly all of them empty). Each program finds its sequence in
-one load of ``query_start_loc``. Causal
-positions are ``seq_lens[s] - q_s + i``. With ``HAS_WINDOW`` a query at position p sees keys
-``p - sliding_window + 1 .. p``: the tile loop starts at the block's first query's window start
-(no key before it is loaded) and the mask drops the keys each row's window excludes. Planned and
-launched by ``triton_attention.py``; the shared tile helpers are in ``triton_attention_tiles.py``.
+batch of ``T`` tokens in ``S`` sequences: a graph captured for ``T`` tokens launches no more for
+one long prompt than for many short ones (a grid over sequences times blocks of the longest
+query would launch ``S * cdiv(T, BLOCK_Q)``, nearly all of them empty). Each program finds its
+sequence in one load of ``query_start_loc``. Causal positions are ``seq_lens[s] - q_s + i``.
+With ``HAS_WINDOW`` a query at position p sees keys ``p - sliding_window + 1 .. p``: the tile
+loop starts at the block's first query's window start (no key before it is loaded) and the mask
+drops the keys each row's window excludes. Planned and launched by ``triton_attention.py``; the
+shared tile helpers are in ``triton_attention_tiles.py``.
 """
 
 import triton
