@@ -26,6 +26,7 @@ from typing import Any
 from pieceworks.sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_INT_ONLY = {int}  # the element types of token ids that need no closer look
 
 
 class PromptError(ValueError):
@@ -77,6 +78,12 @@ def check_token_ids(token_ids: Any, vocab_size: int | None, where: str) -> list[
         raise PromptError(f"{where}: token ids must be a list of ints, not {_describe(token_ids)}")
     if len(token_ids) == 0:
         raise PromptError(f"{where} is empty; pass at least one token")
+    if (  # the usual case in C-level passes; the loop below finds what is wrong otherwise
+        {*map(type, token_ids)} == _INT_ONLY
+        and min(token_ids) >= 0
+        and (vocab_size is None or max(token_ids) < vocab_size)
+    ):
+        return list(token_ids)
     for position, token in enumerate(token_ids):
         if not _is_token_id(token):
             raise PromptError(

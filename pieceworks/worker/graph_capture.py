@@ -154,13 +154,11 @@ class GraphCapture:
         a decode batch that fills its size)."""
         if not self.decode_tails:
             return set()
-        max_num_seqs = self.config.scheduler_config.max_num_seqs
         return {
             descriptor
             for mode, descriptor in self.dispatcher.capture_descriptors()
             if mode == CUDAGraphMode.FULL
-            and descriptor.uniform_decode
-            and descriptor.num_tokens <= max_num_seqs
+            and descriptor.uniform_decode  # at most max_num_seqs tokens (the dispatcher's keys)
             and descriptor.uniform_query_len == 1  # a verify batch samples by launches
         }
 

@@ -23,7 +23,6 @@ from pieceworks.entrypoints.serve.protocol import SamplingFields
 from pieceworks.sampling_params import SamplingParams, StructuredOutputsParams
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
-_INT_ONLY = {int}  # the element types of a list of token ids that needs no closer look
 
 
 def parse_body(body: bytes, model: type[ModelT]) -> ModelT:
@@ -119,18 +118,11 @@ class ModelLimits:
 
 def check_prompt(prompt_token_ids: list[int], max_tokens: int, limits: ModelLimits) -> None:
     """Refuse an empty prompt, ids that are not ints of the vocabulary (``LLM.generate``'s own
-    check, ``engine.inputs.check_token_ids``, which says what is wrong when the ids are not all
-    ints in the vocabulary), or a prompt too long for the context."""
-    vocab_size = limits.vocab_size
-    if not (
-        {*map(type, prompt_token_ids)} == _INT_ONLY
-        and min(prompt_token_ids) >= 0
-        and (vocab_size is None or max(prompt_token_ids) < vocab_size)
-    ):
-        try:
-            check_token_ids(prompt_token_ids, vocab_size, "the prompt")
-        except PromptError as error:
-            raise bad_request(str(error), param="prompt") from None
+    check, ``engine.inputs.check_token_ids``), or a prompt too long for the context."""
+    try:
+        check_token_ids(prompt_token_ids, limits.vocab_size, "the prompt")
+    except PromptError as error:
+        raise bad_request(str(error), param="prompt") from None
     if len(prompt_token_ids) + max_tokens > limits.max_model_len:
         raise bad_request(
             f"this model's maximum context length is {limits.max_model_len} tokens; the prompt "
