@@ -21,11 +21,21 @@ of one engine step: each round decodes one new token of every detokenizer in one
 (``batch_decoder``: the Rust tokenizer's own ``decode`` per sequence for a transformers fast
 tokenizer, which skips transformers' per-call Python; its ``decode`` for any other). The text is
 the same as token-by-token ``update`` calls give.
+
+Byte-level BPE tokenizers (GPT-2's decoder: SmolLM2, Llama 3, Qwen) decode a run of tokens by
+joining their bytes and reading them as UTF-8. Once the text ends on a complete character, a
+regular vocabulary token whose own bytes are whole UTF-8 characters adds exactly its own text,
+so the two decodes give ``prefix + token_text``. ``token_texts`` decodes every vocabulary token
+alone once per tokenizer, and most tokens take their text from it instead of two decodes; added
+and special tokens, tokens holding part of a character, the first generated token and the first
+after a held-back one take vLLM's step above, so the text is the same.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # Prompt tokens kept as left context for the first generated token (vLLM's
@@ -43,16 +53,23 @@ _PLAIN_BACKEND_DECODE = {"TokenizersBackend._decode", "PreTrainedTokenizerFast._
 BatchDecoder = Callable[[list[list[int]], bool], list[str]]
 
 
-def batch_decoder(tokenizer: Any) -> BatchDecoder:
-    """``decode(sequences, skip_special_tokens)``: each sequence's text, as
-    ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``."""
+def _plain_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer under a transformers fast tokenizer whose decode only calls it, else
+    None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     cls = type(tokenizer)
     plain = (
         getattr(getattr(cls, "decode", None), "__qualname__", "") in _PLAIN_DECODE
         and getattr(getattr(cls, "_decode", None), "__qualname__", "") in _PLAIN_BACKEND_DECODE
     )
-    if backend is not None and plain and hasattr(backend, "decode"):
+    return backend if plain and hasattr(backend, "decode") else None
+
+
+def batch_decoder(tokenizer: Any) -> BatchDecoder:
+    """``decode(sequences, skip_special_tokens)``: each sequence's text, as
+    ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``."""
+    backend = _plain_backend(tokenizer)
+    if backend is not None:
         # One Rust ``decode`` per sequence: the Rust ``decode_batch`` hands a turn's short
         # sequences to its thread pool, whose threads cost more CPU (and no less time) than the
         # decoding they share.
@@ -68,6 +85,50 @@ def batch_decoder(tokenizer: Any) -> BatchDecoder:
     return decode_each
 
 
+def token_texts(tokenizer: Any) -> list[str | None] | None:
+    """For a byte-level BPE tokenizer, each vocabulary token's text after text that ends on a
+    complete character (its own decode), or None where that does not hold (added and special
+    tokens, bytes that are not whole characters). None for any other tokenizer, whose decoder
+    may not join tokens' texts (SentencePiece drops a leading space)."""
+    backend = _plain_backend(tokenizer)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    added = set(backend.get_added_tokens_decoder())
+    vocab_size = backend.get_vocab_size(with_added_tokens=False)
+    texts = backend.decode_batch([[i] for i in range(vocab_size)], skip_special_tokens=False)
+    return [
+        None if (i in added or not text or REPLACEMENT_CHARACTER in text) else text
+        for i, text in enumerate(texts)
+    ]
+
+
+@dataclass(frozen=True)
+class _Decoding:
+    """What a tokenizer's detokenizers share: the batch decoder and the tokens' texts."""
+
+    decode_batch: BatchDecoder
+    token_texts: list[str | None] | None
+
+
+_DECODINGS: weakref.WeakKeyDictionary[Any, _Decoding] = weakref.WeakKeyDictionary()
+
+
+def prepare_decoding(tokenizer: Any) -> _Decoding:
+    """The tokenizer's ``_Decoding``, built once per tokenizer (about 30 ms for 49k tokens; a
+    server calls this at start-up, not on its first request), per request where the tokenizer
+    cannot be weakly referenced."""
+    try:
+        return _DECODINGS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    decoding = _Decoding(batch_decoder(tokenizer), token_texts(tokenizer))
+    try:
+        _DECODINGS[tokenizer] = decoding
+    except TypeError:
+        pass
+    return decoding
+
+
 class IncrementalDetokenizer:
     """Text of one request's generated tokens, decoded as they arrive; finds stop strings."""
 
@@ -79,7 +140,9 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
     ) -> None:
         self.tokenizer = tokenizer
-        self.decode_batch = batch_decoder(tokenizer)
+        decoding = prepare_decoding(tokenizer)
+        self.decode_batch = decoding.decode_batch
+        self.token_texts = decoding.token_texts
         self.skip_special_tokens = skip_special_tokens
         # what ``update_batch`` decodes together: one tokenizer, one ``skip_special_tokens``
         self.batch_key = (id(tokenizer), skip_special_tokens)
@@ -93,6 +156,9 @@ class IncrementalDetokenizer:
         # Generated tokens taken in: after a stop, the count up to the one that completed it.
         self.num_generated_tokens = 0
         self.num_streamed_chars = 0
+        # The text ends on a complete character of the last token taken in (the prompt's context
+        # is not known to): the next token's text may come from ``token_texts``.
+        self.complete = False
 
     def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Add generated tokens; return the stop string the text now contains (once), else None.
@@ -119,18 +185,35 @@ class IncrementalDetokenizer:
         ids = self.token_ids
         return ids[self.prefix_offset : self.read_offset], ids[self.prefix_offset :]
 
+    def _known_text(self, token_id: int) -> str | None:
+        """Take in ``token_id`` if its text is known without decoding; that text, else None."""
+        texts = self.token_texts
+        if not self.complete or texts is None or not 0 <= token_id < len(texts):
+            return None
+        text = texts[token_id]
+        if text is not None:
+            self.token_ids.append(token_id)
+            self.num_generated_tokens += 1
+        return text
+
     def _advance(self, prefix_text: str, full_text: str) -> str | None:
         """vLLM's prefix/read-offset step: the newest token's text from its two decoded runs
         (none while a character is incomplete); the stop string it completed, else None."""
         num_prefix_chars = len(prefix_text)
         if len(full_text) <= num_prefix_chars or full_text.endswith(REPLACEMENT_CHARACTER):
+            self.complete = False
             return None  # an incomplete character (or a skipped special token): wait for more
+        return self._emit(full_text[num_prefix_chars:])
+
+    def _emit(self, new_text: str) -> str | None:
+        """Add the newest token's text, which completes every token before it; the stop string
+        it completed, else None."""
+        self.complete = True
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         if self.prefix_offset > MAX_DEAD_TOKENS:
             del self.token_ids[: self.prefix_offset]
             self.read_offset -= self.prefix_offset
             self.prefix_offset = 0
-        new_text = full_text[num_prefix_chars:]
         self.text += new_text
         if self.stop and self._find_stop(len(new_text)):
             return self.stop_reason
@@ -157,24 +240,34 @@ class IncrementalDetokenizer:
 def update_batch(
     detokenizers: Sequence[IncrementalDetokenizer], new_token_ids: Sequence[Sequence[int]]
 ) -> list[str | None]:
-    """``detokenizer.update(ids)`` for each pair, decoding together: one batch decode per
-    round (a token of each detokenizer that has one left) and ``skip_special_tokens`` value."""
+    """``detokenizer.update(ids)`` for each pair, decoding together: each round takes a token of
+    every detokenizer that has one left, looks up the texts ``token_texts`` holds and decodes the
+    rest in one batch per ``skip_special_tokens`` value."""
     stops: list[str | None] = [None] * len(detokenizers)
     queues = [
         list(ids) if d.stop_reason is None else [] for d, ids in zip(detokenizers, new_token_ids)
     ]
+
+    def stopped(i: int, stop: str | None) -> None:
+        if stop is not None:
+            stops[i] = stop
+            queues[i].clear()  # tokens after the stop are never taken in
+
     active = [i for i, queue in enumerate(queues) if queue]
     while active:
         groups: dict[tuple[int, bool], list[int]] = {}
         for i in active:
-            groups.setdefault(detokenizers[i].batch_key, []).append(i)
+            detokenizer = detokenizers[i]
+            text = detokenizer._known_text(queues[i][0])
+            if text is None:
+                groups.setdefault(detokenizer.batch_key, []).append(i)
+                continue
+            queues[i].pop(0)
+            stopped(i, detokenizer._emit(text))
         for (_, skip), members in groups.items():
             runs = [run for i in members for run in detokenizers[i]._append(queues[i].pop(0))]
             texts = detokenizers[members[0]].decode_batch(runs, skip)
             for position, i in enumerate(members):
-                stop = detokenizers[i]._advance(texts[2 * position], texts[2 * position + 1])
-                if stop is not None:
-                    stops[i] = stop
-                    queues[i].clear()  # tokens after the stop are never taken in
+                stopped(i, detokenizers[i]._advance(texts[2 * position], texts[2 * position + 1]))
         active = [i for i in active if queues[i]]
     return stops

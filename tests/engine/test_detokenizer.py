@@ -18,6 +18,8 @@ Run: ``pytest tests/engine/test_detokenizer.py -q`` (skipped without ``llm-smoll
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pieceworks.engine.detokenizer import IncrementalDetokenizer, batch_decoder, update_batch
@@ -214,3 +216,46 @@ def test_update_batch_makes_one_tokenizer_call_per_round():
     update_batch(detokenizers, [ids("cd")] * 8)
     assert batched_calls == [16, 16]  # one call per round, both runs of all 8 streams
     assert [d.text for d in detokenizers] == ["abcd"] * 8
+
+
+def counted(decode, runs: list[int]):
+    """``decode``, adding the number of runs of each call to ``runs``."""
+
+    def decode_counted(sequences, skip):
+        runs.append(len(sequences))
+        return decode(sequences, skip)
+
+    return decode_counted
+
+
+def test_known_token_texts_give_the_decoded_text(tokenizer):
+    """Random ids over the whole vocabulary (partial characters, special tokens, fed in runs of
+    mixed lengths) give the same text, stop strings and counts with and without the table of
+    tokens' texts, and most tokens take their text from the table."""
+    rng = random.Random(0)
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    vocab = tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+    streams = [[rng.randrange(vocab) for _ in range(96)] for _ in range(16)]
+    streams.append([*tokenizer.encode(TEXT), special, *tokenizer.encode(TEXT)])
+    options = [{"skip_special_tokens": i % 2 == 0, "stop": ["e a"] if i % 3 == 0 else []}
+               for i in range(len(streams))]  # fmt: skip
+    results = []
+    for use_table in (True, False):
+        detokenizers = [IncrementalDetokenizer(tokenizer, [5, 6], **o) for o in options]
+        assert detokenizers[0].token_texts is not None
+        decoded = []
+        for d in detokenizers:
+            if not use_table:
+                d.token_texts = None
+            d.decode_batch = counted(d.decode_batch, decoded)
+        position = 0
+        while position < max(map(len, streams)):
+            length = rng.choice([1, 1, 2, 5])
+            update_batch(detokenizers, [s[position : position + length] for s in streams])
+            position += length
+        results.append(([(d.text, d.stop_reason, d.num_generated_tokens) for d in detokenizers],
+                        sum(decoded)))  # fmt: skip
+    (with_table, decoded_with), (without_table, decoded_without) = results
+    assert with_table == without_table
+    assert any(stop is not None for _, stop, _ in with_table)
+    assert decoded_with < decoded_without / 4  # runs decoded: most tokens were looked up

@@ -65,10 +65,13 @@ def _context(
     client: Any, tokenizer: Any, model_name: str, limits: Any, max_waiting_requests: int
 ) -> Any:
     from pieceworks.engine.async_engine import AsyncLLMEngine
+    from pieceworks.engine.detokenizer import prepare_decoding
     from pieceworks.engine.tokenizer import apply_chat_template
     from pieceworks.entrypoints.serve.metrics import ServerMetrics
     from pieceworks.entrypoints.serve.serving import ServingContext
 
+    if tokenizer is not None:
+        prepare_decoding(tokenizer)  # the tokens' texts, before the first request waits on them
     engine = AsyncLLMEngine(client, max_waiting_requests=max_waiting_requests)
     render = functools.partial(apply_chat_template, tokenizer)
     return ServingContext(engine, tokenizer, model_name, limits, ServerMetrics(model_name), render)
