@@ -1,10 +1,10 @@
 """The server process's own CPU time per output token under many streaming clients, by kind.
 
 Starts ``pieceworks serve``'s two processes on a tiny model whose engine step costs little beside
-the server's work (``llama-tiny``, eager, random weights, with SmolLM2's tokenizer so that text is
-really detokenized), drives ``--concurrency`` streaming clients with ``bench serve``'s load
-generator from this process, and measures the server process (not the engine process, not the
-clients) over the load only:
+the server's work (``llama-tiny`` with SmolLM2's vocabulary, eager, random weights, and SmolLM2's
+tokenizer so that text is really detokenized), drives ``--concurrency`` streaming clients with
+``bench serve``'s load generator from this process, and measures the server process (not the
+engine process, not the clients) over the load only:
 
 - ``cpu_us_per_token``: its CPU time (all threads, from ``/proc``) per streamed output token,
   without a profiler: the number to compare before and after a change;
@@ -106,10 +106,14 @@ def run_server(args: argparse.Namespace) -> None:
     from pieceworks.entrypoints.serve import build_process_context
     from pieceworks.entrypoints.serve.api_server import build_app, serve
 
-    engine_args = {"max_num_seqs": args.max_num_seqs, "enforce_eager": True}
+    engine_args = {
+        "max_num_seqs": args.max_num_seqs,
+        "enforce_eager": True,
+        "hf_overrides": {"vocab_size": args.vocab_size},
+    }
     ctx = build_process_context(EngineSpec(args.model, None, engine_args), args.model, 1024)
-    # The text side only: ``--tokenizer`` is refused for a model of a smaller vocabulary, but
-    # llama-tiny's ids (under 256) are all SmolLM2 tokens, so every streamed token is decoded.
+    # The text side only: the model's random weights draw ids over the tokenizer's whole
+    # vocabulary (``--vocab-size``), and every streamed token is decoded as that tokenizer's.
     ctx.tokenizer = load_tokenizer(args.tokenizer)
     profiler = cProfile.Profile(time.process_time)
 
@@ -147,7 +151,9 @@ def wait_until_up(port: int, server: subprocess.Popen[bytes], timeout_s: float =
 def load(args: argparse.Namespace) -> dict[str, float]:
     from pieceworks.benchmarks.serve import run_benchmark, sample_requests, summarize
 
-    requests = sample_requests(args.num_prompts, args.input_len, args.output_len, vocab_size=256)
+    requests = sample_requests(
+        args.num_prompts, args.input_len, args.output_len, vocab_size=args.vocab_size
+    )
     results, duration = asyncio.run(
         run_benchmark(
             f"http://127.0.0.1:{args.port}", args.model, requests,
@@ -166,7 +172,7 @@ def measure(args: argparse.Namespace, profile_out: str | None) -> dict[str, obje
     """One server, a warm-up load, then the measured load."""
     command = [sys.executable, __file__, "--serve", "--port", str(args.port),
                "--model", args.model, "--tokenizer", args.tokenizer,
-               "--max-num-seqs", str(args.max_num_seqs),
+               "--max-num-seqs", str(args.max_num_seqs), "--vocab-size", str(args.vocab_size),
                "--profile-out", profile_out or os.devnull]  # fmt: skip
     server = subprocess.Popen(command)
     try:
@@ -211,6 +217,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-tiny")
     parser.add_argument("--tokenizer", default="smollm2-135m")
+    parser.add_argument(
+        "--vocab-size", type=int, default=49152, help="the model's, = the tokenizer's (SmolLM2's)"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=256)
