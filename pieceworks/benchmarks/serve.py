@@ -273,6 +273,9 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"Prefix cache hit rate:      {summary['prefix_cache_hit_rate']:.1%} "
             f"({summary['prefix_cache_hits']} of {summary['prefix_cache_queries']} tokens)"
         )
+    queue_ms, prefill_ms = summary.get("engine_queue_ms"), summary.get("engine_prefill_ms")
+    if queue_ms is not None and prefill_ms is not None:  # the server's own split of TTFT
+        lines.append(f"Engine queue / prefill (ms): mean {queue_ms:.2f} / {prefill_ms:.2f}")
     share = summary.get("client_cpu_share")
     if share is not None:
         lines.append(f"Load generator CPU:         {share:.0%} of one core")

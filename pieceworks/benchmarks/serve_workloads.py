@@ -7,6 +7,8 @@ turn resends the whole history (the earlier questions and the answers the server
 new question, one turn after the other, so each turn finds the blocks of the turns before it,
 generated tokens included. ``prefix_cache_counts`` reads the server's ``prefix_cache_queries``
 and ``prefix_cache_hits`` counters from ``/metrics``; their growth over a run is its hit rate.
+``engine_phase_totals`` reads its ``request_queue_time`` and ``request_prefill_time`` histograms,
+whose growth gives the mean time a request spent queued and prefilling in the engine.
 Sending and timing are ``serve.py``'s.
 """
 
@@ -122,22 +124,66 @@ async def run_multi_turn(
     return [result for chat_results in results for result in chat_results], duration
 
 
-def prefix_cache_counts(base_url: str, api_key: str | None = None) -> tuple[float, float] | None:
-    """The server's (queried, hit) prefix-cache token counters; None if it exports none."""
+def _metrics_text(base_url: str, api_key: str | None) -> str | None:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=30).text
+        return httpx.get(f"{base_url}/metrics", headers=headers, timeout=30).text
     except httpx.HTTPError:
         return None
-    counts = []
-    for name in ("prefix_cache_queries", "prefix_cache_hits"):
-        values = re.findall(rf"^\S*{name}_total(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
-        if not values:
-            return None
-        counts.append(sum(float(value) for value in values))
-    return counts[0], counts[1]
+
+
+def _series_total(text: str, name: str) -> float | None:
+    """The sum over labels of the samples named ``<prefix>:name``; None if there are none."""
+    values = re.findall(rf"^\S*:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    return sum(float(value) for value in values) if values else None
+
+
+def prefix_cache_counts(base_url: str, api_key: str | None = None) -> tuple[float, float] | None:
+    """The server's (queried, hit) prefix-cache token counters; None if it exports none."""
+    text = _metrics_text(base_url, api_key)
+    if text is None:
+        return None
+    queries = _series_total(text, "prefix_cache_queries_total")
+    hits = _series_total(text, "prefix_cache_hits_total")
+    return None if queries is None or hits is None else (queries, hits)
+
+
+# The engine's request phases (vLLM's request_queue_time and request_prefill_time histograms).
+ENGINE_PHASES = ("queue", "prefill")
+
+
+def engine_phase_totals(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
+    """The server's ``request_<phase>_time_seconds`` sums and counts; None if it exports none."""
+    text = _metrics_text(base_url, api_key)
+    if text is None:
+        return None
+    totals = {}
+    for phase in ENGINE_PHASES:
+        for part in ("sum", "count"):
+            value = _series_total(text, f"request_{phase}_time_seconds_{part}")
+            if value is None:
+                return None
+            totals[f"{phase}_{part}"] = value
+    return totals
+
+
+def engine_phase_means(
+    before: dict[str, float] | None, after: dict[str, float] | None
+) -> dict[str, float | None]:
+    """Each phase's mean over the run in ms (``engine_queue_ms``, ``engine_prefill_ms``): the part
+    of the time to first token that the engine spent queueing and prefilling; None where the
+    server exports no such histogram or no request went through the phase."""
+    means: dict[str, float | None] = {}
+    for phase in ENGINE_PHASES:
+        key = f"engine_{phase}_ms"
+        means[key] = None
+        if before is not None and after is not None:
+            count = after[f"{phase}_count"] - before[f"{phase}_count"]
+            if count > 0:
+                means[key] = (after[f"{phase}_sum"] - before[f"{phase}_sum"]) / count * 1e3
+    return means
 
 
 def prefix_cache_hit_rate(

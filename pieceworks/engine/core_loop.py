@@ -173,6 +173,8 @@ class EngineCoreLoop:
             num_constrained_steps=self.engine_core.num_constrained_steps,
             prefix_cache_queries=blocks.num_prefix_cache_queries,
             prefix_cache_hits=blocks.num_prefix_cache_hits,
+            request_queue_time=scheduler.timing.queue.snapshot(),
+            request_prefill_time=scheduler.timing.prefill.snapshot(),
         )
 
     def run_busy_loop(

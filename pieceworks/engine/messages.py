@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any
 
 from pieceworks.sampling_params import SamplingParams
+from pieceworks.scheduler.request_timing import PhaseSnapshot
 
 # Commands pickle as their constructor arguments (``__reduce__``): less than half the time of a
 # dataclass's default reduction, on every request's way into the engine process.
@@ -133,6 +134,9 @@ class EngineStats:
     # Tokens of admitted requests looked up in the prefix cache, and those found (cumulative).
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Requests' engine queue and prefill times (``scheduler/request_timing.py``), cumulative.
+    request_queue_time: PhaseSnapshot | None = None
+    request_prefill_time: PhaseSnapshot | None = None
 
     @property
     def kv_cache_usage(self) -> float:

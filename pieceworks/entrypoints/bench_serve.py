@@ -60,7 +60,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     """Send the requests, print vLLM's summary, write JSON and a plot when asked."""
     from pieceworks.benchmarks.report import write_json
     from pieceworks.benchmarks.serve import format_summary, plot_serve, run_benchmark, summarize
-    from pieceworks.benchmarks.serve_workloads import prefix_cache_counts, prefix_cache_hit_rate
+    from pieceworks.benchmarks.serve_workloads import (
+        engine_phase_means,
+        engine_phase_totals,
+        prefix_cache_counts,
+        prefix_cache_hit_rate,
+    )
 
     if args.plot:
         _require_matplotlib()  # before the run, not after it
@@ -72,11 +77,17 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
             run_benchmark(base_url, model, requests[: args.num_warmups], api_key=args.api_key)
         )
     before = prefix_cache_counts(base_url, args.api_key)
+    phases_before = engine_phase_totals(base_url, args.api_key)
     cpu_before = time.process_time()
     results, duration = asyncio.run(_run_workload(args, base_url, model, requests))
     client_cpu = time.process_time() - cpu_before  # this process: the load generator's own work
     after = prefix_cache_counts(base_url, args.api_key)
-    summary = {**summarize(results, duration), **prefix_cache_hit_rate(before, after)}
+    phases = engine_phase_means(phases_before, engine_phase_totals(base_url, args.api_key))
+    summary = {
+        **summarize(results, duration),
+        **prefix_cache_hit_rate(before, after),
+        **phases,
+    }
     summary["client_cpu_share"] = client_cpu / duration if duration else None
     config = {
         "base_url": base_url, "model": model, "workload": args.workload,

@@ -52,6 +52,7 @@ from pieceworks.scheduler.block_manager import BlockManager, StateSlotManager
 from pieceworks.scheduler.output import ScheduledRequest, SchedulerOutput, pair_sampled_tokens
 from pieceworks.scheduler.policy import make_scheduling_policy
 from pieceworks.scheduler.request import Request, RequestStatus, check_stop
+from pieceworks.scheduler.request_timing import RequestTiming
 
 logger = init_logger(__name__)
 
@@ -103,6 +104,7 @@ class Scheduler:
         self.max_pending_outputs = 2 if async_scheduling else 1
         self.num_scheduler_steps = scheduler_config.num_scheduler_steps
         self.spec_decoding_stats = spec_decode.SpecDecodingStats()
+        self.timing = RequestTiming()  # queue and prefill times (request_timing.py)
         # Set when every attention layer has a sliding window: blocks before a running request's
         # window are freed as it advances (``BlockManager.free_blocks_outside_window``).
         self.sliding_window = sliding_window
@@ -193,7 +195,11 @@ class Scheduler:
         self._pending_outputs.popleft()
         if scheduler_output.num_verify_columns > 1:
             stats = self.spec_decoding_stats
-            return spec_decode.apply_verified_step(scheduler_output, tokens, stats, self._finish)
+            finished = spec_decode.apply_verified_step(
+                scheduler_output, tokens, stats, self._finish
+            )
+            self.timing.tokens_arrived()
+            return finished
         finished = []
         for scheduled, token_id in tokens:
             request = scheduled.request
@@ -205,6 +211,7 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
                 finished.append(request)
+        self.timing.tokens_arrived()
         return finished
 
     def drop_pending_outputs(self) -> list[SchedulerOutput]:
@@ -303,6 +310,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             self.waiting.pop_request()
             request.status = RequestStatus.RUNNING
+            self.timing.scheduled(request)
             self.policy.add_running(self.running, request)
             scheduled.append(ScheduledRequest(request, num_new_tokens))
             token_budget -= num_new_tokens
@@ -338,6 +346,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.finish(status)
+        self.timing.forget(request)
         if request in self.running:
             self.running.remove(request)
         else:  # preempted while its last token was still on the device

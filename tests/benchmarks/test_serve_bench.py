@@ -22,6 +22,7 @@ from pieceworks.benchmarks.serve import (
     summarize,
 )
 from pieceworks.benchmarks.serve_workloads import (
+    engine_phase_means,
     multi_turn_chats,
     prefix_cache_hit_rate,
     shared_prefix_requests,
@@ -82,6 +83,20 @@ def test_prefix_cache_workloads_and_hit_rate():
         {**summary, **rate}
     )
     assert "Prefix cache" not in format_summary(summary)
+
+
+def test_engine_phase_means_from_the_servers_histograms():
+    before = {"queue_sum": 1.0, "queue_count": 10, "prefill_sum": 2.0, "prefill_count": 10}
+    after = {"queue_sum": 1.5, "queue_count": 20, "prefill_sum": 2.2, "prefill_count": 14}
+    means = engine_phase_means(before, after)
+    assert means == pytest.approx({"engine_queue_ms": 50.0, "engine_prefill_ms": 50.0})
+    assert engine_phase_means(None, after) == {"engine_queue_ms": None, "engine_prefill_ms": None}
+    idle = engine_phase_means(after, after)  # no request in the run: no mean
+    assert idle == {"engine_queue_ms": None, "engine_prefill_ms": None}
+    summary = summarize([RequestResult(4, success=True, output_tokens=1)], duration_s=1.0)
+    text = format_summary({**summary, **means})
+    assert "Engine queue / prefill (ms): mean 50.00 / 50.00" in text
+    assert "Engine queue" not in format_summary({**summary, **idle})
 
 
 def test_the_load_generators_cpu_share_is_printed_and_warned_about_when_high():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import pytest
@@ -123,7 +124,11 @@ def test_models_health_metrics(server, client):
     url, ctx = server[:2]
     assert [model.id for model in client.models.list().data] == [MODEL]
     assert httpx.get(f"{url}/health").status_code == 200  # open without the key
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, extra_body=IDS)
     text = httpx.get(f"{url}/metrics").text
+    for phase in ("queue", "prefill"):  # the engine's own times, from its stats
+        count = re.search(rf"^pieceworks:request_{phase}_time_seconds_count\S* (\S+)$", text, re.M)
+        assert count is not None and float(count[1]) >= 1
     for name in (
         "pieceworks:num_requests_running",
         "pieceworks:num_requests_waiting",
@@ -211,6 +216,8 @@ def test_bench_serve_against_the_server(server, tmp_path):
 def test_prefix_cache_workloads_report_their_hit_rate(server):
     from pieceworks.benchmarks.serve import run_benchmark, summarize
     from pieceworks.benchmarks.serve_workloads import (
+        engine_phase_means,
+        engine_phase_totals,
         multi_turn_chats,
         prefix_cache_counts,
         prefix_cache_hit_rate,
@@ -223,12 +230,17 @@ def test_prefix_cache_workloads_report_their_hit_rate(server):
     # prefix's 2 blocks of 16 (its own last block is computed): 5 * 32 of 6 * 36 tokens.
     requests = shared_prefix_requests(6, prefix_len=32, input_len=4, output_len=3, seed=5)
     before = prefix_cache_counts(url, API_KEY)
+    phases_before = engine_phase_totals(url, API_KEY)
     results, duration = asyncio.run(
         run_benchmark(url, MODEL, requests, max_concurrency=1, api_key=API_KEY)
     )
     rate = prefix_cache_hit_rate(before, prefix_cache_counts(url, API_KEY))
     assert summarize(results, duration)["completed"] == 6
     assert (rate["prefix_cache_hits"], rate["prefix_cache_queries"]) == (160, 216)
+    phases = engine_phase_means(phases_before, engine_phase_totals(url, API_KEY))
+    ttft_ms = [result.ttft_s * 1e3 for result in results]
+    # one request at a time: queued and prefilling in the engine, within its time to first token
+    assert 0 <= phases["engine_queue_ms"] + phases["engine_prefill_ms"] < max(ttft_ms)
     # One chat of 3 turns (10-token questions, 8-token answers): prompts of 10, 28 and 46
     # tokens. Turn 2 finds turn 1's first block (10 prompt + 6 generated tokens), turn 3 the
     # first 2 blocks of turn 2's 35 KV tokens: 16 + 32 of 84.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pieceworks.engine.messages import EngineStats
 from pieceworks.entrypoints.serve import metrics as metrics_module
 from pieceworks.entrypoints.serve.metrics import ServerMetrics
+from pieceworks.scheduler.request_timing import PHASE_BUCKETS_S, PhaseSnapshot
 
 
 def sample(text: str, line_start: str) -> float:
@@ -50,3 +51,24 @@ def test_first_token_times_stay_bounded_without_a_scrape(monkeypatch):
     assert len(metrics._first_token_seconds) == 1  # two pushes of 3 each
     text = metrics.render(EngineStats()).decode()
     assert sample(text, "pieceworks:time_to_first_token_seconds_count{") == 7
+
+
+def test_engine_queue_and_prefill_times_are_exported_from_its_stats():
+    metrics = ServerMetrics("m")
+    text = metrics.render(EngineStats()).decode()  # exported at zero before the engine's stats
+    assert sample(text, "pieceworks:request_queue_time_seconds_count{") == 0
+    counts = [0] * (len(PHASE_BUCKETS_S) + 1)
+    counts[PHASE_BUCKETS_S.index(0.01)] = 2  # two requests queued between 5 and 10 ms
+    counts[-1] = 1  # one beyond the last bound
+    queue = PhaseSnapshot(tuple(counts), 100.015)
+    prefill = PhaseSnapshot((1,) + (0,) * len(PHASE_BUCKETS_S), 0.0005)
+    stats = EngineStats(request_queue_time=queue, request_prefill_time=prefill)
+    metrics.render(stats)
+    text = metrics.render(stats).decode()  # the engine's totals: a second scrape adds nothing
+    assert sample(text, 'pieceworks:request_queue_time_seconds_bucket{le="0.005"') == 0
+    assert sample(text, 'pieceworks:request_queue_time_seconds_bucket{le="0.01"') == 2
+    assert sample(text, 'pieceworks:request_queue_time_seconds_bucket{le="+Inf"') == 3
+    assert sample(text, "pieceworks:request_queue_time_seconds_count{") == 3
+    assert sample(text, "pieceworks:request_queue_time_seconds_sum{") == 100.015
+    assert sample(text, 'pieceworks:request_prefill_time_seconds_bucket{le="0.001"') == 1
+    assert sample(text, "pieceworks:request_prefill_time_seconds_sum{") == 0.0005

@@ -4,18 +4,20 @@ Names follow vLLM's ``vllm:`` metrics under a ``pieceworks:`` prefix: running an
 requests, KV-cache usage and the steps that held a structured-output request (gauges read from
 the engine loop's ``EngineStats`` at scrape time), time to first token and time per output token
 (histograms, seconds; the latter, observed per streamed token, counted by ``TokenGapHistogram``),
-generated and prompt tokens and finished requests by finish reason (counters), the prefix
-cache's queried and hit tokens and, with speculative decoding, the verified and accepted proposals
-(``spec_decode_*``) (counters advanced to the engine's cumulative counts at scrape time). What is
-observed per request or per token is added up in plain Python and pushed into the Prometheus
-objects at scrape time. One registry per server, so several servers in one process (tests) never
-share counts.
+each request's queue and prefill time in the engine (histograms the engine counts, exported from
+its stats by ``EngineHistogram``), generated and prompt tokens and finished requests by finish
+reason (counters), the prefix cache's queried and hit tokens and, with speculative decoding, the
+verified and accepted proposals (``spec_decode_*``) (counters advanced to the engine's cumulative
+counts at scrape time). What is observed per request or per token is added up in plain Python and
+pushed into the Prometheus objects at scrape time. One registry per server, so several servers in
+one process (tests) never share counts.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
@@ -23,6 +25,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from pieceworks.engine.messages import EngineStats
+from pieceworks.scheduler.request_timing import PHASE_BUCKETS_S, PhaseSnapshot
 
 _TTFT_BUCKETS = (
     0.001,
@@ -113,6 +116,19 @@ class ServerMetrics:
             model_name,
         )
         self.registry.register(self.tpot)
+        # vLLM's request_queue_time / request_prefill_time, from the engine's stats
+        self.queue_time = EngineHistogram(
+            "pieceworks:request_queue_time_seconds",
+            "Arrival in the engine to first scheduled",
+            model_name,
+        )
+        self.prefill_time = EngineHistogram(
+            "pieceworks:request_prefill_time_seconds",
+            "First scheduled to first generated token, in the engine",
+            model_name,
+        )
+        self.registry.register(self.queue_time)
+        self.registry.register(self.prefill_time)
         # (seconds, num_tokens): a delta of ``num_tokens`` tokens arrived ``seconds`` after the
         # previous one, each token counting as ``seconds / num_tokens``
         self.observe_token_gap = self.tpot.observe
@@ -229,6 +245,10 @@ class ServerMetrics:
         if hits > seen_hits:
             self.prefix_cache_hits.labels(self.model_name).inc(hits - seen_hits)
         self._prefix_cache_seen = (max(queries, seen_queries), max(hits, seen_hits))
+        if stats.request_queue_time is not None:
+            self.queue_time.snapshot = stats.request_queue_time
+        if stats.request_prefill_time is not None:
+            self.prefill_time.snapshot = stats.request_prefill_time
         self._push_counts()
         return generate_latest(self.registry)
 
@@ -259,8 +279,33 @@ class TokenGapHistogram(Collector):
         return [HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])]
 
     def collect(self) -> list[Metric]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
-        bounds = [floatToGoString(bound) for bound in self.upper_bounds] + ["+Inf"]
-        cumulative = list(itertools.accumulate(self.counts))
-        family.add_metric([self.model_name], list(zip(bounds, cumulative)), self.sum)
-        return [family]
+        return [_histogram(self, self.upper_bounds, self.counts, self.sum)]
+
+
+class EngineHistogram(Collector):
+    """A histogram the engine counts (``PhaseSnapshot``: its request queue and prefill times),
+    exported as a Prometheus histogram from the latest stats; zero until the engine's first."""
+
+    def __init__(self, name: str, documentation: str, model_name: str) -> None:
+        self.name, self.documentation, self.model_name = name, documentation, model_name
+        self.snapshot = PhaseSnapshot((0,) * (len(PHASE_BUCKETS_S) + 1), 0.0)
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])]
+
+    def collect(self) -> list[Metric]:
+        snapshot = self.snapshot
+        return [_histogram(self, PHASE_BUCKETS_S, snapshot.counts, snapshot.sum_s)]
+
+
+def _histogram(
+    metric: TokenGapHistogram | EngineHistogram,
+    upper_bounds: tuple[float, ...],
+    counts: Sequence[int],
+    total: float,
+) -> HistogramMetricFamily:
+    """``metric``'s family from per-bucket counts (the last one +Inf) and their sum."""
+    family = HistogramMetricFamily(metric.name, metric.documentation, labels=["model_name"])
+    bounds = [floatToGoString(bound) for bound in upper_bounds] + ["+Inf"]
+    family.add_metric([metric.model_name], list(zip(bounds, itertools.accumulate(counts))), total)
+    return family
