@@ -1,7 +1,9 @@
 """``/metrics`` counts per-request observations added up in plain Python between scrapes: prompt
 tokens, finished requests by reason and time to first token reach their Prometheus objects at
 the scrape, each counted once however often it is scraped, and a server nobody scrapes keeps
-only a bounded number of first-token times before they go into the histogram.
+only a bounded number of first-token times before they go into the histogram. The engine's
+queue and prefill time histograms are exported (at zero before its first stats) from the
+engine's cumulative bucket counts, bucket by bucket.
 
 Run: ``pytest tests/entrypoints/test_serve_request_metrics.py -q``
 """
