@@ -16,9 +16,17 @@ the handlers.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 # Fields of OpenAI's or vLLM's request bodies this server does not implement, each with the
@@ -170,10 +178,24 @@ class SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+_INT_ONLY = {int}
+
+
+def _token_ids_first(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A list of ints as it is; anything else through the union's own validation. pydantic
+    checks each member of the union against every element (about 0.25 ms for 1,000 token ids,
+    paid per request); one pass over the elements' types settles the usual case."""
+    if type(value) is list and value and {*map(type, value)} == _INT_ONLY:
+        return value
+    return handler(value)
+
+
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is text, a list of texts, token ids or lists of ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[
+        str | list[str] | list[int] | list[list[int]], WrapValidator(_token_ids_first)
+    ]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False  # the prompt (and, with logprobs, its log-probabilities) before the text
