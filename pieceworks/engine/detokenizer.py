@@ -156,8 +156,8 @@ class IncrementalDetokenizer:
         # Generated tokens taken in: after a stop, the count up to the one that completed it.
         self.num_generated_tokens = 0
         self.num_streamed_chars = 0
-        # The text ends on a complete character of the last token taken in (the prompt's context
-        # is not known to): the next token's text may come from ``token_texts``.
+        # The last token taken in completed its text (unknown for the prompt's context): the
+        # next token's text may then come from ``token_texts``.
         self.complete = False
 
     def update(self, new_token_ids: Sequence[int]) -> str | None:
