@@ -112,7 +112,10 @@ def test_core_stop_command_and_stats(llm):
         # Cumulative over the engine's life (the module's engine has served earlier tests).
         prefix_cache_queries=engine.scheduler.block_manager.num_prefix_cache_queries,
         prefix_cache_hits=engine.scheduler.block_manager.num_prefix_cache_hits,
+        request_queue_time=engine.scheduler.timing.queue.snapshot(),
+        request_prefill_time=engine.scheduler.timing.prefill.snapshot(),
     )
+    queued = core.stats().request_queue_time.count
     core.apply(AddRequest("s", [1, 2, 3], LONG))
     core.apply(AddRequest("a", [4, 5], LONG))
     assert core.stats().num_waiting == 2
@@ -120,6 +123,7 @@ def test_core_stop_command_and_stats(llm):
     core.step()
     stats = core.stats()
     assert stats.num_running == 2 and stats.num_waiting == 0 and stats.num_steps == 2
+    assert stats.request_queue_time.count == queued + 2  # both scheduled: their queue times
     assert stats.num_free_blocks < stats.num_blocks
     assert 0.0 < stats.kv_cache_usage <= 1.0
     core.take_outputs()
