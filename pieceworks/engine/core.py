@@ -189,9 +189,8 @@ class EngineCore:
     ) -> Request:
         vocab_size = self.config.model_config.hf_config.get("vocab_size")
         if vocab_size is not None:
-            if prompt_token_ids and (  # C-level passes: a Python loop costs 0.2 ms a 1k prompt
-                min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size
-            ):
+            ids = prompt_token_ids  # min and max, not a Python loop over every token
+            if ids and (min(ids) < 0 or max(ids) >= vocab_size):
                 raise ValueError(f"prompt token ids must be in [0, {vocab_size}) for this model")
             params.check_vocabulary(vocab_size)
         if isinstance(priority, bool) or not isinstance(priority, int):

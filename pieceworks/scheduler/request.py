@@ -139,6 +139,16 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def reaches_max_tokens(self) -> bool:
+        """Its tokens on the device already make ``max_tokens``: scheduling it again would
+        overrun (its pending token is its last)."""
+        return (
+            self.num_output_placeholders > 0
+            and len(self.output_token_ids) + self.num_output_placeholders
+            >= self.sampling_params.max_tokens
+        )
+
     def runner_view(self) -> Request:
         """What a model runner reads of this request, without its tokens (sent to other ranks)."""
         view = Request(self.request_id, [], self.sampling_params, self.eos_token_id)

@@ -72,17 +72,12 @@ class RequestTiming:
 
     def tokens_arrived(self) -> None:
         """A step's tokens were applied: the requests that got their first one end their
-        prefill."""
+        prefill; those finished without one (aborted) are dropped."""
         awaiting = self._awaiting_first_token
         if not awaiting:
             return
         now = time.monotonic()
-        for request in [request for request in awaiting if request.output_token_ids]:
-            self.prefill.observe(now - awaiting.pop(request))
-
-    def forget(self, request: Request) -> None:
-        """``request`` finished: its prefill ends if its first token just came (a request that
-        stops on it), not if it was aborted before one."""
-        scheduled_at = self._awaiting_first_token.pop(request, None)
-        if scheduled_at is not None and request.output_token_ids:
-            self.prefill.observe(time.monotonic() - scheduled_at)
+        for request in [r for r in awaiting if r.output_token_ids or r.is_finished]:
+            scheduled_at = awaiting.pop(request)
+            if request.output_token_ids:
+                self.prefill.observe(now - scheduled_at)

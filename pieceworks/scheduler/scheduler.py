@@ -191,26 +191,24 @@ class Scheduler:
             raise RuntimeError(
                 "update_from_output() must get the oldest scheduled output not yet updated"
             )
-        tokens = pair_sampled_tokens(scheduler_output, sampled_token_ids)  # validate first
+        output = scheduler_output
+        tokens = pair_sampled_tokens(output, sampled_token_ids)  # validate first
         self._pending_outputs.popleft()
-        if scheduler_output.num_verify_columns > 1:
+        if output.num_verify_columns > 1:
             stats = self.spec_decoding_stats
-            finished = spec_decode.apply_verified_step(
-                scheduler_output, tokens, stats, self._finish
-            )
-            self.timing.tokens_arrived()
-            return finished
-        finished = []
-        for scheduled, token_id in tokens:
-            request = scheduled.request
-            request.num_output_placeholders -= 1
-            if request.is_finished:
-                continue  # it stopped on an earlier step's token: this one is past its end
-            request.output_token_ids.append(token_id)
-            status = check_stop(request, token_id)
-            if status is not None:
-                self._finish(request, status)
-                finished.append(request)
+            finished = spec_decode.apply_verified_step(output, tokens, stats, self._finish)
+        else:
+            finished = []
+            for scheduled, token_id in tokens:
+                request = scheduled.request
+                request.num_output_placeholders -= 1
+                if request.is_finished:
+                    continue  # it stopped on an earlier step's token: this one is past its end
+                request.output_token_ids.append(token_id)
+                status = check_stop(request, token_id)
+                if status is not None:
+                    self._finish(request, status)
+                    finished.append(request)
         self.timing.tokens_arrived()
         return finished
 
@@ -232,7 +230,7 @@ class Scheduler:
         num_steps = self.num_scheduler_steps
         if num_steps == 1 or (self.waiting and len(self.running) < self.max_num_seqs):
             return 1  # the waiting head is admitted now, as it would be without multi-step
-        serving = [request for request in self.running if not _reaches_max_tokens(request)]
+        serving = [request for request in self.running if not request.reaches_max_tokens]
         if not serving:
             return 1  # every running request awaits its last token: nothing to run
         for request in serving:
@@ -264,7 +262,7 @@ class Scheduler:
         index, running = 0, self.running
         while index < len(running) and token_budget > 0:
             request = running[index]
-            if _reaches_max_tokens(request):
+            if request.reaches_max_tokens:
                 index += 1  # its pending token is its last: it finishes on the update
                 continue
             num_new_tokens = min(request.num_uncomputed_tokens, token_budget)
@@ -346,7 +344,6 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.finish(status)
-        self.timing.forget(request)
         if request in self.running:
             self.running.remove(request)
         else:  # preempted while its last token was still on the device
@@ -396,12 +393,3 @@ def _decodes_lead(scheduled: list[ScheduledRequest]) -> bool:
         elif seen_prefill:
             return False
     return True
-
-
-def _reaches_max_tokens(request: Request) -> bool:
-    """Its tokens on the device already make ``max_tokens``: scheduling it again would overrun."""
-    return (
-        request.num_output_placeholders > 0
-        and request.num_output_tokens + request.num_output_placeholders
-        >= request.sampling_params.max_tokens
-    )
